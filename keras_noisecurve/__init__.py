@@ -1,0 +1,53 @@
+"""keras-noisecurve: curvature-aware correlated noise for private training in Keras 3.
+
+Public names are loaded lazily, so ``import keras_noisecurve`` stays fast and the
+numpy/scipy parts (mixing-matrix solver, privacy accounting) never import
+TensorFlow. See DESIGN.md §4 for the API contract.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it
+_EXPORTS = {
+    # mixing matrices (numpy/scipy)
+    "MixingMatrix": "keras_noisecurve.mixing",
+    "InvalidMixingMatrixError": "keras_noisecurve.mixing",
+    "solve_mixing_matrix": "keras_noisecurve.mixing",
+    "objective_value": "keras_noisecurve.mixing",
+    # privacy accounting (numpy/scipy + dp_accounting)
+    "dp_event": "keras_noisecurve.privacy",
+    "compute_epsilon": "keras_noisecurve.privacy",
+    "calibrate_noise_multiplier": "keras_noisecurve.privacy",
+    # TensorFlow / Keras parts
+    "banded_poisson_dataset": "keras_noisecurve.privacy.sampler",
+    "Spectrum": "keras_noisecurve.spectrum.artifact",
+    "estimate_spectrum": "keras_noisecurve.spectrum",
+    "DPOptimizer": "keras_noisecurve.training",
+    "NoiseCurveOptimizer": "keras_noisecurve.training",
+    "DPModel": "keras_noisecurve.training",
+    "make_private": "keras_noisecurve.training",
+}
+
+_SUBMODULES = {"callbacks", "mixing", "privacy", "spectrum", "training", "integrations", "cli"}
+
+__all__ = sorted(_EXPORTS) + sorted(_SUBMODULES) + ["__version__"]
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    if name in _SUBMODULES:
+        module = importlib.import_module(f"keras_noisecurve.{name}")
+        globals()[name] = module
+        return module
+    raise AttributeError(f"module 'keras_noisecurve' has no attribute {name!r}")
+
+
+def __dir__():
+    return __all__

@@ -1,0 +1,54 @@
+"""The ``noisecurve`` command line: ``spectrum | solve | calibrate | inspect | demo``.
+
+Each subcommand lives next to the code it drives, in a module that defines
+``add_arguments(parser)`` and ``run(args) -> int``; this file only dispatches, and
+imports a subcommand's module (and so TensorFlow) only when that subcommand runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from keras_noisecurve import __version__
+
+# name -> (module, one-line help)
+SUBCOMMANDS = {
+    "spectrum": ("keras_noisecurve.spectrum.cli", "estimate a Hessian-upper-bound spectrum from public data"),
+    "solve": ("keras_noisecurve.mixing.cli_solve", "solve for a banded mixing matrix C and save it"),
+    "calibrate": ("keras_noisecurve.privacy.cli", "calibrate the noise multiplier for a target (epsilon, delta)"),
+    "inspect": ("keras_noisecurve.mixing.cli_inspect", "show a mixing-matrix file: metadata, norms, expected error"),
+    "demo": ("keras_noisecurve.demo", "run the whole pipeline end to end on bundled MNIST data"),
+}
+
+
+def main(argv=None) -> int:
+    """Entry point of the ``noisecurve`` console script; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
+    module = importlib.import_module(args._module)
+    return int(module.run(args) or 0)
+
+
+def build_parser(argv) -> argparse.ArgumentParser:
+    """The parser; only the chosen subcommand's module is imported to add its arguments."""
+    parser = argparse.ArgumentParser(
+        prog="noisecurve",
+        description="Curvature-aware correlated noise for differentially private Keras training.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    chosen = next((a for a in argv if a in SUBCOMMANDS), None)
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        sub_parser = sub.add_parser(name, help=help_text, description=help_text)
+        sub_parser.set_defaults(_module=module_name)
+        if name == chosen:
+            importlib.import_module(module_name).add_arguments(sub_parser)
+    return parser
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
