@@ -1,0 +1,49 @@
+"""Privacy accounting and the cyclic Poisson sampler (DESIGN.md §3, docs/privacy.md).
+
+- :mod:`keras_noisecurve.privacy.accounting` (numpy/scipy + dp_accounting): the
+  dominating ``dp_accounting`` event of a run, ε, noise calibration, padding and
+  overflow bounds. Re-exported here.
+- :mod:`keras_noisecurve.privacy.sampler` (TensorFlow, imported lazily):
+  ``banded_poisson_dataset`` and ``sampling_plan``.
+- :mod:`keras_noisecurve.privacy.budget` (Keras): the ``PrivacyBudget`` callback.
+
+Importing this package does not import TensorFlow.
+"""
+
+from keras_noisecurve.privacy.accounting import (
+    ACCOUNTANTS,
+    DEFAULT_OVERFLOW_PROBABILITY,
+    PLD_VALUE_DISCRETIZATION,
+    RDP_ORDERS,
+    SAMPLINGS,
+    AccountingSetup,
+    Calibration,
+    accounting_setup,
+    calibrate,
+    calibrate_noise_multiplier,
+    compute_epsilon,
+    dp_event,
+    overflow_delta,
+    overflow_probability,
+    padded_batch_size,
+    sampling_probability,
+)
+
+__all__ = [
+    "ACCOUNTANTS",
+    "DEFAULT_OVERFLOW_PROBABILITY",
+    "PLD_VALUE_DISCRETIZATION",
+    "RDP_ORDERS",
+    "SAMPLINGS",
+    "AccountingSetup",
+    "Calibration",
+    "accounting_setup",
+    "calibrate",
+    "calibrate_noise_multiplier",
+    "compute_epsilon",
+    "dp_event",
+    "overflow_delta",
+    "overflow_probability",
+    "padded_batch_size",
+    "sampling_probability",
+]
