@@ -1,0 +1,202 @@
+"""``DPModel``: a Keras model whose ``train_step`` clips per example, and
+``make_private`` to wrap any model.
+
+One training step (DESIGN.md §2):
+
+1. the clipping engine computes Σ_i clip(w_i·∇loss_i, ζ) (w_i = sample weight or
+   the sampler's padding mask, applied before clipping);
+2. the gradient of the data-independent regularisation losses is added as B·∇reg;
+3. the optimizer (a ``DPOptimizer``) adds ζσ·z̃_t, divides by the expected batch
+   size B and takes the SGD step, through ``apply_clipped_sum``.
+
+``test_step`` and ``predict_step`` are Keras's own.
+"""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+from keras_noisecurve._validation import check_choice, check_int
+from keras_noisecurve.training.clipping import (
+    ENGINES,
+    add_regularization,
+    check_model_is_clippable,
+    get_engine,
+    per_example_loss_fn,
+)
+from keras_noisecurve.training.optimizer import DPOptimizer
+
+__all__ = ["DPModel", "PrivateModel", "make_private"]
+
+_PACKAGE = "keras_noisecurve"
+
+
+def _num_replicas() -> int:
+    ctx = tf.distribute.get_replica_context()
+    if ctx is None:  # cross-replica context
+        return tf.distribute.get_strategy().num_replicas_in_sync
+    return ctx.num_replicas_in_sync
+
+
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class DPModel(keras.Model):
+    """A ``keras.Model`` trained with per-example clipping and a ``DPOptimizer``.
+
+    Use it as a functional model, ``DPModel(inputs, outputs, clipping="auto")``, or
+    wrap any model with :func:`make_private`.
+
+    Args:
+      clipping: the clipping engine: ``"auto"`` (ghost-norm clipping when
+        ``keras_noisecurve.training.ghost`` supports the model, else vectorized),
+        ``"vectorized"`` or ``"ghost"``.
+      microbatch_size: evaluate per-example gradients in chunks of this many
+        examples to bound memory (``None``: the whole batch at once).
+      *args, **kwargs: as ``keras.Model``.
+
+    ``compile`` requires a ``DPOptimizer`` (or ``NoiseCurveOptimizer``) and a single
+    loss; BatchNormalization layers and activity regularizers are refused.
+    The logged ``loss`` is Σ_i w_i·loss_i / Σ_i w_i over the batch (mask-weighted,
+    without the regularisation term).
+    """
+
+    def __init__(self, *args, clipping="auto", microbatch_size=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._dp_clipping = check_choice("clipping", clipping, ENGINES)
+        if microbatch_size is not None:
+            microbatch_size = check_int("microbatch_size", microbatch_size, minimum=1)
+        self._dp_microbatch_size = microbatch_size
+        self._dp_engine = None
+        self._dp_loss_fn = None
+
+    @property
+    def clipping(self) -> str:
+        """The clipping engine name given at construction."""
+        return self._dp_clipping
+
+    @property
+    def microbatch_size(self):
+        """Chunk size for per-example gradients (``None``: whole batch)."""
+        return self._dp_microbatch_size
+
+    def compile(self, optimizer=None, loss=None, **kwargs):
+        """``keras.Model.compile`` that requires a ``DPOptimizer`` and a single loss.
+
+        ``jit_compile`` defaults to ``False`` (XLA is slower for per-example
+        gradients on CPU; pass ``jit_compile=True`` to try it).
+        """
+        if not isinstance(optimizer, DPOptimizer):
+            raise ValueError(
+                "DPModel must be compiled with a keras_noisecurve.DPOptimizer or NoiseCurveOptimizer "
+                f"(clipped sums + calibrated noise); got optimizer={optimizer!r}. Training a DPModel "
+                "without noise would not be private."
+            )
+        kwargs.setdefault("jit_compile", False)
+        if kwargs.get("loss_weights") is not None:
+            raise ValueError("loss_weights are not supported by DPModel (single loss only).")
+        self._dp_loss_fn = per_example_loss_fn(loss)
+        check_model_is_clippable(self)
+        super().compile(optimizer=optimizer, loss=loss, **kwargs)
+        self._dp_engine = None  # resolved on first train_step (the model may not be built yet)
+
+    def get_compile_config(self):
+        return super().get_compile_config()
+
+    def compile_from_config(self, config):
+        """Re-compile on ``keras.models.load_model`` (the optimizer state is then loaded)."""
+        config = keras.saving.deserialize_keras_object(config)
+        self.compile(**config)
+        if self.built:
+            self.optimizer.build(self.trainable_variables)
+
+    def _engine(self):
+        if self._dp_engine is None:
+            self._dp_engine = get_engine(self._dp_clipping, self)
+        return self._dp_engine
+
+    def train_step(self, data):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        optimizer = self.optimizer
+        if not isinstance(optimizer, DPOptimizer):  # e.g. optimizer swapped after compile
+            raise ValueError(f"DPModel needs a DPOptimizer, got {type(optimizer).__name__}.")
+        if sample_weight is not None:
+            sample_weight = tf.reshape(tf.cast(sample_weight, tf.float32), [-1])
+        clipped = self._engine()(
+            self,
+            self._dp_loss_fn,
+            x,
+            y,
+            sample_weight,
+            l2_norm_clip=optimizer.l2_norm_clip,
+            microbatch_size=self._dp_microbatch_size,
+            training=True,
+        )
+        clipped = add_regularization(
+            self, clipped, expected_batch_size=optimizer.expected_batch_size, num_replicas=_num_replicas()
+        )
+        optimizer.apply_clipped_sum(clipped.grads, self.trainable_variables)
+
+        losses = tf.cast(clipped.per_example_loss, tf.float32)
+        weights = tf.ones_like(losses) if sample_weight is None else sample_weight
+        self._loss_tracker.update_state(losses, sample_weight=weights)
+        return self.compute_metrics(x, y, clipped.y_pred, sample_weight=sample_weight)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update({"clipping": self._dp_clipping, "microbatch_size": self._dp_microbatch_size})
+        return config
+
+
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class PrivateModel(DPModel):
+    """``DPModel`` wrapping an existing model (what :func:`make_private` returns).
+
+    Args:
+      model: any Keras model (Sequential, functional or subclassed). Its weights
+        are shared, not copied.
+      clipping, microbatch_size: as ``DPModel``.
+    """
+
+    def __init__(self, model, clipping="auto", microbatch_size=None, **kwargs):
+        super().__init__(clipping=clipping, microbatch_size=microbatch_size, **kwargs)
+        if not isinstance(model, keras.Model):
+            raise ValueError(f"model must be a keras.Model, got {type(model).__name__}.")
+        self.inner = model
+        check_model_is_clippable(model)
+
+    def call(self, inputs, training=None):
+        return self.inner(inputs, training=training)
+
+    def build(self, input_shape=None):
+        if not self.inner.built and input_shape is not None:
+            self.inner.build(input_shape)
+        self.built = True
+
+    def get_config(self):
+        return {
+            "name": self.name,
+            "model": keras.saving.serialize_keras_object(self.inner),
+            "clipping": self._dp_clipping,
+            "microbatch_size": self._dp_microbatch_size,
+        }
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        model = keras.saving.deserialize_keras_object(config.pop("model"), custom_objects=custom_objects)
+        return cls(model, **config)
+
+
+def make_private(model, *, clipping="auto", microbatch_size=None) -> PrivateModel:
+    """Wrap ``model`` so that ``fit`` clips per example and adds calibrated noise.
+
+    Args:
+      model: a Keras model (Sequential, functional or subclassed), TF backend.
+      clipping: ``"auto"``, ``"vectorized"`` or ``"ghost"`` (see ``DPModel``).
+      microbatch_size: chunk size for per-example gradients, or ``None``.
+
+    Returns:
+      a :class:`PrivateModel` sharing ``model``'s layers and weights; compile it with
+      a ``DPOptimizer``/``NoiseCurveOptimizer``.
+    """
+    return PrivateModel(model, clipping=clipping, microbatch_size=microbatch_size, name=f"private_{model.name}")
