@@ -1,0 +1,111 @@
+"""``noisecurve calibrate``: the noise multiplier σ for a target (ε, δ).
+
+Prints σ, the sampling probability q, the number of composed mechanisms, T, the
+re-checked ε, the sampler's padded batch size and overflow probability, and the
+total δ. Bad input: a message on stderr and exit status 2. No TensorFlow import.
+
+Examples::
+
+    noisecurve calibrate --epsilon 2 --delta 1e-5 --num-examples 60000 \\
+        --batch-size 256 --epochs 10 --bands 8
+    noisecurve calibrate --epsilon 8 --delta 1e-5 --num-examples 50000 \\
+        --batch-size 500 --steps 2000 --bands 4 --sampling fixed_epochs --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+from keras_noisecurve.privacy import accounting
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``calibrate`` options to ``parser``."""
+    parser.add_argument("--epsilon", type=float, required=True, help="target epsilon (> 0)")
+    parser.add_argument("--delta", type=float, required=True, help="accounting delta in (0, 1)")
+    parser.add_argument("--num-examples", type=int, required=True, help="n, size of the private training set")
+    parser.add_argument("--batch-size", type=int, required=True,
+                        help="B: expected batch size (cyclic_poisson) or fixed batch size (fixed_epochs)")
+    length = parser.add_mutually_exclusive_group(required=True)
+    length.add_argument("--epochs", type=float,
+                        help="passes over the data: T = ceil(E*n/B) for cyclic_poisson, "
+                             "T = E*ceil(n/B) (E an integer) for fixed_epochs")
+    length.add_argument("--steps", type=int, help="T, the number of optimizer steps")
+    parser.add_argument("--bands", type=int, default=None,
+                        help="b, band width of C (default 1, or the --mixing file's)")
+    parser.add_argument("--sampling", choices=accounting.SAMPLINGS, default="cyclic_poisson")
+    parser.add_argument("--accountant", choices=accounting.ACCOUNTANTS, default="pld")
+    parser.add_argument("--mixing", default=None,
+                        help="optional mixing-matrix .npz: its bands and column norms set b and the sensitivity")
+    parser.add_argument("--overflow-probability", type=float, default=accounting.DEFAULT_OVERFLOW_PROBABILITY,
+                        help="target probability that any step's Poisson draw exceeds the padded batch size")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+
+def _resolve_steps(args) -> tuple[int, int | None]:
+    """(T, epochs) from --steps / --epochs and the sampling scheme."""
+    n, batch = args.num_examples, args.batch_size
+    if n is None or n < 1 or batch is None or batch < 1:
+        raise ValueError(f"--num-examples and --batch-size must be positive integers, got {n} and {batch}.")
+    per_epoch = -(-n // batch)
+    if args.sampling == "fixed_epochs":
+        if args.epochs is not None:
+            if args.epochs <= 0 or args.epochs != int(args.epochs):
+                raise ValueError(f"--epochs must be a positive integer for fixed_epochs, got {args.epochs:g}.")
+            epochs = int(args.epochs)
+            return epochs * per_epoch, epochs
+        if args.steps < 1:
+            raise ValueError(f"--steps must be >= 1, got {args.steps}.")
+        return args.steps, -(-args.steps // per_epoch)
+    if args.epochs is not None:
+        if not (args.epochs > 0 and math.isfinite(args.epochs)):
+            raise ValueError(f"--epochs must be > 0, got {args.epochs:g}.")
+        return max(1, math.ceil(args.epochs * n / batch - 1e-9)), None
+    return args.steps, None
+
+
+def run(args) -> int:
+    """Run ``noisecurve calibrate``; returns the exit status (2 on bad input)."""
+    try:
+        mixing = None
+        if args.mixing is not None:
+            from keras_noisecurve.mixing.matrix import MixingMatrix
+
+            mixing = MixingMatrix.load(args.mixing)
+        steps, epochs = _resolve_steps(args)
+        result = accounting.calibrate(
+            epsilon=args.epsilon, delta=args.delta, num_examples=args.num_examples,
+            batch_size=args.batch_size, steps=steps, bands=args.bands, sampling=args.sampling,
+            epochs=epochs, mixing=mixing, accountant=args.accountant,
+            overflow_probability_target=args.overflow_probability,
+        )
+    except (ValueError, TypeError, OSError) as exc:
+        print(f"noisecurve calibrate: error: {exc}", file=sys.stderr)
+        return 2
+
+    if args.json:
+        print(json.dumps(result.to_dict(), sort_keys=True))
+        return 0
+    q = "n/a (fixed_epochs: no amplification)" if result.sampling_probability is None else f"{result.sampling_probability:.6g}"
+    lines = [
+        f"noise multiplier sigma : {result.noise_multiplier:.6f}",
+        f"sampling               : {result.sampling} ({result.accountant} accountant)",
+        f"sampling probability q : {q}",
+        f"compositions           : {result.compositions}",
+        f"steps T                : {result.steps} (bands b = {result.bands})",
+    ]
+    if result.epochs is not None:
+        lines.append(f"epochs                 : {result.epochs} ({result.steps_per_epoch} steps per epoch)")
+    lines += [
+        f"sensitivity (max col)  : {result.sensitivity:.6g}",
+        f"epsilon (re-checked)   : {result.epsilon:.6f} (target {result.target_epsilon:g})",
+        f"delta                  : {result.delta:g} (accounting)",
+        f"padded batch size P    : {result.padded_batch_size}",
+        f"overflow probability   : {result.overflow_probability:.3g}",
+        f"total delta            : {result.total_delta:.6g} (delta + (1+e^eps)*overflow)",
+    ]
+    print("\n".join(lines))
+    return 0
