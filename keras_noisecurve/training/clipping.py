@@ -124,7 +124,8 @@ def _trainable(model):
     variables = list(model.trainable_variables)
     if not variables:
         raise ValueError("the model has no trainable variables.")
-    return variables
+    # the tf.Variable behind each keras.Variable (what GradientTape differentiates)
+    return [v.value if isinstance(v, keras.Variable) else v for v in variables]
 
 
 def _validate(l2_norm_clip, microbatch_size):

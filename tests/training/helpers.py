@@ -1,0 +1,39 @@
+"""Small shared builders for the training tests (tiny models: the suite runs on 2 cores)."""
+
+import numpy as np
+
+from keras_noisecurve.mixing import MixingMatrix
+
+
+def random_banded_c(steps, bands, *, rng, diag_scale=1.0, metadata=None):
+    """A random valid C: lower triangular, b-banded, positive diagonal, unit columns.
+
+    Independent of the solver: entries ~ N(0, 1) in the band, |diag| + diag_scale on
+    the diagonal, then every column divided by its norm.
+    """
+    dense = np.zeros((steps, steps))
+    for t in range(steps):
+        for j in range(min(bands, t + 1)):
+            dense[t, t - j] = rng.normal()
+        dense[t, t] = abs(dense[t, t]) + diag_scale
+    dense /= np.linalg.norm(dense, axis=0, keepdims=True)
+    return MixingMatrix.from_dense(dense, bands=bands, metadata=metadata or {"objective": "test"})
+
+
+def bandmf_like_c(steps, bands):
+    """A BandMF-like C: the banded Cholesky-type factor of the prefix-sum workload's
+    X = CᵀC, built as the exchange-flipped Cholesky of a banded Toeplitz matrix with
+    decaying coefficients, then column-normalised (independent of the solver)."""
+    coeffs = np.array([1.0 / (1 + j) ** 0.5 for j in range(bands)])
+    x = np.zeros((steps, steps))
+    for t in range(steps):
+        for j in range(bands):
+            if t + j < steps:
+                x[t, t + j] = x[t + j, t] = coeffs[j] * (0.6 if j else 1.0)
+    x += 0.5 * np.eye(steps)  # keep it positive definite
+    flip = np.eye(steps)[::-1]
+    c = flip @ np.linalg.cholesky(flip @ x @ flip).T @ flip  # X = CᵀC, C lower triangular
+    c[np.abs(np.subtract.outer(np.arange(steps), np.arange(steps))) >= bands] = 0.0
+    c = np.tril(c)
+    c /= np.linalg.norm(c, axis=0, keepdims=True)
+    return MixingMatrix.from_dense(c, bands=bands, metadata={"objective": "bandmf-like"})
