@@ -1,0 +1,370 @@
+"""Fast per-example clipping with ghost norms (no per-example gradients).
+
+DP training needs ``Σ_i clip(w_i·∇loss_i, ζ)``: the sum over the P examples of a
+batch of each example's (weighted) gradient scaled by ``c_i = min(1, ζ/‖w_i·∇loss_i‖)``
+(the clipped sum of DESIGN.md §2, paper App. C). The vectorized engine
+(:mod:`keras_noisecurve.training.clipping`) forms all P per-example gradients;
+this engine never does:
+
+1. one forward pass records, for every layer with trainable weights, its input
+   activation ``a`` and its output ``z`` (the *pre-activation* output for layers
+   with a fused ``activation=``: the layer's linear part is run here, then the
+   activation applied to it, so ``z`` is the tensor that flows on);
+2. one backward pass gives ``g = ∂(Σ_i w_i·loss_i)/∂z`` for every recorded ``z``;
+3. each layer's per-example squared gradient norm follows from ``(a, g)`` alone
+   (``‖a_i‖²‖g_i‖²`` for a dense layer on vectors, Gram forms for sequences,
+   patches for convolutions, ... see :mod:`keras_noisecurve.training.ghost_layers`);
+   their sum over layers is ``‖w_i·∇loss_i‖²``;
+4. a second backward pass of ``Σ_i c_i·w_i·loss_i`` (``c`` held constant) gives the
+   clipped sum.
+
+Recording works by temporarily replacing the ``call`` of each supported layer
+instance with a wrapper for the duration of the forward pass (under a lock, with a
+reference count, so concurrent replicas of ``tf.distribute`` share it safely); the
+wrapper records into a thread-local recorder and calls the original ``call`` when no
+recording is active in its thread. Inside ``tf.function`` this happens only while
+tracing: no Python state survives between steps.
+
+Limits: a layer is supported when it is one of Dense, EinsumDense (batched dense
+equations, e.g. MultiHeadAttention's projections), Embedding, Conv1D/Conv2D
+(groups = 1), LayerNormalization, GroupNormalization; layers without weights of
+their own (activations, pooling, reshapes, dropout, containers such as Sequential,
+functional models and MultiHeadAttention) are fine provided they do not mix
+examples and do not use another layer's weights (tied weights read by a custom
+layer would be missed by the norms: such models are not supported).
+BatchNormalization in training mode mixes examples and is refused.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import tensorflow as tf
+
+from keras_noisecurve._validation import check_int
+from keras_noisecurve.training.clipping import ClippedSum
+from keras_noisecurve.training.ghost_layers import find_rule
+
+__all__ = ["supports", "ghost_clipped_sum"]
+
+
+# ------------------------------------------------------------------ support check
+
+
+def _is_batch_norm(layer) -> bool:
+    import keras
+
+    return isinstance(layer, keras.layers.BatchNormalization)
+
+
+def _layer_label(layer) -> str:
+    return f"{type(layer).__name__} layer '{layer.name}'"
+
+
+def _weighted_layers(model):
+    """Yield ``(layer, own_trainable_variables)`` for every layer owning trainable weights."""
+    trainable = {id(v) for v in model.trainable_variables}
+    for layer in model._flatten_layers(include_self=True, recursive=True):
+        own = [v for v in getattr(layer, "_trainable_variables", []) if id(v) in trainable]
+        yield layer, own
+
+
+def supports(model):
+    """Whether :func:`ghost_clipped_sum` can clip ``model`` exactly.
+
+    Args:
+        model: a built Keras 3 model (Sequential, functional or subclassed).
+
+    Returns:
+        ``(True, "")`` when every layer that owns trainable weights has a ghost-norm
+        rule in a supported configuration and no layer mixes examples; otherwise
+        ``(False, reason)`` where ``reason`` names the first offending layer (class
+        and name) and why.
+    """
+    import keras
+
+    if not isinstance(model, keras.layers.Layer):
+        return False, f"expected a Keras model or layer, got {type(model).__name__}"
+    if not model.built:
+        return False, f"model '{model.name}' is not built (call it once or build it first)"
+    for layer, own in _weighted_layers(model):
+        if _is_batch_norm(layer) and layer.trainable:
+            return False, (
+                f"{_layer_label(layer)} normalises with batch statistics in training mode, "
+                "which mixes examples: per-example clipping is not defined for it "
+                "(use GroupNormalization or LayerNormalization, or freeze it)"
+            )
+        if not own:
+            continue
+        rule = find_rule(layer)
+        if rule is None:
+            return False, (
+                f"{_layer_label(layer)} owns trainable weights "
+                f"{[v.path for v in own]} and has no ghost-norm rule"
+            )
+        reason = rule.check(layer)
+        if reason:
+            return False, f"{_layer_label(layer)} is not supported by ghost clipping: {reason}"
+    return True, ""
+
+
+# ---------------------------------------------------------------------- recording
+
+_LOCK = threading.Lock()
+_LOCAL = threading.local()
+_INSTALLED: dict[int, list] = {}  # id(layer) -> [layer, original_call, refcount]
+
+
+class _Recorder:
+    """Per-call store of the tensors recorded by the wrapped layers (one thread)."""
+
+    def __init__(self):
+        self.calls: dict[int, list[dict]] = {}
+        self.layers: dict[int, object] = {}
+
+    def record_for(self, layer):
+        def record(**tensors):
+            self.layers[id(layer)] = layer
+            self.calls.setdefault(id(layer), []).append(tensors)
+
+        return record
+
+
+def _make_wrapper(layer, rule, original_call):
+    def call(inputs, *args, **kwargs):
+        recorder = getattr(_LOCAL, "recorder", None)
+        if recorder is None:
+            return original_call(inputs, *args, **kwargs)
+        return rule.forward(layer, original_call, recorder.record_for(layer), inputs, *args, **kwargs)
+
+    return call
+
+
+def _install(layers_and_rules):
+    with _LOCK:
+        for layer, rule in layers_and_rules:
+            entry = _INSTALLED.get(id(layer))
+            if entry is None:
+                had_own = "call" in layer.__dict__
+                original = layer.call  # bound method of the class (or an earlier override)
+                object.__setattr__(layer, "call", _make_wrapper(layer, rule, original))
+                _INSTALLED[id(layer)] = [layer, original, 1, had_own]
+            else:
+                entry[2] += 1
+
+
+def _uninstall(layers_and_rules):
+    with _LOCK:
+        for layer, _ in layers_and_rules:
+            entry = _INSTALLED[id(layer)]
+            entry[2] -= 1
+            if entry[2] == 0:
+                if entry[3]:
+                    object.__setattr__(layer, "call", entry[1])
+                else:
+                    del layer.__dict__["call"]
+                del _INSTALLED[id(layer)]
+
+
+class _Recording:
+    """Context manager: wrap the supported layers and record in this thread."""
+
+    def __init__(self, layers_and_rules):
+        self.layers_and_rules = layers_and_rules
+        self.recorder = _Recorder()
+
+    def __enter__(self):
+        if getattr(_LOCAL, "recorder", None) is not None:
+            raise RuntimeError("ghost_clipped_sum cannot be nested inside another ghost_clipped_sum call.")
+        _install(self.layers_and_rules)
+        _LOCAL.recorder = self.recorder
+        return self.recorder
+
+    def __exit__(self, *exc):
+        _LOCAL.recorder = None
+        _uninstall(self.layers_and_rules)
+        return False
+
+
+# ------------------------------------------------------------------------ engine
+
+
+def _check_clip(l2_norm_clip):
+    if isinstance(l2_norm_clip, (tf.Tensor, tf.Variable)):
+        return l2_norm_clip
+    if isinstance(l2_norm_clip, bool) or not isinstance(l2_norm_clip, (int, float)):
+        try:
+            l2_norm_clip = float(l2_norm_clip)
+        except (TypeError, ValueError):
+            raise TypeError(
+                f"l2_norm_clip must be a positive number, got {l2_norm_clip!r} "
+                f"({type(l2_norm_clip).__name__})."
+            ) from None
+    if not l2_norm_clip > 0 or l2_norm_clip == float("inf"):
+        raise ValueError(f"l2_norm_clip must be a finite number > 0, got {l2_norm_clip}.")
+    return float(l2_norm_clip)
+
+
+def _ghost_step(model, loss_fn, x, y, sample_weight, clip, training, layers_and_rules):
+    variables = model.trainable_variables
+    with _Recording(layers_and_rules) as recorder:
+        with tf.GradientTape(persistent=True) as tape:
+            y_pred = model(x, training=training)
+            per_example_loss = loss_fn(y, y_pred)
+    per_example_loss = tf.convert_to_tensor(per_example_loss)
+    if per_example_loss.shape.rank != 1:
+        raise ValueError(
+            "loss_fn must return the per-example loss of shape (P,), got shape "
+            f"{per_example_loss.shape}."
+        )
+    dtype = per_example_loss.dtype
+    if sample_weight is None:
+        weights = tf.ones_like(per_example_loss)
+    else:
+        weights = tf.reshape(tf.cast(sample_weight, dtype), tf.shape(per_example_loss))
+
+    keys = [k for k in recorder.calls]
+    outs = [c["out"] for k in keys for c in recorder.calls[k]]
+    if outs:
+        gs = tape.gradient(
+            per_example_loss,
+            outs,
+            output_gradients=weights,
+            unconnected_gradients=tf.UnconnectedGradients.ZERO,
+        )
+    else:
+        gs = []
+    sq = tf.zeros_like(per_example_loss, dtype=tf.float64 if dtype == tf.float64 else tf.float32)
+    i = 0
+    for k in keys:
+        calls = recorder.calls[k]
+        with_g = []
+        for c in calls:
+            with_g.append({**c, "g": gs[i]})
+            i += 1
+        layer = recorder.layers[k]
+        sq += tf.cast(find_rule(layer).sq_norms(layer, with_g), sq.dtype)
+    norms = tf.sqrt(sq)
+    clip = tf.cast(clip, norms.dtype)
+    tiny = tf.constant(1e-30 if norms.dtype == tf.float32 else 1e-300, norms.dtype)
+    factors = tf.minimum(tf.ones_like(norms), clip / tf.maximum(norms, tiny))
+    scale = tf.stop_gradient(tf.cast(factors, dtype) * weights)
+    grads = tape.gradient(
+        per_example_loss,
+        variables,
+        output_gradients=scale,
+        unconnected_gradients=tf.UnconnectedGradients.ZERO,
+    )
+    del tape
+    return ClippedSum(
+        grads=[tf.convert_to_tensor(g) for g in grads],  # IndexedSlices (Embedding) -> dense
+        norms=tf.cast(norms, dtype),
+        per_example_loss=per_example_loss,
+        y_pred=y_pred,
+    )
+
+
+def ghost_clipped_sum(
+    model,
+    loss_fn,
+    x,
+    y,
+    sample_weight,
+    *,
+    l2_norm_clip,
+    microbatch_size=None,
+    training=True,
+):
+    """Clipped sum of per-example gradients via ghost norms (no per-example gradients).
+
+    Computes ``Σ_i clip(w_i·∇loss_i, ζ)`` with ``clip(v, ζ) = v·min(1, ζ/‖v‖)`` (the
+    clipped sum of DESIGN.md §2 / paper App. C; noise is added by the optimizer), with
+    two backward passes and per-layer norm identities instead of P per-example
+    gradients. Same contract as
+    :func:`keras_noisecurve.training.clipping.vectorized_clipped_sum`.
+
+    Args:
+        model: a built Keras 3 model for which :func:`supports` is true.
+        loss_fn: ``loss_fn(y_true, y_pred) -> (P,)`` unreduced per-example loss.
+        x, y: a batch of P examples (any structure the model / loss accept).
+        sample_weight: (P,) weights ``w_i`` multiplying each example's loss before
+            clipping (0 for the padding of the batch sampler), or ``None`` (all 1).
+        l2_norm_clip: ζ > 0, the clipping norm (same units as the gradient).
+        microbatch_size: ``None`` (whole batch at once) or a positive integer m: the
+            batch is processed in consecutive chunks of m examples (``tf.while_loop``;
+            the last chunk may be shorter) to bound peak memory; the result is the
+            same (per-example clipping does not depend on the chunking).
+        training: passed to the model call (dropout etc.).
+
+    Returns:
+        ``ClippedSum(grads, norms, per_example_loss, y_pred)``: ``grads`` aligned with
+        ``model.trainable_variables``; ``norms`` (P,) the norms ``‖w_i·∇loss_i‖``
+        before clipping; ``per_example_loss`` (P,) unweighted; ``y_pred`` the outputs.
+
+    Raises:
+        ValueError: the model is not supported (see :func:`supports`), e.g. it has a
+            custom layer with its own weights or a BatchNormalization in training mode.
+    """
+    ok, reason = supports(model)
+    if not ok:
+        raise ValueError(f"ghost_clipped_sum cannot clip this model exactly: {reason}.")
+    clip = _check_clip(l2_norm_clip)
+    if microbatch_size is not None:
+        microbatch_size = check_int("microbatch_size", microbatch_size, minimum=1)
+    if not isinstance(training, bool):
+        raise TypeError(f"training must be a bool, got {training!r}.")
+    layers_and_rules = []
+    for layer, own in _weighted_layers(model):
+        if own:
+            layers_and_rules.append((layer, find_rule(layer)))
+
+    if microbatch_size is None:
+        return _ghost_step(model, loss_fn, x, y, sample_weight, clip, training, layers_and_rules)
+    return _chunked(model, loss_fn, x, y, sample_weight, clip, training, layers_and_rules, microbatch_size)
+
+
+def _chunked(model, loss_fn, x, y, sample_weight, clip, training, layers_and_rules, m):
+    """Run :func:`_ghost_step` on consecutive chunks of ``m`` examples (``tf.while_loop``).
+
+    The last chunk may be shorter; the batch size may be dynamic. Grads are summed,
+    norms, losses and predictions concatenated in example order.
+    """
+    x, y = (tf.nest.map_structure(tf.convert_to_tensor, t) for t in (x, y))
+    if sample_weight is not None:
+        sample_weight = tf.convert_to_tensor(sample_weight)
+    n = tf.shape(tf.nest.flatten(x)[0])[0]
+    chunks = (n + m - 1) // m
+
+    def take(tree, i):
+        if tree is None:
+            return None
+        return tf.nest.map_structure(lambda t: t[i * m : tf.minimum((i + 1) * m, n)], tree)
+
+    def step(i):
+        return _ghost_step(
+            model, loss_fn, take(x, i), take(y, i), take(sample_weight, i), clip, training, layers_and_rules
+        )
+
+    first = step(0)
+    pred_flat = tf.nest.flatten(first.y_pred)
+    norms_ta = tf.TensorArray(first.norms.dtype, size=chunks, infer_shape=False).write(0, first.norms)
+    loss_ta = tf.TensorArray(first.per_example_loss.dtype, size=chunks, infer_shape=False).write(
+        0, first.per_example_loss
+    )
+    pred_tas = [tf.TensorArray(p.dtype, size=chunks, infer_shape=False).write(0, p) for p in pred_flat]
+
+    def body(i, sums, norms_ta, loss_ta, pred_tas):
+        part = step(i)
+        sums = [a + b for a, b in zip(sums, part.grads)]
+        pred_tas = [ta.write(i, p) for ta, p in zip(pred_tas, tf.nest.flatten(part.y_pred))]
+        return i + 1, sums, norms_ta.write(i, part.norms), loss_ta.write(i, part.per_example_loss), pred_tas
+
+    _, sums, norms_ta, loss_ta, pred_tas = tf.while_loop(
+        lambda i, *_: i < chunks, body, (tf.constant(1), list(first.grads), norms_ta, loss_ta, pred_tas)
+    )
+    return ClippedSum(
+        grads=list(sums),
+        norms=norms_ta.concat(),
+        per_example_loss=loss_ta.concat(),
+        y_pred=tf.nest.pack_sequence_as(first.y_pred, [ta.concat() for ta in pred_tas]),
+    )

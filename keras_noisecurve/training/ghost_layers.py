@@ -1,0 +1,553 @@
+"""Per-layer rules for ghost (per-example) gradient norms.
+
+Each rule knows, for one Keras 3 layer type with its own trainable weights,
+
+1. ``check(layer)``: why the layer's configuration is not supported (``None`` if it is);
+2. ``forward(layer, original_call, record, inputs, *args, **kwargs)``: the layer's
+   forward computation, recording the tensor ``out`` whose gradient ``g`` is needed
+   (the *pre-activation* output for layers with a fused ``activation=``) and the
+   auxiliary tensors (input activation, token ids, normalised input) of that call;
+3. ``sq_norms(layer, calls)``: the per-example squared norm, shape ``(P,)``, of the
+   gradient of the layer's own weights, from the recorded calls, each a dict with
+   the recorded tensors and ``"g"`` (the gradient of ``Σ_i w_i·loss_i`` w.r.t. ``out``).
+
+No per-example gradient of a weight is materialised unless it is the cheaper form
+(see :func:`sequence_sq_norms`). A layer called several times (shared weights) has
+its calls concatenated along the position axis: the per-example gradient of a weight
+is the sum over calls and positions of the same outer products.
+
+Only TensorFlow and Keras are imported here.
+"""
+
+from __future__ import annotations
+
+import string
+
+import keras
+import tensorflow as tf
+
+# --------------------------------------------------------------------------- math
+
+
+def _norm_dtype(dtype) -> tf.DType:
+    """float64 stays float64; everything else is computed in float32."""
+    dtype = tf.as_dtype(dtype)
+    return tf.float64 if dtype == tf.float64 else tf.float32
+
+
+def sequence_sq_norms(a: tf.Tensor, g: tf.Tensor) -> tf.Tensor:
+    """Per-example ``‖Σ_l a_il g_ilᵀ‖²_F`` without forming it when that is dearer.
+
+    ``a``: (P, L, d_in) input activations, ``g``: (P, L, d_out) output gradients.
+    Returns (P,). For L = 1 this is ``‖a_i‖²·‖g_i‖²``. Otherwise the Gram form
+    ``Σ_{l,l'} (a_il·a_il')(g_il·g_il')`` (memory P·L²) is used when L² < d_in·d_out,
+    else the per-example gradient ``a_iᵀ g_i`` (memory P·d_in·d_out) is formed and
+    squared. The choice is static when L is known, a ``tf.cond`` otherwise.
+    """
+    d_in, d_out = a.shape[-1], g.shape[-1]
+    length = a.shape[1]
+    if length == 1:
+        return tf.reduce_sum(tf.square(a), axis=[1, 2]) * tf.reduce_sum(tf.square(g), axis=[1, 2])
+
+    def gram():
+        aa = tf.matmul(a, a, transpose_b=True)
+        gg = tf.matmul(g, g, transpose_b=True)
+        return tf.reduce_sum(aa * gg, axis=[1, 2])
+
+    def materialise():
+        per_example = tf.matmul(a, g, transpose_a=True)
+        return tf.reduce_sum(tf.square(per_example), axis=[1, 2])
+
+    if d_in is None or d_out is None:
+        return gram()
+    if length is not None:
+        return gram() if length * length < d_in * d_out else materialise()
+    dyn = tf.shape(a)[1]
+    return tf.cond(dyn * dyn < d_in * d_out, gram, materialise)
+
+
+def token_sq_norms(ids: tf.Tensor, g: tf.Tensor, vocabulary: int) -> tf.Tensor:
+    """Per-example squared norm of an embedding table's gradient.
+
+    ``ids``: (P, L) integer token ids, ``g``: (P, L, d) gradients of the looked-up rows.
+    The per-example gradient of row v is ``Σ_{l: id_l = v} g_l``, so its squared norm is
+    ``Σ_{l,l'} [id_l = id_l'] (g_l·g_l')`` (Gram form, memory P·L²), used when
+    L² < vocabulary·d; else the rows are summed per example with a segment sum
+    (memory P·vocabulary·d). Returns (P,).
+    """
+    d = g.shape[-1]
+    length = ids.shape[1]
+
+    def gram():
+        same = tf.cast(tf.equal(ids[:, :, None], ids[:, None, :]), g.dtype)
+        gg = tf.matmul(g, g, transpose_b=True)
+        return tf.reduce_sum(same * gg, axis=[1, 2])
+
+    def materialise():
+        p = tf.shape(ids)[0]
+        seg = ids + tf.range(p, dtype=ids.dtype)[:, None] * vocabulary
+        rows = tf.math.unsorted_segment_sum(
+            tf.reshape(g, [-1, d]), tf.reshape(seg, [-1]), p * vocabulary
+        )
+        return tf.reduce_sum(tf.square(tf.reshape(rows, [p, vocabulary * d])), axis=1)
+
+    if length is not None:
+        return gram() if length * length < vocabulary * d else materialise()
+    dyn = tf.shape(ids)[1]
+    return tf.cond(dyn * dyn < vocabulary * d, gram, materialise)
+
+
+def _concat_positions(tensors):
+    return tensors[0] if len(tensors) == 1 else tf.concat(tensors, axis=1)
+
+
+def _sum_over(t: tf.Tensor, keep_axes) -> tf.Tensor:
+    """Sum ``t`` over every axis except 0 and ``keep_axes`` (sorted, positive)."""
+    axes = [k for k in range(1, t.shape.rank) if k not in keep_axes]
+    return tf.reduce_sum(t, axis=axes) if axes else t
+
+
+def _sq(t: tf.Tensor) -> tf.Tensor:
+    """Per-example sum of squares of a (P, ...) tensor."""
+    return tf.reduce_sum(tf.square(tf.reshape(t, [tf.shape(t)[0], -1])), axis=1)
+
+
+def _bias_grad(g: tf.Tensor, bias_shape) -> tf.Tensor:
+    """Per-example gradient of a bias broadcast-added to an output with gradient ``g``.
+
+    ``bias_shape`` is right-aligned against ``g.shape[1:]``; axes where the bias is
+    absent or has size 1 are summed. Returns (P, ...) (kept axes in order).
+    """
+    rank = g.shape.rank
+    offset = rank - len(bias_shape)
+    keep = []
+    for k in range(1, rank):
+        j = k - offset
+        if j >= 0 and bias_shape[j] != 1:
+            keep.append(k)
+    return _sum_over(g, keep)
+
+
+def _common(calls, key):
+    return [tf.stop_gradient(c[key]) for c in calls]
+
+
+# ---------------------------------------------------------------------- rules
+
+
+class _Rule:
+    classes: tuple = ()
+    kind = ""
+
+    def matches(self, layer) -> bool:
+        return any(
+            isinstance(layer, cls) and type(layer).call is cls.call for cls in self.classes
+        )
+
+    def expected_variables(self, layer):
+        raise NotImplementedError
+
+    def check(self, layer):
+        if getattr(layer, "quantization_mode", None) is not None:
+            return f"quantized ({layer.quantization_mode})"
+        if getattr(layer, "lora_enabled", False):
+            return "LoRA is enabled"
+        expected = {id(v) for v in self.expected_variables(layer) if v is not None}
+        extra = [v.path for v in layer._trainable_variables if id(v) not in expected]
+        if extra:
+            return f"unexpected own trainable variables {extra}"
+        return None
+
+
+class DenseRule(_Rule):
+    """``keras.layers.Dense`` on inputs of any rank ≥ 2 (positions = middle axes)."""
+
+    classes = (keras.layers.Dense,)
+    kind = "Dense"
+
+    def expected_variables(self, layer):
+        return [layer.kernel, layer.bias]
+
+    def forward(self, layer, original_call, record, inputs, *args, **kwargs):
+        z = keras.ops.matmul(inputs, layer.kernel)
+        if layer.bias is not None:
+            z = keras.ops.add(z, layer.bias)
+        record(out=z, a=inputs)
+        return layer.activation(z) if layer.activation is not None else z
+
+    def _sequence(self, layer, a, g):
+        d_in, d_out = layer.kernel.shape
+        p = tf.shape(a)[0]
+        return tf.reshape(a, [p, -1, d_in]), tf.reshape(g, [p, -1, d_out])
+
+    def sq_norms(self, layer, calls):
+        dtype = _norm_dtype(calls[0]["g"].dtype)
+        pairs = [
+            self._sequence(layer, tf.cast(tf.stop_gradient(c["a"]), dtype), tf.cast(c["g"], dtype))
+            for c in calls
+        ]
+        a = _concat_positions([p[0] for p in pairs])
+        g = _concat_positions([p[1] for p in pairs])
+        total = sequence_sq_norms(a, g)
+        if layer.bias is not None:
+            total += _sq(tf.reduce_sum(g, axis=1))
+        return total
+
+
+def _parse_einsum(equation: str, input_rank: int):
+    """Split an EinsumDense equation into (input, kernel, output) letter strings.
+
+    ``...`` is replaced by fresh letters for the ``input_rank - len(spec)`` elided axes.
+    """
+    lhs, out = equation.replace(" ", "").split("->")
+    inp, ker = lhs.split(",")
+    if "..." in inp:
+        used = set(equation)
+        fresh = [c for c in string.ascii_letters if c not in used]
+        n = input_rank - len(inp.replace("...", ""))
+        if n < 0 or n > len(fresh):
+            raise ValueError(f"cannot expand '...' of {equation!r} for input rank {input_rank}")
+        filler = "".join(fresh[:n])
+        inp = inp.replace("...", filler)
+        out = out.replace("...", filler)
+    return inp, ker, out
+
+
+def einsum_structure(equation: str, input_rank: int):
+    """Classify the axes of an EinsumDense equation, or say why it is unsupported.
+
+    Returns ``(structure, reason)``: ``structure`` is a dict with the example letter,
+    position letters (input & output, not kernel), contracted letters (input &
+    kernel) and kernel-output letters (kernel & output); ``reason`` is ``None`` when
+    the equation is a batched dense map of that form, else a message.
+    """
+    try:
+        inp, ker, out = _parse_einsum(equation, input_rank)
+    except ValueError as err:
+        return None, str(err)
+    example = inp[0]
+    if not out or out[0] != example or example in ker:
+        return None, f"equation {equation!r}: the first (example) axis must map to the first output axis"
+    positions, contracted, kernel_out = [], [], []
+    for c in inp[1:]:
+        in_k, in_o = c in ker, c in out
+        if in_k and not in_o:
+            contracted.append(c)
+        elif in_o and not in_k:
+            positions.append(c)
+        else:
+            return None, f"equation {equation!r}: axis {c!r} is shared by input, kernel and output or summed away"
+    for c in ker:
+        if c in out and c not in inp:
+            kernel_out.append(c)
+        elif c not in inp:
+            return None, f"equation {equation!r}: kernel axis {c!r} is summed away"
+    return {
+        "input": inp,
+        "output": out,
+        "example": example,
+        "positions": positions,
+        "contracted": contracted,
+        "kernel_out": kernel_out,
+    }, None
+
+
+class EinsumDenseRule(DenseRule):
+    """``keras.layers.EinsumDense`` whose equation is a batched dense map.
+
+    Every input axis other than the first (examples) is either contracted with the
+    kernel or carried to the output (a position); every kernel axis is contracted or
+    an output axis. The MultiHeadAttention projections are of this form.
+    """
+
+    classes = (keras.layers.EinsumDense,)
+    kind = "EinsumDense"
+
+    def check(self, layer):
+        reason = super().check(layer)
+        if reason:
+            return reason
+        rank = getattr(layer, "_ghost_input_rank", None)
+        if rank is None:
+            try:
+                rank = len(layer.input.shape)
+            except Exception:  # unbuilt graph, shared layer, ...
+                rank = None
+        if rank is None:
+            inp = layer.equation.split(",")[0]
+            if "..." in inp:
+                return None  # checked again at call time
+            rank = len(inp)
+        _, reason = einsum_structure(layer.equation, rank)
+        return reason
+
+    def forward(self, layer, original_call, record, inputs, *args, **kwargs):
+        z = keras.ops.einsum(layer.equation, inputs, layer.kernel)
+        if layer.bias is not None:
+            z = keras.ops.add(z, layer.bias)
+        record(out=z, a=inputs)
+        return layer.activation(z) if layer.activation is not None else z
+
+    def _sequence(self, layer, a, g):
+        st, reason = einsum_structure(layer.equation, a.shape.rank)
+        if reason:
+            raise ValueError(f"EinsumDense layer '{layer.name}' is not supported by ghost clipping: {reason}")
+        inp, out = st["input"], st["output"]
+        a_perm = [inp.index(c) for c in [st["example"], *st["positions"], *st["contracted"]]]
+        g_perm = [out.index(c) for c in [st["example"], *st["positions"], *st["kernel_out"]]]
+        a = tf.transpose(a, a_perm)
+        g = tf.transpose(g, g_perm)
+        kshape = dict(zip(layer.equation.split("->")[0].split(",")[1], layer.kernel.shape))
+        d_in = 1
+        for c in st["contracted"]:
+            d_in *= kshape[c]
+        d_out = 1
+        for c in st["kernel_out"]:
+            d_out *= kshape[c]
+        p = tf.shape(a)[0]
+        return tf.reshape(a, [p, -1, d_in]), tf.reshape(g, [p, -1, d_out])
+
+    def sq_norms(self, layer, calls):
+        dtype = _norm_dtype(calls[0]["g"].dtype)
+        pairs = [
+            self._sequence(layer, tf.cast(tf.stop_gradient(c["a"]), dtype), tf.cast(c["g"], dtype))
+            for c in calls
+        ]
+        total = sequence_sq_norms(
+            _concat_positions([p[0] for p in pairs]), _concat_positions([p[1] for p in pairs])
+        )
+        if layer.bias is not None:
+            bias_grad = tf.add_n(
+                [_bias_grad(tf.cast(c["g"], dtype), tuple(layer.bias.shape)) for c in calls]
+            )
+            total += _sq(bias_grad)
+        return total
+
+
+class EmbeddingRule(_Rule):
+    """``keras.layers.Embedding``: rows of the table are gathered by token id."""
+
+    classes = (keras.layers.Embedding,)
+    kind = "Embedding"
+
+    def expected_variables(self, layer):
+        return [layer.embeddings]
+
+    def forward(self, layer, original_call, record, inputs, *args, **kwargs):
+        out = original_call(inputs, *args, **kwargs)
+        record(out=out, ids=inputs)
+        return out
+
+    def sq_norms(self, layer, calls):
+        dtype = _norm_dtype(calls[0]["g"].dtype)
+        vocabulary, d = layer.embeddings.shape
+        ids, gs = [], []
+        for c in calls:
+            p = tf.shape(c["g"])[0]
+            ids.append(tf.reshape(tf.cast(c["ids"], tf.int64), [p, -1]))
+            gs.append(tf.reshape(tf.cast(c["g"], dtype), [p, -1, d]))
+        return token_sq_norms(_concat_positions(ids), _concat_positions(gs), int(vocabulary))
+
+
+class ConvRule(_Rule):
+    """``keras.layers.Conv1D`` / ``Conv2D`` with ``groups=1``.
+
+    Input patches are unfolded with ``tf.image.extract_patches`` (same padding,
+    strides and dilation as the convolution) to (P, L, k·k·c_in) and the sequence
+    rule of :func:`sequence_sq_norms` is applied with g of shape (P, L, c_out).
+    """
+
+    classes = (keras.layers.Conv1D, keras.layers.Conv2D)
+    kind = "Conv"
+
+    def matches(self, layer) -> bool:
+        # exactly Conv1D/Conv2D (not the transposed, separable or depthwise classes,
+        # nor subclasses that may change the convolution).
+        return type(layer) in self.classes
+
+    def expected_variables(self, layer):
+        return [layer.kernel, layer.bias if layer.use_bias else None]
+
+    def check(self, layer):
+        reason = super().check(layer)
+        if reason:
+            return reason
+        if layer.groups != 1:
+            return f"groups={layer.groups} (only groups=1 is supported)"
+        if layer.padding not in ("valid", "same", "causal"):
+            return f"padding={layer.padding!r}"
+        return None
+
+    def forward(self, layer, original_call, record, inputs, *args, **kwargs):
+        x, padding = inputs, layer.padding
+        if padding == "causal":
+            x, padding = keras.ops.pad(x, layer._compute_causal_padding()), "valid"
+        z = keras.ops.conv(
+            x,
+            layer.kernel,
+            strides=list(layer.strides),
+            padding=padding,
+            dilation_rate=layer.dilation_rate,
+            data_format=layer.data_format,
+        )
+        if layer.use_bias:
+            if layer.data_format == "channels_last":
+                shape = (1,) * (layer.rank + 1) + (layer.filters,)
+            else:
+                shape = (1, layer.filters) + (1,) * layer.rank
+            z = keras.ops.add(z, keras.ops.reshape(layer.bias, shape))
+        record(out=z, a=inputs)
+        return layer.activation(z) if layer.activation is not None else z
+
+    def _patches(self, layer, a):
+        if layer.data_format == "channels_first":
+            a = tf.transpose(a, [0, *range(2, layer.rank + 2), 1])
+        ks, st, dr = list(layer.kernel_size), list(layer.strides), list(layer.dilation_rate)
+        padding = layer.padding
+        if layer.rank == 1:
+            if padding == "causal":
+                a = tf.pad(a, [[0, 0], [dr[0] * (ks[0] - 1), 0], [0, 0]])
+                padding = "valid"
+            a = a[:, None]
+            ks, st, dr = [1, *ks], [1, *st], [1, *dr]
+        patches = tf.image.extract_patches(
+            a,
+            sizes=[1, *ks, 1],
+            strides=[1, *st, 1],
+            rates=[1, *dr, 1],
+            padding=padding.upper(),
+        )
+        return tf.reshape(patches, [tf.shape(a)[0], -1, patches.shape[-1]])
+
+    def sq_norms(self, layer, calls):
+        dtype = _norm_dtype(calls[0]["g"].dtype)
+        aa, gg = [], []
+        for c in calls:
+            g = tf.cast(c["g"], dtype)
+            if layer.data_format == "channels_first":
+                g = tf.transpose(g, [0, *range(2, layer.rank + 2), 1])
+            aa.append(self._patches(layer, tf.cast(tf.stop_gradient(c["a"]), dtype)))
+            gg.append(tf.reshape(g, [tf.shape(g)[0], -1, layer.filters]))
+        a, g = _concat_positions(aa), _concat_positions(gg)
+        total = sequence_sq_norms(a, g)
+        if layer.use_bias:
+            total += _sq(tf.reduce_sum(g, axis=1))
+        return total
+
+
+class _NormalizationRule(_Rule):
+    """Scale ``gamma`` and offset ``beta`` of a per-example normalisation.
+
+    The per-example gradients are ``Σ_positions g ⊙ x̂`` (gamma) and ``Σ_positions g``
+    (beta) per parameter entry, with x̂ the normalised input recomputed here.
+    """
+
+    def expected_variables(self, layer):
+        return [layer.gamma, layer.beta]
+
+    def forward(self, layer, original_call, record, inputs, *args, **kwargs):
+        out = original_call(inputs, *args, **kwargs)
+        record(out=out, xhat=tf.stop_gradient(self.normalised(layer, inputs)))
+        return out
+
+    def param_axes(self, layer, rank):
+        raise NotImplementedError
+
+    def sq_norms(self, layer, calls):
+        dtype = _norm_dtype(calls[0]["g"].dtype)
+        gamma_grads, beta_grads = [], []
+        for c in calls:
+            g = tf.cast(c["g"], dtype)
+            keep = self.param_axes(layer, g.shape.rank)
+            if layer.gamma is not None:
+                gamma_grads.append(_sum_over(g * tf.cast(c["xhat"], dtype), keep))
+            if layer.beta is not None:
+                beta_grads.append(_sum_over(g, keep))
+        total = 0.0
+        if gamma_grads:
+            total += _sq(tf.add_n(gamma_grads))
+        if beta_grads:
+            total += _sq(tf.add_n(beta_grads))
+        return total
+
+
+def _positive_axes(axis, rank):
+    axes = [axis] if isinstance(axis, int) else list(axis)
+    return sorted(a % rank for a in axes)
+
+
+class LayerNormalizationRule(_NormalizationRule):
+    """``keras.layers.LayerNormalization`` (also ``rms_scaling=True``)."""
+
+    classes = (keras.layers.LayerNormalization,)
+    kind = "LayerNormalization"
+
+    def check(self, layer):
+        reason = super().check(layer)
+        if reason:
+            return reason
+        axes = [layer.axis] if isinstance(layer.axis, int) else list(layer.axis)
+        if any(a == 0 for a in axes):
+            return "normalises over the example axis 0 (mixes examples)"
+        return None
+
+    def param_axes(self, layer, rank):
+        return _positive_axes(layer.axis, rank)
+
+    def normalised(self, layer, inputs):
+        compute = tf.float64 if tf.as_dtype(inputs.dtype) == tf.float64 else tf.float32
+        x = tf.cast(inputs, compute)
+        axes = _positive_axes(layer.axis, x.shape.rank)
+        if 0 in axes:
+            raise ValueError(f"LayerNormalization '{layer.name}' normalises over the example axis.")
+        mean, variance = tf.nn.moments(x, axes=axes, keepdims=True)
+        inv = tf.math.rsqrt(variance + layer.epsilon)
+        return x * inv if layer.rms_scaling else (x - mean) * inv
+
+
+class GroupNormalizationRule(_NormalizationRule):
+    """``keras.layers.GroupNormalization`` (groups along ``axis``, one gamma per channel)."""
+
+    classes = (keras.layers.GroupNormalization,)
+    kind = "GroupNormalization"
+
+    def param_axes(self, layer, rank):
+        return [layer.axis % rank]
+
+    def normalised(self, layer, inputs):
+        compute = tf.float64 if tf.as_dtype(inputs.dtype) == tf.float64 else tf.float32
+        x = tf.cast(inputs, compute)
+        rank = x.shape.rank
+        axis = layer.axis % rank
+        if axis == 0:
+            raise ValueError(f"GroupNormalization '{layer.name}' groups along the example axis.")
+        shape = tf.shape(x)
+        static = x.shape.as_list()
+        group_shape = [shape[k] if static[k] is None else static[k] for k in range(rank)]
+        channels = group_shape[axis]
+        group_shape[0] = -1
+        group_shape[axis] = channels // layer.groups
+        group_shape.insert(axis, layer.groups)
+        grouped = tf.reshape(x, group_shape)
+        reduce_axes = [k for k in range(1, rank + 1) if k != axis]
+        mean, variance = tf.nn.moments(grouped, axes=reduce_axes, keepdims=True)
+        xhat = (grouped - mean) * tf.math.rsqrt(variance + layer.epsilon)
+        return tf.reshape(xhat, shape)
+
+
+RULES = (
+    EinsumDenseRule(),
+    DenseRule(),
+    EmbeddingRule(),
+    ConvRule(),
+    LayerNormalizationRule(),
+    GroupNormalizationRule(),
+)
+
+
+def find_rule(layer):
+    """The rule for ``layer``'s class, or ``None``."""
+    for rule in RULES:
+        if rule.matches(layer):
+            return rule
+    return None

@@ -1,0 +1,407 @@
+"""Ghost-norm clipping equals per-example clipping, layer type by layer type.
+
+Every check compares ``ghost_clipped_sum`` against two independent computations:
+a Python loop over single examples with ``tf.GradientTape`` written here, and the
+vectorized engine of ``clipping.py``. Models are float64 so the tolerance (rtol 1e-5)
+measures the method, not round-off. The clip ζ is set to the median norm so that
+some examples are clipped and some are not; weights include zeros (padding of the
+batch sampler) and non-unit sample weights.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import keras
+
+from keras_noisecurve.training.clipping import vectorized_clipped_sum
+from keras_noisecurve.training.ghost import ghost_clipped_sum, supports
+from keras_noisecurve.training import ghost_layers
+
+P = 6
+RTOL = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def float64():
+    old = keras.config.floatx()
+    keras.config.set_floatx("float64")
+    keras.utils.set_random_seed(0)
+    yield
+    keras.config.set_floatx(old)
+
+
+def mse(y, p):
+    """Per-example mean squared error over every non-example axis: (P,)."""
+    d = tf.cast(y, p.dtype) - p
+    return tf.reduce_mean(tf.square(d), axis=list(range(1, d.shape.rank)))
+
+
+def weights_with_padding(rng, n=P):
+    w = rng.uniform(0.5, 2.0, size=n)
+    w[1] = 0.0  # a padded example
+    return w
+
+
+def loop_reference(model, loss_fn, x, y, w, clip):
+    """Per-example gradients one example at a time: norms (P,) and the clipped sum."""
+    variables = model.trainable_variables
+    total = [np.zeros(v.shape) for v in variables]
+    norms = []
+    for i in range(len(w)):
+        xi = tf.nest.map_structure(lambda t: t[i : i + 1], x)
+        with tf.GradientTape() as tape:
+            loss = w[i] * loss_fn(y[i : i + 1], model(xi, training=False))[0]
+        grads = [tf.convert_to_tensor(g).numpy() for g in tape.gradient(loss, variables, unconnected_gradients="zero")]
+        norm = np.sqrt(sum(np.sum(g**2) for g in grads))
+        norms.append(norm)
+        factor = 1.0 if norm == 0 else min(1.0, clip / norm)
+        for k, g in enumerate(grads):
+            total[k] += factor * g
+    return np.array(norms), total
+
+
+def assert_close_grads(got, want):
+    scale = max(np.max(np.abs(g)) for g in want)
+    for g, r in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), r, rtol=RTOL, atol=RTOL * scale)
+
+
+def check_model(model, x, y, *, loss_fn=mse, seed=0, engine_kwargs=None, vectorized=True):
+    rng = np.random.default_rng(seed)
+    w = weights_with_padding(rng)
+    ok, reason = supports(model)
+    assert ok, reason
+    norms_unclipped, _ = loop_reference(model, loss_fn, x, y, w, np.inf)
+    assert np.count_nonzero(norms_unclipped) == P - 1  # only the padded example has norm 0
+    clip = float(np.median(norms_unclipped[norms_unclipped > 0]))
+    norms_ref, sum_ref = loop_reference(model, loss_fn, x, y, w, clip)
+    got = ghost_clipped_sum(model, loss_fn, x, y, w, l2_norm_clip=clip, training=False, **(engine_kwargs or {}))
+    np.testing.assert_allclose(got.norms.numpy(), norms_ref, rtol=RTOL, atol=1e-12)
+    assert got.norms.numpy()[1] == 0.0
+    assert_close_grads(got.grads, sum_ref)
+    np.testing.assert_allclose(got.per_example_loss.numpy(), mse(y, model(x)).numpy() if loss_fn is mse else
+                               loss_fn(y, model(x)).numpy(), rtol=1e-12)
+    assert len(got.grads) == len(model.trainable_variables)
+    if vectorized:
+        vec = vectorized_clipped_sum(model, loss_fn, x, y, w, l2_norm_clip=clip, training=False)
+        np.testing.assert_allclose(got.norms.numpy(), vec.norms.numpy(), rtol=RTOL, atol=1e-12)
+        assert_close_grads(got.grads, [np.asarray(g) for g in vec.grads])
+    return got
+
+
+# ----------------------------------------------------------------- layer types
+
+
+def test_dense_rank2_fused_activations():
+    rng = np.random.default_rng(1)
+    model = keras.Sequential(
+        [
+            keras.Input((5,)),
+            keras.layers.Dense(7, activation="tanh"),
+            keras.layers.Dense(4, activation="softplus", use_bias=False),
+            keras.layers.Dense(3),
+        ]
+    )
+    check_model(model, rng.normal(size=(P, 5)), rng.normal(size=(P, 3)))
+
+
+@pytest.mark.parametrize("length,width", [(3, 16), (12, 2)], ids=["gram", "materialised"])
+def test_dense_and_einsum_dense_on_sequences(length, width):
+    # L² < d_in·d_out selects the Gram form, else the per-example gradient.
+    rng = np.random.default_rng(2)
+    d_in = width
+    model = keras.Sequential(
+        [
+            keras.Input((length, d_in)),
+            keras.layers.Dense(width, activation="relu"),
+            keras.layers.EinsumDense("abc,cd->abd", output_shape=(None, width), bias_axes="d", activation="tanh"),
+            keras.layers.EinsumDense("...b,bc->...c", output_shape=3, bias_axes="c"),
+        ]
+    )
+    first = model.layers[0]
+    d = first.kernel.shape[0] * first.kernel.shape[1]
+    assert (length * length < d) == (length == 3)
+    check_model(model, rng.normal(size=(P, length, d_in)), rng.normal(size=(P, length, 3)))
+
+
+def test_einsum_dense_multi_axis_and_partial_bias():
+    # input (P, L, c) -> (P, L, h, k) with bias on one output axis only, then back.
+    rng = np.random.default_rng(3)
+    model = keras.Sequential(
+        [
+            keras.Input((4, 5)),
+            keras.layers.EinsumDense("abc,cde->abde", output_shape=(4, 2, 3), bias_axes="e"),
+            keras.layers.EinsumDense("abde,dec->abc", output_shape=(4, 2), bias_axes="bc"),
+        ]
+    )
+    check_model(model, rng.normal(size=(P, 4, 5)), rng.normal(size=(P, 4, 2)))
+
+
+@pytest.mark.parametrize("length,vocab", [(9, 5), (30, 3)], ids=["gram", "segment-sum"])
+def test_embedding_with_repeated_tokens(length, vocab):
+    rng = np.random.default_rng(4)
+    ids = rng.integers(0, vocab, size=(P, length)).astype("int32")
+    assert all(len(set(row)) < length for row in ids)  # every example repeats tokens
+    model = keras.Sequential(
+        [
+            keras.Input((length,), dtype="int32"),
+            keras.layers.Embedding(vocab, 4),
+            keras.layers.Dense(2, activation="tanh"),
+            keras.layers.Flatten(),
+            keras.layers.Dense(2),
+        ]
+    )
+    check_model(model, ids, rng.normal(size=(P, 2)))
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(strides=1, padding="valid"),
+        dict(strides=2, padding="same"),
+        dict(strides=1, padding="causal", dilation_rate=2),
+    ],
+    ids=["valid", "stride2-same", "causal-dilated"],
+)
+def test_conv1d(kwargs):
+    rng = np.random.default_rng(5)
+    model = keras.Sequential(
+        [
+            keras.Input((10, 3)),
+            keras.layers.Conv1D(4, 3, activation="tanh", **kwargs),
+            keras.layers.Flatten(),
+            keras.layers.Dense(2),
+        ]
+    )
+    check_model(model, rng.normal(size=(P, 10, 3)), rng.normal(size=(P, 2)))
+
+
+@pytest.mark.parametrize(
+    "strides,padding,dilation",
+    [(1, "same", 1), (1, "valid", 1), (2, "same", 1), (2, "valid", 1), (1, "same", 2)],
+)
+def test_conv2d(strides, padding, dilation):
+    rng = np.random.default_rng(6)
+    model = keras.Sequential(
+        [
+            keras.Input((7, 8, 3)),
+            keras.layers.Conv2D(
+                4, (3, 2), strides=strides, padding=padding, dilation_rate=dilation, activation="relu"
+            ),
+            keras.layers.Conv2D(2, 1, use_bias=False),
+            keras.layers.Flatten(),
+            keras.layers.Dense(2),
+        ]
+    )
+    check_model(model, rng.normal(size=(P, 7, 8, 3)), rng.normal(size=(P, 2)))
+
+
+def test_layer_and_group_normalization():
+    rng = np.random.default_rng(7)
+    model = keras.Sequential(
+        [
+            keras.Input((6, 6, 4)),
+            keras.layers.Conv2D(6, 3, padding="same"),
+            keras.layers.GroupNormalization(groups=3),
+            keras.layers.Activation("relu"),
+            keras.layers.LayerNormalization(axis=[-2, -1]),
+            keras.layers.LayerNormalization(center=False),
+            keras.layers.GlobalAveragePooling2D(),
+            keras.layers.Dense(2),
+        ]
+    )
+    # non-trivial gamma/beta so every term of the normalisation gradients matters
+    for layer in model.layers:
+        for v in layer.trainable_variables:
+            if "gamma" in v.path or "beta" in v.path:
+                v.assign(rng.normal(1.0, 0.5, size=v.shape))
+    check_model(model, rng.normal(size=(P, 6, 6, 4)), rng.normal(size=(P, 2)))
+
+
+def test_multi_head_attention_transformer_block():
+    rng = np.random.default_rng(8)
+    inputs = keras.Input((5, 8))
+    h = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4)(inputs, inputs)
+    h = keras.layers.LayerNormalization()(inputs + h)
+    f = keras.layers.Dense(16, activation="gelu")(h)
+    f = keras.layers.Dense(8)(f)
+    h = keras.layers.LayerNormalization()(h + f)
+    outputs = keras.layers.Dense(2)(keras.layers.GlobalAveragePooling1D()(h))
+    model = keras.Model(inputs, outputs)
+    check_model(model, rng.normal(size=(P, 5, 8)), rng.normal(size=(P, 2)))
+
+
+def test_shared_layer_and_nested_sequential():
+    # A Dense applied twice (its per-example gradient is the sum over both calls) and
+    # a nested Sequential block.
+    rng = np.random.default_rng(9)
+    shared = keras.layers.Dense(4, activation="tanh")
+    block = keras.Sequential([keras.layers.Dense(5), keras.layers.LayerNormalization()])
+    a, b = keras.Input((3,)), keras.Input((3,))
+    h = keras.layers.Concatenate()([shared(a), shared(b)])
+    outputs = keras.layers.Dense(2)(block(h))
+    model = keras.Model([a, b], outputs)
+    x = [rng.normal(size=(P, 3)), rng.normal(size=(P, 3))]
+    check_model(model, x, rng.normal(size=(P, 2)))
+
+
+def test_sparse_categorical_crossentropy_and_sample_weights():
+    rng = np.random.default_rng(10)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(3)])
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+    check_model(model, rng.normal(size=(P, 4)), rng.integers(0, 3, size=(P,)), loss_fn=loss)
+
+
+# --------------------------------------------------------- refusals and support
+
+
+class Scale(keras.layers.Layer):
+    """A custom layer with its own trainable weight (no ghost rule)."""
+
+    def build(self, input_shape):
+        self.s = self.add_weight(shape=(input_shape[-1],), initializer="ones")
+
+    def call(self, x):
+        return x * self.s
+
+
+def test_custom_layer_is_unsupported_and_named():
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(3), Scale(name="my_scale"), keras.layers.Dense(1)])
+    ok, reason = supports(model)
+    assert not ok
+    assert "Scale" in reason and "my_scale" in reason
+    with pytest.raises(ValueError, match="my_scale"):
+        ghost_clipped_sum(model, mse, np.zeros((2, 3)), np.zeros((2, 1)), None, l2_norm_clip=1.0)
+
+
+def test_frozen_custom_layer_is_fine():
+    custom = Scale(name="frozen_scale")
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(3), custom, keras.layers.Dense(1)])
+    custom.trainable = False
+    assert supports(model) == (True, "")
+
+
+def test_batch_norm_refused_in_supports_and_at_call():
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(3), keras.layers.BatchNormalization(name="bn")])
+    ok, reason = supports(model)
+    assert not ok and "BatchNormalization" in reason and "'bn'" in reason and "mixes examples" in reason
+    with pytest.raises(ValueError, match="mixes examples"):
+        ghost_clipped_sum(model, mse, np.zeros((2, 3)), np.zeros((2, 3)), None, l2_norm_clip=1.0)
+
+
+def test_unsupported_configurations_are_named():
+    grouped = keras.Sequential([keras.Input((5, 5, 4)), keras.layers.Conv2D(4, 3, groups=2, name="gconv")])
+    ok, reason = supports(grouped)
+    assert not ok and "gconv" in reason and "groups=2" in reason
+    depthwise = keras.Sequential([keras.Input((5, 5, 4)), keras.layers.DepthwiseConv2D(3, name="dw")])
+    ok, reason = supports(depthwise)
+    assert not ok and "DepthwiseConv2D" in reason and "'dw'" in reason
+    per_head = keras.Sequential(
+        [keras.Input((2, 3)), keras.layers.EinsumDense("abc,bcd->abd", output_shape=(2, 4), name="perhead")]
+    )
+    ok, reason = supports(per_head)
+    assert not ok and "perhead" in reason
+
+
+def test_argument_validation():
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    x, y = np.zeros((2, 3)), np.zeros((2, 1))
+    with pytest.raises(ValueError, match="l2_norm_clip"):
+        ghost_clipped_sum(model, mse, x, y, None, l2_norm_clip=0.0)
+    with pytest.raises(ValueError, match="microbatch_size"):
+        ghost_clipped_sum(model, mse, x, y, None, l2_norm_clip=1.0, microbatch_size=0)
+    with pytest.raises(ValueError, match=r"shape \(P,\)"):
+        ghost_clipped_sum(model, lambda yt, yp: yp, x, y, None, l2_norm_clip=1.0)
+
+
+# ------------------------------------------------ graph mode, chunks, replicas
+
+
+def _small_seq_model():
+    return keras.Sequential(
+        [
+            keras.Input((None, 4)),
+            keras.layers.Dense(6, activation="tanh"),
+            keras.layers.LayerNormalization(),
+            keras.layers.Dense(2),
+        ]
+    )
+
+
+def test_tf_function_with_unknown_batch_and_length_matches_eager():
+    # dynamic L exercises the tf.cond choice between the Gram and materialised forms
+    rng = np.random.default_rng(11)
+    model = _small_seq_model()
+    x, y = rng.normal(size=(P, 5, 4)), rng.normal(size=(P, 5, 2))
+    w = weights_with_padding(rng)
+    spec = [tf.TensorSpec([None, None, 4], tf.float64), tf.TensorSpec([None, None, 2], tf.float64),
+            tf.TensorSpec([None], tf.float64)]
+
+    @tf.function(input_signature=spec)
+    def step(x, y, w):
+        out = ghost_clipped_sum(model, mse, x, y, w, l2_norm_clip=0.3)
+        return out.grads, out.norms
+
+    grads, norms = step(x, y, w)
+    norms_ref, sum_ref = loop_reference(model, mse, x, y, w, 0.3)
+    np.testing.assert_allclose(norms.numpy(), norms_ref, rtol=RTOL)
+    assert_close_grads(grads, sum_ref)
+    assert "call" not in model.layers[0].__dict__  # wrappers removed after tracing
+
+
+def test_microbatches_give_the_same_result():
+    rng = np.random.default_rng(12)
+    model = _small_seq_model()
+    x, y = rng.normal(size=(P, 5, 4)), rng.normal(size=(P, 5, 2))
+    w = weights_with_padding(rng)
+    full = ghost_clipped_sum(model, mse, x, y, w, l2_norm_clip=0.3)
+    chunked = tf.function(
+        lambda: ghost_clipped_sum(model, mse, x, y, w, l2_norm_clip=0.3, microbatch_size=4)
+    )()
+    np.testing.assert_allclose(chunked.norms.numpy(), full.norms.numpy(), rtol=1e-10)
+    np.testing.assert_allclose(chunked.y_pred.numpy(), full.y_pred.numpy(), rtol=1e-10)
+    assert_close_grads(chunked.grads, [g.numpy() for g in full.grads])
+
+
+def test_mirrored_strategy_replica_sums_equal_the_full_batch():
+    devices = tf.config.list_logical_devices("CPU")
+    if len(devices) < 2:
+        pytest.skip("needs the two logical CPU devices of tests/conftest.py")
+    rng = np.random.default_rng(13)
+    strategy = tf.distribute.MirroredStrategy([d.name for d in devices[:2]])
+    with strategy.scope():
+        model = _small_seq_model()
+    x, y = rng.normal(size=(8, 5, 4)), rng.normal(size=(8, 5, 2))
+    w = weights_with_padding(rng, 8)
+
+    @tf.function
+    def replica_step(x, y, w):
+        return ghost_clipped_sum(model, mse, x, y, w, l2_norm_clip=0.3).grads
+
+    def value_fn(ctx):
+        i = ctx.replica_id_in_sync_group
+        s = slice(4 * i, 4 * i + 4)
+        return x[s], y[s], w[s]
+
+    args = strategy.experimental_distribute_values_from_function(
+        lambda ctx: tuple(tf.constant(a) for a in value_fn(ctx))
+    )
+    per_replica = strategy.run(replica_step, args=args)
+    summed = [strategy.reduce(tf.distribute.ReduceOp.SUM, g, axis=None).numpy() for g in per_replica]
+    _, sum_ref = loop_reference(model, mse, x, y, w, 0.3)
+    assert_close_grads(summed, sum_ref)
+
+
+def test_sequence_sq_norms_both_forms_agree_with_materialised():
+    rng = np.random.default_rng(14)
+    a = tf.constant(rng.normal(size=(3, 4, 5)))
+    g = tf.constant(rng.normal(size=(3, 4, 2)))
+    want = np.array([np.sum((a.numpy()[i].T @ g.numpy()[i]) ** 2) for i in range(3)])
+    np.testing.assert_allclose(ghost_layers.sequence_sq_norms(a, g).numpy(), want, rtol=1e-12)  # materialised
+    np.testing.assert_allclose(
+        ghost_layers.sequence_sq_norms(a[:, :3], g[:, :3]).numpy(),
+        [np.sum((a.numpy()[i, :3].T @ g.numpy()[i, :3]) ** 2) for i in range(3)],
+        rtol=1e-12,
+    )  # Gram (9 < 10)
