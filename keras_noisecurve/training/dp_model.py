@@ -39,29 +39,14 @@ def _num_replicas() -> int:
     return ctx.num_replicas_in_sync
 
 
-@keras.saving.register_keras_serializable(package=_PACKAGE)
-class DPModel(keras.Model):
-    """A ``keras.Model`` trained with per-example clipping and a ``DPOptimizer``.
+class _PrivateTraining:
+    """The private ``train_step`` and ``compile`` shared by ``DPModel`` and ``PrivateModel``.
 
-    Use it as a functional model, ``DPModel(inputs, outputs, clipping="auto")``, or
-    wrap any model with :func:`make_private`.
-
-    Args:
-      clipping: the clipping engine: ``"auto"`` (ghost-norm clipping when
-        ``keras_noisecurve.training.ghost`` supports the model, else vectorized),
-        ``"vectorized"`` or ``"ghost"``.
-      microbatch_size: evaluate per-example gradients in chunks of this many
-        examples to bound memory (``None``: the whole batch at once).
-      *args, **kwargs: as ``keras.Model``.
-
-    ``compile`` requires a ``DPOptimizer`` (or ``NoiseCurveOptimizer``) and a single
-    loss; BatchNormalization layers and activity regularizers are refused.
-    The logged ``loss`` is Σ_i w_i·loss_i / Σ_i w_i over the batch (mask-weighted,
-    without the regularisation term).
+    (A mixin rather than a base class: Keras turns ``DPModel`` into a ``Functional``
+    subclass when it is built from inputs/outputs, which must not affect ``PrivateModel``.)
     """
 
-    def __init__(self, *args, clipping="auto", microbatch_size=None, **kwargs):
-        super().__init__(*args, **kwargs)
+    def _dp_setup(self, clipping, microbatch_size):
         self._dp_clipping = check_choice("clipping", clipping, ENGINES)
         if microbatch_size is not None:
             microbatch_size = check_int("microbatch_size", microbatch_size, minimum=1)
@@ -141,6 +126,32 @@ class DPModel(keras.Model):
         self._loss_tracker.update_state(losses, sample_weight=weights)
         return self.compute_metrics(x, y, clipped.y_pred, sample_weight=sample_weight)
 
+
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class DPModel(_PrivateTraining, keras.Model):
+    """A ``keras.Model`` trained with per-example clipping and a ``DPOptimizer``.
+
+    Use it as a functional model, ``DPModel(inputs, outputs, clipping="auto")``, or
+    wrap any model with :func:`make_private`.
+
+    Args:
+      clipping: the clipping engine: ``"auto"`` (ghost-norm clipping when
+        ``keras_noisecurve.training.ghost`` supports the model, else vectorized),
+        ``"vectorized"`` or ``"ghost"``.
+      microbatch_size: evaluate per-example gradients in chunks of this many
+        examples to bound memory (``None``: the whole batch at once).
+      *args, **kwargs: as ``keras.Model``.
+
+    ``compile`` requires a ``DPOptimizer`` (or ``NoiseCurveOptimizer``) and a single
+    loss; BatchNormalization layers and activity regularizers are refused.
+    The logged ``loss`` is Σ_i w_i·loss_i / Σ_i w_i over the batch (mask-weighted,
+    without the regularisation term).
+    """
+
+    def __init__(self, *args, clipping="auto", microbatch_size=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._dp_setup(clipping, microbatch_size)
+
     def get_config(self):
         config = super().get_config()
         config.update({"clipping": self._dp_clipping, "microbatch_size": self._dp_microbatch_size})
@@ -148,8 +159,8 @@ class DPModel(keras.Model):
 
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)
-class PrivateModel(DPModel):
-    """``DPModel`` wrapping an existing model (what :func:`make_private` returns).
+class PrivateModel(_PrivateTraining, keras.Model):
+    """A private model wrapping an existing model (what :func:`make_private` returns).
 
     Args:
       model: any Keras model (Sequential, functional or subclassed). Its weights
@@ -158,7 +169,8 @@ class PrivateModel(DPModel):
     """
 
     def __init__(self, model, clipping="auto", microbatch_size=None, **kwargs):
-        super().__init__(clipping=clipping, microbatch_size=microbatch_size, **kwargs)
+        super().__init__(**kwargs)
+        self._dp_setup(clipping, microbatch_size)
         if not isinstance(model, keras.Model):
             raise ValueError(f"model must be a keras.Model, got {type(model).__name__}.")
         self.inner = model
@@ -169,7 +181,11 @@ class PrivateModel(DPModel):
 
     def build(self, input_shape=None):
         if not self.inner.built and input_shape is not None:
-            self.inner.build(input_shape)
+            if type(self.inner).build is not keras.Model.build:
+                self.inner.build(input_shape)
+            else:  # a subclassed model without build(): create its weights by a call
+                shape = [1 if d is None else d for d in input_shape]
+                self.inner(tf.zeros(shape))
         self.built = True
 
     def get_config(self):
