@@ -11,7 +11,27 @@ import importlib
 from keras_noisecurve.spectrum.artifact import Spectrum
 
 # name -> submodule, loaded lazily (they import TensorFlow)
-_LAZY = {}
+_LAZY = {
+    # numpy / scipy only
+    "lanczos_top_k": "keras_noisecurve.spectrum.lanczos",
+    "LanczosResult": "keras_noisecurve.spectrum.lanczos",
+    "slq_count": "keras_noisecurve.spectrum.slq",
+    "SLQResult": "keras_noisecurve.spectrum.slq",
+    "fit_tail": "keras_noisecurve.spectrum.tail",
+    "tail_pairs": "keras_noisecurve.spectrum.tail",
+    "TailFit": "keras_noisecurve.spectrum.tail",
+    "dominance_ratio": "keras_noisecurve.spectrum.certificate",
+    "exact_eigenvalues": "keras_noisecurve.spectrum.dense",
+    # TensorFlow / Keras
+    "HessianOperator": "keras_noisecurve.spectrum.hvp",
+    "dense_hessian": "keras_noisecurve.spectrum.dense",
+    "exact_moments": "keras_noisecurve.spectrum.moments",
+    "moment_layers": "keras_noisecurve.spectrum.moments",
+    "estimate_spectrum": "keras_noisecurve.spectrum.estimate",
+    "upper_bound_hessian": "keras_noisecurve.spectrum.estimate",
+    "clipping_scale": "keras_noisecurve.spectrum.clipping",
+    "DominanceCertificate": "keras_noisecurve.spectrum.dominance",
+}
 
 __all__ = ["Spectrum"] + sorted(_LAZY)
 

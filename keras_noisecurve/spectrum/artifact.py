@@ -119,6 +119,45 @@ class Spectrum:
             raise ValueError("expanded() needs integer multiplicities; this spectrum has fractional ones.")
         return np.repeat(self._eigenvalues, np.round(mult).astype(np.int64))
 
+    def scaled(self, factor: float) -> "Spectrum":
+        """A spectrum with every eigenvalue multiplied by ``factor`` > 0 (same multiplicities).
+
+        Used for clipping-aware curvature: with per-example clipping the mean clipped
+        gradient is ≈ s·∇L, so GD sees s·H (``clipping_scale``). The factor is recorded in
+        ``metadata["scale_factors"]`` (a list, in order of application).
+        """
+        if isinstance(factor, bool) or not isinstance(factor, (int, float, np.integer, np.floating)):
+            raise TypeError(f"factor must be a real number, got {factor!r} ({type(factor).__name__}).")
+        factor = float(factor)
+        if not np.isfinite(factor) or factor <= 0:
+            raise ValueError(f"factor must be finite and > 0, got {factor}.")
+        meta = self.metadata
+        meta["scale_factors"] = list(meta.get("scale_factors", [])) + [factor]
+        return Spectrum(self._eigenvalues * factor, self._multiplicities, self._dimension, meta)
+
+    def tail_info(self) -> dict | None:
+        """Summary of the fitted tail (paper eq. 3), or ``None`` when there is none.
+
+        Returns a dict with the fit (``C``, ``alpha``, ``p_plus``, ``mu_min``, ``k``,
+        ``r2``, ``max_log_residual``, ``bins``, ``first_index``) plus ``tail_mass``
+        (Σ multiplicities of the tail bins) and ``tail_trace_fraction``
+        (the tail's share of Tr Ĥ), all from the metadata and the stored pairs.
+        """
+        tail = self._metadata.get("tail")
+        if not tail:
+            return None
+        info = dict(tail)
+        first = int(tail.get("first_index", 0))
+        # Tail pairs are the ones beyond the first (first_index − 1) unit-multiplicity values.
+        cum = np.cumsum(self._multiplicities)
+        in_tail = cum > first - 1 + 1e-9
+        info["tail_mass"] = float(self._multiplicities[in_tail].sum())
+        total = self.trace()
+        info["tail_trace_fraction"] = (
+            float(np.dot(self._eigenvalues[in_tail], self._multiplicities[in_tail]) / total) if total > 0 else 0.0
+        )
+        return info
+
     def digest(self) -> str:
         """SHA-256 of (eigenvalues, multiplicities, dimension), hex."""
         h = hashlib.sha256()

@@ -1,0 +1,209 @@
+"""Lanczos on a black-box symmetric matvec (numpy only, no TensorFlow).
+
+Used for the top-k eigenvalues of a Hessian upper bound Ĥ (paper §4.4) and, through
+``lanczos_tridiagonal``, by stochastic Lanczos quadrature (``slq.py``).
+
+Numerics: the Krylov basis and the tridiagonal matrix are float64; every new basis
+vector is orthogonalised against all previous ones twice (classical Gram-Schmidt,
+"twice is enough"), so no ghost eigenvalues appear. Memory is ``num_steps × p``
+float64 values (400 steps × 40k parameters ≈ 128 MB).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import numpy as np
+
+from keras_noisecurve._validation import check_float, check_int
+
+Matvec = Callable[[np.ndarray], np.ndarray]
+
+
+@dataclasses.dataclass(frozen=True)
+class LanczosResult:
+    """Output of ``lanczos_top_k``.
+
+    Attributes:
+      eigenvalues: (k,) Ritz values, descending (estimates of the k largest eigenvalues).
+      residuals: (k,) residual bounds |β_m · s_m| (the norm of A·y − θ·y for the Ritz
+        pair (θ, y)); an eigenvalue of A lies within this distance of θ.
+      converged: (k,) bool, residual ≤ ``tol · max|θ|``.
+      num_converged: number of leading Ritz values (from the top, contiguous) that converged.
+      num_steps: Lanczos steps taken (= matvecs).
+      num_matvecs: matvec calls.
+      eigenvectors: (p, k) Ritz vectors when requested, else ``None``.
+    """
+
+    eigenvalues: np.ndarray
+    residuals: np.ndarray
+    converged: np.ndarray
+    num_converged: int
+    num_steps: int
+    num_matvecs: int
+    eigenvectors: np.ndarray | None = None
+
+
+def _progress(total: int, verbose: bool, desc: str):
+    if not verbose:
+        return None
+    try:
+        from tqdm.auto import tqdm
+
+        return tqdm(total=total, desc=desc, leave=False)
+    except ImportError:  # pragma: no cover
+        return None
+
+
+def lanczos_tridiagonal(
+    matvec: Matvec,
+    start: np.ndarray,
+    num_steps: int,
+    *,
+    reorthogonalize: bool = True,
+    rng: np.random.Generator | None = None,
+    keep_basis: bool = True,
+    verbose: bool = False,
+    desc: str = "lanczos",
+):
+    """Run ``num_steps`` Lanczos steps from ``start``; return (alpha, beta, basis, matvecs).
+
+    Args:
+      matvec: v ↦ A·v for a symmetric A, (p,) float64 → (p,).
+      start: (p,) nonzero start vector (normalised here).
+      num_steps: m ≤ p.
+      reorthogonalize: full reorthogonalisation (twice) against every previous vector.
+      rng: used to restart with a fresh random direction when an invariant subspace is
+        found (β ≈ 0); the coupling β is then exactly 0 (block-diagonal T).
+      keep_basis: keep and return the (m, p) basis (needed for reorthogonalisation and
+        Ritz vectors).
+
+    Returns:
+      alpha: (m,) diagonal of T; beta: (m,) with beta[j] the coupling between steps j and
+      j+1 (beta[m-1] is the residual norm after the last step, used for residual bounds);
+      basis: (m, p) float64 or None; matvecs: number of matvec calls.
+    """
+    q = np.asarray(start, dtype=np.float64).reshape(-1)
+    p = q.size
+    m = check_int("num_steps", num_steps, minimum=1, maximum=p)
+    norm = np.linalg.norm(q)
+    if not np.isfinite(norm) or norm == 0:
+        raise ValueError("start vector must be finite and nonzero.")
+    q = q / norm
+    rng = rng if rng is not None else np.random.default_rng(0)
+    store = keep_basis or reorthogonalize
+    basis = np.zeros((m, p)) if store else None
+    alpha = np.zeros(m)
+    beta = np.zeros(m)
+    q_prev = np.zeros(p)
+    b_prev = 0.0
+    scale = 0.0
+    bar = _progress(m, verbose, desc)
+    for j in range(m):
+        if store:
+            basis[j] = q
+        w = np.asarray(matvec(q), dtype=np.float64).reshape(-1)
+        if w.shape != (p,):
+            raise ValueError(f"matvec must return a vector of shape ({p},), got {w.shape}.")
+        if not np.all(np.isfinite(w)):
+            raise FloatingPointError(f"matvec returned non-finite values at Lanczos step {j}.")
+        a = float(np.dot(q, w))
+        alpha[j] = a
+        w = w - a * q - b_prev * q_prev
+        if reorthogonalize:
+            for _ in range(2):
+                w -= basis[: j + 1].T @ (basis[: j + 1] @ w)
+        b = float(np.linalg.norm(w))
+        scale = max(scale, abs(a), b)
+        beta[j] = b
+        if bar is not None:
+            bar.update(1)
+        if j == m - 1:
+            break
+        if b <= 1e-12 * max(scale, 1e-300):
+            # Invariant subspace: restart in its orthogonal complement; T becomes block diagonal.
+            beta[j] = 0.0
+            for _ in range(5):
+                w = rng.standard_normal(p)
+                if store:
+                    for _ in range(2):
+                        w -= basis[: j + 1].T @ (basis[: j + 1] @ w)
+                nw = np.linalg.norm(w)
+                if nw > 1e-8:
+                    break
+            q_prev, q, b_prev = q, w / nw, 0.0
+        else:
+            q_prev, q, b_prev = q, w / b, b
+    if bar is not None:
+        bar.close()
+    return alpha, beta, (basis if keep_basis else None), m
+
+
+def tridiagonal_eigh(alpha: np.ndarray, beta: np.ndarray):
+    """Eigen-decomposition of the symmetric tridiagonal T (diag alpha, off-diag beta[:-1]).
+
+    Returns (theta ascending, S) with T = S diag(theta) Sᵀ.
+    """
+    from scipy.linalg import eigh_tridiagonal
+
+    m = alpha.size
+    if m == 1:
+        return alpha.copy(), np.ones((1, 1))
+    return eigh_tridiagonal(alpha, beta[: m - 1])
+
+
+def lanczos_top_k(
+    matvec: Matvec,
+    *,
+    dimension: int,
+    k: int,
+    num_steps: int | None = None,
+    tol: float = 1e-8,
+    seed: int | None = None,
+    return_vectors: bool = False,
+    verbose: bool = False,
+) -> LanczosResult:
+    """The k largest eigenvalues of a symmetric operator by Lanczos (paper §4.4).
+
+    Args:
+      matvec: v ↦ A·v, (p,) float64 → (p,) (e.g. ``HessianOperator.matvec``).
+      dimension: p.
+      k: number of eigenvalues wanted, 1 ≤ k ≤ p.
+      num_steps: Lanczos steps m (= matvecs); default ``min(p, max(2k, k + 20))``.
+      tol: a Ritz value θ counts as converged when its residual bound |β_m s_m| ≤ tol·max|θ|.
+      seed: seed of the Gaussian start vector.
+      return_vectors: also return the (p, k) Ritz vectors.
+      verbose: tqdm progress bar.
+
+    Returns:
+      ``LanczosResult`` (eigenvalues descending, residual bounds, converged counts).
+    """
+    p = check_int("dimension", dimension, minimum=1)
+    k = check_int("k", k, minimum=1, maximum=p)
+    if num_steps is None:
+        num_steps = min(p, max(2 * k, k + 20))
+    m = check_int("num_steps", num_steps, minimum=k, maximum=p)
+    tol = check_float("tol", tol, positive=True)
+    rng = np.random.default_rng(seed)
+    start = rng.standard_normal(p)
+    alpha, beta, basis, calls = lanczos_tridiagonal(
+        matvec, start, m, reorthogonalize=True, rng=rng, keep_basis=True, verbose=verbose, desc="lanczos top-k"
+    )
+    theta, s = tridiagonal_eigh(alpha, beta)
+    order = np.argsort(-theta)[:k]
+    values = theta[order]
+    residuals = np.abs(beta[m - 1] * s[m - 1, order])
+    scale = max(float(np.max(np.abs(theta))), 1e-300)
+    converged = residuals <= tol * scale
+    leading = int(np.argmin(converged)) if not converged.all() else k
+    vectors = basis.T @ s[:, order] if return_vectors else None
+    return LanczosResult(
+        eigenvalues=values,
+        residuals=residuals,
+        converged=converged,
+        num_converged=leading,
+        num_steps=m,
+        num_matvecs=calls,
+        eigenvectors=vectors,
+    )

@@ -1,0 +1,100 @@
+"""Exact second derivatives through Keras normalisation layers (TensorFlow backend).
+
+Keras 3 (TensorFlow backend) computes ``keras.ops.moments`` with ``tf.nn.moments``,
+whose variance is ``mean((x − stop_gradient(mean))²)``. Because Σ(x − mean) = 0, the
+first derivative is unaffected, but second derivatives miss the mean's path: Hessian-
+vector products through ``GroupNormalization`` and ``LayerNormalization`` (and
+``BatchNormalization`` in training mode) are off by ≈1e-3 relative (DESIGN.md §6).
+
+``exact_moments()`` is a context manager that, while active, replaces the backend's
+``_compute_moments`` with ``mean`` and ``mean((x − mean)²)`` without any stop-gradient.
+The replacement is read when a function is *traced*, so every ``tf.function`` whose
+HVPs should be exact must be traced (first called) inside the context; the spectrum
+code does that. ``moment_layers(model)`` lists the layers affected.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import warnings
+
+_LOCK = threading.RLock()
+_DEPTH = [0]
+_ORIGINAL = [None]
+
+AFFECTED_LAYERS = ("GroupNormalization", "LayerNormalization", "BatchNormalization")
+
+
+def _exact_compute_moments(x, axes, keepdims):
+    import tensorflow as tf
+
+    axes = list(axes) if isinstance(axes, (list, tuple)) else [axes]
+    mean = tf.reduce_mean(x, axis=axes, keepdims=True)
+    variance = tf.reduce_mean(tf.math.squared_difference(x, mean), axis=axes, keepdims=True)
+    if not keepdims:
+        mean = tf.squeeze(mean, axes)
+        variance = tf.squeeze(variance, axes)
+    return mean, variance
+
+
+def _backend_module():
+    try:
+        from keras.src.backend.tensorflow import nn as tf_nn
+    except ImportError:  # pragma: no cover - other Keras layouts
+        return None
+    if not hasattr(tf_nn, "_compute_moments"):
+        return None
+    return tf_nn
+
+
+def exact_moments_available() -> bool:
+    """Whether this Keras version can be patched (TensorFlow backend with ``_compute_moments``)."""
+    return _backend_module() is not None
+
+
+@contextlib.contextmanager
+def exact_moments():
+    """Within the context, ``keras.ops.moments`` has exact second derivatives.
+
+    Re-entrant and thread-safe (a lock is held while active). If this Keras version
+    cannot be patched, a ``RuntimeWarning`` says so and the context does nothing.
+    """
+    module = _backend_module()
+    if module is None:
+        warnings.warn(
+            "keras_noisecurve: cannot patch keras moments on this Keras version; Hessian-vector products "
+            "through GroupNormalization/LayerNormalization will have ≈1e-3 relative error.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        yield False
+        return
+    with _LOCK:
+        if _DEPTH[0] == 0:
+            _ORIGINAL[0] = module._compute_moments
+            module._compute_moments = _exact_compute_moments
+        _DEPTH[0] += 1
+        try:
+            yield True
+        finally:
+            _DEPTH[0] -= 1
+            if _DEPTH[0] == 0:
+                module._compute_moments = _ORIGINAL[0]
+                _ORIGINAL[0] = None
+
+
+def moment_layers(model) -> list:
+    """Names and classes of the layers of ``model`` (recursively) that compute moments.
+
+    Returns a list of ``"name (ClassName)"`` strings for GroupNormalization,
+    LayerNormalization and BatchNormalization layers (BatchNormalization only uses
+    moments in training mode; HVPs run in inference mode, so it is listed but harmless).
+    """
+    found = []
+    layers = model._flatten_layers(include_self=False, recursive=True) if hasattr(model, "_flatten_layers") else model.layers
+    for layer in layers:
+        cls = type(layer).__name__
+        if cls in AFFECTED_LAYERS or any(base.__name__ in AFFECTED_LAYERS for base in type(layer).__mro__):
+            found.append(f"{layer.name} ({cls})")
+    return found
