@@ -41,6 +41,7 @@ from keras_noisecurve.mixing.cli_solve import (
     fail,
     load_spectrum,
     report_warnings,
+    solver_lines,
 )
 
 PROG = "noisecurve inspect"
@@ -253,7 +254,7 @@ def write_plot(path: str, mixing, diag: dict, reference_diag: dict | None, title
 
 
 # ------------------------------------------------------------------------------ run
-def _text_report(path, mixing, norms, expected, diag, ref_diag, reference_how, caught) -> list[str]:
+def _text_report(path, mixing, norms, expected, diag, ref_diag, reference_how) -> list[str]:
     meta = mixing.metadata
     lines = [f"{path}: mixing matrix, steps T = {mixing.steps}, bands b = {mixing.bands}, digest {mixing.digest()[:16]}…"]
     lines.append("metadata:")
@@ -261,13 +262,15 @@ def _text_report(path, mixing, norms, expected, diag, ref_diag, reference_how, c
         if key == "diagnostics":
             continue
         value = meta[key]
-        if isinstance(value, dict):
-            value = ", ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in value.items())
+        if key == "solver" and isinstance(value, dict):
+            value = "; ".join(line[len("solver: "):] for line in solver_lines(value)) or json.dumps(value)
+        elif isinstance(value, (dict, list)):
+            value = json.dumps(value, sort_keys=True)
         elif isinstance(value, float):
             value = f"{value:.6g}"
         lines.append(f"  {key}: {value}")
     lines.append(
-        f"column norms: min {norms['min']:.15g}, max {norms['max']:.15g}, max |norm - 1| = "
+        f"column norms: min {norms["min"]:.17g}, max {norms["max"]:.17g}, max |norm - 1| = "
         f"{norms['max_abs_deviation']:.3g} -> all within {norms['tolerance']:g}: "
         f"{'yes' if norms['all_within_tolerance'] else 'NO'}"
     )
@@ -307,10 +310,7 @@ def run(args) -> int:
             spectrum = load_spectrum(args.spectrum) if args.spectrum is not None else None
             reference, reference_how = _reference(args, mixing)
             expected = _expected_error(args, mixing, spectrum, reference)
-        except CommandError as exc:
-            report_warnings(PROG, caught)
-            return fail(PROG, str(exc))
-        except (ValueError, TypeError) as exc:
+        except (CommandError, ValueError, TypeError) as exc:
             report_warnings(PROG, caught)
             return fail(PROG, str(exc))
         norms = _column_norm_summary(mixing)
@@ -344,7 +344,7 @@ def run(args) -> int:
         }
         print(json.dumps(document, indent=2, sort_keys=True))
     else:
-        for line in _text_report(args.file, mixing, norms, expected, diag, ref_diag, reference_how, caught):
+        for line in _text_report(args.file, mixing, norms, expected, diag, ref_diag, reference_how):
             print(line)
         if args.plot is not None:
             print(f"plot written to {args.plot}")

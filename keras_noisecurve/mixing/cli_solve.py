@@ -154,8 +154,8 @@ def _fmt(value) -> str:
     return str(value)
 
 
-def summary_lines(mixing, *, seconds: float | None = None, warnings_seen=()) -> list[str]:
-    """Human-readable summary of a solved C from its metadata (shared with ``inspect``)."""
+def summary_lines(mixing, *, seconds: float | None = None) -> list[str]:
+    """Human-readable summary of a solved C from its metadata."""
     meta = mixing.metadata
     lines = []
     loss = meta.get("loss")
@@ -168,11 +168,11 @@ def summary_lines(mixing, *, seconds: float | None = None, warnings_seen=()) -> 
             continue
         ratio = f"{loss / base:.4f}" if isinstance(loss, (int, float)) and base else "n/a"
         lines.append(f"  {label:<22} {_fmt(base):>12}   this C / baseline = {ratio}")
-    if objective in CURVATURE_OBJECTIVES:
+    if meta.get("loss_scale"):
+        lines.append(f"  ({meta['loss_scale']})")
+    elif objective in CURVATURE_OBJECTIVES:
         lines.append("  (expected loss gap = (eta^2 sigma^2 / 2) * Tr(W X^-1) for a quadratic model, paper eq. 1)")
-    solver = meta.get("solver") or {}
-    if solver:
-        lines.append("solver: " + ", ".join(f"{k} {_fmt(v)}" for k, v in solver.items()))
+    lines.extend(solver_lines(meta.get("solver")))
     if seconds is not None:
         lines.append(f"wall time: {seconds:.2f} s")
     if "ridge" in meta:
@@ -180,9 +180,27 @@ def summary_lines(mixing, *, seconds: float | None = None, warnings_seen=()) -> 
     if "blend_weight" in meta and meta.get("blend_weight") is not None:
         lines.append(f"blend weight: {_fmt(meta['blend_weight'])}")
     lines.extend(diagnostics_lines(meta.get("diagnostics"), steps=mixing.steps))
-    for text in warnings_seen:
-        lines.append(f"warning: {text}")
     return lines
+
+
+def solver_lines(solver) -> list[str]:
+    """One line of solver statistics (convergence, iterations, relative optimality, time)."""
+    if not isinstance(solver, dict) or not solver:
+        return []
+    parts = []
+    if "converged" in solver:
+        parts.append("converged" if solver["converged"] else "NOT converged")
+    if "iterations" in solver:
+        parts.append(f"{solver['iterations']} iterations")
+    if "function_evaluations" in solver:
+        parts.append(f"{solver['function_evaluations']} function evaluations")
+    if "relative_optimality" in solver:
+        tol = solver.get("tolerance")
+        parts.append(f"relative optimality {solver['relative_optimality']:.3g}" + (f" (tol {tol:g})" if tol else ""))
+    seconds = solver.get("total_seconds", solver.get("seconds"))
+    if isinstance(seconds, (int, float)):
+        parts.append(f"{seconds:.2f} s")
+    return ["solver: " + ", ".join(parts)] if parts else []
 
 
 def diagnostics_lines(diag, *, steps: int, reference=None) -> list[str]:

@@ -19,7 +19,7 @@ from keras_noisecurve.cli import main
 from keras_noisecurve.mixing import MixingMatrix
 from keras_noisecurve.spectrum.artifact import Spectrum
 
-STEPS, BANDS = 16, 4
+STEPS, BANDS = 12, 3
 ETA = 0.5
 
 
@@ -87,7 +87,8 @@ def bandmf_file(workdir):
 def noisecurve_file(workdir, spectrum_file):
     path = workdir / "noisecurve.npz"
     code = main(["solve", "--steps", str(STEPS), "--bands", str(BANDS), "--objective", "noisecurve",
-                 "--spectrum", str(spectrum_file), "--learning-rate", str(ETA), "--out", str(path), "--quiet"])
+                 "--spectrum", str(spectrum_file), "--learning-rate", str(ETA), "--tol", "1e-4",
+                 "--out", str(path), "--quiet"])
     assert code == 0
     return path
 
@@ -110,6 +111,7 @@ def test_solve_prints_summary_and_saves_valid_file(capsys, workdir):
     ratio = meta["loss"] / meta["baseline_losses"]["dpsgd"]
     assert f"this C / baseline = {ratio:.4f}" in out
     assert "running-sum std peak" in out and "condition number" in out
+    assert f"solver: converged, {meta['solver']['iterations']} iterations" in out
     assert str(out_path) in out
 
 
@@ -171,9 +173,10 @@ def test_inspect_noisecurve_stored_then_recomputed(capsys, noisecurve_file, spec
     assert rec["loss"] == pytest.approx(_trace_objective(mixing.to_dense(), workload), rel=1e-8)
     assert rec["dpsgd"] == pytest.approx(np.trace(workload), rel=1e-10)
     assert rec["loss"] == pytest.approx(meta["loss"], rel=1e-8)
-    assert rec["bandmf"] == pytest.approx(meta["baseline_losses"]["bandmf"], rel=1e-5)
+    # both are the DP-BandMF C, solved to different tolerances (1e-4 there, 1e-6 here)
+    assert rec["bandmf"] == pytest.approx(meta["baseline_losses"]["bandmf"], rel=1e-3)
     # the curvature-aware C beats both baselines under its own objective
-    assert rec["ratio_vs_dpsgd"] < 1.0 and rec["ratio_vs_bandmf"] <= 1.0 + 1e-9
+    assert rec["ratio_vs_dpsgd"] < 1.0 and rec["ratio_vs_bandmf"] < 1.0
     ref_prefix = doc["reference_diagnostics"]["prefix_std_max"]
     assert doc["diagnostics"]["excursion_vs_bandmf"] == pytest.approx(
         doc["diagnostics"]["prefix_std_max"] / ref_prefix, rel=1e-12
