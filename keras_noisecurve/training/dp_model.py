@@ -175,6 +175,8 @@ class PrivateModel(_PrivateTraining, keras.Model):
             raise ValueError(f"model must be a keras.Model, got {type(model).__name__}.")
         self.inner = model
         check_model_is_clippable(model)
+        if model.built:  # nothing to create: the wrapper owns no weights of its own
+            self.built = True
 
     def call(self, inputs, training=None):
         return self.inner(inputs, training=training)
