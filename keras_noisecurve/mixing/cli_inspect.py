@@ -270,7 +270,7 @@ def _text_report(path, mixing, norms, expected, diag, ref_diag, reference_how) -
             value = f"{value:.6g}"
         lines.append(f"  {key}: {value}")
     lines.append(
-        f"column norms: min {norms["min"]:.17g}, max {norms["max"]:.17g}, max |norm - 1| = "
+        f"column norms: min {norms['min']:.17g}, max {norms['max']:.17g}, max |norm - 1| = "
         f"{norms['max_abs_deviation']:.3g} -> all within {norms['tolerance']:g}: "
         f"{'yes' if norms['all_within_tolerance'] else 'NO'}"
     )
