@@ -33,6 +33,8 @@ _EXPORTS = {
     "NoiseCurveOptimizer": "keras_noisecurve.training",
     "DPModel": "keras_noisecurve.training",
     "make_private": "keras_noisecurve.training",
+    "PrivateModel": "keras_noisecurve.training",
+    "BandedMatrixFactorizationQuery": "keras_noisecurve.integrations.tf_privacy",
 }
 
 _SUBMODULES = {"callbacks", "mixing", "privacy", "spectrum", "training", "integrations", "cli"}
