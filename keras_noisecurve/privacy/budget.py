@@ -100,18 +100,41 @@ class PrivacyBudget(keras.callbacks.Callback):
             total = self.setup.participations()
             k_max = total
             if self.target_epsilon is not None and self._epsilon_of_participations(total) > self.target_epsilon:
-                lo, hi = 0, total  # ε(lo) ≤ target < ε(hi); ε is non-decreasing in k
-                while hi - lo > 1:
-                    mid = (lo + hi) // 2
-                    if self._epsilon_of_participations(mid) <= self.target_epsilon:
-                        lo = mid
-                    else:
-                        hi = mid
-                k_max = lo
+                k_max = self._max_participations(total)
             stride = self.setup.bands if self.setup.sampling == "cyclic_poisson" else self.setup.steps_per_epoch
             # k participations cover the steps s with ceil(s / stride) <= k, i.e. s <= k * stride.
             self._allowed_steps = min(self.setup.steps, k_max * stride)
         return self._allowed_steps
+
+    def _max_participations(self, total: int) -> int:
+        """Largest k ≤ total with ε(k) ≤ target (ε non-decreasing in k; ε(total) > target).
+
+        Bisection with the fast coarse accountant, then a walk with the reporting
+        accountant until ε(k) ≤ target < ε(k + 1) holds exactly for it.
+        """
+        target = self.target_epsilon
+
+        def coarse(k):
+            return accounting.coarse_epsilon_for_setup(
+                self.setup, noise_multiplier=self.noise_multiplier, delta=self.delta,
+                accountant=self.accountant, participations=k,
+            )
+
+        lo, hi = 0, total  # coarse ε(lo) ≤ target < coarse ε(hi)
+        if coarse(hi) <= target:
+            lo = hi
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if coarse(mid) <= target:
+                lo = mid
+            else:
+                hi = mid
+        k = lo
+        while k > 0 and self._epsilon_of_participations(k) > target:
+            k -= 1
+        while k < total and self._epsilon_of_participations(k + 1) <= target:
+            k += 1
+        return k
 
     # --------------------------------------------------------------- keras
     def _steps_done(self) -> int:

@@ -215,3 +215,15 @@ def test_calibrate_summary_is_consistent():
     assert res.epsilon == pytest.approx(
         independent_epsilon(res.noise_multiplier, n=4000, B=40, T=90, b=4, accountant="rdp"), rel=1e-12)
     assert res.total_delta >= DELTA and res.total_delta - DELTA < 1e-9
+
+
+def test_accounting_and_cli_do_not_import_tensorflow():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, keras_noisecurve as knc, keras_noisecurve.privacy.cli, keras_noisecurve.privacy.sampler;"
+        "knc.compute_epsilon; knc.calibrate_noise_multiplier; knc.dp_event;"
+        "assert 'tensorflow' not in sys.modules, 'tensorflow imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,77 @@
+"""PrivacyBudget on a real (tiny) Keras fit with plain SGD."""
+
+import keras
+import numpy as np
+import pytest
+
+from keras_noisecurve.callbacks import PrivacyBudget
+from keras_noisecurve.privacy import compute_epsilon
+from keras_noisecurve.privacy.sampler import banded_poisson_dataset
+
+N, B, BANDS, T, SIGMA, DELTA = 400, 20, 2, 40, 1.0, 1e-5
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(N, 4)).astype("float32")
+    y = (x[:, :1] > 0).astype("float32")
+    return x, y
+
+
+def _model():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    return model
+
+
+def _eps(steps, accountant):
+    return compute_epsilon(noise_multiplier=SIGMA, delta=DELTA, num_examples=N, batch_size=B, steps=steps,
+                           bands=BANDS, accountant=accountant)
+
+
+@pytest.mark.parametrize("accountant,target", [("rdp", 3.0), ("pld", 2.0)])
+def test_stops_before_target_epsilon_and_logs_it(accountant, target, capsys):
+    x, y = _data()
+    ds = banded_poisson_dataset(x, y, batch_size=B, bands=BANDS, steps=T, seed=1)
+    model = _model()
+    cb = PrivacyBudget(noise_multiplier=SIGMA, delta=DELTA, num_examples=N, batch_size=B, steps=T, bands=BANDS,
+                       target_epsilon=target, accountant=accountant)
+    history = model.fit(ds, epochs=4, steps_per_epoch=10, callbacks=[cb], verbose=0)
+    done = int(model.optimizer.iterations.numpy())
+    assert done < T
+    # eps is non-decreasing in the step count, so this pins done = max{k : eps(k) <= target}
+    eps_done = _eps(done, accountant)
+    assert eps_done <= target < _eps(done + 1, accountant)
+    assert history.history["epsilon"][-1] == pytest.approx(eps_done, rel=1e-12)
+    assert "target_epsilon" in capsys.readouterr().out
+    # resuming the same model: no step is left, so fit refuses before overspending
+    with pytest.raises(RuntimeError, match="no further step"):
+        model.fit(ds, epochs=1, steps_per_epoch=1, callbacks=[cb], verbose=0)
+
+
+def test_stops_at_step_plan_and_counts_across_fits():
+    x, y = _data()
+    steps = 12
+    ds = banded_poisson_dataset(x, y, batch_size=B, bands=BANDS, steps=steps, seed=2).repeat()
+    model = _model()
+    cb = PrivacyBudget(noise_multiplier=SIGMA, delta=DELTA, num_examples=N, batch_size=B, steps=steps, bands=BANDS,
+                       accountant="rdp", log_every_step=True, verbose=0)
+    model.fit(ds, epochs=1, steps_per_epoch=5, callbacks=[cb], verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 5 and not model.stop_training
+    history = model.fit(ds, epochs=3, steps_per_epoch=5, callbacks=[cb], verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == steps
+    assert "step plan" in cb.stop_reason
+    assert history.history["epsilon"] == pytest.approx([_eps(10, "rdp"), _eps(12, "rdp")], rel=1e-12)
+
+
+def test_get_config_round_trip_and_validation():
+    cb = PrivacyBudget(noise_multiplier=1.3, delta=1e-6, num_examples=1000, batch_size=10, steps=300, bands=1,
+                       sampling="fixed_epochs", epochs=3, target_epsilon=5.0, accountant="rdp", verbose=0)
+    clone = PrivacyBudget.from_config(cb.get_config())
+    assert clone.get_config() == cb.get_config()
+    assert clone.epsilon_at(150) == pytest.approx(
+        compute_epsilon(noise_multiplier=1.3, delta=1e-6, num_examples=1000, batch_size=10, steps=200,
+                        sampling="fixed_epochs", epochs=2, accountant="rdp"), rel=1e-12)
+    assert clone.epsilon_at(0) == 0.0
+    with pytest.raises(ValueError, match="must be < 1"):
+        PrivacyBudget(noise_multiplier=1.0, delta=1e-5, num_examples=100, batch_size=60, steps=10, bands=2)
