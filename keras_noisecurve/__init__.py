@@ -18,6 +18,8 @@ _EXPORTS = {
     "InvalidMixingMatrixError": "keras_noisecurve.mixing",
     "solve_mixing_matrix": "keras_noisecurve.mixing",
     "objective_value": "keras_noisecurve.mixing",
+    "workload_matrix": "keras_noisecurve.mixing",
+    "OBJECTIVES": "keras_noisecurve.mixing",
     "noise_diagnostics": "keras_noisecurve.mixing.diagnostics",
     "warn_if_excursive": "keras_noisecurve.mixing.diagnostics",
     "NoiseExcursionWarning": "keras_noisecurve.mixing.diagnostics",

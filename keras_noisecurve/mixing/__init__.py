@@ -8,5 +8,33 @@ from keras_noisecurve.mixing.matrix import (
     InvalidMixingMatrixError,
     MixingMatrix,
 )
+from keras_noisecurve.mixing.solver import (
+    AUTO_BLEND_FACTOR,
+    RIDGE_RELATIVE,
+    TRUNCATION_RELATIVE,
+    objective_value,
+    prefix_noise_std,
+    solve_mixing_matrix,
+)
+from keras_noisecurve.mixing.workloads import (
+    AUTO_BLEND_GRID,
+    CURVATURE_OBJECTIVES,
+    OBJECTIVES,
+    workload_matrix,
+)
 
-__all__ = ["COLUMN_NORM_TOLERANCE", "InvalidMixingMatrixError", "MixingMatrix"]
+__all__ = [
+    "AUTO_BLEND_FACTOR",
+    "AUTO_BLEND_GRID",
+    "COLUMN_NORM_TOLERANCE",
+    "CURVATURE_OBJECTIVES",
+    "InvalidMixingMatrixError",
+    "MixingMatrix",
+    "OBJECTIVES",
+    "RIDGE_RELATIVE",
+    "TRUNCATION_RELATIVE",
+    "objective_value",
+    "prefix_noise_std",
+    "solve_mixing_matrix",
+    "workload_matrix",
+]

@@ -1,0 +1,338 @@
+r"""Workload matrices W for the mixing-matrix objectives ``Tr(W X⁻¹)``, ``X = CᵀC``.
+
+numpy only (no TensorFlow). Conventions as in DESIGN.md §2: steps t = 0 … T−1, the
+correlated noise is ``z̃ = C⁻¹z`` so ``Cov(z̃) = C⁻¹C⁻ᵀ = X⁻¹`` (per unit of σ²).
+
+Objectives (``OBJECTIVES``):
+
+``dpsgd``
+    W = I: the sum of the per-step noise variances. Only C = I (b = 1) is "solved" for it.
+``bandmf``
+    W = AᵀA, A the T×T lower-triangular all-ones matrix (prefix sums): the DP-BandMF
+    baseline, ``Tr(W X⁻¹) = ‖A C⁻¹‖_F²`` = total variance of the running noise sum.
+``noisecurve`` (paper Theorem 3.1, eq. 1)
+    ``W[j, l] = Σ_i m_i μ_i r_i^{2T−2−j−l}`` with ``r_i = 1 − ημ_i``: a Hankel matrix
+    built in O(K·T) from the K distinct (eigenvalue, multiplicity) pairs. For a
+    quadratic loss with Hessian eigenvalues μ, ``E[L(w̃_T)] − L(w_T) = (η²σ²/2)·Tr(W X⁻¹)``.
+``noisecurve-convergence`` (paper eq. 2, the mean squared gradient norm)
+    ``(1/T) Σ_{t=1}^{T} E‖∇L(w̃_t)‖² = k* + η²σ²·Tr(W X⁻¹)``. The paper prints
+    ``W = 𝔐 ⊙ VᵀM²V`` with ``𝔐[j,l] = (T − max(j,l))/T``; its own proof (the line
+    before the last) gives, for step t, the leading t×t block of a workload whose
+    exponent is ``2t−2−j−l``, not ``2T−2−j−l``. Summing the proof's terms exactly gives
+
+        W_conv[j, l] = (1/T) Σ_i m_i μ_i² r_i^{|j−l|} Σ_{k=0}^{T−1−max(j,l)} r_i^{2k},
+
+    which equals the printed form only when every r_i = 1. The Monte Carlo test in
+    ``tests/mixing/test_theorem31.py`` confirms this exact form and shows that the
+    printed one does not match the simulated gradient norms. This module implements
+    the exact form (same 𝔐 counting, correct exponents).
+``noisecurve-all-iterates`` (issue 7)
+    Mean over t = 1 … T of ``E[L(w̃_t) − L(w_t)]``, see the derivation below;
+    ``= (η²σ²/2)·Tr(W_all X⁻¹)``.
+``noisecurve-blend`` (issue 7)
+    ``W = (1−λ)·W_curv/Tr(W_curv) + λ·AᵀA/Tr(AᵀA)`` with ``W_curv`` the eq.-1 workload
+    and ``λ = blend_weight ∈ [0, 1]`` (``"auto"`` is resolved by the solver).
+
+Derivation of the all-iterates workload. From the proof of Theorem 3.1,
+``w̃_t − w_t = −η Σ_{s=0}^{t−1} (I − ηH)^{t−1−s} z̃_s`` and, because the cross term
+has mean zero, ``E[L(w̃_t) − L(w_t)] = ½ E[(w̃_t − w_t)ᵀ H (w̃_t − w_t)]``. With
+``E[z̃_s z̃_{s'}ᵀ] = σ² X⁻¹[s, s'] I`` and H = Q diag(μ) Qᵀ,
+
+    E[L(w̃_t) − L(w_t)] = (η²σ²/2) Σ_{s,s'<t} X⁻¹[s,s'] Σ_i m_i μ_i r_i^{2t−2−s−s'}.
+
+Averaging over t = 1 … T, entry (j, l) collects the t with max(j, l) < t ≤ T; with
+k = t − 1 − max(j, l) the exponent is ``2t−2−j−l = |j−l| + 2k`` because
+``2·max(j,l) − j − l = |j − l|``. Hence
+
+    W_all[j, l] = (1/T) Σ_i m_i μ_i r_i^{|j−l|} Σ_{k=0}^{T−1−max(j,l)} r_i^{2k}.
+
+The closed form of the geometric sum gives "Toeplitz minus Hankel" terms
+``m_i μ_i (r_i^{|j−l|} − r_i^{2T−j−l}) / (T(1 − r_i²))`` that cancel catastrophically
+when ημ_i is tiny (1/(1 − r²) ≈ 1/(2ημ) is huge). Instead we form
+``h(n) = Σ_i a_i r_i^n`` for n = 0 … 2T (O(K·T), each power as ``sign·exp(n·log|r|)``
+with ``log|r| = log1p(−ημ)``, 0⁰ = 1) and its suffix sums over each parity class,
+``P(n) = Σ_{n' ≥ n, n' ≡ n (mod 2)} h(n')``; then
+``Σ_{k=0}^{T−1−max(j,l)} h(|j−l| + 2k) = P(|j−l|) − P(2T − j − l)``. The suffix sums are
+finite sums of at most T bounded terms, so the relative rounding error of an entry is
+O(T·ε) even for ημ = 1e-10 (no 1/(1 − r²) factor ever appears).
+The convergence workload uses the same construction with weights ``m_i μ_i²``.
+
+Scalar factors: the objective value is always ``Tr(W X⁻¹)``; for ``noisecurve`` and
+``noisecurve-all-iterates`` the expected loss gap is ``(η²σ²/2)·Tr(W X⁻¹)``; for
+``noisecurve-convergence`` the noise part of the mean squared gradient norm is
+``η²σ²·Tr(W X⁻¹)`` (σ = noise multiplier × clip norm, in gradient units).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+
+from keras_noisecurve._validation import check_choice, check_float, check_int
+
+#: Names of the objectives, in the order of DESIGN.md §2 and issue 7.
+OBJECTIVES = (
+    "dpsgd",
+    "bandmf",
+    "noisecurve",
+    "noisecurve-convergence",
+    "noisecurve-all-iterates",
+    "noisecurve-blend",
+)
+
+#: Objectives whose workload depends on a Hessian spectrum and a learning rate.
+CURVATURE_OBJECTIVES = OBJECTIVES[2:]
+
+#: Grid of blend weights tried, in order, by ``blend_weight="auto"``.
+AUTO_BLEND_GRID = (0.0, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0)
+
+# Largest number of (eigenvalue × exponent) entries held at once while forming h(n).
+_CHUNK_ENTRIES = 4_000_000
+
+
+class CurvatureInputs:
+    """Validated (eigenvalues μ, multiplicities m, learning rate η, digest) of a spectrum."""
+
+    def __init__(self, eigenvalues, multiplicities, learning_rate, digest):
+        self.eigenvalues = eigenvalues
+        self.multiplicities = multiplicities
+        self.learning_rate = learning_rate
+        self.digest = digest
+
+
+def check_curvature_inputs(*, objective, spectrum, learning_rate) -> CurvatureInputs:
+    """Validate the spectrum and learning rate of a curvature objective.
+
+    Args:
+      objective: the objective name (used in messages).
+      spectrum: a ``keras_noisecurve.Spectrum`` or a 1-D array of eigenvalues
+        (multiplicity 1 each; must be finite and ≥ 0).
+      learning_rate: η > 0.
+
+    Raises:
+      ValueError: missing spectrum or learning rate, η ≤ 0, a non-finite or negative
+        raw eigenvalue, ημ_max ≥ 2 (gradient descent diverges on the quadratic model).
+
+    Warns:
+      UserWarning: ημ_max > 1 (violates the assumption of the paper's Theorem 3.2).
+    """
+    from keras_noisecurve.spectrum.artifact import Spectrum
+
+    if spectrum is None:
+        raise ValueError(
+            f"objective={objective!r} needs a spectrum (a keras_noisecurve.Spectrum or an array of "
+            "Hessian eigenvalues); got spectrum=None."
+        )
+    if learning_rate is None:
+        raise ValueError(f"objective={objective!r} needs learning_rate (η > 0); got learning_rate=None.")
+    eta = check_float("learning_rate", learning_rate, positive=True)
+    if isinstance(spectrum, Spectrum):
+        spec = spectrum
+    else:
+        raw = np.asarray(spectrum, dtype=np.float64).reshape(-1)
+        if raw.size == 0:
+            raise ValueError("spectrum must contain at least one eigenvalue; got an empty array.")
+        if not np.all(np.isfinite(raw)):
+            bad = raw[~np.isfinite(raw)][:3]
+            raise ValueError(f"spectrum eigenvalues must be finite; got {bad.tolist()} among them.")
+        if np.any(raw < 0):
+            bad = raw[raw < 0][:3]
+            raise ValueError(
+                f"spectrum eigenvalues must be >= 0 (a Hessian upper bound); got negative values "
+                f"{bad.tolist()}. Build a keras_noisecurve.Spectrum to clamp them explicitly."
+            )
+        spec = Spectrum(raw)
+    mu = np.asarray(spec.eigenvalues, dtype=np.float64)
+    m = np.asarray(spec.multiplicities, dtype=np.float64)
+    eta_mu_max = eta * float(mu.max())
+    if eta_mu_max >= 2.0:
+        raise ValueError(
+            f"learning_rate × max eigenvalue = {eta} × {mu.max():.6g} = {eta_mu_max:.6g} >= 2: gradient "
+            "descent diverges on the quadratic model; use learning_rate < 2/μ_max "
+            f"= {2.0 / mu.max():.6g}."
+        )
+    if eta_mu_max > 1.0:
+        warnings.warn(
+            f"learning_rate × max eigenvalue = {eta_mu_max:.6g} > 1 violates the assumption ημ_max <= 1 "
+            "of the paper's Theorem 3.2; the workload is still exact for a quadratic loss.",
+            UserWarning,
+            stacklevel=3,
+        )
+    return CurvatureInputs(mu, m, eta, spec.digest())
+
+
+def check_blend_weight(blend_weight, *, allow_auto: bool):
+    """Return λ as a float in [0, 1] (or the string ``"auto"`` when allowed)."""
+    if isinstance(blend_weight, str):
+        if allow_auto and blend_weight == "auto":
+            return "auto"
+        allowed = "a number in [0, 1] or 'auto'" if allow_auto else "a number in [0, 1]"
+        raise ValueError(f"blend_weight must be {allowed}; got {blend_weight!r}.")
+    if blend_weight is None:
+        raise ValueError(
+            "objective='noisecurve-blend' needs blend_weight: a number λ in [0, 1]"
+            + (" or 'auto'" if allow_auto else "")
+            + "; got None."
+        )
+    lam = check_float("blend_weight", blend_weight)
+    if not 0.0 <= lam <= 1.0:
+        raise ValueError(f"blend_weight must lie in [0, 1]; got {lam}.")
+    return lam
+
+
+def _log_abs_and_sign(eta_mu: np.ndarray):
+    """log|1 − ημ| and sign(1 − ημ) computed without cancellation (−inf where ημ = 1)."""
+    log_abs = np.empty_like(eta_mu)
+    below = eta_mu < 1.0
+    log_abs[below] = np.log1p(-eta_mu[below])
+    above = ~below
+    with np.errstate(divide="ignore"):
+        log_abs[above] = np.log(eta_mu[above] - 1.0)  # −inf at ημ = 1 exactly
+    sign = np.where(below, 1.0, -1.0)
+    return log_abs, sign
+
+
+def power_sums(*, weights, eta_mu, max_power: int) -> np.ndarray:
+    """``h(n) = Σ_i weights_i · (1 − ημ_i)^n`` for n = 0 … max_power, shape (max_power+1,).
+
+    Each power is ``sign^n · exp(n·log|1 − ημ|)`` with ``log|1 − ημ|`` from ``log1p``,
+    so it is accurate for ημ from 1e-12 to just below 2 and for n up to 2·10⁴;
+    ``0⁰ = 1``. Cost O(K·max_power), memory bounded by chunking over eigenvalues.
+    """
+    weights = np.asarray(weights, dtype=np.float64)
+    eta_mu = np.asarray(eta_mu, dtype=np.float64)
+    log_abs, sign = _log_abs_and_sign(eta_mu)
+    n = np.arange(max_power + 1, dtype=np.float64)
+    parity = np.arange(max_power + 1) % 2
+    out = np.zeros(max_power + 1)
+    chunk = max(1, _CHUNK_ENTRIES // (max_power + 1))
+    for start in range(0, eta_mu.size, chunk):
+        sl = slice(start, start + chunk)
+        la = log_abs[sl, None]
+        with np.errstate(invalid="ignore"):
+            expo = n[None, :] * la  # 0·(−inf) = nan at n = 0
+        expo[:, 0] = 0.0  # 0⁰ = 1
+        powers = np.exp(expo)
+        powers *= np.where(parity[None, :] == 1, sign[sl, None], 1.0)
+        out += weights[sl] @ powers
+    return out
+
+
+def _hankel_from_powers(h: np.ndarray, steps: int) -> np.ndarray:
+    """``W[j, l] = h(2T − 2 − j − l)`` for j, l < T."""
+    idx = (2 * steps - 2) - np.add.outer(np.arange(steps), np.arange(steps))
+    return h[idx]
+
+
+def _all_iterates_from_powers(h: np.ndarray, steps: int) -> np.ndarray:
+    """``W[j, l] = (1/T) Σ_{k=0}^{T−1−max(j,l)} h(|j−l| + 2k)`` via parity suffix sums.
+
+    ``h`` must be given for n = 0 … 2T. With ``P(n) = Σ_{n'≥n, n'≡n mod 2} h(n')`` the
+    sum is ``P(|j−l|) − P(2T − j − l)``.
+    """
+    total = h.size  # 2T + 1
+    suffix = np.zeros(total + 2)
+    for parity in (0, 1):
+        idx = np.arange(parity, total, 2)
+        # reversed cumulative sum: suffix[idx[k]] = Σ_{k' >= k} h[idx[k']]
+        suffix[idx] = np.cumsum(h[idx][::-1])[::-1]
+    j = np.arange(steps)
+    diff = np.abs(np.subtract.outer(j, j))
+    far = 2 * steps - np.add.outer(j, j)  # ≥ 2, ≤ 2T
+    return (suffix[diff] - suffix[far]) / steps
+
+
+def prefix_workload(steps: int) -> np.ndarray:
+    """``AᵀA`` for the T×T lower-triangular all-ones A: ``(AᵀA)[j, l] = T − max(j, l)``."""
+    j = np.arange(steps)
+    return (steps - np.maximum.outer(j, j)).astype(np.float64)
+
+
+def curvature_workload(*, objective: str, steps: int, inputs: CurvatureInputs) -> np.ndarray:
+    """Dense workload of one of ``noisecurve``, ``noisecurve-convergence``,
+    ``noisecurve-all-iterates`` (validated inputs). Shape (T, T), symmetric PSD."""
+    mu, m, eta = inputs.eigenvalues, inputs.multiplicities, inputs.learning_rate
+    eta_mu = eta * mu
+    if objective == "noisecurve":
+        h = power_sums(weights=m * mu, eta_mu=eta_mu, max_power=2 * steps - 2)
+        return _hankel_from_powers(h, steps)
+    if objective == "noisecurve-all-iterates":
+        h = power_sums(weights=m * mu, eta_mu=eta_mu, max_power=2 * steps)
+        return _all_iterates_from_powers(h, steps)
+    if objective == "noisecurve-convergence":
+        h = power_sums(weights=m * mu * mu, eta_mu=eta_mu, max_power=2 * steps)
+        return _all_iterates_from_powers(h, steps)
+    raise ValueError(f"{objective!r} is not a curvature objective; choose one of {CURVATURE_OBJECTIVES}.")
+
+
+def workload_matrix(*, objective, steps, spectrum=None, learning_rate=None, blend_weight=None) -> np.ndarray:
+    """The (T, T) workload W of an objective: the solver minimises ``Tr(W X⁻¹)``, X = CᵀC.
+
+    Args:
+      objective: one of ``OBJECTIVES`` (see the module docstring for each W).
+      steps: T ≥ 1.
+      spectrum: ``Spectrum`` or 1-D array of Hessian eigenvalues μ ≥ 0 (curvature
+        objectives only; the number of parameters is irrelevant, only the distinct
+        values and their multiplicities enter).
+      learning_rate: η > 0 (curvature objectives only), the learning rate of the
+        training run the noise is for, in the same units as 1/μ.
+      blend_weight: λ ∈ [0, 1], ``noisecurve-blend`` only (``"auto"`` is resolved by
+        ``solve_mixing_matrix``, not here).
+
+    Returns:
+      float64 array of shape (T, T), symmetric positive semi-definite. For
+      ``noisecurve`` the expected final loss gap of a quadratic model is
+      ``(η²σ²/2)·Tr(W X⁻¹)`` (paper eq. 1); for ``noisecurve-all-iterates`` the same factor
+      gives the mean gap over all iterates; for ``noisecurve-convergence``
+      ``η²σ²·Tr(W X⁻¹)`` is the noise part of the mean squared gradient norm (eq. 2).
+      Memory: 8·T² bytes (800 MB at T = 10⁴).
+
+    Raises:
+      ValueError: unknown objective, steps < 1, a missing/invalid spectrum or learning
+        rate for a curvature objective, ημ_max ≥ 2, an invalid blend weight, or any of
+        these arguments given to an objective that does not use it.
+    """
+    check_choice("objective", objective, OBJECTIVES)
+    steps = check_int("steps", steps, minimum=1)
+    curvature = objective in CURVATURE_OBJECTIVES
+    if not curvature:
+        if spectrum is not None or learning_rate is not None:
+            raise ValueError(
+                f"objective={objective!r} does not use a spectrum or a learning rate; got "
+                f"spectrum={'given' if spectrum is not None else None}, learning_rate={learning_rate!r}."
+            )
+    if objective != "noisecurve-blend" and blend_weight is not None:
+        raise ValueError(
+            f"blend_weight is only used by objective='noisecurve-blend'; got blend_weight={blend_weight!r} "
+            f"with objective={objective!r}."
+        )
+    if objective == "dpsgd":
+        return np.eye(steps)
+    if objective == "bandmf":
+        return prefix_workload(steps)
+    inputs = check_curvature_inputs(objective=objective, spectrum=spectrum, learning_rate=learning_rate)
+    if objective == "noisecurve-blend":
+        lam = check_blend_weight(blend_weight, allow_auto=False)
+        return blend_workload(curvature=curvature_workload(objective="noisecurve", steps=steps, inputs=inputs),
+                              blend_weight=lam)
+    return curvature_workload(objective=objective, steps=steps, inputs=inputs)
+
+
+def blend_workload(*, curvature: np.ndarray, blend_weight: float) -> np.ndarray:
+    """``(1−λ)·W_curv/Tr(W_curv) + λ·AᵀA/Tr(AᵀA)`` (issue 7); ``Tr(AᵀA) = T(T+1)/2``."""
+    steps = curvature.shape[0]
+    lam = float(blend_weight)
+    out = np.zeros_like(curvature)
+    if lam < 1.0:
+        tr = float(np.trace(curvature))
+        if not tr > 0:
+            raise ValueError(
+                "the eq.-1 workload has zero trace (every eigenvalue is 0 or ημ = 1 with T > 1); "
+                "it cannot be normalised for the blend."
+            )
+        out += (1.0 - lam) / tr * curvature
+    if lam > 0.0:
+        out += lam / (steps * (steps + 1) / 2.0) * prefix_workload(steps)
+    return out
+
