@@ -219,13 +219,14 @@ def power_sums(*, weights, eta_mu, max_power: int) -> np.ndarray:
     return out
 
 
-def _hankel_from_powers(h: np.ndarray, steps: int) -> np.ndarray:
-    """``W[j, l] = h(2T − 2 − j − l)`` for j, l < T."""
-    idx = (2 * steps - 2) - np.add.outer(np.arange(steps), np.arange(steps))
+def _hankel_from_powers(h: np.ndarray, steps: int, rows=None) -> np.ndarray:
+    """``W[j, l] = h(2T − 2 − j − l)`` for j in ``rows`` (default all), l < T."""
+    j = np.arange(steps) if rows is None else np.asarray(rows)
+    idx = (2 * steps - 2) - np.add.outer(j, np.arange(steps))
     return h[idx]
 
 
-def _all_iterates_from_powers(h: np.ndarray, steps: int) -> np.ndarray:
+def _all_iterates_from_powers(h: np.ndarray, steps: int, rows=None) -> np.ndarray:
     """``W[j, l] = (1/T) Σ_{k=0}^{T−1−max(j,l)} h(|j−l| + 2k)`` via parity suffix sums.
 
     ``h`` must be given for n = 0 … 2T. With ``P(n) = Σ_{n'≥n, n'≡n mod 2} h(n')`` the
@@ -237,9 +238,10 @@ def _all_iterates_from_powers(h: np.ndarray, steps: int) -> np.ndarray:
         idx = np.arange(parity, total, 2)
         # reversed cumulative sum: suffix[idx[k]] = Σ_{k' >= k} h[idx[k']]
         suffix[idx] = np.cumsum(h[idx][::-1])[::-1]
-    j = np.arange(steps)
-    diff = np.abs(np.subtract.outer(j, j))
-    far = 2 * steps - np.add.outer(j, j)  # ≥ 2, ≤ 2T
+    j = np.arange(steps) if rows is None else np.asarray(rows)
+    cols = np.arange(steps)
+    diff = np.abs(np.subtract.outer(j, cols))
+    far = 2 * steps - np.add.outer(j, cols)  # ≥ 2, ≤ 2T
     return (suffix[diff] - suffix[far]) / steps
 
 
@@ -249,20 +251,21 @@ def prefix_workload(steps: int) -> np.ndarray:
     return (steps - np.maximum.outer(j, j)).astype(np.float64)
 
 
-def curvature_workload(*, objective: str, steps: int, inputs: CurvatureInputs) -> np.ndarray:
+def curvature_workload(*, objective: str, steps: int, inputs: CurvatureInputs, rows=None) -> np.ndarray:
     """Dense workload of one of ``noisecurve``, ``noisecurve-convergence``,
-    ``noisecurve-all-iterates`` (validated inputs). Shape (T, T), symmetric PSD."""
+    ``noisecurve-all-iterates`` (validated inputs). Shape (T, T), symmetric PSD;
+    with ``rows`` only those rows, shape (len(rows), T)."""
     mu, m, eta = inputs.eigenvalues, inputs.multiplicities, inputs.learning_rate
     eta_mu = eta * mu
     if objective == "noisecurve":
         h = power_sums(weights=m * mu, eta_mu=eta_mu, max_power=2 * steps - 2)
-        return _hankel_from_powers(h, steps)
+        return _hankel_from_powers(h, steps, rows)
     if objective == "noisecurve-all-iterates":
         h = power_sums(weights=m * mu, eta_mu=eta_mu, max_power=2 * steps)
-        return _all_iterates_from_powers(h, steps)
+        return _all_iterates_from_powers(h, steps, rows)
     if objective == "noisecurve-convergence":
         h = power_sums(weights=m * mu * mu, eta_mu=eta_mu, max_power=2 * steps)
-        return _all_iterates_from_powers(h, steps)
+        return _all_iterates_from_powers(h, steps, rows)
     raise ValueError(f"{objective!r} is not a curvature objective; choose one of {CURVATURE_OBJECTIVES}.")
 
 
