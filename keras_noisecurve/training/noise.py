@@ -126,8 +126,8 @@ class BandedNoise:
         )
 
     # --------------------------------------------------------------- recurrence
-    def correlate(self, z, step, ring=None):
-        """One step of the recurrence.
+    def combine(self, z, step, ring=None):
+        """z̃_t from z_t and the ring buffer, WITHOUT updating the buffer.
 
         Args:
           z: fresh N(0, I) draw z_t, any shape.
@@ -136,14 +136,13 @@ class BandedNoise:
             slots ``(t − j) mod (b − 1)``; ``None`` when b = 1.
 
         Returns:
-          ``(z_tilde, new_ring)``: z̃_t (shape of z) and the updated buffer (slot
-          ``t mod (b − 1)`` replaced by z̃_t), ``None`` when b = 1.
+          z̃_t; store it in slot :meth:`slot` ``(t)`` of the buffer before step t + 1.
         """
         if self._band_values is None:
-            return z, None
+            return z
         row = self._row(step, z.dtype)
         if self.bands == 1:
-            return z / row[0], None
+            return z / row[0]
         m = self.bands - 1
         t = tf.cast(step, tf.int32)
         # coefficient of slot s: C[t, t − j] with s = (t − j) mod m, j = 1 … m
@@ -151,9 +150,23 @@ class BandedNoise:
         slots = tf.math.floormod(t - j, m)
         coeff = tf.scatter_nd(slots[:, None], row[1:], [m])
         past = tf.tensordot(coeff, ring, axes=1)
-        z_tilde = (z - past) / row[0]
-        slot = tf.math.floormod(t, m)
-        new_ring = tf.tensor_scatter_nd_update(ring, [[slot]], z_tilde[None])
+        return (z - past) / row[0]
+
+    def slot(self, step):
+        """Ring-buffer slot ``t mod (b − 1)`` that receives z̃_t (int32 scalar); b ≥ 2."""
+        return tf.math.floormod(tf.cast(step, tf.int32), self.bands - 1)
+
+    def correlate(self, z, step, ring=None):
+        """One step of the recurrence, functional form.
+
+        Returns:
+          ``(z_tilde, new_ring)``: z̃_t (shape of z) and the updated buffer (slot
+          ``t mod (b − 1)`` replaced by z̃_t), ``None`` when b = 1.
+        """
+        z_tilde = self.combine(z, step, ring)
+        if self.bands == 1:
+            return z_tilde, None
+        new_ring = tf.tensor_scatter_nd_update(ring, [[self.slot(step)]], z_tilde[None])
         return z_tilde, new_ring
 
     def sample(self, key, step, index, shape, dtype=tf.float32, ring=None):

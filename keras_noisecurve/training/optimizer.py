@@ -27,7 +27,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_noisecurve._validation import check_float, check_int
-from keras_noisecurve.training.noise import BandedNoise, key_from_seed
+from keras_noisecurve.training.noise import BandedNoise, key_from_seed, standard_normal
 
 __all__ = ["DPOptimizer", "NoiseCurveOptimizer"]
 
@@ -145,7 +145,9 @@ class DPOptimizer(keras.optimizers.Optimizer):
 
     def noise_state_bytes(self) -> int:
         """Bytes of the ring buffers (0 for DP-SGD); the optimizer must be built."""
-        return int(sum(np.prod(r.shape) * r.dtype_size for r in self._rings if r is not None)) if self.built else 0
+        if not self.built:
+            return 0
+        return int(sum(np.prod(r.shape) * np.dtype(r.dtype).itemsize for r in self._rings if r is not None))
 
     # -------------------------------------------------------------------- build
     def build(self, variables):
@@ -217,11 +219,11 @@ class DPOptimizer(keras.optimizers.Optimizer):
         with tf.control_dependencies(checks):
             dtype = variable.dtype
             ring = self._rings[index]
-            z_tilde, new_ring = self._noise.sample(
-                self._noise_key, step, index, variable.shape, dtype=dtype, ring=None if ring is None else ring.value
-            )
-            if new_ring is not None:
-                self.assign(ring, new_ring)
+            z = standard_normal(self._noise_key, step, index, variable.shape, dtype=dtype)
+            z_tilde = self._noise.combine(z, step, None if ring is None else ring.value)
+            if ring is not None:  # write only slot t mod (b − 1), in place
+                update = tf.IndexedSlices(z_tilde[None], tf.reshape(self._noise.slot(step), [1]), tf.shape(ring.value))
+                self.assign(ring, update)
             std = tf.cast(self.l2_norm_clip * self.noise_multiplier, dtype)
             noisy = (tf.cast(gradient, dtype) + std * z_tilde) / tf.cast(self.expected_batch_size, dtype)
             self.assign_sub(variable, tf.cast(learning_rate, dtype) * noisy)
