@@ -123,6 +123,8 @@ def estimate_spectrum(
     slq_probes: int = 16,
     slq_steps: int = 80,
     lanczos_steps: int | None = None,
+    lanczos_max_steps: int | None = None,
+    tail_fit_from: float = 0.5,
     exact_threshold: int = DEFAULT_EXACT_THRESHOLD,
     tail_bins: int = 256,
     batch_size: int = 256,
@@ -147,7 +149,10 @@ def estimate_spectrum(
       mu_min: μ_min > 0, the smallest eigenvalue that matters (paper: 1e-6); SLQ counts
         p₊ = #{μ ≥ μ_min} and the fitted tail ends there.
       slq_probes, slq_steps: SLQ Rademacher probes and Lanczos steps per probe.
-      lanczos_steps: Lanczos steps (default min(p, max(2k, k + 20))).
+      lanczos_steps: initial Lanczos steps (default min(p, max(2k, k + 20))).
+      lanczos_max_steps: continue up to this many steps until the top-k converge
+        (default 2 × lanczos_steps).
+      tail_fit_from: fit eq. 3 on top-k indices ⌈tail_fit_from·k⌉ … k (``tail.fit_tail``).
       exact_threshold: largest p for which "auto" uses the dense Hessian.
       tail_bins: number of geometric bins of the compressed tail.
       batch_size: examples per HVP batch.
@@ -227,7 +232,9 @@ def estimate_spectrum(
         slq_probes=slq_probes,
         slq_steps=slq_steps,
         lanczos_steps=lanczos_steps,
+        lanczos_max_steps=lanczos_max_steps,
         tail_bins=tail_bins,
+        tail_fit_from=tail_fit_from,
         seed=seed,
         verbose=verbose,
     )
@@ -237,13 +244,15 @@ def estimate_spectrum(
     return Spectrum(values, mults, dimension=p, metadata=meta)
 
 
-def _lanczos_spectrum(op, *, p, top_k, mu_min, slq_probes, slq_steps, lanczos_steps, tail_bins, seed, verbose):
+def _lanczos_spectrum(op, *, p, top_k, mu_min, slq_probes, slq_steps, lanczos_steps, lanczos_max_steps, tail_bins, tail_fit_from, seed, verbose):
     """Top-k + SLQ p₊ + tail fit on a matvec; returns (values, multiplicities, metadata)."""
     from keras_noisecurve.spectrum.lanczos import lanczos_top_k
     from keras_noisecurve.spectrum.slq import slq_count
     from keras_noisecurve.spectrum.tail import fit_tail, tail_pairs
 
-    top = lanczos_top_k(op.matvec, dimension=p, k=top_k, num_steps=lanczos_steps, seed=seed, verbose=verbose)
+    top = lanczos_top_k(
+        op.matvec, dimension=p, k=top_k, num_steps=lanczos_steps, max_steps=lanczos_max_steps, seed=seed, verbose=verbose
+    )
     mu = top.eigenvalues
     extra = {
         "k": int(top_k),
@@ -273,7 +282,7 @@ def _lanczos_spectrum(op, *, p, top_k, mu_min, slq_probes, slq_steps, lanczos_st
     if p_plus <= top_k:
         extra["tail"] = None
         return values, mults, extra
-    fit = fit_tail(mu, p_plus=p_plus, mu_min=mu_min)
+    fit = fit_tail(mu, p_plus=p_plus, mu_min=mu_min, fit_from=tail_fit_from)
     tail_values, tail_mults = tail_pairs(fit, start=top_k + 1, cap=float(mu[-1]), num_bins=tail_bins)
     extra["tail"] = {
         **fit.as_dict(),

@@ -159,6 +159,7 @@ def lanczos_top_k(
     dimension: int,
     k: int,
     num_steps: int | None = None,
+    max_steps: int | None = None,
     tol: float = 1e-8,
     seed: int | None = None,
     return_vectors: bool = False,
@@ -166,11 +167,17 @@ def lanczos_top_k(
 ) -> LanczosResult:
     """The k largest eigenvalues of a symmetric operator by Lanczos (paper §4.4).
 
+    Runs ``num_steps`` steps, then, while some of the top-k Ritz values have not
+    converged, continues in blocks of ``max(10, k // 2)`` steps up to ``max_steps``
+    (the Krylov basis is kept, so continuing costs only the new matvecs).
+
     Args:
       matvec: v ↦ A·v, (p,) float64 → (p,) (e.g. ``HessianOperator.matvec``).
       dimension: p.
       k: number of eigenvalues wanted, 1 ≤ k ≤ p.
-      num_steps: Lanczos steps m (= matvecs); default ``min(p, max(2k, k + 20))``.
+      num_steps: initial Lanczos steps (= matvecs); default ``min(p, max(2k, k + 20))``.
+      max_steps: step limit when continuing for convergence; default ``2 * num_steps``
+        (capped at p). Clustered spectra may need more.
       tol: a Ritz value θ counts as converged when its residual bound |β_m s_m| ≤ tol·max|θ|.
       seed: seed of the Gaussian start vector.
       return_vectors: also return the (p, k) Ritz vectors.
@@ -184,26 +191,117 @@ def lanczos_top_k(
     if num_steps is None:
         num_steps = min(p, max(2 * k, k + 20))
     m = check_int("num_steps", num_steps, minimum=k, maximum=p)
+    if max_steps is None:
+        max_steps = 2 * m
+    max_steps = check_int("max_steps", max_steps, minimum=m)
+    max_steps = min(max_steps, p)
     tol = check_float("tol", tol, positive=True)
     rng = np.random.default_rng(seed)
-    start = rng.standard_normal(p)
-    alpha, beta, basis, calls = lanczos_tridiagonal(
-        matvec, start, m, reorthogonalize=True, rng=rng, keep_basis=True, verbose=verbose, desc="lanczos top-k"
-    )
-    theta, s = tridiagonal_eigh(alpha, beta)
-    order = np.argsort(-theta)[:k]
-    values = theta[order]
-    residuals = np.abs(beta[m - 1] * s[m - 1, order])
-    scale = max(float(np.max(np.abs(theta))), 1e-300)
-    converged = residuals <= tol * scale
+    run = _LanczosRun(matvec, rng.standard_normal(p), rng)
+    bar = _progress(m, verbose, "lanczos top-k")
+    block = max(10, k // 2)
+    target = m
+    while True:
+        run.extend(target - run.steps, bar)
+        theta, s = tridiagonal_eigh(run.alpha_array(), run.beta_array())
+        order = np.argsort(-theta)[:k]
+        residuals = np.abs(run.beta[-1] * s[-1, order])
+        scale = max(float(np.max(np.abs(theta))), 1e-300)
+        converged = residuals <= tol * scale
+        if converged.all() or run.steps >= max_steps or run.exhausted:
+            break
+        target = min(max_steps, run.steps + block)
+        if bar is not None:
+            bar.total = target
+    if bar is not None:
+        bar.close()
     leading = int(np.argmin(converged)) if not converged.all() else k
-    vectors = basis.T @ s[:, order] if return_vectors else None
+    vectors = run.basis.T @ s[:, order] if return_vectors else None
     return LanczosResult(
-        eigenvalues=values,
+        eigenvalues=theta[order],
         residuals=residuals,
         converged=converged,
         num_converged=leading,
-        num_steps=m,
-        num_matvecs=calls,
+        num_steps=run.steps,
+        num_matvecs=run.steps,
         eigenvectors=vectors,
     )
+
+
+class _LanczosRun:
+    """Incremental Lanczos with full reorthogonalisation (twice), extendable step by step."""
+
+    def __init__(self, matvec, start, rng):
+        q = np.asarray(start, dtype=np.float64)
+        self.p = q.size
+        self.matvec = matvec
+        self.rng = rng
+        self._Q = np.zeros((0, self.p))
+        self.alpha = []
+        self.beta = []
+        self.q = q / np.linalg.norm(q)
+        self.q_prev = np.zeros(self.p)
+        self.b_prev = 0.0
+        self.scale = 0.0
+        self.exhausted = False
+
+    @property
+    def basis(self):
+        return self._Q[: self.steps]
+
+    def _append(self, q):
+        n = self.steps
+        if n >= self._Q.shape[0]:
+            grown = np.zeros((max(16, 2 * self._Q.shape[0]), self.p))
+            grown[:n] = self._Q[:n]
+            self._Q = grown
+        self._Q[n] = q
+
+    @property
+    def steps(self):
+        return len(self.alpha)
+
+    def alpha_array(self):
+        return np.asarray(self.alpha)
+
+    def beta_array(self):
+        return np.asarray(self.beta)
+
+    def extend(self, n, bar=None):
+        for _ in range(max(0, n)):
+            if self.steps >= self.p:
+                self.exhausted = True
+                return
+            q = self.q
+            self._append(q)
+            w = np.asarray(self.matvec(q), dtype=np.float64).reshape(-1)
+            if w.shape != (self.p,):
+                raise ValueError(f"matvec must return a vector of shape ({self.p},), got {w.shape}.")
+            if not np.all(np.isfinite(w)):
+                raise FloatingPointError(f"matvec returned non-finite values at Lanczos step {self.steps}.")
+            a = float(np.dot(q, w))
+            w = w - a * q - self.b_prev * self.q_prev
+            Q = self._Q[: self.steps + 1]
+            for _ in range(2):
+                w -= Q.T @ (Q @ w)
+            b = float(np.linalg.norm(w))
+            self.scale = max(self.scale, abs(a), b)
+            self.alpha.append(a)
+            self.beta.append(b)
+            if bar is not None:
+                bar.update(1)
+            if b <= 1e-12 * max(self.scale, 1e-300):
+                self.beta[-1] = 0.0
+                if self.steps >= self.p:
+                    self.exhausted = True
+                    return
+                for _ in range(5):
+                    w = self.rng.standard_normal(self.p)
+                    for _ in range(2):
+                        w -= Q.T @ (Q @ w)
+                    nw = np.linalg.norm(w)
+                    if nw > 1e-8:
+                        break
+                self.q_prev, self.q, self.b_prev = q, w / nw, 0.0
+            else:
+                self.q_prev, self.q, self.b_prev = q, w / b, b
