@@ -77,6 +77,9 @@ CALIBRATION_EPSILON_RTOL = 1e-4
 
 _INTEGER_RDP_ORDERS = tuple(o for o in RDP_ORDERS if float(o).is_integer())
 
+#: Calibration refuses targets that would need a noise multiplier below this.
+_MIN_SIGMA = 1e-3
+
 
 # --------------------------------------------------------------------------- setup
 @dataclasses.dataclass(frozen=True)
@@ -417,21 +420,50 @@ def _calibrate(setup: AccountingSetup, epsilon: float, delta: float, accountant:
     def make_event(sigma):
         return _event_for(setup, max(float(sigma), 1e-12))
 
+    def gap(make_accountant, sigma):
+        return make_accountant().compose(make_event(sigma)).get_epsilon(delta) - epsilon
+
+    def bracket_around(make_accountant, guess, factor=1.25):
+        """Geometric search from ``guess`` for [lo, hi] with ε(lo) > target ≥ ε(hi)."""
+        lo = hi = guess
+        g = gap(make_accountant, hi)
+        for _ in range(60):
+            if g <= 0:
+                break
+            lo, hi = hi, factor * hi
+            g = gap(make_accountant, hi)
+        else:
+            raise ValueError(f"no noise multiplier up to {hi:g} reaches epsilon={epsilon:g} at delta={delta:g}.")
+        if lo == hi:
+            for _ in range(200):
+                lo = lo / factor
+                if lo < _MIN_SIGMA:
+                    raise ValueError(
+                        f"epsilon={epsilon:g} is so large that sigma < {_MIN_SIGMA:g} would suffice; "
+                        "such a run gives no meaningful privacy. Ask for a smaller epsilon."
+                    )
+                if gap(make_accountant, lo) > 0:
+                    break
+                hi = lo
+        return mc.ExplicitBracketInterval(lo, hi)
+
     def solve(make_accountant, bracket, tol, fallback_guess):
         try:
             return float(mc.calibrate_dp_mechanism(make_accountant, make_event, epsilon, delta, bracket, tol=tol))
         except (ValueError, mc.NoOptimumFoundError):  # the guessed bracket missed the root
             return float(mc.calibrate_dp_mechanism(
-                make_accountant, make_event, epsilon, delta, mc.LowerEndpointAndGuess(0.0, fallback_guess), tol=tol
+                make_accountant, make_event, epsilon, delta, bracket_around(make_accountant, fallback_guess), tol=tol
             ))
 
     # Stage 1: RDP on integer orders only — fast, and an upper bound on the ε of the
     # standard-order RDP and of PLD, so its σ is an upper end for the next bracket.
+    def int_rdp():
+        return _rdp.RdpAccountant(list(_INTEGER_RDP_ORDERS))
+
+    bracket1 = bracket_around(int_rdp, 1.0, factor=2.0)
     sigma1 = float(mc.calibrate_dp_mechanism(
-        lambda: _rdp.RdpAccountant(list(_INTEGER_RDP_ORDERS)), make_event, epsilon, delta,
-        mc.LowerEndpointAndGuess(0.0, 1.0), tol=1e-4,
+        int_rdp, make_event, epsilon, delta, bracket1, tol=1e-5 * bracket1.endpoint_2,
     ))
-    sigma1 = max(sigma1, 1e-6)
     if accountant == "rdp":
         return solve(lambda: _make_accountant("rdp"), mc.ExplicitBracketInterval(0.8 * sigma1, sigma1 + 1e-3),
                      CALIBRATION_RTOL * sigma1, sigma1)
@@ -439,7 +471,7 @@ def _calibrate(setup: AccountingSetup, epsilon: float, delta: float, accountant:
     # Stage 2: PLD on a 10x coarser grid (about 10x faster, ε within ~1e-5 relative).
     sigma2 = solve(
         lambda: _pld.PLDAccountant(value_discretization_interval=10 * PLD_VALUE_DISCRETIZATION),
-        mc.ExplicitBracketInterval(0.6 * sigma1, sigma1 + 1e-3), CALIBRATION_RTOL * sigma1, sigma1,
+        mc.ExplicitBracketInterval(0.75 * sigma1, sigma1 + 1e-3), CALIBRATION_RTOL * sigma1, sigma1,
     )
     # Stage 3: the PLD accountant of compute_epsilon. Accept σ₂ if it already meets the
     # budget within CALIBRATION_EPSILON_RTOL; otherwise Brent's method near σ₂.
