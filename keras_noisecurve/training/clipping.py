@@ -231,8 +231,13 @@ def vectorized_clipped_sum(
     _, sums, norms_ta, loss_ta, pred_tas = tf.while_loop(
         lambda i, *_: i < chunks, body, (tf.constant(1), list(first[0]), norms_ta, loss_ta, pred_tas)
     )
-    preds = tf.nest.pack_sequence_as(first[3], [ta.concat() for ta in pred_tas])
-    return ClippedSum(list(sums), norms_ta.concat(), loss_ta.concat(), preds)
+    def concat(ta, like):
+        out = ta.concat()
+        out.set_shape(tf.TensorShape([None]).concatenate(like.shape[1:]))
+        return out
+
+    preds = tf.nest.pack_sequence_as(first[3], [concat(ta, p) for ta, p in zip(pred_tas, pred_flat)])
+    return ClippedSum(list(sums), concat(norms_ta, first[1]), concat(loss_ta, first[2]), preds)
 
 
 def add_regularization(model, clipped: ClippedSum, *, expected_batch_size: int, num_replicas: int = 1) -> ClippedSum:
