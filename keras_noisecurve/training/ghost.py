@@ -10,13 +10,19 @@ this engine never does:
    activation ``a`` and its output ``z`` (the *pre-activation* output for layers
    with a fused ``activation=``: the layer's linear part is run here, then the
    activation applied to it, so ``z`` is the tensor that flows on);
-2. one backward pass gives ``g = ∂(Σ_i w_i·loss_i)/∂z`` for every recorded ``z``;
+2. one backward pass gives ``g = ∂(Σ_i w_i·loss_i)/∂z`` for every recorded ``z``
+   (it stops at the layer outputs: no weight gradients are formed);
 3. each layer's per-example squared gradient norm follows from ``(a, g)`` alone
    (``‖a_i‖²‖g_i‖²`` for a dense layer on vectors, Gram forms for sequences,
    patches for convolutions, ... see :mod:`keras_noisecurve.training.ghost_layers`);
-   their sum over layers is ``‖w_i·∇loss_i‖²``;
-4. a second backward pass of ``Σ_i c_i·w_i·loss_i`` (``c`` held constant) gives the
-   clipped sum.
+   their sum over layers is ``‖w_i·∇loss_i‖²``, giving ``c_i = min(1, ζ/‖·‖)``;
+4. the clipped sum ``Σ_i c_i·w_i·∇loss_i`` is the gradient of ``Σ_i c_i·w_i·loss_i``
+   with ``c`` held constant. Rather than a second backward pass through the whole
+   network, each layer assembles its part from the same ``(a, c ⊙ g)``
+   ("book-keeping", Bu et al. 2022): e.g. ``Σ_{i,l} a_il (c_i g_il)ᵀ`` for a kernel,
+   exactly the weight-gradient step of an ordinary backward pass. Total cost: one
+   forward, one backward without weight gradients, the norms, one weight-gradient
+   step.
 
 Recording works by temporarily replacing the ``call`` of each supported layer
 instance with a wrapper for the duration of the forward pass (under a lock, with a
@@ -208,7 +214,7 @@ def _check_clip(l2_norm_clip):
 def _ghost_step(model, loss_fn, x, y, sample_weight, clip, training, layers_and_rules):
     variables = model.trainable_variables
     with _Recording(layers_and_rules) as recorder:
-        with tf.GradientTape(persistent=True) as tape:
+        with tf.GradientTape() as tape:
             y_pred = model(x, training=training)
             per_example_loss = loss_fn(y, y_pred)
     per_example_loss = tf.convert_to_tensor(per_example_loss)
@@ -223,41 +229,36 @@ def _ghost_step(model, loss_fn, x, y, sample_weight, clip, training, layers_and_
     else:
         weights = tf.reshape(tf.cast(sample_weight, dtype), tf.shape(per_example_loss))
 
-    keys = [k for k in recorder.calls]
+    keys = list(recorder.calls)
     outs = [c["out"] for k in keys for c in recorder.calls[k]]
-    if outs:
-        gs = tape.gradient(
-            per_example_loss,
-            outs,
-            output_gradients=weights,
-            unconnected_gradients=tf.UnconnectedGradients.ZERO,
-        )
-    else:
-        gs = []
-    sq = tf.zeros_like(per_example_loss, dtype=tf.float64 if dtype == tf.float64 else tf.float32)
-    i = 0
-    for k in keys:
-        calls = recorder.calls[k]
-        with_g = []
-        for c in calls:
-            with_g.append({**c, "g": gs[i]})
-            i += 1
-        layer = recorder.layers[k]
-        sq += tf.cast(find_rule(layer).sq_norms(layer, with_g), sq.dtype)
-    norms = tf.sqrt(sq)
-    clip = tf.cast(clip, norms.dtype)
-    tiny = tf.constant(1e-30 if norms.dtype == tf.float32 else 1e-300, norms.dtype)
-    factors = tf.minimum(tf.ones_like(norms), clip / tf.maximum(norms, tiny))
-    scale = tf.stop_gradient(tf.cast(factors, dtype) * weights)
-    grads = tape.gradient(
-        per_example_loss,
-        variables,
-        output_gradients=scale,
-        unconnected_gradients=tf.UnconnectedGradients.ZERO,
-    )
+    gs = tape.gradient(
+        per_example_loss, outs, output_gradients=weights, unconnected_gradients=tf.UnconnectedGradients.ZERO
+    ) if outs else []
     del tape
+    norm_dtype = tf.float64 if dtype == tf.float64 else tf.float32
+    sq = tf.zeros_like(per_example_loss, dtype=norm_dtype)
+    grad_fns, i = [], 0
+    for k in keys:
+        calls = [{**c, "g": gs[i + n]} for n, c in enumerate(recorder.calls[k])]
+        i += len(calls)
+        layer = recorder.layers[k]
+        layer_sq, grad_fn = find_rule(layer).analyse(layer, calls)
+        sq += tf.cast(layer_sq, norm_dtype)
+        grad_fns.append(grad_fn)
+    norms = tf.sqrt(sq)
+    tiny = tf.constant(1e-30 if norm_dtype == tf.float32 else 1e-300, norm_dtype)
+    factors = tf.stop_gradient(tf.minimum(tf.ones_like(norms), tf.cast(clip, norm_dtype) / tf.maximum(norms, tiny)))
+    # g already carries w_i, so scaling by c_i gives Σ_i c_i·w_i·∇loss_i per variable.
+    by_variable = {}
+    for grad_fn in grad_fns:
+        for variable, grad in grad_fn(factors):
+            by_variable[id(variable)] = grad
+    grads = [
+        tf.cast(by_variable[id(v)], v.dtype) if id(v) in by_variable else tf.zeros(v.shape, v.dtype)
+        for v in variables
+    ]
     return ClippedSum(
-        grads=[tf.convert_to_tensor(g) for g in grads],  # IndexedSlices (Embedding) -> dense
+        grads=grads,
         norms=tf.cast(norms, dtype),
         per_example_loss=per_example_loss,
         y_pred=y_pred,

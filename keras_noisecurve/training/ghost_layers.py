@@ -7,9 +7,13 @@ Each rule knows, for one Keras 3 layer type with its own trainable weights,
    forward computation, recording the tensor ``out`` whose gradient ``g`` is needed
    (the *pre-activation* output for layers with a fused ``activation=``) and the
    auxiliary tensors (input activation, token ids, normalised input) of that call;
-3. ``sq_norms(layer, calls)``: the per-example squared norm, shape ``(P,)``, of the
-   gradient of the layer's own weights, from the recorded calls, each a dict with
-   the recorded tensors and ``"g"`` (the gradient of ``Σ_i w_i·loss_i`` w.r.t. ``out``).
+3. ``analyse(layer, calls) -> (sq_norms, grads)``: from the recorded calls (each a
+   dict with the recorded tensors and ``"g"``, the gradient of ``Σ_i w_i·loss_i``
+   w.r.t. ``out``), the per-example squared norm (P,) of the gradient of the layer's
+   own weights, and a function ``grads(scale)`` returning ``[(variable,
+   Σ_i scale_i·∇_variable(w_i·loss_i))]``: with ``scale = c`` (the clip factors) this is
+   the layer's part of the clipped sum, assembled from the same ``(a, g)`` as the
+   norms ("book-keeping", Bu et al. 2022) instead of a second backward pass.
 
 No per-example gradient of a weight is materialised unless it is the cheaper form
 (see :func:`sequence_sq_norms`). A layer called several times (shared weights) has
@@ -55,7 +59,7 @@ def sequence_sq_norms(a: tf.Tensor, g: tf.Tensor) -> tf.Tensor:
         return tf.reduce_sum(aa * gg, axis=[1, 2])
 
     def materialise():
-        per_example = tf.matmul(a, g, transpose_a=True)
+        per_example = tf.einsum("pli,plj->pij", a, g)  # faster than matmul(transpose_a) on CPU
         return tf.reduce_sum(tf.square(per_example), axis=[1, 2])
 
     if d_in is None or d_out is None:
@@ -128,8 +132,16 @@ def _bias_grad(g: tf.Tensor, bias_shape) -> tf.Tensor:
     return _sum_over(g, keep)
 
 
-def _common(calls, key):
-    return [tf.stop_gradient(c[key]) for c in calls]
+def _weighted_outer(a: tf.Tensor, g: tf.Tensor, scale: tf.Tensor) -> tf.Tensor:
+    """``Σ_i scale_i Σ_l a_il g_ilᵀ`` (d_in, d_out) from a (P, L, d_in), g (P, L, d_out)."""
+    d_in, d_out = a.shape[-1], g.shape[-1]
+    gs = g * scale[:, None, None]
+    return tf.matmul(tf.reshape(a, [-1, d_in]), tf.reshape(gs, [-1, d_out]), transpose_a=True)
+
+
+def _weighted_sum(per_example: tf.Tensor, scale: tf.Tensor) -> tf.Tensor:
+    """``Σ_i scale_i · per_example_i`` for a (P, ...) tensor."""
+    return tf.tensordot(scale, per_example, axes=1)
 
 
 # ---------------------------------------------------------------------- rules
@@ -180,7 +192,7 @@ class DenseRule(_Rule):
         p = tf.shape(a)[0]
         return tf.reshape(a, [p, -1, d_in]), tf.reshape(g, [p, -1, d_out])
 
-    def sq_norms(self, layer, calls):
+    def analyse(self, layer, calls):
         dtype = _norm_dtype(calls[0]["g"].dtype)
         pairs = [
             self._sequence(layer, tf.cast(tf.stop_gradient(c["a"]), dtype), tf.cast(c["g"], dtype))
@@ -189,9 +201,18 @@ class DenseRule(_Rule):
         a = _concat_positions([p[0] for p in pairs])
         g = _concat_positions([p[1] for p in pairs])
         total = sequence_sq_norms(a, g)
+        bias_grads = None
         if layer.bias is not None:
-            total += _sq(tf.reduce_sum(g, axis=1))
-        return total
+            bias_grads = tf.reduce_sum(g, axis=1)
+            total += _sq(bias_grads)
+
+        def grads(scale):
+            out = [(layer.kernel, _weighted_outer(a, g, scale))]
+            if bias_grads is not None:
+                out.append((layer.bias, _weighted_sum(bias_grads, scale)))
+            return out
+
+        return total, grads
 
 
 def _parse_einsum(equation: str, input_rank: int):
@@ -307,21 +328,34 @@ class EinsumDenseRule(DenseRule):
         p = tf.shape(a)[0]
         return tf.reshape(a, [p, -1, d_in]), tf.reshape(g, [p, -1, d_out])
 
-    def sq_norms(self, layer, calls):
+    def analyse(self, layer, calls):
         dtype = _norm_dtype(calls[0]["g"].dtype)
         pairs = [
             self._sequence(layer, tf.cast(tf.stop_gradient(c["a"]), dtype), tf.cast(c["g"], dtype))
             for c in calls
         ]
-        total = sequence_sq_norms(
-            _concat_positions([p[0] for p in pairs]), _concat_positions([p[1] for p in pairs])
-        )
+        a = _concat_positions([p[0] for p in pairs])
+        g = _concat_positions([p[1] for p in pairs])
+        total = sequence_sq_norms(a, g)
+        bias_grads = None
         if layer.bias is not None:
-            bias_grad = tf.add_n(
+            bias_grads = tf.add_n(
                 [_bias_grad(tf.cast(c["g"], dtype), tuple(layer.bias.shape)) for c in calls]
             )
-            total += _sq(bias_grad)
-        return total
+            total += _sq(bias_grads)
+
+        def grads(scale):
+            st, _ = einsum_structure(layer.equation, calls[0]["a"].shape.rank)
+            ker_spec = layer.equation.split("->")[0].split(",")[1]
+            order = [*st["contracted"], *st["kernel_out"]]
+            sizes = dict(zip(ker_spec, layer.kernel.shape))
+            kernel = tf.reshape(_weighted_outer(a, g, scale), [sizes[c] for c in order])
+            out = [(layer.kernel, tf.transpose(kernel, [order.index(c) for c in ker_spec]))]
+            if bias_grads is not None:
+                out.append((layer.bias, _weighted_sum(bias_grads, scale)))
+            return out
+
+        return total, grads
 
 
 class EmbeddingRule(_Rule):
@@ -338,7 +372,7 @@ class EmbeddingRule(_Rule):
         record(out=out, ids=inputs)
         return out
 
-    def sq_norms(self, layer, calls):
+    def analyse(self, layer, calls):
         dtype = _norm_dtype(calls[0]["g"].dtype)
         vocabulary, d = layer.embeddings.shape
         ids, gs = [], []
@@ -346,14 +380,22 @@ class EmbeddingRule(_Rule):
             p = tf.shape(c["g"])[0]
             ids.append(tf.reshape(tf.cast(c["ids"], tf.int64), [p, -1]))
             gs.append(tf.reshape(tf.cast(c["g"], dtype), [p, -1, d]))
-        return token_sq_norms(_concat_positions(ids), _concat_positions(gs), int(vocabulary))
+        ids, g = _concat_positions(ids), _concat_positions(gs)
+        total = token_sq_norms(ids, g, int(vocabulary))
+
+        def grads(scale):
+            rows = tf.reshape(g * scale[:, None, None], [-1, d])
+            table = tf.math.unsorted_segment_sum(rows, tf.reshape(ids, [-1]), int(vocabulary))
+            return [(layer.embeddings, table)]
+
+        return total, grads
 
 
 class ConvRule(_Rule):
     """``keras.layers.Conv1D`` / ``Conv2D`` with ``groups=1``.
 
-    Input patches are unfolded with ``tf.image.extract_patches`` (same padding,
-    strides and dilation as the convolution) to (P, L, k·k·c_in) and the sequence
+    Input patches are unfolded by a convolution with a one-hot kernel (same padding,
+    strides and dilation as the layer; the windows of ``tf.image.extract_patches``) to (P, L, k·k·c_in) and the sequence
     rule of :func:`sequence_sq_norms` is applied with g of shape (P, L, c_out).
     """
 
@@ -410,16 +452,15 @@ class ConvRule(_Rule):
                 padding = "valid"
             a = a[:, None]
             ks, st, dr = [1, *ks], [1, *st], [1, *dr]
-        patches = tf.image.extract_patches(
-            a,
-            sizes=[1, *ks, 1],
-            strides=[1, *st, 1],
-            rates=[1, *dr, 1],
-            padding=padding.upper(),
-        )
-        return tf.reshape(patches, [tf.shape(a)[0], -1, patches.shape[-1]])
+        # Patches by a convolution with a one-hot kernel: the same windows as
+        # tf.image.extract_patches (order kh, kw, c_in) but ~20x faster on CPU.
+        c_in = a.shape[-1]
+        width = ks[0] * ks[1] * c_in
+        eye = tf.reshape(tf.eye(width, dtype=a.dtype), [ks[0], ks[1], c_in, width])
+        patches = tf.nn.conv2d(a, eye, strides=[1, *st, 1], padding=padding.upper(), dilations=[1, *dr, 1])
+        return tf.reshape(patches, [tf.shape(a)[0], -1, width])
 
-    def sq_norms(self, layer, calls):
+    def analyse(self, layer, calls):
         dtype = _norm_dtype(calls[0]["g"].dtype)
         aa, gg = [], []
         for c in calls:
@@ -430,9 +471,19 @@ class ConvRule(_Rule):
             gg.append(tf.reshape(g, [tf.shape(g)[0], -1, layer.filters]))
         a, g = _concat_positions(aa), _concat_positions(gg)
         total = sequence_sq_norms(a, g)
+        bias_grads = None
         if layer.use_bias:
-            total += _sq(tf.reduce_sum(g, axis=1))
-        return total
+            bias_grads = tf.reduce_sum(g, axis=1)
+            total += _sq(bias_grads)
+
+        def grads(scale):
+            # patch order (k_h, k_w, c_in) = the kernel's leading axes
+            out = [(layer.kernel, tf.reshape(_weighted_outer(a, g, scale), layer.kernel.shape))]
+            if bias_grads is not None:
+                out.append((layer.bias, _weighted_sum(bias_grads, scale)))
+            return out
+
+        return total, grads
 
 
 class _NormalizationRule(_Rule):
@@ -453,7 +504,7 @@ class _NormalizationRule(_Rule):
     def param_axes(self, layer, rank):
         raise NotImplementedError
 
-    def sq_norms(self, layer, calls):
+    def analyse(self, layer, calls):
         dtype = _norm_dtype(calls[0]["g"].dtype)
         gamma_grads, beta_grads = [], []
         for c in calls:
@@ -464,11 +515,18 @@ class _NormalizationRule(_Rule):
             if layer.beta is not None:
                 beta_grads.append(_sum_over(g, keep))
         total = 0.0
+        per_example = []
         if gamma_grads:
-            total += _sq(tf.add_n(gamma_grads))
+            per_example.append((layer.gamma, tf.add_n(gamma_grads)))
         if beta_grads:
-            total += _sq(tf.add_n(beta_grads))
-        return total
+            per_example.append((layer.beta, tf.add_n(beta_grads)))
+        for _, grad in per_example:
+            total += _sq(grad)
+
+        def grads(scale):
+            return [(v, tf.reshape(_weighted_sum(grad, scale), v.shape)) for v, grad in per_example]
+
+        return total, grads
 
 
 def _positive_axes(axis, rank):
@@ -535,6 +593,37 @@ class GroupNormalizationRule(_NormalizationRule):
         return tf.reshape(xhat, shape)
 
 
+class ChannelsLastGroupNormRule(_NormalizationRule):
+    """``keras_noisecurve.models.GroupNorm`` (the paper CNN's GroupNorm, channels last).
+
+    Same x̂ as its ``call``: ``(x − mean_g) / sqrt(var_g + ε)`` over the spatial axes
+    and the channels of each group; ``gamma``/``beta`` per channel (last axis).
+    """
+
+    kind = "GroupNorm"
+
+    @property
+    def classes(self):
+        from keras_noisecurve.models import GroupNorm
+
+        return (GroupNorm,)
+
+    def param_axes(self, layer, rank):
+        return [rank - 1]
+
+    def normalised(self, layer, inputs):
+        compute = tf.float64 if tf.as_dtype(inputs.dtype) == tf.float64 else tf.float32
+        x = tf.cast(inputs, compute)
+        channels = x.shape[-1]
+        spatial = x.shape[1:-1].as_list()
+        grouped = tf.reshape(x, [-1, *spatial, layer.groups, channels // layer.groups])
+        axes = list(range(1, len(spatial) + 1)) + [len(spatial) + 2]
+        mean = tf.reduce_mean(grouped, axis=axes, keepdims=True)
+        centred = grouped - mean
+        var = tf.reduce_mean(centred * centred, axis=axes, keepdims=True)
+        return tf.reshape(centred / tf.sqrt(var + layer.epsilon), tf.shape(x))
+
+
 RULES = (
     EinsumDenseRule(),
     DenseRule(),
@@ -542,6 +631,7 @@ RULES = (
     ConvRule(),
     LayerNormalizationRule(),
     GroupNormalizationRule(),
+    ChannelsLastGroupNormRule(),
 )
 
 

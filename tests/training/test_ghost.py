@@ -405,3 +405,57 @@ def test_sequence_sq_norms_both_forms_agree_with_materialised():
         [np.sum((a.numpy()[i, :3].T @ g.numpy()[i, :3]) ** 2) for i in range(3)],
         rtol=1e-12,
     )  # Gram (9 < 10)
+
+
+def test_paper_cnn_with_its_groupnorm_layer():
+    # keras_noisecurve.models.small_groupnorm_cnn uses its own GroupNorm layer (exact
+    # second derivatives); ghost clipping has a rule for it, so "auto" picks ghost.
+    from keras_noisecurve.models import small_groupnorm_cnn
+
+    rng = np.random.default_rng(15)
+    model = small_groupnorm_cnn(input_shape=(8, 8, 3), num_classes=3, dense_size=8, groups=4, seed=1)
+    for v in model.trainable_variables:
+        if "gamma" in v.path or "beta" in v.path:
+            v.assign(rng.normal(1.0, 0.5, size=v.shape))
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+    check_model(model, rng.normal(size=(P, 8, 8, 3)), rng.integers(0, 3, size=(P,)), loss_fn=loss)
+
+
+# ---------------------------------------------------------- DPModel integration
+
+
+def test_make_private_fit_with_ghost_takes_the_clipped_sgd_step():
+    # One fit step with σ = 0 must move the weights by exactly −η·Σ_i clip(g_i)/B,
+    # with the clipped sum from the independent per-example loop.
+    from keras_noisecurve.training import DPOptimizer, make_private
+
+    keras.config.set_floatx("float32")
+    rng = np.random.default_rng(16)
+    model = keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(8, activation="tanh"), keras.layers.LayerNormalization(),
+         keras.layers.Dense(2)]
+    )
+    x, y = rng.normal(size=(P, 4)).astype("float32"), rng.normal(size=(P, 2)).astype("float32")
+    before = [v.numpy().astype(np.float64) for v in model.trainable_variables]
+    norms, _ = loop_reference(model, mse, x, y, np.ones(P), np.inf)
+    clip = float(np.median(norms))
+    _, total = loop_reference(model, mse, x, y, np.ones(P), clip)
+    private = make_private(model, clipping="ghost")
+    lr = 0.5
+    private.compile(
+        optimizer=DPOptimizer(learning_rate=lr, l2_norm_clip=clip, noise_multiplier=0.0, expected_batch_size=P, seed=0),
+        loss="mse",
+    )
+    private.fit(x, y, batch_size=P, epochs=1, shuffle=False, verbose=0)
+    assert private._engine() is ghost_clipped_sum
+    for v, w0, s in zip(model.trainable_variables, before, total):
+        np.testing.assert_allclose(v.numpy(), w0 - lr * s / P, rtol=1e-4, atol=1e-5)
+
+
+def test_auto_engine_picks_ghost_or_falls_back():
+    from keras_noisecurve.training.clipping import get_engine
+
+    plain = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    custom = keras.Sequential([keras.Input((3,)), Scale(), keras.layers.Dense(2)])
+    assert get_engine("auto", plain) is ghost_clipped_sum
+    assert get_engine("auto", custom) is vectorized_clipped_sum
