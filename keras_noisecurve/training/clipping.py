@@ -102,16 +102,17 @@ def check_model_is_clippable(model) -> None:
     """Refuse layers that mix examples or add data-dependent losses inside ``call``.
 
     Raises:
-      ValueError: for BatchNormalization (training mode mixes the examples of a
+      ValueError: for a trainable BatchNormalization (training mode mixes the examples of a
         batch, so per-example clipping would not bound one example's influence) and
         for activity regularizers (data-dependent losses outside the clipped loss).
     """
     for layer in model._flatten_layers(include_self=True):
-        if isinstance(layer, keras.layers.BatchNormalization):
+        if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable:
             raise ValueError(
                 f"layer {layer.name!r} is a BatchNormalization layer: in training mode it mixes "
                 "the examples of a batch, so per-example clipping cannot bound one example's "
-                "influence (no DP guarantee). Use GroupNormalization or LayerNormalization."
+                "influence (no DP guarantee). Use GroupNormalization or LayerNormalization, or "
+                "freeze it (layer.trainable = False runs it in inference mode)."
             )
         if getattr(layer, "activity_regularizer", None) is not None and layer is not model:
             raise ValueError(

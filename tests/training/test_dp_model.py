@@ -110,6 +110,8 @@ def test_refusals():
     bn = keras.Sequential([keras.Input((4,)), keras.layers.BatchNormalization(), keras.layers.Dense(2)])
     with pytest.raises(ValueError, match="BatchNormalization.*mixes"):
         make_private(bn)
+    bn.layers[0].trainable = False  # inference mode: no mixing
+    make_private(bn)
     act = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2, activity_regularizer="l2")])
     with pytest.raises(ValueError, match="activity_regularizer"):
         make_private(act)
