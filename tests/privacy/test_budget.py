@@ -56,8 +56,13 @@ def test_stops_at_step_plan_and_counts_across_fits():
     model = _model()
     cb = PrivacyBudget(noise_multiplier=SIGMA, delta=DELTA, num_examples=N, batch_size=B, steps=steps, bands=BANDS,
                        accountant="rdp", log_every_step=True, verbose=0)
-    model.fit(ds, epochs=1, steps_per_epoch=5, callbacks=[cb], verbose=0)
+    seen = []
+    recorder = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: seen.append(logs["epsilon"]))
+    model.fit(ds, epochs=1, steps_per_epoch=5, callbacks=[cb, recorder], verbose=0)
     assert int(model.optimizer.iterations.numpy()) == 5 and not model.stop_training
+    # per-step epsilon: ceil(k/2) compositions after k steps (k = 1 is checked through k = 2)
+    assert seen[1] == seen[0] and seen[3] == seen[2]
+    assert seen[1:] == pytest.approx([_eps(k, "rdp") for k in range(2, 6)], rel=1e-12)
     history = model.fit(ds, epochs=3, steps_per_epoch=5, callbacks=[cb], verbose=0)
     assert int(model.optimizer.iterations.numpy()) == steps
     assert "step plan" in cb.stop_reason

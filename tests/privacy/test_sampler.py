@@ -131,3 +131,12 @@ def test_sampler_validation():
         sampling_plan(num_examples=100, batch_size=3, bands=1, steps=3, max_batch_size=9, overflow_probability=1e-6)
     with pytest.raises(ValueError, match="same leading"):
         banded_poisson_dataset({"a": np.zeros((10, 1)), "b": np.zeros((11, 1))}, None, batch_size=2, bands=1, steps=2)
+
+
+def test_oversized_tf_data_input_is_refused(monkeypatch):
+    from keras_noisecurve.privacy import sampler
+
+    monkeypatch.setattr(sampler, "MAX_MATERIALIZED_BYTES", 1000)
+    ds = tf.data.Dataset.from_tensor_slices(np.zeros((100, 8), "float32"))
+    with pytest.raises(ValueError, match="GiB when materialised"):
+        banded_poisson_dataset(ds, batch_size=5, bands=1, steps=2)
