@@ -32,17 +32,29 @@ def _noise_updates(mixing, steps, shapes, seed=3):
     return np.array(rows), opt
 
 
-@pytest.mark.parametrize("kind", ["identity", "bandmf", "noisecurve"])
+def _mixing(kind, steps, bands):
+    rng = np.random.default_rng(0)
+    if kind == "identity":
+        return MixingMatrix.identity(steps)
+    if kind == "bandmf-like":
+        return bandmf_like_c(steps, bands)
+    if kind == "noisecurve-like":  # small diagonal, strong couplings of both signs
+        return random_banded_c(steps, bands, rng=rng, diag_scale=0.1)
+    from keras_noisecurve.mixing import solve_mixing_matrix
+
+    if kind == "solver-bandmf":
+        return solve_mixing_matrix(steps=steps, bands=bands, objective="bandmf")
+    return solve_mixing_matrix(steps=steps, bands=bands, objective="noisecurve",
+                               spectrum=np.array([0.01, 0.5, 1.0, 1.5]), learning_rate=0.5)
+
+
+@pytest.mark.parametrize(
+    "kind", ["identity", "bandmf-like", "noisecurve-like", "solver-bandmf", "solver-noisecurve"]
+)
 def test_noise_law_covariance(kind):
     """Updates over T steps have covariance (ηζσ/B)²·C⁻¹C⁻ᵀ across steps."""
     steps, bands = 10, 4
-    rng = np.random.default_rng(0)
-    if kind == "identity":
-        c = MixingMatrix.identity(steps)
-    elif kind == "bandmf":
-        c = bandmf_like_c(steps, bands)
-    else:  # NoiseCurve-like: small diagonal, strong negative couplings
-        c = random_banded_c(steps, bands, rng=rng, diag_scale=0.1)
+    c = _mixing(kind, steps, bands)
     shapes = [(60, 50), (50,), (7, 3, 5)]  # several variables: index folding is exercised
     updates, _ = _noise_updates(c, steps, shapes)
     p = updates.shape[1]
