@@ -56,3 +56,24 @@ def test_bad_delta_and_missing_arguments_exit_2(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["calibrate", "--epsilon", "2", "--delta", "1e-5", "--num-examples", "1000", "--batch-size", "10"])
     assert exc.value.code == 2
+
+
+def test_calibrate_takes_bands_from_mixing_file(tmp_path, capsys):
+    import numpy as np
+
+    from keras_noisecurve.mixing.matrix import MixingMatrix
+
+    T, b = 40, 4
+    dense = np.tril(np.ones((T, T)))
+    dense[np.subtract.outer(np.arange(T), np.arange(T)) >= b] = 0
+    dense /= np.linalg.norm(dense, axis=0, keepdims=True)
+    path = tmp_path / "C.npz"
+    MixingMatrix.from_dense(dense, bands=b).save(path)
+    args = ["calibrate", "--epsilon", "4", "--delta", "1e-5", "--num-examples", "2000", "--batch-size", "20",
+            "--steps", str(T), "--accountant", "rdp", "--json", "--mixing", str(path)]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["bands"] == b and out["compositions"] == T // b and out["sensitivity"] == pytest.approx(1.0)
+    assert main(args + ["--bands", "2"]) == 2
+    assert "does not match the mixing matrix" in capsys.readouterr().err
+    assert main(args[:-1] + [str(tmp_path / "missing.npz")]) == 2
