@@ -22,9 +22,8 @@ reproducibility experiments.
 from __future__ import annotations
 
 import dataclasses
-import math
 import warnings
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
 
