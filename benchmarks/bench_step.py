@@ -172,8 +172,11 @@ def main(argv=None):
                 step(x, y)
             runs[name] = (model, step)
         times = {name: [] for name in runs}
+        names = list(runs)
         for r in range(args.repeats):
-            for name, (_, step) in runs.items():
+            shift = r % len(names)  # rotate the order: no configuration always runs first
+            for name in names[shift:] + names[:shift]:
+                step = runs[name][1]
                 start = time.perf_counter()
                 for _ in range(args.steps):
                     out = step(x, y)
