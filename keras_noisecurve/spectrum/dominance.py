@@ -8,7 +8,8 @@ problem on the range of Ĥ, 0/0 = 0, +∞ when H_t has curvature outside that ra
 
 Ĥ is given as a dense (p, p) matrix (e.g. from ``upper_bound_hessian`` after random-label
 pre-training) or computed once when training begins from ``public_x`` (random labels if
-``public_y`` is None) at the weights the model starts from.
+``public_y`` is None) at the weights the model starts from, with its negative eigenvalues
+clamped to 0 (paper §4.1).
 """
 
 from __future__ import annotations
@@ -109,7 +110,10 @@ class DominanceCertificate(keras.callbacks.Callback):
                 k = output_width(self.model, np.asarray(self.public_x))
                 kind = resolve_loss(self.model, self.loss, num_outputs=k).label_kind
                 y = random_labels(np.asarray(self.public_x).shape[0], num_outputs=k, label_kind=kind, seed=self.seed)
-            self.upper = self._dense(np.asarray(self.public_x), np.asarray(y))
+            H = self._dense(np.asarray(self.public_x), np.asarray(y))
+            # Negative curvature is clamped to 0, as for the spectrum (paper §4.1): Ĥ = U max(Λ, 0) Uᵀ.
+            lam, vec = np.linalg.eigh(H)
+            self.upper = (vec * np.maximum(lam, 0.0)) @ vec.T
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
