@@ -191,7 +191,7 @@ _INDEX_CACHE: dict = {}
 
 
 def _block_index(width: int, steps: int) -> _BlockIndex:
-    block = max(width, 24)
+    block = max(width, 64)
     key = (width, steps, block)
     if key not in _INDEX_CACHE:
         if len(_INDEX_CACHE) > 16:
@@ -451,7 +451,26 @@ def _minimize(surrogate, ab0, *, tol, max_iterations, verbose, label):
                               label=label)
 
 
+#: Stall rule: stop when f fell by at most ``tol × STALL_FRACTION`` (relative) over the last
+#: ``STALL_WINDOW`` iterations (see ``_minimize_impl``).
+STALL_WINDOW = 100
+STALL_FRACTION = 0.1
+_MAX_RESTARTS = 20
+
+
 def _minimize_impl(surrogate, ab0, *, tol, max_iterations, verbose, label):
+    """L-BFGS-B over the raw band values with scale-free stopping.
+
+    Stops when (a) the relative optimality ``‖P∇f‖₂/f ≤ tol`` (reason "relative
+    optimality"), or (b) f fell by at most ``STALL_FRACTION·tol`` (relative) over the last
+    ``STALL_WINDOW`` iterations (reason "relative loss change"): on the flat, ill-conditioned
+    tails of the curvature objectives L-BFGS keeps improving f by ever smaller amounts while
+    the gradient norm stalls near 1e-5; measured on T = 200, b = 16 (μ_i = 1/i, η = 0.5) the
+    total decrease after the point where (b) fires was about 5× the last window, i.e. the
+    final f is within ≈ tol (relative) of the limit. Both measures are relative to f, so
+    the iterates do not depend on the scale of W. Line-search failures (a trial step that
+    makes C numerically singular) restart L-BFGS from the best point.
+    """
     bands, steps = ab0.shape
     mask = valid_mask(bands, steps)
     start = time.perf_counter()
@@ -460,7 +479,10 @@ def _minimize_impl(surrogate, ab0, *, tol, max_iterations, verbose, label):
     if not (np.isfinite(f0) and f0 > 0):
         raise ValueError(f"the initial C gives a non-finite or zero objective ({f0}); is it singular?")
     last = {"x": None, "rel": math.inf, "f": f0}
+    best = {"x": None, "f": math.inf, "rel": math.inf}
     counts = {"fun": 0, "iter": 0}
+    history = []
+    reason = {"value": None}
 
     def fun(x):
         counts["fun"] += 1
@@ -468,16 +490,19 @@ def _minimize_impl(surrogate, ab0, *, tol, max_iterations, verbose, label):
         raw[mask] = x
         c, norms = _normalise(raw)
         try:
-            value, grad = surrogate(c)
+            with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+                value, grad = surrogate(c)
         except np.linalg.LinAlgError:
             return math.inf, np.zeros_like(x)
-        if not np.isfinite(value):
+        if not (np.isfinite(value) and np.all(np.isfinite(grad))):
             return math.inf, np.zeros_like(x)
         proj = grad - c * np.einsum("ij,ij->j", c, grad)
         proj *= mask
         last["x"] = x.copy()
         last["f"] = value
         last["rel"] = float(np.linalg.norm(proj) / value)
+        if value < best["f"]:
+            best.update(x=last["x"], f=value, rel=last["rel"])
         return value / f0, (proj / norms)[mask] / f0
 
     def callback(intermediate_result):
@@ -485,6 +510,7 @@ def _minimize_impl(surrogate, ab0, *, tol, max_iterations, verbose, label):
         x = intermediate_result.x
         if last["x"] is None or not np.array_equal(x, last["x"]):
             fun(x)
+        history.append(last["f"])
         if verbose and (counts["iter"] % 25 == 0 or last["rel"] <= tol):
             print(
                 f"[noisecurve solve {label}] iter {counts['iter']:5d}  f = {last['f']:.10g}  "
@@ -492,43 +518,69 @@ def _minimize_impl(surrogate, ab0, *, tol, max_iterations, verbose, label):
                 flush=True,
             )
         if last["rel"] <= tol:
+            reason["value"] = "relative optimality"
+            raise StopIteration
+        if len(history) > STALL_WINDOW:
+            old = history[-1 - STALL_WINDOW]
+            if old - last["f"] <= STALL_FRACTION * tol * abs(last["f"]):
+                reason["value"] = "relative loss change"
+                raise StopIteration
+        if counts["iter"] >= max_iterations:
+            reason["value"] = "max_iterations"
             raise StopIteration
 
-    x0 = ab0[mask]
-    fun(x0)
-    if last["rel"] > tol and max_iterations > 0:
+    x = ab0[mask]
+    fun(x)
+    messages = []
+    if last["rel"] <= tol:
+        reason["value"] = "relative optimality"
+    restarts = 0
+    while reason["value"] is None and counts["iter"] < max_iterations and restarts <= _MAX_RESTARTS:
+        before = best["f"]
         result = minimize(
             fun,
-            x0,
+            x,
             jac=True,
             method="L-BFGS-B",
             callback=callback,
-            options={"maxiter": max_iterations, "maxfun": 4 * max_iterations + 20, "maxcor": 30,
-                     "ftol": 1e-16, "gtol": 0.0},
+            options={"maxiter": max_iterations - counts["iter"], "maxfun": 4 * max_iterations + 20,
+                     "maxcor": 30, "ftol": 1e-16, "gtol": 0.0},
         )
-        message = str(result.message)
-        x = result.x
-    else:
-        message = "initial point already optimal"
-        x = x0
+        messages.append(str(result.message))
+        x = best["x"] if best["x"] is not None else x
+        if reason["value"] is not None:
+            break
+        restarts += 1
+        if not best["f"] < before:  # no progress since the last restart: give up
+            reason["value"] = "line search failed: " + messages[-1]
+            break
+    if reason["value"] is None:
+        reason["value"] = "max_iterations" if counts["iter"] >= max_iterations else messages[-1]
+    x = best["x"] if best["x"] is not None else x
     raw = np.zeros((bands, steps))
     raw[mask] = x
     ab = _fix_row_signs(_normalise(raw)[0])
     rel = relative_optimality(surrogate, ab)
     value, _ = surrogate(ab, gradient=False)
+    window_change = None
+    if len(history) > STALL_WINDOW:
+        window_change = (history[-1 - STALL_WINDOW] - history[-1]) / abs(history[-1])
     stats = {
         "iterations": counts["iter"],
         "function_evaluations": counts["fun"],
         "seconds": time.perf_counter() - start,
-        "converged": bool(rel <= tol),
+        "converged": reason["value"] in ("relative optimality", "relative loss change"),
+        "stopping_reason": reason["value"],
         "relative_optimality": rel,
+        "relative_loss_change_last_window": window_change,
         "tolerance": tol,
+        "restarts": restarts,
         "surrogate_loss": float(value),
-        "message": message,
+        "message": "; ".join(messages) if messages else "initial point already optimal",
     }
     if verbose:
         print(f"[noisecurve solve {label}] done: {stats['iterations']} iterations, f = {value:.10g}, "
-              f"rel. optimality = {rel:.3e}, converged = {stats['converged']}", flush=True)
+              f"rel. optimality = {rel:.3e}, stopped on {reason['value']}", flush=True)
     return ab, stats
 
 
