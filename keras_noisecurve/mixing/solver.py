@@ -763,11 +763,7 @@ def solve_mixing_matrix(*, steps, bands, objective="noisecurve", spectrum=None, 
     if auto_record is not None:
         meta["blend_rule"] = auto_record
     band_values = ab_to_band_values(ab)
-    try:
-        _attach_diagnostics(meta, band_values,
-                            reference_ab=bandmf_ab if objective in CURVATURE_OBJECTIVES else None)
-    except ImportError:  # keras_noisecurve.mixing.diagnostics not installed in this checkout
-        pass
+    _attach_diagnostics(meta, band_values, reference_ab=bandmf_ab if objective in CURVATURE_OBJECTIVES else None)
     return MixingMatrix(band_values, meta)
 
 

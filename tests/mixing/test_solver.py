@@ -239,6 +239,20 @@ def test_objective_value_matches_dense_formula(objective):
         pytest.approx(np.trace(c_inv.T @ workload @ c_inv), rel=1e-10)
 
 
+def test_diagnostics_are_attached():
+    steps, bands = 40, 5
+    mixing = solve_mixing_matrix(steps=steps, bands=bands, objective="noisecurve", spectrum=SPEC, learning_rate=ETA)
+    diagnostics = mixing.metadata["diagnostics"]
+    a = np.tril(np.ones((steps, steps)))
+    c_inv = np.linalg.inv(mixing.to_dense())
+    peak = np.linalg.norm(a @ c_inv, axis=1).max()
+    assert diagnostics["prefix_std_max"] == pytest.approx(peak, rel=1e-9)
+    bandmf = solve_mixing_matrix(steps=steps, bands=bands, objective="bandmf")
+    bandmf_peak = np.linalg.norm(a @ np.linalg.inv(bandmf.to_dense()), axis=1).max()
+    assert diagnostics["excursion_vs_bandmf"] == pytest.approx(peak / bandmf_peak, rel=1e-6)
+    assert "excursion_vs_bandmf" not in bandmf.metadata["diagnostics"]
+
+
 def test_dpsgd_is_identity():
     mixing = solve_mixing_matrix(steps=12, bands=1, objective="dpsgd")
     np.testing.assert_array_equal(mixing.to_dense(), np.eye(12))
