@@ -35,7 +35,10 @@ Method.
 * L-BFGS-B (scipy) on f/f₀ (f₀ = the loss at the initial C), which makes every
   iterate independent of the scale of W. Stopping is scale-free: the relative
   optimality ``‖P(∇_C f)‖₂ / f`` (P: projection onto the tangent space of the
-  unit-column constraint) must fall below ``tol``.
+  unit-column constraint) falls below ``tol``, or f fell by at most ``0.1·tol``
+  (relative) over the last 100 iterations (the flat tails of the curvature objectives;
+  see ``_minimize_impl``). ``metadata["solver"]`` records which rule fired and both
+  measures.
 * Initialisation: curvature objectives start from the DP-BandMF solution for the same
   (T, b), which is also the reported baseline; DP-BandMF starts from the banded,
   column-normalised Toeplitz square root of the prefix-sum matrix.
@@ -673,7 +676,8 @@ def solve_mixing_matrix(*, steps, bands, objective="noisecurve", spectrum=None, 
       blend_weight: λ ∈ [0, 1] or ``"auto"``; ``"noisecurve-blend"`` only. ``"auto"``
         picks the smallest λ of ``AUTO_BLEND_GRID`` whose C keeps the peak running-noise
         -sum std within ``AUTO_BLEND_FACTOR`` × DP-BandMF's.
-      tol: relative optimality ``‖P∇f‖₂/f`` at which to stop (scale-free; > 0).
+      tol: relative optimality ``‖P∇f‖₂/f`` at which to stop (scale-free; > 0); the
+        solver also stops once f changed by ≤ 0.1·tol (relative) over 100 iterations.
       max_iterations: L-BFGS-B iteration cap (≥ 0).
       initial: optional ``MixingMatrix`` with the same (T, b) to start from; default
         the DP-BandMF solution (curvature objectives) or a Toeplitz guess (bandmf).
