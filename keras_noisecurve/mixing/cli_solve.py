@@ -189,7 +189,8 @@ def solver_lines(solver) -> list[str]:
         return []
     parts = []
     if "converged" in solver:
-        parts.append("converged" if solver["converged"] else "NOT converged")
+        reason = solver.get("stopping_reason")
+        parts.append(("converged" if solver["converged"] else "NOT converged") + (f" ({reason})" if reason else ""))
     if "iterations" in solver:
         parts.append(f"{solver['iterations']} iterations")
     if "function_evaluations" in solver:

@@ -111,7 +111,7 @@ def test_solve_prints_summary_and_saves_valid_file(capsys, workdir):
     ratio = meta["loss"] / meta["baseline_losses"]["dpsgd"]
     assert f"this C / baseline = {ratio:.4f}" in out
     assert "running-sum std peak" in out and "condition number" in out
-    assert f"solver: converged, {meta['solver']['iterations']} iterations" in out
+    assert "solver: converged" in out and f"{meta['solver']['iterations']} iterations" in out
     assert str(out_path) in out
 
 
