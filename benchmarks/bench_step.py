@@ -144,8 +144,10 @@ def time_updates(model_name, batch_size, repeats, steps):
                 fn(grads)
             variables[0].numpy()
             times[name].append((time.perf_counter() - start) / steps)
+    medians = {name: float(np.median(t)) for name, t in times.items()}
     print(f"   optimizer update only ({model_name}): "
-          + ", ".join(f"{n} {1000 * float(np.median(t)):.2f} ms" for n, t in times.items()))
+          + ", ".join(f"{n} {1000 * t:.2f} ms" for n, t in medians.items()))
+    return medians
 
 
 def main(argv=None):
@@ -195,7 +197,16 @@ def main(argv=None):
         for name in median:
             if name.startswith("banded") and "dpsgd" in median:
                 print(f"{name} / DP-SGD: {median[name] / median['dpsgd']:.3f}x (target <= 1.10)")
-        time_updates(model_name, args.batch_size, args.repeats, 20)
+        updates = time_updates(model_name, args.batch_size, args.repeats, 20)
+        # Two identical compiled models can differ by ~20 % in step time on a loaded
+        # machine (measured: two DP-SGD CNN instances, 357 vs 289 ms/step), which swamps
+        # the cost of the noise. The noise source changes only the optimizer update, so
+        # also report banded / DP-SGD = (step_dpsgd − update_dpsgd + update_banded) / step_dpsgd.
+        if "dpsgd" in median:
+            for name in median:
+                if name.startswith("banded") and name in updates:
+                    derived = (median["dpsgd"] - updates["dpsgd"] + updates[name]) / median["dpsgd"]
+                    print(f"{name} / DP-SGD from the update cost: {derived:.3f}x (target <= 1.10)")
     return 0
 
 
