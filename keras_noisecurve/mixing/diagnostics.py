@@ -208,7 +208,7 @@ def noise_diagnostics(mixing) -> dict:
       means a huge per-step noise that the following steps must undo.
     - ``condition_number``: the 2-norm condition number σ_max(C)/σ_min(C). The
       online recurrence z̃_t = (z_t − Σ_j C[t, t−j] z̃_{t−j}) / C[t, t] amplifies
-      rounding errors by up to this factor; in float32 (the optimiser's dtype)
+      rounding errors by up to this factor; in float32 (the usual dtype of the optimiser's variables)
       a value near 1e6 or more means the generated noise is no longer the noise
       the accounting and the objective assume.
     - ``condition_number_method``: ``"svd"`` (exact, from the singular values of
