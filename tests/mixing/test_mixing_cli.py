@@ -364,3 +364,55 @@ def test_cli_does_not_import_tensorflow(bandmf_file, workdir):
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_blend_auto_round_trip(capsys, workdir, spectrum_file, eigenvalues):
+    path = workdir / "blend.npz"
+    code, out, err = _run(capsys, ["solve", "--steps", str(STEPS), "--bands", str(BANDS), "--objective",
+                                   "noisecurve-blend", "--blend-weight", "auto", "--spectrum", str(spectrum_file),
+                                   "--learning-rate", str(ETA), "--tol", "1e-4", "--out", str(path)])
+    assert code == 0, err
+    meta = MixingMatrix.load(path).metadata
+    lam = meta["blend_weight"]
+    assert 0.0 <= lam <= 1.0
+    assert f"blend weight: {lam:.6g}" in out
+
+    code, out, err = _run(capsys, ["inspect", str(path), "--json", "--spectrum", str(spectrum_file),
+                                   "--no-reference"])
+    assert code == 0, err
+    rec = json.loads(out)["expected_error"]
+    assert rec["source"] == "recomputed" and rec["blend_weight"] == lam
+    curvature = _noisecurve_workload(eigenvalues, STEPS, ETA)
+    prefix = _prefix_workload(STEPS)
+    workload = (1 - lam) * curvature / np.trace(curvature) + lam * prefix / np.trace(prefix)
+    dense = MixingMatrix.load(path).to_dense()
+    assert rec["loss"] == pytest.approx(_trace_objective(dense, workload), rel=1e-8)
+    assert rec["dpsgd"] == pytest.approx(np.trace(workload), rel=1e-10)
+    assert rec["bandmf"] == pytest.approx(meta["baseline_losses"]["bandmf"], rel=1e-12)
+    assert rec["bandmf_source"] == "stored"
+
+
+def test_inspect_identity_and_file_without_objective(capsys, workdir):
+    ident = workdir / "identity.npz"
+    MixingMatrix.identity(9).save(ident)
+    code, out, err = _run(capsys, ["inspect", str(ident), "--json"])
+    assert code == 0, err
+    doc = json.loads(out)
+    rec = doc["expected_error"]
+    assert rec["objective"] == "dpsgd" and rec["source"] == "recomputed"
+    assert rec["loss"] == pytest.approx(9.0, rel=1e-12)  # Tr(I · I⁻¹)
+    assert rec["ratio_vs_dpsgd"] == pytest.approx(1.0, rel=1e-12)
+    assert rec["ratio_vs_bandmf"] == pytest.approx(1.0, rel=1e-9)  # with b = 1, DP-BandMF is C = I
+    np.testing.assert_allclose(doc["diagnostics"]["prefix_std"], np.sqrt(np.arange(1, 10)), rtol=1e-14)
+
+    bare = workdir / "bare.npz"
+    MixingMatrix.from_dense(np.array([[0.6, 0.0], [0.8, 1.0]])).save(bare)
+    code, out, err = _run(capsys, ["inspect", str(bare), "--no-reference"])
+    assert code == 0, err
+    assert "no objective in its metadata" in out and "this C                 n/a" in out
+    code, out, err = _run(capsys, ["inspect", str(bare), "--no-reference", "--objective", "bandmf", "--json"])
+    assert code == 0, err
+    rec = json.loads(out)["expected_error"]
+    # C = [[.6, 0], [.8, 1]]: X⁻¹ = [[1, -.8], [-.8, 1]] / .36, AᵀA = [[2, 1], [1, 1]]
+    assert rec["loss"] == pytest.approx((2 - 1.6 + 1) / 0.36, rel=1e-12)
+    assert rec["dpsgd"] == pytest.approx(3.0, rel=1e-12)
