@@ -188,9 +188,10 @@ def test_conv2d(strides, padding, dilation):
         [
             keras.Input((7, 8, 3)),
             keras.layers.Conv2D(
-                4, (3, 2), strides=strides, padding=padding, dilation_rate=dilation, activation="relu"
+                8, (3, 2), strides=strides, padding=padding, dilation_rate=dilation, activation="relu"
             ),
-            keras.layers.Conv2D(2, 1, use_bias=False),
+            # 8 input channels: patches by tf.image.extract_patches (3 above: one-hot conv)
+            keras.layers.Conv2D(2, 2, strides=strides, padding=padding, use_bias=False),
             keras.layers.Flatten(),
             keras.layers.Dense(2),
         ]
