@@ -30,6 +30,7 @@ import argparse
 import json
 import math
 import os
+import sys
 import warnings
 
 import numpy as np
@@ -48,6 +49,8 @@ PROG = "noisecurve inspect"
 
 # |C| is drawn at most this many pixels wide (block maxima above it).
 _MAX_IMAGE_PIXELS = 800
+# From this T on, say on stderr that the DP-BandMF reference is being solved (it takes a while).
+_ANNOUNCE_REFERENCE_STEPS = 500
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -113,6 +116,13 @@ def _reference(args, mixing):
                 f"--reference has {ref.steps} steps but {args.file!r} has {mixing.steps}; they must match."
             )
         return ref, f"loaded from {args.reference}"
+    if mixing.steps >= _ANNOUNCE_REFERENCE_STEPS:
+        print(
+            f"{PROG}: solving the DP-BandMF reference (T = {mixing.steps}, b = {mixing.bands}); "
+            "--reference FILE or --no-reference skips this",
+            file=sys.stderr,
+            flush=True,
+        )
     ref = solve_mixing_matrix(steps=mixing.steps, bands=mixing.bands, objective="bandmf")
     return ref, f"solved here (objective 'bandmf', T = {mixing.steps}, b = {mixing.bands})"
 

@@ -122,9 +122,13 @@ def test_solve_quiet_prints_nothing(capsys, workdir):
     assert out == ""
 
 
-def test_inspect_bandmf_recomputes_against_dense(capsys, bandmf_file):
+def test_inspect_bandmf_recomputes_against_dense(capsys, bandmf_file, monkeypatch):
+    from keras_noisecurve.mixing import cli_inspect
+
+    monkeypatch.setattr(cli_inspect, "_ANNOUNCE_REFERENCE_STEPS", STEPS)
     code, out, err = _run(capsys, ["inspect", str(bandmf_file), "--json"])
     assert code == 0, err
+    assert "solving the DP-BandMF reference" in err  # progress note on stderr, JSON on stdout intact
     doc = json.loads(out)
     mixing = MixingMatrix.load(bandmf_file)
     dense = mixing.to_dense()
@@ -416,3 +420,16 @@ def test_inspect_identity_and_file_without_objective(capsys, workdir):
     # C = [[.6, 0], [.8, 1]]: X⁻¹ = [[1, -.8], [-.8, 1]] / .36, AᵀA = [[2, 1], [1, 1]]
     assert rec["loss"] == pytest.approx((2 - 1.6 + 1) / 0.36, rel=1e-12)
     assert rec["dpsgd"] == pytest.approx(3.0, rel=1e-12)
+
+
+def test_inspect_with_a_different_spectrum_says_so(capsys, workdir, noisecurve_file, eigenvalues):
+    other = workdir / "other_spectrum.npz"
+    Spectrum(0.5 * eigenvalues).save(other)
+    code, out, err = _run(capsys, ["inspect", str(noisecurve_file), "--json", "--no-reference",
+                                   "--spectrum", str(other)])
+    assert code == 0, err
+    rec = json.loads(out)["expected_error"]
+    assert "differs from the one the file was solved with" in rec["note"]
+    workload = _noisecurve_workload(0.5 * eigenvalues, STEPS, ETA)
+    dense = MixingMatrix.load(noisecurve_file).to_dense()
+    assert rec["loss"] == pytest.approx(_trace_objective(dense, workload), rel=1e-8)
