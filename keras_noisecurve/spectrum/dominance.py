@@ -77,6 +77,7 @@ class DominanceCertificate(keras.callbacks.Callback):
         self.history = []
         self._step = 0
         self._epoch = 0
+        self._probe_op = None
 
     def _operator(self, x, y):
         from keras_noisecurve.spectrum.hvp import HessianOperator
@@ -96,7 +97,16 @@ class DominanceCertificate(keras.callbacks.Callback):
 
     def compute_rho(self) -> float:
         """ρ(H_t, Ĥ) at the model's current weights."""
-        H = self._dense(self.x, self.y)
+        from keras_noisecurve.spectrum.dense import dense_hessian
+
+        if self._probe_op is None or self._probe_op.model is not self.model:
+            self._probe_op = self._operator(self.x, self.y)  # traced once, reads current weights
+            if self._probe_op.dimension > self.max_parameters:
+                raise ValueError(
+                    f"DominanceCertificate needs dense Hessians; the model has {self._probe_op.dimension} "
+                    f"parameters, more than max_parameters={self.max_parameters}."
+                )
+        H = dense_hessian(self._probe_op)
         if self.upper.shape != H.shape:
             raise ValueError(f"upper has shape {self.upper.shape}, the model's Hessian {H.shape}.")
         return dominance_ratio(H, self.upper, rcond=self.rcond)
