@@ -100,6 +100,11 @@ def supports(model):
                 "which mixes examples: per-example clipping is not defined for it "
                 "(use GroupNormalization or LayerNormalization, or freeze it)"
             )
+        if isinstance(layer, keras.layers.TimeDistributed) and layer.trainable_variables:
+            return False, (
+                f"{_layer_label(layer)} folds the time axis into the example axis of the "
+                "layer it wraps, so that layer's rows are not examples"
+            )
         if not own:
             continue
         rule = find_rule(layer)
@@ -211,6 +216,21 @@ def _check_clip(l2_norm_clip):
     return float(l2_norm_clip)
 
 
+def _check_rows(layer, g, per_example_loss):
+    """A recorded layer must see one row per example (not, e.g., examples × time)."""
+    rows, examples = g.shape[0], per_example_loss.shape[0]
+    message = (
+        f"{_layer_label(layer)} was called on a tensor whose first axis is not the batch "
+        "of examples (e.g. inside a wrapper that reshapes the batch); ghost clipping "
+        "cannot attribute its gradient to examples. Use clipping='vectorized'."
+    )
+    if rows is not None and examples is not None:
+        if rows != examples:
+            raise ValueError(message + f" ({rows} rows for {examples} examples)")
+    else:
+        tf.debugging.assert_equal(tf.shape(g)[0], tf.shape(per_example_loss)[0], message=message)
+
+
 def _ghost_step(model, loss_fn, x, y, sample_weight, clip, training, layers_and_rules):
     variables = model.trainable_variables
     with _Recording(layers_and_rules) as recorder:
@@ -242,6 +262,8 @@ def _ghost_step(model, loss_fn, x, y, sample_weight, clip, training, layers_and_
         calls = [{**c, "g": gs[i + n]} for n, c in enumerate(recorder.calls[k])]
         i += len(calls)
         layer = recorder.layers[k]
+        for c in calls:
+            _check_rows(layer, c["g"], per_example_loss)
         layer_sq, grad_fn = find_rule(layer).analyse(layer, calls)
         sq += tf.cast(layer_sq, norm_dtype)
         grad_fns.append(grad_fn)
@@ -312,8 +334,8 @@ def ghost_clipped_sum(
     clip = _check_clip(l2_norm_clip)
     if microbatch_size is not None:
         microbatch_size = check_int("microbatch_size", microbatch_size, minimum=1)
-    if not isinstance(training, bool):
-        raise TypeError(f"training must be a bool, got {training!r}.")
+    if training is not None and not isinstance(training, bool):
+        raise TypeError(f"training must be True, False or None, got {training!r}.")
     layers_and_rules = []
     for layer, own in _weighted_layers(model):
         if own:

@@ -460,3 +460,25 @@ def test_auto_engine_picks_ghost_or_falls_back():
     custom = keras.Sequential([keras.Input((3,)), Scale(), keras.layers.Dense(2)])
     assert get_engine("auto", plain) is ghost_clipped_sum
     assert get_engine("auto", custom) is vectorized_clipped_sum
+
+
+class FoldTime(keras.layers.Layer):
+    """Applies a Dense to (P·T, d) rows: the Dense's rows are not examples."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(2)
+
+    def call(self, x):
+        rows = tf.reshape(x, [-1, x.shape[-1]])
+        return tf.reshape(self.dense(rows), [tf.shape(x)[0], -1, 2])
+
+
+def test_layers_whose_rows_are_not_examples_are_refused():
+    wrapped = keras.Sequential([keras.Input((4, 3)), keras.layers.TimeDistributed(keras.layers.Dense(2), name="td")])
+    ok, reason = supports(wrapped)
+    assert not ok and "'td'" in reason and "TimeDistributed" in reason
+    folded = keras.Sequential([keras.Input((4, 3)), FoldTime()])
+    assert supports(folded)[0]  # undetectable statically ...
+    with pytest.raises(ValueError, match="not the batch"):  # ... but caught at call time
+        ghost_clipped_sum(folded, mse, np.zeros((2, 4, 3)), np.zeros((2, 4, 2)), None, l2_norm_clip=1.0)
