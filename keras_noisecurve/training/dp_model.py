@@ -106,6 +106,8 @@ class _PrivateTraining:
             raise ValueError(f"DPModel needs a DPOptimizer, got {type(optimizer).__name__}.")
         if sample_weight is not None:
             sample_weight = tf.reshape(tf.cast(sample_weight, tf.float32), [-1])
+        if not self.trainable_variables:  # an unbuilt subclassed model: create its weights
+            self(x, training=False)
         clipped = self._engine()(
             self,
             self._dp_loss_fn,

@@ -159,3 +159,12 @@ def test_save_and_load_keras_file(tmp_path, data, factory):
     np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0), rtol=1e-6)
     if factory == "make_private":
         assert isinstance(loaded, PrivateModel)
+
+
+def test_unbuilt_subclassed_model_builds_on_first_step(data):
+    x, y = data
+    model = make_private(Subclassed(), clipping="vectorized")
+    model.compile(optimizer=_opt(), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(x[:B], y[:B], batch_size=B, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 1
+    assert len(model.trainable_variables) == 4
