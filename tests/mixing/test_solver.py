@@ -11,6 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from scipy.optimize import minimize
+from threadpoolctl import threadpool_limits
 
 import keras_noisecurve
 from keras_noisecurve.mixing import (
@@ -51,9 +52,10 @@ def _dense_reference_loss(workload, bands):
         return value, g_raw[mask]
 
     x = np.eye(steps)[mask]
-    for _ in range(3):
-        res = minimize(fun, x, jac=True, method="BFGS", options={"maxiter": 20_000, "gtol": 1e-12})
-        x = res.x / np.linalg.norm(res.x) * np.sqrt(steps)
+    with threadpool_limits(limits=1, user_api="blas"):
+        for _ in range(3):
+            res = minimize(fun, x, jac=True, method="BFGS", options={"maxiter": 20_000, "gtol": 1e-12})
+            x = res.x / np.linalg.norm(res.x) * np.sqrt(steps)
     return res.fun
 
 

@@ -9,6 +9,7 @@ sample means are compared with the closed forms ``(η²σ²/2)·Tr(W X⁻¹)`` e
 
 import numpy as np
 import pytest
+from threadpoolctl import threadpool_limits
 
 from keras_noisecurve.mixing import MixingMatrix, objective_value, solve_mixing_matrix
 from keras_noisecurve.spectrum.artifact import Spectrum
@@ -52,6 +53,11 @@ def setup():
 
 
 def _simulate(mixing, spec, *, seed, dense):
+    with threadpool_limits(limits=1, user_api="blas"):  # small BLAS calls: threads only contend
+        return _simulate_impl(mixing, spec, seed=seed, dense=dense)
+
+
+def _simulate_impl(mixing, spec, *, seed, dense):
     """Per-trial statistics of noisy GD on L(w) = ½(w−d)ᵀdiag(μ)(w−d).
 
     Returns a dict of arrays of shape (TRIALS,):
