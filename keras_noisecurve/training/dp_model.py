@@ -126,7 +126,15 @@ class _PrivateTraining:
         losses = tf.cast(clipped.per_example_loss, tf.float32)
         weights = tf.ones_like(losses) if sample_weight is None else sample_weight
         self._loss_tracker.update_state(losses, sample_weight=weights)
-        return self.compute_metrics(x, y, clipped.y_pred, sample_weight=sample_weight)
+        y_pred = clipped.y_pred
+        if sample_weight is not None:
+            # Padding rows of the batch sampler (weight 0) are copies of real examples:
+            # leave them out of every metric, also the unweighted `metrics=[...]`.
+            keep = sample_weight > 0
+            y, y_pred, sample_weight = tf.nest.map_structure(
+                lambda t: tf.boolean_mask(t, keep), (y, y_pred, sample_weight)
+            )
+        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)

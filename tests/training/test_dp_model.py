@@ -101,6 +101,26 @@ def test_sample_weight_is_a_mask_and_loss_is_masked_mean(data):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
+def test_metrics_ignore_padding_rows(data):
+    """Unweighted `metrics=[...]` count only rows with weight > 0 (padding of the sampler)."""
+    x, y = data
+    keras.utils.set_random_seed(5)
+    base = _sequential()
+    model = make_private(base, clipping="vectorized")
+    model.compile(
+        optimizer=_opt(learning_rate=1e-9),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    pred = np.argmax(base(x[:B]).numpy(), axis=1)
+    # Real rows: all correctly labelled; padding rows (weight 0): all wrong.
+    labels = pred.copy()
+    mask = np.array([1, 0, 1, 1, 0, 1, 1, 0], np.float32)
+    labels[mask == 0] = 1 - pred[mask == 0]
+    logs = model.train_on_batch(x[:B], labels, sample_weight=mask, return_dict=True)
+    assert logs["accuracy"] == pytest.approx(1.0)
+
+
 def test_refusals():
     model = make_private(_sequential(), clipping="vectorized")
     with pytest.raises(ValueError, match="DPOptimizer or NoiseCurveOptimizer"):
