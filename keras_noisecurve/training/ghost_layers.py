@@ -444,7 +444,9 @@ class ConvRule(_Rule):
         record(out=z, a=inputs)
         return layer.activation(z) if layer.activation is not None else z
 
-    def _patches(self, layer, a):
+    def _as_2d(self, layer, a):
+        """Input as channels-last 2-D images (Conv1D: height 1, causal padding applied),
+        with the 2-D kernel size, strides, dilation and TF padding name."""
         if layer.data_format == "channels_first":
             a = tf.transpose(a, [0, *range(2, layer.rank + 2), 1])
         ks, st, dr = list(layer.kernel_size), list(layer.strides), list(layer.dilation_rate)
@@ -455,6 +457,9 @@ class ConvRule(_Rule):
                 padding = "valid"
             a = a[:, None]
             ks, st, dr = [1, *ks], [1, *st], [1, *dr]
+        return a, ks, st, dr, padding.upper()
+
+    def _patches(self, a, ks, st, dr, padding):
         c_in = a.shape[-1]
         width = ks[0] * ks[1] * c_in
         if c_in < 8:
@@ -463,32 +468,58 @@ class ConvRule(_Rule):
             # tf.image.extract_patches; with many channels its cost (width² per
             # position) loses to extract_patches.
             eye = tf.reshape(tf.eye(width, dtype=a.dtype), [ks[0], ks[1], c_in, width])
-            patches = tf.nn.conv2d(a, eye, strides=[1, *st, 1], padding=padding.upper(), dilations=[1, *dr, 1])
+            patches = tf.nn.conv2d(a, eye, strides=[1, *st, 1], padding=padding, dilations=[1, *dr, 1])
         else:
             patches = tf.image.extract_patches(
-                a, sizes=[1, *ks, 1], strides=[1, *st, 1], rates=[1, *dr, 1], padding=padding.upper()
+                a, sizes=[1, *ks, 1], strides=[1, *st, 1], rates=[1, *dr, 1], padding=padding
             )
         return tf.reshape(patches, [tf.shape(a)[0], -1, width])
 
     def analyse(self, layer, calls):
         dtype = _norm_dtype(calls[0]["g"].dtype)
-        aa, gg = [], []
+        images, aa, gg = [], [], []
         for c in calls:
             g = tf.cast(c["g"], dtype)
             if layer.data_format == "channels_first":
                 g = tf.transpose(g, [0, *range(2, layer.rank + 2), 1])
-            aa.append(self._patches(layer, tf.cast(tf.stop_gradient(c["a"]), dtype)))
+            if layer.rank == 1:
+                g = g[:, None]
+            a, ks, st, dr, padding = self._as_2d(layer, tf.cast(tf.stop_gradient(c["a"]), dtype))
+            images.append((a, g))
+            aa.append(self._patches(a, ks, st, dr, padding))
             gg.append(tf.reshape(g, [tf.shape(g)[0], -1, layer.filters]))
-        a, g = _concat_positions(aa), _concat_positions(gg)
-        total = sequence_sq_norms(a, g)
+        patches, rows = _concat_positions(aa), _concat_positions(gg)
+        total = sequence_sq_norms(patches, rows)
         bias_grads = None
         if layer.use_bias:
-            bias_grads = tf.reduce_sum(g, axis=1)
+            bias_grads = tf.reduce_sum(rows, axis=1)
             total += _sq(bias_grads)
 
         def grads(scale):
-            # patch order (k_h, k_w, c_in) = the kernel's leading axes
-            out = [(layer.kernel, tf.reshape(_weighted_outer(a, g, scale), layer.kernel.shape))]
+            if max(dr) > 1:
+                # TF's CPU Conv2DBackpropFilter refuses dilation > 1: use the patches
+                # (order k_h, k_w, c_in = the kernel's leading axes).
+                kernel = _weighted_outer(patches, rows, scale)
+                out = [(layer.kernel, tf.reshape(kernel, layer.kernel.shape))]
+                if bias_grads is not None:
+                    out.append((layer.bias, _weighted_sum(bias_grads, scale)))
+                return out
+            # The weight-gradient step of an ordinary backward pass, on (a, c ⊙ g):
+            # the patches need not stay alive until here.
+            kernel = tf.add_n(
+                [
+                    tf.compat.v1.nn.conv2d_backprop_filter(
+                        a,
+                        [ks[0], ks[1], a.shape[-1], layer.filters],
+                        g * scale[:, None, None, None],
+                        strides=[1, *st, 1],
+                        padding=padding,
+                        dilations=[1, *dr, 1],
+                    )
+                    for a, g in images
+                ]
+            )
+            out = [(layer.kernel, tf.reshape(kernel, layer.kernel.shape))]
             if bias_grads is not None:
                 out.append((layer.bias, _weighted_sum(bias_grads, scale)))
             return out
