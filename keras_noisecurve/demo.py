@@ -41,6 +41,11 @@ except ImportError:  # pragma: no cover
     _LIBRARY_DEFAULT = None
 CURVATURE_OBJECTIVES = tuple(_workloads.CURVATURE_OBJECTIVES)
 NOISECURVE_OBJECTIVE = _LIBRARY_DEFAULT if _LIBRARY_DEFAULT in CURVATURE_OBJECTIVES else "noisecurve"
+_OBJECTIVE_SOURCE = (
+    "keras_noisecurve.mixing.DEFAULT_OBJECTIVE"
+    if _LIBRARY_DEFAULT in CURVATURE_OBJECTIVES
+    else "keras_noisecurve.demo.NOISECURVE_OBJECTIVE"
+)
 
 METHODS = ("DP-SGD", "DP-BandMF", "NoiseCurve")
 
@@ -57,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--epsilon", type=float, default=2.0, help="target epsilon (default 2)")
     parser.add_argument("--delta", type=float, default=1e-5, help="target delta (default 1e-5)")
     parser.add_argument("--epochs", type=int, default=None, help="training epochs (default 10; --quick 2)")
-    parser.add_argument("--bands", type=int, default=None, help="band width b of the correlated methods (default 7; --quick 4)")
+    parser.add_argument("--bands", type=int, default=None, help="band width b of the correlated methods (default 4; B*b must not exceed the 3,500 training images)")
     parser.add_argument("--batch-size", type=int, default=250, help="expected batch size B (default 250)")
     parser.add_argument("--learning-rate", type=float, default=None, help="SGD learning rate (default 1.0)")
     parser.add_argument("--clip", type=float, default=1.0, help="per-example L2 clip norm (default 1)")
@@ -66,8 +71,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--public", default="digits", choices=("digits", "mnist-heldout"),
                         help="public (unlabeled) data: scikit-learn digits (default) or a held-out MNIST slice")
     parser.add_argument("--public-size", type=int, default=None,
-                        help="number of public images (default 1,000; --quick 128)")
-    parser.add_argument("--top-k", type=int, default=None, help="Lanczos eigenvalues (default 48; --quick 8)")
+                        help="number of public images for the spectrum (default 512; --quick 128)")
+    parser.add_argument("--top-k", type=int, default=None, help="Lanczos eigenvalues (default 32; --quick 8)")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the initial weights, the public subset and the spectrum (default 0)")
     parser.add_argument("--deterministic", action="store_true",
@@ -80,19 +85,19 @@ def _defaults(args) -> dict:
     quick = args.quick
     cfg = {
         "epochs": args.epochs if args.epochs is not None else (2 if quick else 10),
-        "bands": args.bands if args.bands is not None else (4 if quick else 7),
+        "bands": args.bands if args.bands is not None else 4,
         "learning_rate": args.learning_rate if args.learning_rate is not None else 1.0,
-        "top_k": args.top_k if args.top_k is not None else (8 if quick else 48),
+        "top_k": args.top_k if args.top_k is not None else (8 if quick else 32),
         "public_size": args.public_size,
         "pretrain_epochs": 1 if quick else 4,
-        "slq_probes": 2 if quick else 8,
-        "slq_steps": 12 if quick else 40,
+        "slq_probes": 2 if quick else 4,
+        "slq_steps": 12 if quick else 24,
         "val_size": 500,
         "test_size": 1000,
         "eval_size": 500 if quick else 1000,
     }
     if cfg["public_size"] is None:
-        cfg["public_size"] = 128 if quick else 1000
+        cfg["public_size"] = 128 if quick else 512
     return cfg
 
 
@@ -144,7 +149,7 @@ def _run(args, cfg) -> int:
     from keras_noisecurve import data as kdata
 
     _log(f"NoiseCurve objective: {args.objective!r}"
-         + (" (the library default)" if args.objective == NOISECURVE_OBJECTIVE else " (from --objective)"))
+         + (f" (default, from {_OBJECTIVE_SOURCE})" if args.objective == NOISECURVE_OBJECTIVE else " (from --objective)"))
     _log("loading data: private = bundled MNIST-5k, public = "
          + ("scikit-learn digits (unlabeled)" if args.public == "digits" else "held-out MNIST slice (unlabeled)"))
     if args.public == "mnist-heldout":
@@ -170,9 +175,12 @@ def _run(args, cfg) -> int:
          f"eta={cfg['learning_rate']}, clip={args.clip}")
 
     import keras
+    import tensorflow as tf
 
     import keras_noisecurve as knc
     from keras_noisecurve.mixing.diagnostics import noise_diagnostics
+
+    tf.get_logger().setLevel("ERROR")  # vectorized_map's "uses a while_loop" notices are not progress
     from keras_noisecurve.models import small_groupnorm_cnn
     from keras_noisecurve.spectrum.clipping import clipping_scale
 
