@@ -193,8 +193,6 @@ class HessianOperator:
 
     def _shards(self, xb, yb):
         """Per-replica values of a batch (strategy only)."""
-        import tensorflow as tf
-
         k = self.strategy.num_replicas_in_sync
         n = int(xb.shape[0])
         bounds = [round(i * n / k) for i in range(k + 1)]
@@ -202,7 +200,6 @@ class HessianOperator:
         ys = [yb[bounds[i] : bounds[i + 1]] for i in range(k)]
         dist_x = self.strategy.experimental_distribute_values_from_function(lambda ctx: xs[ctx.replica_id_in_sync_group])
         dist_y = self.strategy.experimental_distribute_values_from_function(lambda ctx: ys[ctx.replica_id_in_sync_group])
-        del tf
         return dist_x, dist_y
 
     def _run_batches(self, fn, *extra):
