@@ -779,7 +779,8 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=280)
     p.add_argument("--batch-size", type=int, default=50)
     p.add_argument("--pca-dim", type=int, default=128)
-    p.add_argument("--lr-grid", type=float, nargs="+", default=[4.0, 8.0, 16.0])
+    p.add_argument("--lr-grid", type=float, nargs="+", default=None,
+                   help="learning rates (default 4 8 16 for softmax, 2 4 8 for mlp)")
     p.add_argument("--clip-grid", type=float, nargs="+", default=[0.25, 0.5, 1.0])
     p.add_argument("--band-grid", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--solver-tol", type=float, default=1e-3,
@@ -801,6 +802,8 @@ def parse_args(argv=None):
     p.add_argument("--json", default=None, help="write raw per-seed results here")
     p.add_argument("--quick", action="store_true", help="tiny run for smoke tests (seconds)")
     args = p.parse_args(argv)
+    if args.lr_grid is None:
+        args.lr_grid = [4.0, 8.0, 16.0] if args.model == "softmax" else [2.0, 4.0, 8.0]
     if args.quick:
         args.epsilons = args.epsilons[:1]
         args.seeds = min(args.seeds, 2)
