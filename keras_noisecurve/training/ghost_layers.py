@@ -396,10 +396,12 @@ class EmbeddingRule(_Rule):
 class ConvRule(_Rule):
     """``keras.layers.Conv1D`` / ``Conv2D`` with ``groups=1``.
 
-    Input patches (same padding, strides and dilation as the layer) are unfolded with
-    ``tf.image.extract_patches``, or, for fewer than 8 input channels, by the faster
-    convolution with a one-hot kernel, to (P, L, k·k·c_in) and the sequence
-    rule of :func:`sequence_sq_norms` is applied with g of shape (P, L, c_out).
+    When L² ≥ k²·c_in·c_out (and dilation 1) the per-example kernel gradients are
+    formed directly by ``Conv2DBackpropFilter`` under ``tf.vectorized_map`` (no
+    patches). Otherwise input patches (same padding, strides and dilation as the
+    layer) are unfolded with ``tf.image.extract_patches``, or, for fewer than 8 input
+    channels, by the faster convolution with a one-hot kernel, to (P, L, k·k·c_in),
+    and the sequence rule of :func:`sequence_sq_norms` is applied with g (P, L, c_out).
     """
 
     classes = (keras.layers.Conv1D, keras.layers.Conv2D)
@@ -477,7 +479,7 @@ class ConvRule(_Rule):
 
     def analyse(self, layer, calls):
         dtype = _norm_dtype(calls[0]["g"].dtype)
-        images, aa, gg = [], [], []
+        images, gg = [], []
         for c in calls:
             g = tf.cast(c["g"], dtype)
             if layer.data_format == "channels_first":
@@ -486,10 +488,25 @@ class ConvRule(_Rule):
                 g = g[:, None]
             a, ks, st, dr, padding = self._as_2d(layer, tf.cast(tf.stop_gradient(c["a"]), dtype))
             images.append((a, g))
-            aa.append(self._patches(a, ks, st, dr, padding))
             gg.append(tf.reshape(g, [tf.shape(g)[0], -1, layer.filters]))
-        patches, rows = _concat_positions(aa), _concat_positions(gg)
-        total = sequence_sq_norms(patches, rows)
+        rows = _concat_positions(gg)
+        length, d_in = rows.shape[1], ks[0] * ks[1] * images[0][0].shape[-1]
+        patches = None
+        if max(dr) == 1 and length is not None and length * length >= d_in * layer.filters:
+            # Materialised form without patches: the per-example kernel gradients by
+            # Conv2DBackpropFilter under tf.vectorized_map (memory P·k²·c_in·c_out).
+            filter_shape = [ks[0], ks[1], images[0][0].shape[-1], layer.filters]
+
+            def one(pair):
+                return tf.compat.v1.nn.conv2d_backprop_filter(
+                    pair[0][None], filter_shape, pair[1][None], strides=[1, *st, 1], padding=padding
+                )
+
+            per_example = tf.add_n([tf.vectorized_map(one, pair) for pair in images])
+            total = _sq(per_example)
+        else:
+            patches = _concat_positions([self._patches(a, ks, st, dr, padding) for a, _ in images])
+            total = sequence_sq_norms(patches, rows)
         bias_grads = None
         if layer.use_bias:
             bias_grads = tf.reduce_sum(rows, axis=1)

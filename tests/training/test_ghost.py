@@ -486,3 +486,20 @@ def test_layers_whose_rows_are_not_examples_are_refused():
     assert supports(folded)[0]  # undetectable statically ...
     with pytest.raises(ValueError, match="not the batch"):  # ... but caught at call time
         ghost_clipped_sum(folded, mse, np.zeros((2, 4, 3)), np.zeros((2, 4, 2)), None, l2_norm_clip=1.0)
+
+
+@pytest.mark.parametrize("channels", [3, 8], ids=["one-hot-patches", "extract-patches"])
+def test_conv2d_gram_form_on_small_maps(channels):
+    # L² < k²·c_in·c_out: the Gram form on unfolded patches (the other conv tests take
+    # the per-example Conv2DBackpropFilter path).
+    rng = np.random.default_rng(17)
+    model = keras.Sequential(
+        [
+            keras.Input((3, 4, channels)),
+            keras.layers.Conv2D(16, 3, padding="same", activation="tanh"),
+            keras.layers.Conv2D(8, 2, strides=2, padding="valid"),
+            keras.layers.Flatten(),
+            keras.layers.Dense(2),
+        ]
+    )
+    check_model(model, rng.normal(size=(P, 3, 4, channels)), rng.normal(size=(P, 2)))
