@@ -13,6 +13,13 @@ banded ≤ 1.10× DP-SGD.
     python benchmarks/bench_step.py --models cnn mlp --repeats 5 --steps 5
 
 To add a configuration (e.g. another clipping engine), append to ``CONFIGS``.
+
+Ghost clipping (``"ghost"`` config, ghost-norm engine) with the transformer block
+and the peak step memory (TensorFlow's CPU allocator statistics); the line
+"engine only" times ``ghost_clipped_sum`` against a plain gradient, without the
+optimizer and its noise::
+
+    python benchmarks/bench_step.py --models mlp transformer cnn --configs non-private ghost
 """
 
 from __future__ import annotations
@@ -38,6 +45,8 @@ CONFIGS = {
     "non-private": None,
     "dpsgd": {"clipping": "vectorized", "bands": 1},
     "banded16": {"clipping": "vectorized", "bands": 16},
+    # ghost-norm clipping (keras_noisecurve.training.ghost), DP-SGD noise
+    "ghost": {"clipping": "ghost", "bands": 1},
 }
 
 
@@ -73,7 +82,77 @@ def mlp():
     )
 
 
+def transformer_block(length=32, width=64, heads=4):
+    """One pre-pooled transformer encoder block on (length, width) inputs:
+    MultiHeadAttention (EinsumDense projections) + residual + LayerNorm, Dense(4·width,
+    gelu) → Dense(width) + residual + LayerNorm, average over positions, Dense(10)."""
+    layers = keras.layers
+    inputs = keras.Input((length, width))
+    h = layers.MultiHeadAttention(heads, width // heads)(inputs, inputs)
+    h = layers.LayerNormalization()(inputs + h)
+    f = layers.Dense(4 * width, activation="gelu")(h)
+    h = layers.LayerNormalization()(h + layers.Dense(width)(f))
+    outputs = layers.Dense(10)(layers.GlobalAveragePooling1D()(h))
+    return keras.Model(inputs, outputs, name="transformer_block")
+
+
 MODELS = {"cnn": (groupnorm_cnn, (32, 32, 3)), "mlp": (mlp, (784,))}
+MODELS["transformer"] = (transformer_block, (32, 64))
+
+
+def time_ghost_engine(model_name, x, y, repeats, steps):
+    """The clipping engine alone (no optimizer, no noise): ``ghost_clipped_sum`` vs the
+    plain gradient of the summed loss, interleaved; step time and peak memory."""
+    from keras_noisecurve.training.ghost import ghost_clipped_sum
+
+    keras.utils.set_random_seed(0)
+    model = MODELS[model_name][0]()
+    per_example = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+    variables = model.trainable_variables
+
+    @tf.function
+    def plain(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(per_example(y, model(x, training=True)))
+        return {"loss": loss, "grads": tape.gradient(loss, variables)}
+
+    @tf.function
+    def ghost(x, y):
+        out = ghost_clipped_sum(model, per_example, x, y, None, l2_norm_clip=1.0)
+        return {"loss": tf.reduce_sum(out.per_example_loss), "grads": out.grads}
+
+    fns = {"gradient": plain, "ghost": ghost}
+    for fn in fns.values():
+        fn(x, y)
+    peaks = {name: peak_step_memory(fn, x, y) for name, fn in fns.items()}
+    times = {name: [] for name in fns}
+    for r in range(repeats):
+        for name in list(fns)[:: 1 if r % 2 == 0 else -1]:  # alternate which runs first
+            fn = fns[name]
+            start = time.perf_counter()
+            for _ in range(steps):
+                out = fn(x, y)
+            float(out["loss"])
+            times[name].append((time.perf_counter() - start) / steps)
+    median = {name: 1000 * float(np.median(t)) for name, t in times.items()}
+    mem = ", ".join(f"{n} {p / 2**20:.1f} MiB" for n, p in peaks.items() if p is not None)
+    print(f"   engine only ({model_name}): gradient {median['gradient']:.1f} ms, ghost clipped sum "
+          f"{median['ghost']:.1f} ms = {median['ghost'] / median['gradient']:.2f}x; peak {mem}")
+
+
+def peak_step_memory(step, x, y):
+    """Peak allocator bytes above the resting level during one step, from
+    ``tf.config.experimental.get_memory_info('CPU:0')`` (TensorFlow's CPU allocator
+    statistics; None if this TensorFlow build does not keep them)."""
+    try:
+        tf.config.experimental.reset_memory_stats("CPU:0")
+        before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+        float(step(x, y)["loss"])
+        return tf.config.experimental.get_memory_info("CPU:0")["peak"] - before
+    except (ValueError, RuntimeError):
+        return None
+
+
 
 
 # ------------------------------------------------------------------- helpers
@@ -173,6 +252,7 @@ def main(argv=None):
             for _ in range(args.warmup):
                 step(x, y)
             runs[name] = (model, step)
+        peaks = {name: peak_step_memory(step, x, y) for name, (_, step) in runs.items()}
         times = {name: [] for name in runs}
         names = list(runs)
         for r in range(args.repeats):
@@ -192,12 +272,20 @@ def main(argv=None):
             opt = runs[name][0].optimizer
             mem = opt.noise_state_bytes() if hasattr(opt, "noise_state_bytes") else 0
             print(f"{name:>12}: {1000 * t:8.1f} ms/step   noise state {mem:>10,d} bytes")
+        for name, peak in peaks.items():
+            if peak is not None:
+                print(f"{name:>12}: peak step memory {peak / 2**20:8.1f} MiB (CPU allocator stats)")
+        if "non-private" in median and "ghost" in median:
+            target = 1.7 if model_name == "cnn" else 1.5
+            print(f"ghost / non-private: {median['ghost'] / median['non-private']:.2f}x (target <= {target})")
         if "non-private" in median and "dpsgd" in median:
             print(f"DP-SGD / non-private: {median['dpsgd'] / median['non-private']:.2f}x (target <= 2.5 on the CNN)")
         for name in median:
             if name.startswith("banded") and "dpsgd" in median:
                 print(f"{name} / DP-SGD: {median[name] / median['dpsgd']:.3f}x (target <= 1.10)")
         updates = time_updates(model_name, args.batch_size, args.repeats, 20)
+        if "ghost" in args.configs:
+            time_ghost_engine(model_name, x, y, args.repeats, args.steps)
         # Two identical compiled models can differ by ~20 % in step time on a loaded
         # machine (measured: two DP-SGD CNN instances, 357 vs 289 ms/step), which swamps
         # the cost of the noise. The noise source changes only the optimizer update, so
