@@ -38,7 +38,9 @@ their own (activations, pooling, reshapes, dropout, containers such as Sequentia
 functional models and MultiHeadAttention) are fine provided they do not mix
 examples and do not use another layer's weights (tied weights read by a custom
 layer would be missed by the norms: such models are not supported).
-BatchNormalization in training mode mixes examples and is refused.
+BatchNormalization in training mode mixes examples and is refused, and so is a
+weighted layer whose rows are not examples (``TimeDistributed``; other wrappers that
+reshape the batch are caught at call time).
 """
 
 from __future__ import annotations
