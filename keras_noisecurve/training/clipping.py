@@ -22,6 +22,7 @@ Contract (every engine implements it; ``ghost.ghost_clipped_sum`` too)::
 from __future__ import annotations
 
 import importlib
+import warnings
 from typing import Any, Callable, NamedTuple
 
 import keras
@@ -296,7 +297,12 @@ def get_engine(name: str = "auto", model=None) -> Callable:
         return ghost.ghost_clipped_sum
     # auto
     if ghost is not None and model is not None:
-        ok, _ = ghost.supports(model)
+        ok, reason = ghost.supports(model)
         if ok:
             return ghost.ghost_clipped_sum
+        warnings.warn(
+            f"clipping='auto' uses the vectorized engine for this model: the ghost engine does not "
+            f"support it ({reason}). Per-example gradients cost more memory and time.",
+            stacklevel=2,
+        )
     return vectorized_clipped_sum

@@ -94,7 +94,9 @@ class _PrivateTraining:
         if self.built:
             self.optimizer.build(self.trainable_variables)
 
+    @tf.autograph.experimental.do_not_convert
     def _engine(self):
+        """The clipping engine, resolved once (a Python-side choice, never traced)."""
         if self._dp_engine is None:
             self._dp_engine = get_engine(self._dp_clipping, self)
         return self._dp_engine
