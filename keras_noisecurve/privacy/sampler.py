@@ -9,9 +9,9 @@ gather in ``map``, so shapes never change and nothing retraces.
 Keras ``fit`` passes the third element as ``sample_weight``; the private model
 applies it per example *before* clipping, so padding contributes nothing to the
 clipped sum. The optimizer divides by the expected batch size B, never by the
-mask sum. Padding slots hold copies of example 0: compile metrics as
-``weighted_metrics=[...]`` (Keras applies ``sample_weight`` only to those and to
-the loss), or they count padding as real examples.
+mask sum. Padding slots hold copies of example 0: a private model
+(``make_private``/``DPModel``) leaves rows of weight 0 out of every metric; a plain
+Keras model applies ``sample_weight`` only to the loss and ``weighted_metrics``.
 
 Secret randomness: with ``seed=None`` the partitions and batches come from OS
 entropy (``np.random.SeedSequence()``). A fixed seed makes the batch selection
