@@ -664,7 +664,7 @@ def render(args, argv, problem, model, spectrum, final, stats, decision, tuning,
         f"- Command: `{cmd.strip()}`",
         f"- Machine: {machine_description()}",
         f"- Wall time: {wall / 60:.1f} min for this invocation; solving the {len(cache.mixings)} mixing matrices took "
-        f"{cache.solve_seconds / 60:.1f} CPU-min in total (solved once, cached in `{args.cache_dir}`, "
+        f"{cache.solve_seconds / 60:.1f} min of solver time in total (solved once, cached in `{args.cache_dir}`, "
         "possibly by an earlier `--precompute-only` run with the same arguments)",
         f"- Private data: bundled MNIST-5k, split seed 0: {len(problem.y_train)} train / "
         f"{len(problem.y_val)} validation / {len(problem.y_test)} test (stratified).",
