@@ -19,6 +19,7 @@ from keras_noisecurve.mixing.solver import (
 from keras_noisecurve.mixing.workloads import (
     AUTO_BLEND_GRID,
     CURVATURE_OBJECTIVES,
+    DEFAULT_OBJECTIVE,
     OBJECTIVES,
     workload_matrix,
 )
@@ -28,6 +29,7 @@ __all__ = [
     "AUTO_BLEND_GRID",
     "COLUMN_NORM_TOLERANCE",
     "CURVATURE_OBJECTIVES",
+    "DEFAULT_OBJECTIVE",
     "InvalidMixingMatrixError",
     "MixingMatrix",
     "OBJECTIVES",

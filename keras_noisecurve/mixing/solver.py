@@ -66,6 +66,7 @@ from keras_noisecurve.mixing.matrix import MixingMatrix
 from keras_noisecurve.mixing.workloads import (
     AUTO_BLEND_GRID,
     CURVATURE_OBJECTIVES,
+    DEFAULT_OBJECTIVE,
     OBJECTIVES,
     blend_workload,
     check_blend_weight,
@@ -754,7 +755,7 @@ def _attach_diagnostics(meta: dict, band_values, *, reference_ab=None) -> dict:
     return meta
 
 
-def solve_mixing_matrix(*, steps, bands, objective="noisecurve", spectrum=None, learning_rate=None,
+def solve_mixing_matrix(*, steps, bands, objective=DEFAULT_OBJECTIVE, spectrum=None, learning_rate=None,
                         blend_weight=None, tol=1e-6, max_iterations=10_000, initial=None,
                         verbose=False) -> MixingMatrix:
     """Solve paper Problem (1): the b-banded, unit-column, lower-triangular C minimising
@@ -763,8 +764,9 @@ def solve_mixing_matrix(*, steps, bands, objective="noisecurve", spectrum=None, 
     Args:
       steps: T ≥ 1, the number of training steps (rows of C).
       bands: b, 1 ≤ b ≤ T; ``C[t, s] = 0`` unless ``0 <= t − s < b``.
-      objective: one of ``OBJECTIVES`` (see ``keras_noisecurve.mixing.workloads``).
-        ``"dpsgd"`` requires ``bands == 1`` and returns C = I.
+      objective: one of ``OBJECTIVES`` (see ``keras_noisecurve.mixing.workloads``);
+        default ``DEFAULT_OBJECTIVE`` (``"bandmf"``, chosen by the accuracy benchmark,
+        docs/results.md). ``"dpsgd"`` requires ``bands == 1`` and returns C = I.
       spectrum: ``Spectrum`` or array of Hessian(-bound) eigenvalues ≥ 0; curvature
         objectives only.
       learning_rate: η > 0 with η·μ_max < 2 (warns above 1); curvature objectives only.

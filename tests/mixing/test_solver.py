@@ -312,12 +312,12 @@ def test_initial_and_verbose(capsys):
         (dict(steps=5, bands=2, objective="bandmf", tol=0.0), "tol must be > 0"),
         (dict(steps=5, bands=2, objective="bandmf", max_iterations=-1), "max_iterations must be >= 0"),
         (dict(steps=5, bands=2, objective="what"), "objective must be one of"),
-        (dict(steps=5, bands=2), "needs a spectrum"),
-        (dict(steps=5, bands=2, spectrum=[0.1]), "needs learning_rate"),
-        (dict(steps=5, bands=2, spectrum=[0.1], learning_rate=0.0), "learning_rate must be > 0"),
-        (dict(steps=5, bands=2, spectrum=[0.1, -1.0], learning_rate=1.0), "must be >= 0"),
-        (dict(steps=5, bands=2, spectrum=[np.inf], learning_rate=1.0), "finite"),
-        (dict(steps=5, bands=2, spectrum=[1.0], learning_rate=2.5), "diverges"),
+        (dict(steps=5, bands=2, objective="noisecurve"), "needs a spectrum"),
+        (dict(steps=5, bands=2, objective="noisecurve", spectrum=[0.1]), "needs learning_rate"),
+        (dict(steps=5, bands=2, objective="noisecurve", spectrum=[0.1], learning_rate=0.0), "learning_rate must be > 0"),
+        (dict(steps=5, bands=2, objective="noisecurve", spectrum=[0.1, -1.0], learning_rate=1.0), "must be >= 0"),
+        (dict(steps=5, bands=2, objective="noisecurve", spectrum=[np.inf], learning_rate=1.0), "finite"),
+        (dict(steps=5, bands=2, objective="noisecurve", spectrum=[1.0], learning_rate=2.5), "diverges"),
         (dict(steps=5, bands=2, objective="noisecurve-blend", spectrum=[0.1], learning_rate=1.0), "blend_weight"),
         (dict(steps=5, bands=2, objective="noisecurve-blend", spectrum=[0.1], learning_rate=1.0,
               blend_weight=-0.1), r"\[0, 1\]; got -0.1"),
@@ -335,10 +335,10 @@ def test_bad_input(kwargs, match):
 
 def test_warns_above_one_and_not_below():
     with pytest.warns(UserWarning, match="Theorem 3.2"):
-        solve_mixing_matrix(steps=6, bands=2, spectrum=[1.5, 0.1], learning_rate=1.0)
+        solve_mixing_matrix(steps=6, bands=2, objective="noisecurve", spectrum=[1.5, 0.1], learning_rate=1.0)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        solve_mixing_matrix(steps=6, bands=2, spectrum=[1.0, 0.1], learning_rate=1.0)
+        solve_mixing_matrix(steps=6, bands=2, objective="noisecurve", spectrum=[1.0, 0.1], learning_rate=1.0)
 
 
 def test_objective_value_bad_input():
@@ -399,3 +399,14 @@ def test_preconditioned_and_plain_lbfgs_reach_the_same_loss():
         assert stats["converged"]
         losses.append(stats["surrogate_loss"])
     assert losses[1] == pytest.approx(losses[0], rel=1e-6)
+
+
+def test_default_objective_is_the_benchmark_winner():
+    """docs/results.md: no curvature objective beat DP-BandMF on validation data."""
+    from keras_noisecurve.mixing import DEFAULT_OBJECTIVE
+
+    assert DEFAULT_OBJECTIVE == "bandmf"
+    default = solve_mixing_matrix(steps=8, bands=2)
+    explicit = solve_mixing_matrix(steps=8, bands=2, objective="bandmf")
+    assert default.metadata["objective"] == "bandmf"
+    np.testing.assert_allclose(default.band_values, explicit.band_values)
