@@ -18,6 +18,7 @@ _EXPORTS = {
     "InvalidMixingMatrixError": "keras_noisecurve.mixing",
     "solve_mixing_matrix": "keras_noisecurve.mixing",
     "objective_value": "keras_noisecurve.mixing",
+    "DEFAULT_OBJECTIVE": "keras_noisecurve.mixing",
     "workload_matrix": "keras_noisecurve.mixing",
     "OBJECTIVES": "keras_noisecurve.mixing",
     "noise_diagnostics": "keras_noisecurve.mixing.diagnostics",
