@@ -23,13 +23,20 @@ P = 6
 RTOL = 1e-5
 
 
+def _set_precision(dtype):
+    # Keras caches its global dtype policy the first time it is read, after which
+    # floatx alone no longer changes the layers' dtype: set both.
+    keras.config.set_floatx(dtype)
+    keras.config.set_dtype_policy(dtype)
+
+
 @pytest.fixture(autouse=True)
 def float64():
     old = keras.config.floatx()
-    keras.config.set_floatx("float64")
+    _set_precision("float64")
     keras.utils.set_random_seed(0)
     yield
-    keras.config.set_floatx(old)
+    _set_precision(old)
 
 
 def mse(y, p):
@@ -430,7 +437,7 @@ def test_make_private_fit_with_ghost_takes_the_clipped_sgd_step():
     # with the clipped sum from the independent per-example loop.
     from keras_noisecurve.training import DPOptimizer, make_private
 
-    keras.config.set_floatx("float32")
+    _set_precision("float32")
     rng = np.random.default_rng(16)
     model = keras.Sequential(
         [keras.Input((4,)), keras.layers.Dense(8, activation="tanh"), keras.layers.LayerNormalization(),
