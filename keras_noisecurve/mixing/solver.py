@@ -71,6 +71,7 @@ from keras_noisecurve.mixing.workloads import (
     blend_workload,
     check_blend_weight,
     check_curvature_inputs,
+    check_unused_inputs,
     curvature_workload,
     prefix_workload,
 )
@@ -723,19 +724,6 @@ def _check_common(objective, steps, bands):
     return steps, bands
 
 
-def _check_unused(objective, spectrum, learning_rate, blend_weight):
-    if objective not in CURVATURE_OBJECTIVES and (spectrum is not None or learning_rate is not None):
-        raise ValueError(
-            f"objective={objective!r} does not use a spectrum or a learning rate; got "
-            f"spectrum={'given' if spectrum is not None else None}, learning_rate={learning_rate!r}."
-        )
-    if objective != "noisecurve-blend" and blend_weight is not None:
-        raise ValueError(
-            f"blend_weight is only used by objective='noisecurve-blend'; got blend_weight={blend_weight!r} "
-            f"with objective={objective!r}."
-        )
-
-
 def _version() -> str:
     import keras_noisecurve
 
@@ -791,7 +779,7 @@ def solve_mixing_matrix(*, steps, bands, objective=DEFAULT_OBJECTIVE, spectrum=N
       ValueError: invalid arguments (each message names the value received).
     """
     steps, bands = _check_common(objective, steps, bands)
-    _check_unused(objective, spectrum, learning_rate, blend_weight)
+    check_unused_inputs(objective, spectrum=spectrum, learning_rate=learning_rate, blend_weight=blend_weight)
     tol = check_float("tol", tol, positive=True)
     max_iterations = check_int("max_iterations", max_iterations, minimum=0)
     if objective == "dpsgd" and bands != 1:
@@ -915,7 +903,7 @@ def objective_value(mixing, *, objective, spectrum=None, learning_rate=None, ble
     if not isinstance(mixing, MixingMatrix):
         raise ValueError(f"mixing must be a MixingMatrix; got {type(mixing).__name__}.")
     check_choice("objective", objective, OBJECTIVES)
-    _check_unused(objective, spectrum, learning_rate, blend_weight)
+    check_unused_inputs(objective, spectrum=spectrum, learning_rate=learning_rate, blend_weight=blend_weight)
     steps = mixing.steps
     ab = band_values_to_ab(np.asarray(mixing.band_values))
     if objective == "dpsgd":

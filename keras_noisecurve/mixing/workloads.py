@@ -276,6 +276,20 @@ def curvature_workload(*, objective: str, steps: int, inputs: CurvatureInputs, r
     raise ValueError(f"{objective!r} is not a curvature objective; choose one of {CURVATURE_OBJECTIVES}.")
 
 
+def check_unused_inputs(objective, *, spectrum, learning_rate, blend_weight) -> None:
+    """Refuse inputs that ``objective`` does not use (they would be silently ignored)."""
+    if objective not in CURVATURE_OBJECTIVES and (spectrum is not None or learning_rate is not None):
+        raise ValueError(
+            f"objective={objective!r} does not use a spectrum or a learning rate; got "
+            f"spectrum={'given' if spectrum is not None else None}, learning_rate={learning_rate!r}."
+        )
+    if objective != "noisecurve-blend" and blend_weight is not None:
+        raise ValueError(
+            f"blend_weight is only used by objective='noisecurve-blend'; got blend_weight={blend_weight!r} "
+            f"with objective={objective!r}."
+        )
+
+
 def workload_matrix(*, objective, steps, spectrum=None, learning_rate=None, blend_weight=None) -> np.ndarray:
     """The (T, T) workload W of an objective: the solver minimises ``Tr(W X⁻¹)``, X = CᵀC.
 
@@ -305,18 +319,7 @@ def workload_matrix(*, objective, steps, spectrum=None, learning_rate=None, blen
     """
     check_choice("objective", objective, OBJECTIVES)
     steps = check_int("steps", steps, minimum=1)
-    curvature = objective in CURVATURE_OBJECTIVES
-    if not curvature:
-        if spectrum is not None or learning_rate is not None:
-            raise ValueError(
-                f"objective={objective!r} does not use a spectrum or a learning rate; got "
-                f"spectrum={'given' if spectrum is not None else None}, learning_rate={learning_rate!r}."
-            )
-    if objective != "noisecurve-blend" and blend_weight is not None:
-        raise ValueError(
-            f"blend_weight is only used by objective='noisecurve-blend'; got blend_weight={blend_weight!r} "
-            f"with objective={objective!r}."
-        )
+    check_unused_inputs(objective, spectrum=spectrum, learning_rate=learning_rate, blend_weight=blend_weight)
     if objective == "dpsgd":
         return np.eye(steps)
     if objective == "bandmf":
