@@ -62,15 +62,10 @@ os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 import numpy as np  # noqa: E402
 
-METHODS = (
-    "dpsgd",
-    "bandmf",
-    "noisecurve",
-    "noisecurve-convergence",
-    "noisecurve-all-iterates",
-    "noisecurve-blend",
-)
-CURVATURE = tuple(m for m in METHODS if m.startswith("noisecurve"))
+from keras_noisecurve.mixing import CURVATURE_OBJECTIVES, OBJECTIVES  # noqa: E402
+
+METHODS = OBJECTIVES  # DP-SGD, DP-BandMF and every curvature objective
+CURVATURE = CURVATURE_OBJECTIVES
 
 
 # ----------------------------------------------------------------------------- data
