@@ -194,14 +194,17 @@ class DenseRule(_Rule):
         p = tf.shape(a)[0]
         return tf.reshape(a, [p, -1, d_in]), tf.reshape(g, [p, -1, d_out])
 
-    def analyse(self, layer, calls):
+    def _gathered(self, layer, calls):
+        """(dtype, a, g): every call's input and output gradient as (P, positions, d) sequences."""
         dtype = _norm_dtype(calls[0]["g"].dtype)
         pairs = [
             self._sequence(layer, tf.cast(tf.stop_gradient(c["a"]), dtype), tf.cast(c["g"], dtype))
             for c in calls
         ]
-        a = _concat_positions([p[0] for p in pairs])
-        g = _concat_positions([p[1] for p in pairs])
+        return dtype, _concat_positions([p[0] for p in pairs]), _concat_positions([p[1] for p in pairs])
+
+    def analyse(self, layer, calls):
+        dtype, a, g = self._gathered(layer, calls)
         total = sequence_sq_norms(a, g)
         bias_grads = None
         if layer.bias is not None:
@@ -331,13 +334,7 @@ class EinsumDenseRule(DenseRule):
         return tf.reshape(a, [p, -1, d_in]), tf.reshape(g, [p, -1, d_out])
 
     def analyse(self, layer, calls):
-        dtype = _norm_dtype(calls[0]["g"].dtype)
-        pairs = [
-            self._sequence(layer, tf.cast(tf.stop_gradient(c["a"]), dtype), tf.cast(c["g"], dtype))
-            for c in calls
-        ]
-        a = _concat_positions([p[0] for p in pairs])
-        g = _concat_positions([p[1] for p in pairs])
+        dtype, a, g = self._gathered(layer, calls)
         total = sequence_sq_norms(a, g)
         bias_grads = None
         if layer.bias is not None:
