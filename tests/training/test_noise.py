@@ -5,7 +5,14 @@ import pytest
 import tensorflow as tf
 
 from keras_noisecurve.mixing import MixingMatrix
-from keras_noisecurve.training.noise import BandedNoise, key_from_seed, standard_normal
+from keras_noisecurve.training.noise import (
+    BandedNoise,
+    key_from_seed,
+    normal_from_seed,
+    standard_normal,
+    step_seed,
+    variable_seed,
+)
 from tests.training.helpers import random_banded_c
 
 
@@ -54,3 +61,44 @@ def test_assert_in_plan_refuses_step_t():
     noise.assert_in_plan(tf.constant(2))
     with pytest.raises(tf.errors.InvalidArgumentError, match="privacy plan is spent"):
         noise.assert_in_plan(tf.constant(3))
+
+
+@pytest.mark.parametrize("dtype", [tf.float32, tf.float64])
+def test_standard_normal_has_the_standard_normal_law(dtype):
+    """The draw is N(0, 1), entry by entry and jointly: a KS test on the marginal, the
+    tail mass beyond 3σ, and no dependence between the Box–Muller partners (entry i
+    and entry i + n/2 share a seed pair: their product and their squares must be
+    uncorrelated), for an odd number of entries."""
+    from scipy import stats
+
+    n = 200_001
+    z = standard_normal(key_from_seed(11), 5, 2, (n,), dtype=dtype).numpy()
+    assert z.dtype == dtype.as_numpy_dtype and np.all(np.isfinite(z))
+    assert stats.kstest(z, "norm").pvalue > 1e-3
+    tail = np.mean(np.abs(z) > 3.0)  # 0.0027; binomial std ≈ 1.2e-4
+    assert abs(tail - 0.0027) < 6e-4
+    assert np.abs(z).max() > 4.0
+    half = n // 2
+    a, b = z[:half], z[half : 2 * half]
+    tol = 5 / np.sqrt(half)
+    assert abs(np.corrcoef(a, b)[0, 1]) < tol
+    assert abs(np.corrcoef(a**2, b**2)[0, 1]) < tol
+    # consecutive steps and neighbouring variables are uncorrelated too
+    for other in (standard_normal(key_from_seed(11), 6, 2, (n,), dtype=dtype),
+                  standard_normal(key_from_seed(11), 5, 3, (n,), dtype=dtype)):
+        assert abs(np.corrcoef(z, other.numpy())[0, 1]) < 5 / np.sqrt(n)
+
+
+def test_normal_from_seed_scale_shape_and_dtypes():
+    seed = variable_seed(step_seed(key_from_seed(3), 4), 1)
+    z = normal_from_seed(seed, (7, 3, 5))
+    assert z.shape == (7, 3, 5) and z.dtype == tf.float32
+    np.testing.assert_allclose(normal_from_seed(seed, (7, 3, 5), scale=2.5).numpy(), 2.5 * z.numpy(), rtol=1e-6)
+    np.testing.assert_array_equal(z.numpy(), standard_normal(key_from_seed(3), 4, 1, (7, 3, 5)).numpy())
+    half = normal_from_seed(seed, (7, 3, 5), dtype=tf.float16)
+    assert half.dtype == tf.float16
+    np.testing.assert_allclose(half.numpy(), z.numpy(), rtol=1e-3, atol=1e-3)
+    assert normal_from_seed(seed, (0,)).shape == (0,)
+    assert normal_from_seed(seed, ()).shape == ()
+    with pytest.raises(ValueError, match="fully defined"):
+        normal_from_seed(seed, tf.TensorShape([None, 3]))
