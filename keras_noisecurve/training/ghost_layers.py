@@ -630,7 +630,79 @@ class LayerNormalizationRule(_NormalizationRule):
         return x * inv if layer.rms_scaling else (x - mean) * inv
 
 
-class GroupNormalizationRule(_NormalizationRule):
+class _ChannelsLastGroupsRule(_NormalizationRule):
+    """Group normalisation over the LAST axis (channels), with a cheaper forward/backward.
+
+    The forward is ``out = x·s + t`` with ``s = γ·inv``, ``t = β − μ·s`` per example and
+    group (inv = 1/√(var + ε)): two passes over x, as Keras' own layer, instead of
+    forming x̂ = (x − μ)·inv differentiably (whose backward needs two more reductions
+    over x). The norms do not need x̂ either: per example and channel c of group k,
+    ``∇γ_c = Σ_s g_sc x̂_sc = inv_k·(Σ_s g_sc x_sc − μ_k·Σ_s g_sc)`` and ``∇β_c = Σ_s g_sc``
+    (s: positions). Layers normalising another axis use the generic rule.
+    """
+
+    def channels_last(self, layer, rank) -> bool:
+        return self.param_axes(layer, rank) == [rank - 1]
+
+    def forward(self, layer, original_call, record, inputs, *args, **kwargs):
+        rank = inputs.shape.rank
+        if rank is None or rank < 2 or not self.channels_last(layer, rank):
+            return super().forward(layer, original_call, record, inputs, *args, **kwargs)
+        compute = tf.float64 if tf.as_dtype(inputs.dtype) == tf.float64 else tf.float32
+        grouped, mean, inv = self.group_stats(layer, tf.cast(inputs, compute))
+        groups, width = grouped.shape[-2], grouped.shape[-1]
+        scale = inv if layer.gamma is None else inv * tf.reshape(tf.cast(layer.gamma, compute), [groups, width])
+        shift = -mean * scale
+        if layer.beta is not None:
+            shift += tf.reshape(tf.cast(layer.beta, compute), [groups, width])
+        out = tf.reshape(grouped * scale + shift, tf.shape(inputs))
+        out = tf.cast(out, layer.compute_dtype)
+        record(out=out, x=tf.stop_gradient(grouped), mean=tf.stop_gradient(mean), inv=tf.stop_gradient(inv))
+        return out
+
+    def group_stats(self, layer, x):
+        """x (P, ..., C) → grouped (P, ..., G, C/G), mean and inv (P, 1…1, G, 1)."""
+        static = x.shape.as_list()
+        channels = static[-1]
+        spatial = [tf.shape(x)[k] if static[k] is None else static[k] for k in range(1, len(static) - 1)]
+        grouped = tf.reshape(x, [-1, *spatial, layer.groups, channels // layer.groups])
+        axes = [*range(1, len(spatial) + 1), len(spatial) + 2]
+        mean, variance = self.moments(grouped, axes)
+        return grouped, mean, tf.math.rsqrt(variance + layer.epsilon)
+
+    def moments(self, grouped, axes):
+        return tf.nn.moments(grouped, axes=axes, keepdims=True)
+
+    def analyse(self, layer, calls):
+        if "xhat" in calls[0]:
+            return super().analyse(layer, calls)
+        dtype = _norm_dtype(calls[0]["g"].dtype)
+        gamma_grads, beta_grads = [], []
+        for c in calls:
+            x = tf.cast(c["x"], dtype)
+            g = tf.reshape(tf.cast(c["g"], dtype), tf.shape(x))
+            positions = list(range(1, x.shape.rank - 2))
+            g_sum = tf.reduce_sum(g, axis=positions) if positions else g  # (P, G, C/G)
+            beta_grads.append(g_sum)
+            if layer.gamma is not None:
+                gx = tf.reduce_sum(g * x, axis=positions) if positions else g * x
+                mean = tf.reshape(tf.cast(c["mean"], dtype), [-1, x.shape[-2], 1])
+                inv = tf.reshape(tf.cast(c["inv"], dtype), [-1, x.shape[-2], 1])
+                gamma_grads.append(inv * (gx - mean * g_sum))
+        per_example = []
+        if layer.gamma is not None:
+            per_example.append((layer.gamma, tf.reshape(tf.add_n(gamma_grads), [-1, layer.gamma.shape[0]])))
+        if layer.beta is not None:
+            per_example.append((layer.beta, tf.reshape(tf.add_n(beta_grads), [-1, layer.beta.shape[0]])))
+        total = tf.add_n([_sq(grad) for _, grad in per_example]) if per_example else 0.0
+
+        def grads(scale):
+            return [(v, tf.reshape(_weighted_sum(grad, scale), v.shape)) for v, grad in per_example]
+
+        return total, grads
+
+
+class GroupNormalizationRule(_ChannelsLastGroupsRule):
     """``keras.layers.GroupNormalization`` (groups along ``axis``, one gamma per channel)."""
 
     classes = (keras.layers.GroupNormalization,)
@@ -660,7 +732,7 @@ class GroupNormalizationRule(_NormalizationRule):
         return tf.reshape(xhat, shape)
 
 
-class ChannelsLastGroupNormRule(_NormalizationRule):
+class ChannelsLastGroupNormRule(_ChannelsLastGroupsRule):
     """``keras_noisecurve.models.GroupNorm`` (the paper CNN's GroupNorm, channels last).
 
     Same x̂ as its ``call``: ``(x − mean_g) / sqrt(var_g + ε)`` over the spatial axes

@@ -512,3 +512,24 @@ def test_conv2d_gram_form_on_small_maps(channels):
         ]
     )
     check_model(model, rng.normal(size=(P, 3, 4, channels)), rng.normal(size=(P, 2)))
+
+
+def test_group_normalization_fast_and_generic_paths():
+    # channels last on a rank-3 input and without scale (fast path: out = x·s + t, no
+    # x̂), on a rank-2 input (no positions), and along axis 1 (the generic x̂ path);
+    # a layer called twice sums its per-example gradients over calls.
+    rng = np.random.default_rng(23)
+    inputs = keras.Input((5, 6))
+    shared = keras.layers.GroupNormalization(groups=2)
+    h = shared(keras.layers.Dense(6)(inputs))
+    h = shared(keras.layers.Activation("tanh")(h))
+    h = keras.layers.GroupNormalization(groups=3, scale=False)(h)
+    h = keras.layers.GroupNormalization(groups=5, axis=1)(h)
+    flat = keras.layers.Dense(6)(keras.layers.Flatten()(h))
+    out = keras.layers.Dense(2)(keras.layers.GroupNormalization(groups=2)(flat))
+    model = keras.Model(inputs, out)
+    for v in model.trainable_variables:
+        if "gamma" in v.path or "beta" in v.path:
+            v.assign(rng.normal(1.0, 0.5, size=v.shape))
+    # inputs with a large mean: the fast path's Σg·x − μ·Σg must not lose accuracy
+    check_model(model, 3.0 + rng.normal(size=(P, 5, 6)), rng.normal(size=(P, 2)))
