@@ -134,11 +134,25 @@ def _bias_grad(g: tf.Tensor, bias_shape) -> tf.Tensor:
     return _sum_over(g, keep)
 
 
+def _scale_smaller(a: tf.Tensor, g: tf.Tensor, scale: tf.Tensor):
+    """``(a, g)`` with the one of fewer entries per example multiplied by ``scale_i``.
+
+    ``a`` (P, ...), ``g`` (P, ...), ``scale`` (P,). A bilinear weight gradient
+    Σ_i (a_i ⊗ g_i) scaled per example is the same whichever factor carries the scale;
+    scaling the smaller one is one cheaper pass (e.g. the first conv's 3-channel input
+    rather than its 16-channel output gradient).
+    """
+    size_a, size_g = (t.shape[1:].num_elements() for t in (a, g))
+    if size_a is not None and size_g is not None and size_a < size_g:
+        return a * tf.reshape(scale, [-1] + [1] * (a.shape.rank - 1)), g
+    return a, g * tf.reshape(scale, [-1] + [1] * (g.shape.rank - 1))
+
+
 def _weighted_outer(a: tf.Tensor, g: tf.Tensor, scale: tf.Tensor) -> tf.Tensor:
     """``Σ_i scale_i Σ_l a_il g_ilᵀ`` (d_in, d_out) from a (P, L, d_in), g (P, L, d_out)."""
     d_in, d_out = a.shape[-1], g.shape[-1]
-    gs = g * scale[:, None, None]
-    return tf.matmul(tf.reshape(a, [-1, d_in]), tf.reshape(gs, [-1, d_out]), transpose_a=True)
+    a, g = _scale_smaller(a, g, scale)
+    return tf.matmul(tf.reshape(a, [-1, d_in]), tf.reshape(g, [-1, d_out]), transpose_a=True)
 
 
 def _weighted_sum(per_example: tf.Tensor, scale: tf.Tensor) -> tf.Tensor:
@@ -390,15 +404,71 @@ class EmbeddingRule(_Rule):
         return total, grads
 
 
+def _dims(t: tf.Tensor) -> list:
+    """The shape of ``t``: static sizes where known, scalar tensors elsewhere."""
+    dynamic = tf.shape(t)
+    return [dynamic[k] if d is None else d for k, d in enumerate(t.shape.as_list())]
+
+
+#: examples per grouped Conv2DBackpropFilter in :func:`conv_sq_norms` (float32); 4 was
+#: the fastest of 1, 4, 8, 16 for each conv of the benchmark CNN (1 CPU thread).
+CONV_CHUNK = 4
+
+
+def conv_sq_norms(images, filter_hw, strides, padding, chunk=None) -> tf.Tensor:
+    """Per-example squared norm of a 2-D convolution's kernel gradient (groups = 1).
+
+    ``images``: the layer's calls as pairs ``(a, g)`` of channels-last input images
+    a (P, H, W, c_in) and output gradients g (P, H', W', c_out); ``filter_hw``,
+    ``strides`` (2 ints each) and ``padding`` (``"SAME"``/``"VALID"``) as the layer,
+    dilation 1. Returns (P,): ‖Σ_calls ∂K_i‖² per example.
+
+    Examples are taken ``chunk`` at a time: the chunk's examples become the groups of
+    ONE grouped ``Conv2DBackpropFilter`` (input (1, H, W, chunk·c_in), filter
+    (kh, kw, c_in, chunk·c_out)), whose filter gradient is the chunk's per-example
+    kernel gradients side by side, with no cross-example terms; chunks run in a
+    ``tf.map_fn``. Memory P·k²·c_in·c_out at most (chunk·k²·c_in·c_out per
+    iteration). ``chunk`` defaults to :data:`CONV_CHUNK` in float32 and 1 (one example
+    per plain ``Conv2DBackpropFilter``) in float64, which TensorFlow's CPU kernels
+    do not run grouped.
+    """
+    dtype = images[0][0].dtype
+    if chunk is None:
+        chunk = CONV_CHUNK if dtype == tf.float32 else 1
+    p = tf.shape(images[0][0])[0]
+    pad = (-p) % chunk
+    elems = []
+    for a, g in images:
+        padded = [tf.pad(t, [[0, pad], [0, 0], [0, 0], [0, 0]]) for t in (a, g)]
+        elems.append(tuple(tf.reshape(t, [-1, chunk, *_dims(t)[1:]]) for t in padded))
+
+    def per_chunk(pairs):
+        """Σ_calls per-example kernel gradient of one chunk, squared and summed: (chunk,)."""
+        total = 0.0
+        for a, g in pairs:  # a (chunk, H, W, c_in), g (chunk, H', W', c_out)
+            c_in, c_out = a.shape[-1], g.shape[-1]
+            a = tf.reshape(tf.transpose(a, [1, 2, 0, 3]), [1, *_dims(a)[1:3], chunk * c_in])
+            g = tf.reshape(tf.transpose(g, [1, 2, 0, 3]), [1, *_dims(g)[1:3], chunk * c_out])
+            kernel = tf.compat.v1.nn.conv2d_backprop_filter(
+                a, [*filter_hw, c_in, chunk * c_out], g, strides=[1, *strides, 1], padding=padding
+            )
+            total += tf.reshape(kernel, [-1, chunk, c_out])  # (k²·c_in, chunk, c_out)
+        return tf.reduce_sum(tf.square(total), axis=[0, 2])
+
+    sq = tf.map_fn(per_chunk, elems, fn_output_signature=tf.TensorSpec([chunk], dtype))
+    return tf.reshape(sq, [-1])[:p]
+
+
 class ConvRule(_Rule):
     """``keras.layers.Conv1D`` / ``Conv2D`` with ``groups=1``.
 
     When L² ≥ k²·c_in·c_out (and dilation 1) the per-example kernel gradients are
-    formed directly by ``Conv2DBackpropFilter`` under ``tf.vectorized_map`` (no
-    patches). Otherwise input patches (same padding, strides and dilation as the
-    layer) are unfolded with ``tf.image.extract_patches``, or, for fewer than 8 input
-    channels, by the faster convolution with a one-hot kernel, to (P, L, k·k·c_in),
-    and the sequence rule of :func:`sequence_sq_norms` is applied with g (P, L, c_out).
+    formed directly, without patches, by :func:`conv_sq_norms` (a grouped
+    ``Conv2DBackpropFilter`` over chunks of examples). Otherwise input patches (same
+    padding, strides and dilation as the layer) are unfolded with
+    ``tf.image.extract_patches``, or, for fewer than 8 input channels, by the faster
+    convolution with a one-hot kernel, to (P, L, k·k·c_in), and the Gram form of
+    :func:`sequence_sq_norms` is applied with g (P, L, c_out).
     """
 
     classes = (keras.layers.Conv1D, keras.layers.Conv2D)
@@ -490,17 +560,7 @@ class ConvRule(_Rule):
         length, d_in = rows.shape[1], ks[0] * ks[1] * images[0][0].shape[-1]
         patches = None
         if max(dr) == 1 and length is not None and length * length >= d_in * layer.filters:
-            # Materialised form without patches: the per-example kernel gradients by
-            # Conv2DBackpropFilter under tf.vectorized_map (memory P·k²·c_in·c_out).
-            filter_shape = [ks[0], ks[1], images[0][0].shape[-1], layer.filters]
-
-            def one(pair):
-                return tf.compat.v1.nn.conv2d_backprop_filter(
-                    pair[0][None], filter_shape, pair[1][None], strides=[1, *st, 1], padding=padding
-                )
-
-            per_example = tf.add_n([tf.vectorized_map(one, pair) for pair in images])
-            total = _sq(per_example)
+            total = conv_sq_norms(images, ks, st, padding)
         else:
             patches = _concat_positions([self._patches(a, ks, st, dr, padding) for a, _ in images])
             total = sequence_sq_norms(patches, rows)
@@ -523,14 +583,15 @@ class ConvRule(_Rule):
             kernel = tf.add_n(
                 [
                     tf.compat.v1.nn.conv2d_backprop_filter(
-                        a,
+                        a_scaled,
                         [ks[0], ks[1], a.shape[-1], layer.filters],
-                        g * scale[:, None, None, None],
+                        g_scaled,
                         strides=[1, *st, 1],
                         padding=padding,
                         dilations=[1, *dr, 1],
                     )
                     for a, g in images
+                    for a_scaled, g_scaled in [_scale_smaller(a, g, scale)]
                 ]
             )
             out = [(layer.kernel, tf.reshape(kernel, layer.kernel.shape))]

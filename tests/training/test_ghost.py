@@ -533,3 +533,44 @@ def test_group_normalization_fast_and_generic_paths():
             v.assign(rng.normal(1.0, 0.5, size=v.shape))
     # inputs with a large mean: the fast path's Σg·x − μ·Σg must not lose accuracy
     check_model(model, 3.0 + rng.normal(size=(P, 5, 6)), rng.normal(size=(P, 2)))
+
+
+@pytest.mark.parametrize("chunk", [None, 1, 3])
+@pytest.mark.parametrize("strides, padding", [((1, 1), "SAME"), ((2, 1), "VALID"), ((2, 2), "SAME")])
+def test_conv_sq_norms_grouped_chunks_equal_per_example_loop(chunk, strides, padding):
+    # float32 runs the grouped Conv2DBackpropFilter (chunks of examples as groups; 7
+    # examples do not fill the last chunk); the reference is a float64 loop over
+    # examples differentiating tf.nn.conv2d, summed over two calls of the layer.
+    rng = np.random.default_rng(29)
+    n, c_in, c_out = 7, 3, 5
+    kernel = tf.constant(rng.normal(size=(3, 2, c_in, c_out)))
+    calls = []
+    for size in [(9, 8), (6, 7)]:
+        a = rng.normal(size=(n, *size, c_in))
+        out_shape = tf.nn.conv2d(a[:1], kernel, [1, *strides, 1], padding).shape
+        calls.append((a, rng.normal(size=(n, *out_shape[1:]))))
+    want = []
+    for i in range(n):
+        with tf.GradientTape() as tape:
+            tape.watch(kernel)
+            total = sum(tf.reduce_sum(tf.nn.conv2d(a[i : i + 1], kernel, [1, *strides, 1], padding) * g[i : i + 1])
+                        for a, g in calls)
+        want.append(np.sum(tape.gradient(total, kernel).numpy() ** 2))
+    images = [(tf.constant(a, tf.float32), tf.constant(g, tf.float32)) for a, g in calls]
+    got = ghost_layers.conv_sq_norms(images, [3, 2], list(strides), padding, chunk=chunk)
+    assert got.dtype == tf.float32 and got.shape == (n,)
+    np.testing.assert_allclose(got.numpy(), want, rtol=RTOL)
+    got64 = ghost_layers.conv_sq_norms([(tf.constant(a), tf.constant(g)) for a, g in calls], [3, 2],
+                                       list(strides), padding)
+    np.testing.assert_allclose(got64.numpy(), want, rtol=1e-12)
+
+
+def test_conv_sq_norms_with_unknown_batch_size():
+    rng = np.random.default_rng(31)
+    a, g = rng.normal(size=(5, 6, 6, 2)).astype("float32"), rng.normal(size=(5, 3, 3, 4)).astype("float32")
+    fn = tf.function(
+        lambda a, g: ghost_layers.conv_sq_norms([(a, g)], [3, 3], [2, 2], "SAME"),
+        input_signature=[tf.TensorSpec([None, 6, 6, 2], tf.float32), tf.TensorSpec([None, 3, 3, 4], tf.float32)],
+    )
+    want = ghost_layers.conv_sq_norms([(tf.constant(a, tf.float64), tf.constant(g, tf.float64))], [3, 3], [2, 2], "SAME")
+    np.testing.assert_allclose(fn(a, g).numpy(), want.numpy(), rtol=RTOL)
