@@ -436,16 +436,17 @@ def conv_sq_norms(images, filter_hw, strides, padding, chunk=None) -> tf.Tensor:
     if chunk is None:
         chunk = CONV_CHUNK if dtype == tf.float32 else 1
     p = tf.shape(images[0][0])[0]
-    pad = (-p) % chunk
-    elems = []
-    for a, g in images:
-        padded = [tf.pad(t, [[0, pad], [0, 0], [0, 0], [0, 0]]) for t in (a, g)]
-        elems.append(tuple(tf.reshape(t, [-1, chunk, *_dims(t)[1:]]) for t in padded))
 
-    def per_chunk(pairs):
-        """Σ_calls per-example kernel gradient of one chunk, squared and summed: (chunk,)."""
+    def take(t, i):
+        """Examples i·chunk … i·chunk + chunk − 1 of t, zero-padded to ``chunk`` rows."""
+        part = t[i * chunk : (i + 1) * chunk]
+        return tf.pad(part, [[0, chunk - tf.shape(part)[0]]] + [[0, 0]] * (t.shape.rank - 1))
+
+    def per_chunk(i):
+        """Σ_calls per-example kernel gradient of chunk i, squared and summed: (chunk,)."""
         total = 0.0
-        for a, g in pairs:  # a (chunk, H, W, c_in), g (chunk, H', W', c_out)
+        for a, g in images:
+            a, g = take(a, i), take(g, i)  # a (chunk, H, W, c_in), g (chunk, H', W', c_out)
             c_in, c_out = a.shape[-1], g.shape[-1]
             a = tf.reshape(tf.transpose(a, [1, 2, 0, 3]), [1, *_dims(a)[1:3], chunk * c_in])
             g = tf.reshape(tf.transpose(g, [1, 2, 0, 3]), [1, *_dims(g)[1:3], chunk * c_out])
@@ -455,7 +456,9 @@ def conv_sq_norms(images, filter_hw, strides, padding, chunk=None) -> tf.Tensor:
             total += tf.reshape(kernel, [-1, chunk, c_out])  # (k²·c_in, chunk, c_out)
         return tf.reduce_sum(tf.square(total), axis=[0, 2])
 
-    sq = tf.map_fn(per_chunk, elems, fn_output_signature=tf.TensorSpec([chunk], dtype))
+    # slices are taken inside the loop: no copy of the whole batch (as map_fn's
+    # unstacking of its inputs would make)
+    sq = tf.map_fn(per_chunk, tf.range((p + chunk - 1) // chunk), fn_output_signature=tf.TensorSpec([chunk], dtype))
     return tf.reshape(sq, [-1])[:p]
 
 

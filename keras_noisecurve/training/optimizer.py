@@ -271,16 +271,18 @@ class _StepNoise:
     def __init__(self, optimizer):
         self._noise = optimizer.noise
         self.step = optimizer.iterations
-        checks = [op for op in [self._noise.assert_in_plan(self.step)] if op is not None]
-        with tf.control_dependencies(checks):
+        self._checks = [op for op in [self._noise.assert_in_plan(self.step)] if op is not None]
+        with tf.control_dependencies(self._checks):
             self.seed = step_seed(optimizer._noise_key, self.step)
         self._rows = {}
 
     def row(self, dtype):
-        """``(C[t, t], C[t, t − 1], …)`` in ``dtype`` (b,), or ``None`` for C = I."""
+        """``(C[t, t], C[t, t − 1], …)`` in ``dtype`` (b,), or ``None`` for C = I; read
+        after the plan check (row T does not exist)."""
         dtype = tf.as_dtype(dtype)
         if dtype not in self._rows:
-            self._rows[dtype] = self._noise.row(self.step, dtype)
+            with tf.control_dependencies(self._checks):
+                self._rows[dtype] = self._noise.row(self.step, dtype)
         return self._rows[dtype]
 
 
