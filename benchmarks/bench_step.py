@@ -20,6 +20,9 @@ and the peak step memory (TensorFlow's CPU allocator statistics); the line
 optimizer and its noise::
 
     python benchmarks/bench_step.py --models mlp transformer cnn --configs non-private ghost
+
+``--memory-batch-sizes 64 128 256 512`` adds the peak step memory of every
+configuration at those batch sizes (untimed).
 """
 
 from __future__ import annotations
@@ -155,6 +158,29 @@ def peak_step_memory(step, x, y):
 
 
 
+def memory_by_batch(model_name, configs, batch_sizes, steps_planned):
+    """Peak step memory of each configuration at each batch size (one step each, after
+    one warm-up step), and the ratio to the first configuration: constant in the batch
+    size when a configuration's memory grows like the activations (batch × activations)
+    and not like batch × parameters."""
+    rng = np.random.default_rng(1)
+    for batch_size in batch_sizes:
+        x = tf.constant(rng.normal(size=(batch_size, *MODELS[model_name][1])).astype("float32"))
+        y = tf.constant(rng.integers(0, 10, batch_size))
+        peaks = {}
+        for name in configs:
+            step = step_function(build(model_name, CONFIGS[name], batch_size, steps_planned))
+            step(x, y)
+            peaks[name] = peak_step_memory(step, x, y)
+        if any(p is None for p in peaks.values()):
+            print("   (no CPU allocator statistics in this TensorFlow build)")
+            return
+        first = configs[0]
+        print(f"   peak step memory ({model_name}, batch {batch_size:4d}): "
+              + ", ".join(f"{n} {p / 2**20:7.1f} MiB" for n, p in peaks.items())
+              + "".join(f"; {n} / {first} {peaks[n] / max(peaks[first], 1):.2f}" for n in configs[1:]))
+
+
 # ------------------------------------------------------------------- helpers
 def banded_mixing(steps, bands, seed=0):
     """A valid T×T b-banded C (random band, positive diagonal, unit columns), built
@@ -237,6 +263,8 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per configuration per round")
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--memory-batch-sizes", nargs="*", type=int, default=[],
+                        help="also report each configuration's peak step memory at these batch sizes")
     args = parser.parse_args(argv)
 
     planned = max(args.warmup + args.repeats * args.steps + 1, 64)
@@ -286,6 +314,8 @@ def main(argv=None):
         updates = time_updates(model_name, args.batch_size, args.repeats, 20)
         if "ghost" in args.configs:
             time_ghost_engine(model_name, x, y, args.repeats, args.steps)
+        if args.memory_batch_sizes:
+            memory_by_batch(model_name, args.configs, args.memory_batch_sizes, planned)
         # Two identical compiled models can differ by ~20 % in step time on a loaded
         # machine (measured: two DP-SGD CNN instances, 357 vs 289 ms/step), which swamps
         # the cost of the noise. The noise source changes only the optimizer update, so
