@@ -14,7 +14,8 @@ this engine never does:
    (it stops at the layer outputs: no weight gradients are formed);
 3. each layer's per-example squared gradient norm follows from ``(a, g)`` alone
    (``‖a_i‖²‖g_i‖²`` for a dense layer on vectors, Gram forms for sequences,
-   patches for convolutions, ... see :mod:`keras_noisecurve.training.ghost_layers`);
+   grouped per-example kernel gradients or patches for convolutions, ... see
+   :mod:`keras_noisecurve.training.ghost_layers`);
    their sum over layers is ``‖w_i·∇loss_i‖²``, giving ``c_i = min(1, ζ/‖·‖)``;
 4. the clipped sum ``Σ_i c_i·w_i·∇loss_i`` is the gradient of ``Σ_i c_i·w_i·loss_i``
    with ``c`` held constant. Rather than a second backward pass through the whole
