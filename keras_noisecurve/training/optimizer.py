@@ -241,8 +241,8 @@ class DPOptimizer(keras.optimizers.Optimizer):
             z = normal_from_seed(seed, variable.shape, dtype)
             z_tilde = self._noise.combine(z, noise.step, ring.value, row=row)
             # write only slot t mod (b − 1), in place
-            update = tf.IndexedSlices(z_tilde[None], tf.reshape(self._noise.slot(noise.step), [1]), tf.shape(ring.value))
-            self.assign(ring, update)
+            slot = tf.reshape(self._noise.slot(noise.step), [1])
+            self.assign(ring, tf.IndexedSlices(z_tilde[None], slot, tf.shape(ring.value)))
             noise_term = tf.cast(std, dtype) * z_tilde
         rate = tf.cast(learning_rate, dtype) / tf.cast(self.expected_batch_size, dtype)
         self.assign_sub(variable, rate * (tf.cast(gradient, dtype) + noise_term))

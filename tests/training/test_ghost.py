@@ -572,5 +572,6 @@ def test_conv_sq_norms_with_unknown_batch_size():
         lambda a, g: ghost_layers.conv_sq_norms([(a, g)], [3, 3], [2, 2], "SAME"),
         input_signature=[tf.TensorSpec([None, 6, 6, 2], tf.float32), tf.TensorSpec([None, 3, 3, 4], tf.float32)],
     )
-    want = ghost_layers.conv_sq_norms([(tf.constant(a, tf.float64), tf.constant(g, tf.float64))], [3, 3], [2, 2], "SAME")
+    images64 = [(tf.constant(a, tf.float64), tf.constant(g, tf.float64))]
+    want = ghost_layers.conv_sq_norms(images64, [3, 3], [2, 2], "SAME")
     np.testing.assert_allclose(fn(a, g).numpy(), want.numpy(), rtol=RTOL)
