@@ -17,7 +17,8 @@ To add a configuration (e.g. another clipping engine), append to ``CONFIGS``.
 Ghost clipping (``"ghost"`` config, ghost-norm engine) with the transformer block
 and the peak step memory (TensorFlow's CPU allocator statistics); the line
 "engine only" times ``ghost_clipped_sum`` against a plain gradient, without the
-optimizer and its noise::
+optimizer and its noise, and "noise floor" is the DP-SGD noise's share of a step
+(it does not shrink with the batch, so small models at small batches sit near it)::
 
     python benchmarks/bench_step.py --models mlp transformer cnn --configs non-private ghost
 
@@ -141,6 +142,7 @@ def time_ghost_engine(model_name, x, y, repeats, steps):
     mem = ", ".join(f"{n} {p / 2**20:.1f} MiB" for n, p in peaks.items() if p is not None)
     print(f"   engine only ({model_name}): gradient {median['gradient']:.1f} ms, ghost clipped sum "
           f"{median['ghost']:.1f} ms = {median['ghost'] / median['gradient']:.2f}x; peak {mem}")
+    return median["ghost"] / median["gradient"]
 
 
 def peak_step_memory(step, x, y):
@@ -313,7 +315,14 @@ def main(argv=None):
                 print(f"{name} / DP-SGD: {median[name] / median['dpsgd']:.3f}x (target <= 1.10)")
         updates = time_updates(model_name, args.batch_size, args.repeats, 20)
         if "ghost" in args.configs:
-            time_ghost_engine(model_name, x, y, args.repeats, args.steps)
+            engine = time_ghost_engine(model_name, x, y, args.repeats, args.steps)
+            if "non-private" in median:
+                # The DP-SGD noise costs the same at every batch size (one Gaussian per
+                # parameter per step): with it, the ghost step cannot beat this ratio.
+                noise = updates["dpsgd"] - updates["sgd"]
+                print(f"   noise floor ({model_name}): DP-SGD update - SGD update = {1000 * noise:.2f} ms "
+                      f"= {noise / median['non-private']:.2f}x the non-private step; without overlap the ghost "
+                      f"step is >= engine only + noise = {engine + noise / median['non-private']:.2f}x")
         if args.memory_batch_sizes:
             memory_by_batch(model_name, args.configs, args.memory_batch_sizes, planned)
         # Two identical compiled models can differ by ~20 % in step time on a loaded
