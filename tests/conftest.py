@@ -6,6 +6,9 @@ machine without accelerators.
 """
 
 import os
+import sys
+
+import pytest
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -23,3 +26,21 @@ def pytest_configure(config):
         )
     except RuntimeError:  # already initialised
         pass
+
+
+@pytest.fixture(autouse=True)
+def _separate_collective_keys():
+    """Give every test's ``MirroredStrategy`` its own collective keys.
+
+    Each new ``MirroredStrategy`` numbers its collective groups and instances from the
+    same start, and TensorFlow's collective executor remembers the shapes of the
+    instances it has run: a second strategy in the same process then all-reduces
+    against the first one's shapes ("Shape mismatch in the collective instance 100",
+    tensorflow/tensorflow#62790). TensorFlow's own tests move the keys' base for
+    every strategy (``strategy_combinations.py``); so do we, before every test.
+    """
+    if "tensorflow" in sys.modules:
+        from tensorflow.python.distribute import mirrored_strategy
+
+        mirrored_strategy.MirroredStrategy._collective_key_base += 100_000
+    yield
