@@ -318,7 +318,8 @@ def main(argv=None):
             engine = time_ghost_engine(model_name, x, y, args.repeats, args.steps)
             if "non-private" in median:
                 # The DP-SGD noise costs the same at every batch size (one Gaussian per
-                # parameter per step): with it, the ghost step cannot beat this ratio.
+                # parameter per step); run after the gradients, it bounds the ghost step
+                # from below (with spare threads TensorFlow may overlap it instead).
                 noise = updates["dpsgd"] - updates["sgd"]
                 print(f"   noise floor ({model_name}): DP-SGD update - SGD update = {1000 * noise:.2f} ms "
                       f"= {noise / median['non-private']:.2f}x the non-private step; without overlap the ghost "
