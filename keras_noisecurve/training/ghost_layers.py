@@ -31,6 +31,7 @@ import keras
 import tensorflow as tf
 
 from keras_noisecurve.models import GroupNorm as _PaperGroupNorm
+from keras_noisecurve.training import kernels as _kernels
 
 # --------------------------------------------------------------------------- math
 
@@ -410,9 +411,24 @@ def _dims(t: tf.Tensor) -> list:
     return [dynamic[k] if d is None else d for k, d in enumerate(t.shape.as_list())]
 
 
-#: examples per grouped Conv2DBackpropFilter in :func:`conv_sq_norms` (float32); 4 was
-#: the fastest of 1, 4, 8, 16 for each conv of the benchmark CNN (1 CPU thread).
+#: examples per grouped Conv2DBackpropFilter in :func:`conv_sq_norms` where that kernel
+#: runs; 4 was the fastest of 1, 4, 8, 16 for each conv of the benchmark CNN (oneDNN CPU).
 CONV_CHUNK = 4
+
+
+def conv_chunk(dtype, device: str | None = None) -> int:
+    """Examples per ``Conv2DBackpropFilter`` call that :func:`conv_sq_norms` uses by default.
+
+    :data:`CONV_CHUNK` where a grouped ``Conv2DBackpropFilter`` runs on ``device``
+    (a device type; default: where new ops go) in ``dtype`` (oneDNN CPU kernels,
+    cuDNN), else 1: one example per plain ``Conv2DBackpropFilter``, the kernel of
+    every ordinary backward pass, which runs wherever TensorFlow runs (Eigen CPU
+    kernels, float64). Probed once per device type and dtype
+    (:mod:`keras_noisecurve.training.kernels`).
+    """
+    device = device or _kernels.device_type()
+    grouped = _kernels.grouped_conv_filter_gradient_runs(device, tf.as_dtype(dtype).name)
+    return CONV_CHUNK if grouped else 1
 
 
 def conv_sq_norms(images, filter_hw, strides, padding, chunk=None) -> tf.Tensor:
@@ -423,18 +439,27 @@ def conv_sq_norms(images, filter_hw, strides, padding, chunk=None) -> tf.Tensor:
     ``strides`` (2 ints each) and ``padding`` (``"SAME"``/``"VALID"``) as the layer,
     dilation 1. Returns (P,): ‖Σ_calls ∂K_i‖² per example.
 
-    Examples are taken ``chunk`` at a time: the chunk's examples become the groups of
-    ONE grouped ``Conv2DBackpropFilter`` (input (1, H, W, chunk·c_in), filter
+    Examples are taken ``chunk`` at a time in a ``tf.map_fn``. With ``chunk = 1``
+    each example's kernel gradient is one plain ``Conv2DBackpropFilter``. With
+    ``chunk > 1`` the chunk's examples become the groups of ONE grouped
+    ``Conv2DBackpropFilter`` (input (1, H, W, chunk·c_in), filter
     (kh, kw, c_in, chunk·c_out)), whose filter gradient is the chunk's per-example
-    kernel gradients side by side, with no cross-example terms; chunks run in a
-    ``tf.map_fn``. Memory P·k²·c_in·c_out at most (chunk·k²·c_in·c_out per
-    iteration). ``chunk`` defaults to :data:`CONV_CHUNK` in float32 and 1 (one example
-    per plain ``Conv2DBackpropFilter``) in float64, which TensorFlow's CPU kernels
-    do not run grouped.
+    kernel gradients side by side, with no cross-example terms; only some kernels
+    run that (:func:`conv_chunk`). Memory P·k²·c_in·c_out at most
+    (chunk·k²·c_in·c_out per iteration). ``chunk`` defaults to :func:`conv_chunk`;
+    an explicit ``chunk > 1`` where the grouped kernel does not run is a
+    ``ValueError`` (raised while tracing, before any step runs).
     """
     dtype = images[0][0].dtype
+    device = _kernels.device_type(images[0][0])
     if chunk is None:
-        chunk = CONV_CHUNK if dtype == tf.float32 else 1
+        chunk = conv_chunk(dtype, device)
+    elif chunk > 1 and conv_chunk(dtype, device) == 1:
+        raise ValueError(
+            f"conv_sq_norms(chunk={chunk}) needs a grouped Conv2DBackpropFilter, which TensorFlow's "
+            f"{device} kernels do not run in {tf.as_dtype(dtype).name} in this process (on CPUs it needs "
+            "oneDNN: TF_ENABLE_ONEDNN_OPTS=1); use chunk=1 or leave chunk=None to choose automatically."
+        )
     p = tf.shape(images[0][0])[0]
 
     def take(t, i):
@@ -466,8 +491,9 @@ class ConvRule(_Rule):
     """``keras.layers.Conv1D`` / ``Conv2D`` with ``groups=1``.
 
     When L² ≥ k²·c_in·c_out (and dilation 1) the per-example kernel gradients are
-    formed directly, without patches, by :func:`conv_sq_norms` (a grouped
-    ``Conv2DBackpropFilter`` over chunks of examples). Otherwise input patches (same
+    formed directly, without patches, by :func:`conv_sq_norms` (one
+    ``Conv2DBackpropFilter`` per example, or one grouped call per chunk of examples
+    where the kernels run that). Otherwise input patches (same
     padding, strides and dilation as the layer) are unfolded with
     ``tf.image.extract_patches``, or, for fewer than 8 input channels, by the faster
     convolution with a one-hot kernel, to (P, L, k·k·c_in), and the Gram form of

@@ -10,6 +10,8 @@ batch sampler) and non-unit sample weights.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -17,7 +19,7 @@ import keras
 
 from keras_noisecurve.training.clipping import vectorized_clipped_sum
 from keras_noisecurve.training.ghost import ghost_clipped_sum, supports
-from keras_noisecurve.training import ghost_layers
+from keras_noisecurve.training import ghost_layers, kernels
 
 P = 6
 RTOL = 1e-5
@@ -535,12 +537,41 @@ def test_group_normalization_fast_and_generic_paths():
     check_model(model, 3.0 + rng.normal(size=(P, 5, 6)), rng.normal(size=(P, 2)))
 
 
-@pytest.mark.parametrize("chunk", [None, 1, 3])
+GROUPED_RUNS = kernels.grouped_conv_filter_gradient_runs(kernels.device_type(), "float32")
+needs_grouped = pytest.mark.skipif(
+    not GROUPED_RUNS, reason="TensorFlow's kernels here do not run a grouped Conv2DBackpropFilter "
+    "(CPU without oneDNN); CI re-runs this file with TF_ENABLE_ONEDNN_OPTS=1"
+)
+
+
+def test_grouped_kernel_probe_follows_the_onednn_switch():
+    # The probe must say what the kernels do: on CPU the grouped filter gradient runs
+    # exactly when oneDNN is on. CI runs this file with the switch forced each way.
+    if kernels.device_type() != "CPU":
+        pytest.skip("the oneDNN switch concerns CPU kernels")
+    switch = os.environ.get("TF_ENABLE_ONEDNN_OPTS")
+    if switch not in ("0", "1"):
+        pytest.skip("TF_ENABLE_ONEDNN_OPTS not forced: TensorFlow chooses by the CPU's instructions")
+    assert GROUPED_RUNS == (switch == "1")
+    assert ghost_layers.conv_chunk(tf.float32) == (ghost_layers.CONV_CHUNK if switch == "1" else 1)
+    # no CPU kernel runs it in float64, oneDNN or not
+    assert ghost_layers.conv_chunk(tf.float64) == 1
+
+
+@pytest.mark.skipif(GROUPED_RUNS, reason="the grouped kernel runs here")
+def test_explicit_grouped_chunk_is_refused_where_the_kernel_does_not_run():
+    a, g = tf.zeros([2, 5, 5, 2]), tf.zeros([2, 5, 5, 3])
+    with pytest.raises(ValueError, match=r"chunk=4.*TF_ENABLE_ONEDNN_OPTS=1.*chunk=1"):
+        ghost_layers.conv_sq_norms([(a, g)], [3, 3], [1, 1], "SAME", chunk=4)
+
+
+@pytest.mark.parametrize("chunk", [None, 1, pytest.param(3, marks=needs_grouped)])
 @pytest.mark.parametrize("strides, padding", [((1, 1), "SAME"), ((2, 1), "VALID"), ((2, 2), "SAME")])
 def test_conv_sq_norms_grouped_chunks_equal_per_example_loop(chunk, strides, padding):
-    # float32 runs the grouped Conv2DBackpropFilter (chunks of examples as groups; 7
-    # examples do not fill the last chunk); the reference is a float64 loop over
-    # examples differentiating tf.nn.conv2d, summed over two calls of the layer.
+    # float32 runs the grouped Conv2DBackpropFilter where the kernels allow it (chunks
+    # of examples as groups; 7 examples do not fill the last chunk), else one plain
+    # call per example; the reference is a float64 loop over examples
+    # differentiating tf.nn.conv2d, summed over two calls of the layer.
     rng = np.random.default_rng(29)
     n, c_in, c_out = 7, 3, 5
     kernel = tf.constant(rng.normal(size=(3, 2, c_in, c_out)))
@@ -575,3 +606,36 @@ def test_conv_sq_norms_with_unknown_batch_size():
     images64 = [(tf.constant(a, tf.float64), tf.constant(g, tf.float64))]
     want = ghost_layers.conv_sq_norms(images64, [3, 3], [2, 2], "SAME")
     np.testing.assert_allclose(fn(a, g).numpy(), want.numpy(), rtol=RTOL)
+
+
+@pytest.mark.parametrize("form", ["per-example", pytest.param("grouped", marks=needs_grouped)])
+@pytest.mark.parametrize("n", [1, 7, 9])
+def test_float32_conv_model_any_batch_size_and_odd_images(n, form, monkeypatch):
+    # Batch sizes that fill no chunk of 4 (1, 7, 9), odd image sizes (9×7, stride 2
+    # gives 5×4), float32 as users train: each kernel path of the conv rule against a
+    # loop over single examples. The conv layers are wide enough in positions that
+    # the rule takes conv_sq_norms, not the patches.
+    monkeypatch.setattr(ghost_layers, "conv_chunk",
+                        lambda dtype, device=None: ghost_layers.CONV_CHUNK if form == "grouped" else 1)
+    _set_precision("float32")
+    rng = np.random.default_rng(37 + n)
+    model = keras.Sequential(
+        [
+            keras.Input((9, 7, 3)),
+            keras.layers.Conv2D(4, 3, padding="same", activation="tanh"),
+            keras.layers.Conv2D(3, (3, 2), strides=2, padding="same"),
+            keras.layers.Flatten(),
+            keras.layers.Dense(2),
+        ]
+    )
+    x = rng.normal(size=(n, 9, 7, 3)).astype("float32")
+    y = rng.normal(size=(n, 2)).astype("float32")
+    w = rng.uniform(0.5, 2.0, size=n).astype("float32")
+    norms, _ = loop_reference(model, mse, x, y, w, np.inf)
+    clip = float(np.median(norms))
+    norms_ref, sum_ref = loop_reference(model, mse, x, y, w, clip)
+    got = ghost_clipped_sum(model, mse, x, y, w, l2_norm_clip=clip, training=False)
+    np.testing.assert_allclose(got.norms.numpy(), norms_ref, rtol=1e-4)
+    scale = max(np.max(np.abs(g)) for g in sum_ref)
+    for g, r in zip(got.grads, sum_ref):
+        np.testing.assert_allclose(np.asarray(g), r, rtol=1e-4, atol=1e-4 * scale)
