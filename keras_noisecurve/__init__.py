@@ -16,6 +16,7 @@ _EXPORTS = {
     # mixing matrices (numpy/scipy)
     "MixingMatrix": "keras_noisecurve.mixing",
     "InvalidMixingMatrixError": "keras_noisecurve.mixing",
+    "load_mixing": "keras_noisecurve.mixing",
     "solve_mixing_matrix": "keras_noisecurve.mixing",
     "objective_value": "keras_noisecurve.mixing",
     "DEFAULT_OBJECTIVE": "keras_noisecurve.mixing",

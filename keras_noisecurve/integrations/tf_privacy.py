@@ -29,6 +29,7 @@ import tensorflow as tf
 
 from keras_noisecurve._validation import check_float
 from keras_noisecurve.integrations._tf_privacy_import import import_tf_privacy
+from keras_noisecurve.mixing.matrix import load_mixing
 from keras_noisecurve.training.noise import BandedNoise, key_from_seed
 
 _dp_query = import_tf_privacy("privacy.dp_query.dp_query")
@@ -36,12 +37,6 @@ _dp_query = import_tf_privacy("privacy.dp_query.dp_query")
 import dp_accounting  # noqa: E402  (after the tf-privacy import workaround)
 
 __all__ = ["BandedMatrixFactorizationQuery"]
-
-
-def _as_mixing(mixing):
-    from keras_noisecurve.training.optimizer import _load_mixing
-
-    return _load_mixing(mixing)
 
 
 def _is_shape(t) -> bool:
@@ -88,7 +83,7 @@ class BandedMatrixFactorizationQuery(_dp_query.SumAggregationDPQuery):
     def __init__(self, l2_norm_clip, noise_multiplier, mixing, template, seed=None):
         self._l2_norm_clip = check_float("l2_norm_clip", l2_norm_clip, positive=True)
         self._noise_multiplier = check_float("noise_multiplier", noise_multiplier, nonnegative=True)
-        self._mixing = _as_mixing(mixing)
+        self._mixing = load_mixing(mixing)
         self._noise = BandedNoise(None if self._mixing == "dpsgd" else self._mixing.band_values)
         self._structure, self._specs = _template_specs(template)
         self._key = key_from_seed(seed)

@@ -7,6 +7,7 @@ from keras_noisecurve.mixing.matrix import (
     COLUMN_NORM_TOLERANCE,
     InvalidMixingMatrixError,
     MixingMatrix,
+    load_mixing,
 )
 from keras_noisecurve.mixing.solver import (
     AUTO_BLEND_FACTOR,
@@ -35,6 +36,7 @@ __all__ = [
     "OBJECTIVES",
     "RIDGE_RELATIVE",
     "TRUNCATION_RELATIVE",
+    "load_mixing",
     "objective_value",
     "prefix_noise_std",
     "solve_mixing_matrix",

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import reprlib
 from typing import Any, Mapping
 
 import numpy as np
@@ -271,3 +272,63 @@ class MixingMatrix:
         return np.array_equal(self._band_values, other._band_values)
 
     __hash__ = None
+
+
+def load_mixing(mixing):
+    """Resolve a ``mixing=`` argument to a :class:`MixingMatrix` (or the string ``"dpsgd"``).
+
+    ``NoiseCurveOptimizer(mixing=...)`` and the TensorFlow Privacy query
+    ``BandedMatrixFactorizationQuery(mixing=...)`` accept a mixing matrix in any of the
+    forms below; this function is the one place that reads them. numpy only.
+
+    Args:
+      mixing: one of
+
+        - a :class:`MixingMatrix`: returned as it is;
+        - the string ``"dpsgd"``: returned as it is. It means independent noise (C = I)
+          with no step limit; ``MixingMatrix.identity(T)`` is the same noise for T steps;
+        - a path (``str`` or ``os.PathLike``) of a ``.npz`` artifact written by
+          :meth:`MixingMatrix.save` or ``noisecurve solve``: loaded and re-validated by
+          :meth:`MixingMatrix.load`;
+        - a dict ``{"band_values": (T, b) array-like, "metadata": dict}`` (the form
+          ``NoiseCurveOptimizer.get_config()`` stores; ``metadata`` may be missing).
+
+    Returns:
+      The :class:`MixingMatrix`, or ``"dpsgd"``.
+
+    Raises:
+      ValueError: a path that is not a file or not a valid artifact, a dict without
+        ``"band_values"``, a numpy array (ambiguous: band values (T, b) or a dense C;
+        wrap it in ``MixingMatrix(band_values)`` or ``MixingMatrix.from_dense(C)``), or
+        any other type. Each message names the value received and the forms allowed.
+        Band values that break a constraint of C raise ``InvalidMixingMatrixError``, a
+        ``ValueError``.
+    """
+    if isinstance(mixing, MixingMatrix):
+        return mixing
+    if isinstance(mixing, str) and mixing == "dpsgd":
+        return "dpsgd"
+    if isinstance(mixing, dict):
+        if "band_values" not in mixing:
+            raise ValueError(f"mixing dict must have 'band_values' (and 'metadata'), got keys {sorted(mixing)}.")
+        return MixingMatrix(np.asarray(mixing["band_values"], dtype=np.float64), mixing.get("metadata") or {})
+    if isinstance(mixing, (str, os.PathLike)):
+        if not os.path.isfile(mixing):
+            raise ValueError(
+                f"mixing={str(mixing)!r}: no such file. Pass a MixingMatrix, the path of a .npz "
+                "written by MixingMatrix.save / `noisecurve solve`, or 'dpsgd'."
+            )
+        try:
+            return MixingMatrix.load(mixing)
+        except InvalidMixingMatrixError as exc:
+            raise ValueError(f"mixing={str(mixing)!r} is not a valid mixing-matrix artifact: {exc}") from exc
+    if isinstance(mixing, np.ndarray):
+        raise ValueError(
+            f"mixing must be a MixingMatrix, a path to a .npz artifact or 'dpsgd'; got a numpy array of shape "
+            f"{mixing.shape}. Wrap band values (band_values[t, j] = C[t, t - j]) as MixingMatrix(band_values), "
+            "or a dense lower-triangular C as MixingMatrix.from_dense(C)."
+        )
+    raise ValueError(
+        f"mixing must be a MixingMatrix, a path to a .npz artifact or 'dpsgd'; got {reprlib.repr(mixing)} "
+        f"({type(mixing).__name__})."
+    )

@@ -19,7 +19,6 @@ example's contribution.
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import keras
@@ -27,6 +26,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_noisecurve._validation import check_float, check_int
+from keras_noisecurve.mixing.matrix import load_mixing
 from keras_noisecurve.training.noise import BandedNoise, key_from_seed, normal_from_seed, step_seed, variable_seed
 
 __all__ = ["DPOptimizer", "NoiseCurveOptimizer"]
@@ -286,33 +286,6 @@ class _StepNoise:
         return self._rows[dtype]
 
 
-def _load_mixing(mixing):
-    from keras_noisecurve.mixing import InvalidMixingMatrixError, MixingMatrix
-
-    if isinstance(mixing, MixingMatrix):
-        return mixing
-    if isinstance(mixing, str) and mixing == "dpsgd":
-        return "dpsgd"
-    if isinstance(mixing, dict):
-        if "band_values" not in mixing:
-            raise ValueError(f"mixing dict must have 'band_values' (and 'metadata'), got keys {sorted(mixing)}.")
-        return MixingMatrix(np.asarray(mixing["band_values"], dtype=np.float64), mixing.get("metadata") or {})
-    if isinstance(mixing, (str, os.PathLike)):
-        if not os.path.isfile(mixing):
-            raise ValueError(
-                f"mixing={str(mixing)!r}: no such file. Pass a MixingMatrix, the path of a .npz "
-                "written by MixingMatrix.save / `noisecurve solve`, or 'dpsgd'."
-            )
-        try:
-            return MixingMatrix.load(mixing)
-        except InvalidMixingMatrixError as exc:
-            raise ValueError(f"mixing={str(mixing)!r} is not a valid mixing-matrix artifact: {exc}") from exc
-    raise ValueError(
-        f"mixing must be a MixingMatrix, a path to a .npz artifact or 'dpsgd'; got {mixing!r} "
-        f"({type(mixing).__name__})."
-    )
-
-
 @keras.saving.register_keras_serializable(package=_PACKAGE)
 class NoiseCurveOptimizer(DPOptimizer):
     """DP-SGD with banded correlated noise z̃_t = (C⁻¹Z)_t of a mixing matrix C.
@@ -341,7 +314,7 @@ class NoiseCurveOptimizer(DPOptimizer):
         name="noisecurve_optimizer",
         **kwargs,
     ):
-        mixing = _load_mixing(mixing)
+        mixing = load_mixing(mixing)
         super().__init__(
             learning_rate=learning_rate,
             l2_norm_clip=l2_norm_clip,
