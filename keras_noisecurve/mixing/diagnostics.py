@@ -1,8 +1,8 @@
 """Noise diagnostics of a mixing matrix C: what its noise looks like over training.
 
 An objective value Tr(W X⁻¹) is one number; it says nothing about *when* the
-noise lands. DESIGN.md §7 records the known risk of the paper's eq. 1: its exact
-optimum can put several times DP-BandMF's noise into single steps and let the
+noise lands. The known risk of the paper's eq. 1 (docs/mixing.md, "The known risk of
+eq. 1"): its exact optimum can put several times DP-BandMF's noise into single steps and let the
 running sum of the noise swing far mid-training, cancelling only at the very
 end. A quadratic model forgives that; a real, clipped, non-convex model does not.
 This module measures that behaviour so every C can be looked at before training:
@@ -16,7 +16,7 @@ This module measures that behaviour so every C can be looked at before training:
 
 Units: everything is in units of the per-coordinate std of the *uncorrelated*
 noise z_t ~ N(0, I), i.e. of ζ·σ/B in the noisy gradient
-``ĝ_t = (Σ clip(g_i) + ζσ z̃_t)/B`` (DESIGN.md §2). DP-SGD (C = I) has
+``ĝ_t = (Σ clip(g_i) + ζσ z̃_t)/B`` (docs/design.md#update-rule). DP-SGD (C = I) has
 ``step_std[t] = 1`` and ``prefix_std[t] = √(t+1)``.
 
 Cost: O(T²·b) time with banded triangular solves (LAPACK ``dtbtrs``) over
@@ -48,11 +48,10 @@ __all__ = [
 ]
 
 #: Largest T for which the condition number is computed exactly from the singular
-#: values of the dense C. The SVD is O(T³); on the shared 2-core development machine
-#: it took 14 s at T = 2000 and 87 s at T = 4000 (``np.linalg.svd``, machine under
-#: load), while the Lanczos estimate used above this T took < 0.4 s at T = 10000,
-#: b = 64 and agrees with ``np.linalg.cond`` to 1e-6 relative in the tests. The solver
-#: calls :func:`noise_diagnostics` on every solve, so the exact path is kept to small T.
+#: values of the dense C (an O(T³) SVD); above it a Lanczos estimate is used, which agrees
+#: with ``np.linalg.cond`` to 1e-6 relative in the tests. The solver calls
+#: :func:`noise_diagnostics` on every solve, so the exact path is kept to small T
+#: (timings: docs/mixing.md, "Diagnostics timings").
 EXACT_CONDITION_MAX_STEPS = 1000
 
 # Number of matrix entries of C⁻¹ held at once while sweeping its columns (32 MiB).
@@ -62,8 +61,9 @@ _BLOCK_ENTRIES = 1 << 22
 class NoiseExcursionWarning(UserWarning):
     """The running noise sum of a C swings far beyond that of a reference C.
 
-    Raised (as a warning) by :func:`warn_if_excursive`. See DESIGN.md §7: on a real
-    model such a C has cost accuracy although its eq.-1 objective was lower.
+    Raised (as a warning) by :func:`warn_if_excursive`. See docs/mixing.md ("The known
+    risk of eq. 1"): on a real model such a C has cost accuracy although its eq.-1
+    objective was lower.
     """
 
 
@@ -180,7 +180,7 @@ def _condition_number_lanczos(mixing: MixingMatrix) -> float:
 
 
 def noise_diagnostics(mixing) -> dict:
-    """How the noise of C behaves over training (DESIGN.md §2, §7; issue 7).
+    """How the noise of C behaves over training: per-step and running-sum noise std.
 
     With z_t ~ N(0, I) i.i.d., the optimiser adds z̃ = C⁻¹z (scaled by ζσ/B) to the
     gradient at step t, and for small curvature the weights drift from the
@@ -200,11 +200,11 @@ def noise_diagnostics(mixing) -> dict:
     - ``prefix_std_max`` and ``prefix_std_argmax`` (step index): the worst
       mid-training swing of the running sum. A C optimised only for the final
       iterate (eq. 1) can have a large peak that cancels only at the end —
-      the failure mode of DESIGN.md §7. Compare it with DP-BandMF's
+      the known risk of eq. 1 (docs/mixing.md). Compare it with DP-BandMF's
       (:func:`warn_if_excursive`).
     - ``prefix_std_final``: ``prefix_std[T−1]``, the running sum at the end.
     - ``min_diagonal``: ``min_t C[t, t]``. Fresh noise z_t enters z̃_t with gain
-      1/C[t, t]; a tiny diagonal (≈ 0.03 at the eq.-1 optimum of DESIGN.md §7)
+      1/C[t, t]; a tiny diagonal (eq.-1 optima can have entries near 0.03)
       means a huge per-step noise that the following steps must undo.
     - ``condition_number``: the 2-norm condition number σ_max(C)/σ_min(C). The
       online recurrence z̃_t = (z_t − Σ_j C[t, t−j] z̃_{t−j}) / C[t, t] amplifies
@@ -226,7 +226,7 @@ def noise_diagnostics(mixing) -> dict:
 
     Cost: O(T²·b) for the noise profile (banded solves, no dense inverse), plus
     O(T³) for the exact condition number when T ≤ 1000, or O(T·b) per Lanczos step
-    above (measured on the shared 2-core machine: 4.3 s in all at T = 10000, b = 64).
+    above (timings: docs/mixing.md, "Diagnostics timings").
     """
     mixing = _check_mixing("mixing", mixing)
     step_std, prefix_std = noise_profile(mixing)
@@ -256,7 +256,8 @@ def warn_if_excursive(mixing, *, reference, factor: float = 3.0) -> float:
     ``ratio = max_t ‖(A C⁻¹)[t,:]‖ / max_t ‖(A C_ref⁻¹)[t,:]‖`` (see
     :func:`noise_diagnostics`, ``prefix_std_max``). ``reference`` is meant to be
     the DP-BandMF C with the same T and b; the ratio then says how much further
-    than DP-BandMF's the running noise sum of C swings at its worst (DESIGN.md §7).
+    than DP-BandMF's the running noise sum of C swings at its worst (docs/mixing.md, "The
+    known risk of eq. 1").
 
     Args:
       mixing: the :class:`MixingMatrix` C to check (T steps).
@@ -288,7 +289,7 @@ def warn_if_excursive(mixing, *, reference, factor: float = 3.0) -> float:
                 f"reference's (DP-BandMF): its std peaks at {peak:.4g} at step {t} of {mixing.steps} "
                 f"(reference peak {ref_peak:.4g}; threshold factor {factor:g}). An objective that scores "
                 "only the final iterate (paper eq. 1) can cancel such swings on paper, but on a real "
-                "clipped, non-convex model they have cost accuracy (DESIGN.md §7). Inspect it with "
+                "clipped, non-convex model they have cost accuracy. Inspect it with "
                 "'noisecurve inspect FILE --plot out.png', and consider objective='noisecurve-blend' "
                 "with blend_weight='auto' or 'noisecurve-all-iterates'."
             ),

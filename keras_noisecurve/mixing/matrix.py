@@ -1,13 +1,14 @@
 """The ``MixingMatrix`` artifact: a lower-triangular, b-banded C with unit columns.
 
-Convention (DESIGN.md §2): steps t = 0 … T−1, ``C[t, s] = 0`` unless
+Convention (docs/design.md#notation): steps t = 0 … T−1, ``C[t, s] = 0`` unless
 ``0 <= t − s < b``, and every column of C has L2 norm exactly 1 so that
 ``X = CᵀC`` has unit diagonal (the sensitivity of the factorization is 1 per
 participation). C is stored compactly as ``band_values`` of shape (T, b) with
 ``band_values[t, j] == C[t, t − j]``; entries with ``t − j < 0`` are zero.
 
 The artifact does not depend on a model's layers or shapes: one C serves every
-variable. It is saved as ``.npz`` without pickle (metadata as a JSON string).
+variable. It is saved as ``.npz`` without pickle (metadata as a JSON string; the
+fields are listed in docs/design.md#file-formats).
 """
 
 from __future__ import annotations
@@ -153,7 +154,7 @@ class MixingMatrix:
         return float(self.column_norms().max())
 
     def inverse_apply(self, z) -> np.ndarray:
-        """Correlated noise ``z̃ = C⁻¹ z`` by the online recurrence of DESIGN.md §2.
+        """Correlated noise ``z̃ = C⁻¹ z`` by the online recurrence the optimizer runs.
 
         ``z̃_t = (z_t − Σ_{j=1}^{b−1} C[t, t−j] · z̃_{t−j}) / C[t, t]``.
 

@@ -1,47 +1,45 @@
 """The banded mixing-matrix solver: paper Problem (1) over C directly.
 
 ``solve_mixing_matrix`` minimises ``Tr(W X⁻¹)``, X = CᵀC, over lower-triangular,
-b-banded C whose columns have unit L2 norm (DESIGN.md §2), for any workload W of
-``keras_noisecurve.mixing.workloads``.
+b-banded C whose columns have unit L2 norm (docs/design.md#notation), for any workload W
+of ``keras_noisecurve.mixing.workloads``. The measurements behind the settings below are
+in docs/mixing.md ("Solver speed").
 
 Method.
 
 * Parametrisation: raw band values B (only the T·b − b(b−1)/2 entries inside the
   matrix); C = B with each column divided by its norm, so the unit-column constraint
-  holds exactly at every iterate (no projection, no Cholesky of X — see the
-  orientation pitfall in DESIGN.md §2). The gradient follows by the chain rule:
-  ``∂f/∂B_col = (g_col − C_col·(C_colᵀ g_col)) / ‖B_col‖``. Rows with a negative
-  diagonal are flipped at the end (``X = CᵀC`` is invariant under row signs).
+  holds exactly at every iterate (no projection, and no Cholesky of X, whose
+  ``numpy.linalg.cholesky`` factor has the wrong orientation X = LLᵀ). The gradient
+  follows by the chain rule: ``∂f/∂B_col = (g_col − C_col·(C_colᵀ g_col)) / ‖B_col‖``.
+  Rows with a negative diagonal are flipped at the end (``X = CᵀC`` is invariant under
+  row signs).
 * Objective and gradient ``∂f/∂C = −2 C⁻ᵀWC⁻¹C⁻ᵀ`` (band entries only) with banded
   triangular solves, never a dense inverse. W is split as
   ``W ≈ RRᵀ + α·AᵀA + ε·I``: R (T×k) by pivoted Cholesky of the curvature part,
   stopped once the discarded trace is ≤ ``TRUNCATION_RELATIVE``·Tr(W) (the discarded
   part is PSD, so the surrogate never over-states a direction W weights); the prefix
-  part and the identity part use an O(T·b²) block recursion. For eq. 1 with μ_i = 1/i
-  and T = 2000, k ≈ 20, so one evaluation costs O(T·b·k), not O(T²·b).
+  part and the identity part use an O(T·b²) block recursion. One evaluation costs
+  O(T·b·k) for a rank-k curvature part, not O(T²·b).
 * Ridge: when the curvature workload is numerically rank-deficient (pivoted Cholesky
   stops at k < T), ``ε = RIDGE_RELATIVE·Tr(W)/T`` is added (W + εI). Without it the
   infimum of ``Tr(W X⁻¹)`` may sit at a singular X (e.g. a one-value spectrum gives a
   rank-one W). With it, ``ε·Tr(X⁻¹) ≤ f(C_bandmf)`` bounds ``‖X⁻¹‖`` on the level set,
-  so a minimiser with X ≻ 0 exists. Choice ρ = 1e-6 (measured, T = 200, b = 8,
-  μ_i = 1/i, η = 0.5, numerical rank 12): ρ = 1e-10 had not converged after 3,500
-  L-BFGS iterations (relative optimality 2e-4, diagonal drifting towards 0), ρ = 1e-8
-  not after 3,000 (1.3e-5); ρ = 1e-6 converged in 1,410 with an exact eq.-1 loss only
-  1e-4 (relative) above the best value any of them reached, ρ = 1e-4 in 447 but 0.6 %
-  above it. ρ is 10⁶ × the truncation tolerance, so the ridge, not the truncation,
-  decides the directions W does not weight. The reported ``loss`` is always the exact
-  ``Tr(W X⁻¹)`` without the ridge; ``metadata["ridge"]`` records ε and
-  ``metadata["solver"]["surrogate_loss"]`` the minimised value.
+  so a minimiser with X ≻ 0 exists. ρ = ``RIDGE_RELATIVE`` is 10⁶ × the truncation
+  tolerance, so the ridge, not the truncation, decides the directions W does not
+  weight; smaller ρ leaves the optimiser drifting along them, larger ρ moves the
+  optimum. The reported ``loss`` is always the exact ``Tr(W X⁻¹)`` without the ridge;
+  ``metadata["ridge"]`` records ε and ``metadata["solver"]["surrogate_loss"]`` the
+  minimised value.
 * L-BFGS-B (scipy) on f/f₀ (f₀ = the loss at the initial C), which makes every
   iterate independent of the scale of W. When the workload needed a ridge the
   variables are rescaled by a diagonal preconditioner (≈ |diag ∇²f|^{−1/2}, estimated by
   coloured finite-difference probes of the gradient, re-estimated every
   ``PRECONDITION_REFRESH`` iterations; see ``_diagonal_scaling``): the ridge makes the
-  curvature objectives very ill-conditioned (condition number 7e7 on the tangent space
-  at T = 200, b = 16, 3e5 after the rescaling). Measured T = 2000, b = 16, μ_i = 1/i,
-  η = 0.5: 908 instead of 4,859 iterations to the same f. Full-rank
-  workloads (DP-BandMF, all-iterates, convergence; no ridge) converge in tens to a few
-  hundred plain iterations, fewer than the b × ``PROBE_COLOURS`` probe gradients cost.
+  curvature objectives very ill-conditioned, and the rescaling cuts the iterations
+  several-fold. Full-rank workloads (DP-BandMF, all-iterates, convergence; no ridge)
+  converge in tens to a few hundred plain iterations, fewer than the
+  b × ``PROBE_COLOURS`` probe gradients cost.
   Stopping is scale-free: converged means the relative optimality ``‖P(∇_C f)‖₂ / f``
   (P: projection onto the tangent space of the unit-column constraint) fell below
   ``tol``; the other stops (``max_iterations``, no progress) say "not converged" (see
@@ -51,7 +49,6 @@ Method.
   (T, b), which is also the reported baseline; DP-BandMF starts from the banded,
   column-normalised Toeplitz square root of the prefix-sum matrix.
 """
-
 from __future__ import annotations
 
 import math
@@ -187,7 +184,7 @@ class _BlockIndex:
         self.sub_d = np.where(self.sub_valid, d_sub, width)
         self.sub_c = np.broadcast_to(np.maximum(starts - block, 0) + k, (n, block, block))
         # flat indices into the extended (w + 1, padded) array: ``take`` and ``put`` on them
-        # are several times faster than 2-D fancy indexing (measured 42 vs 217 µs, T = 2000)
+        # are several times faster than 2-D fancy indexing
         shape = (width + 1, self.padded)
         self.diag_flat = np.ravel_multi_index((self.diag_d, self.diag_c), shape)
         self.sub_flat = np.ravel_multi_index((self.sub_d, self.sub_c), shape)
@@ -213,9 +210,8 @@ _INDEX_CACHE: dict = {}
 
 
 def _block_index(width: int, steps: int) -> _BlockIndex:
-    # β = max(w, 16): the recursion costs O(T·β²) flops plus a Python step per block;
-    # measured (T = 2000, one BLAS thread) w = 16: β = 16 → 5 ms, β = 64 → 23 ms;
-    # w = 4: β = 8 → 5 ms, β = 4 → 6 ms.
+    # β = max(w, 16): the recursion costs O(T·β²) flops plus a Python step per block, so
+    # β should be small but not so small that the Python loop dominates.
     block = max(width, 16)
     key = (width, steps, block)
     if key not in _INDEX_CACHE:
@@ -227,7 +223,7 @@ def _block_index(width: int, steps: int) -> _BlockIndex:
 
 def _lower_triangular_inverse(blocks: np.ndarray) -> np.ndarray:
     """Inverses of a stack (n, β, β) of lower-triangular blocks, row by row (forward
-    substitution batched over the n blocks; 2× faster than a batched LU solve at β = 16)."""
+    substitution batched over the n blocks; faster than a batched LU solve at small β)."""
     n, size, _ = blocks.shape
     out = np.zeros_like(blocks)
     inv_diag = 1.0 / np.diagonal(blocks, axis1=1, axis2=2)
@@ -507,7 +503,7 @@ def relative_optimality(surrogate, ab) -> float:
 
 
 def _minimize(surrogate, ab0, *, tol, max_iterations, verbose, label, precondition=None):
-    try:  # small BLAS calls: threads only add contention (measured 50x slower under load)
+    try:  # small BLAS calls: threads only add contention
         from threadpoolctl import threadpool_limits
     except ImportError:  # pragma: no cover - threadpoolctl ships with scikit-learn
         return _minimize_impl(surrogate, ab0, tol=tol, max_iterations=max_iterations, verbose=verbose,
@@ -517,10 +513,9 @@ def _minimize(surrogate, ab0, *, tol, max_iterations, verbose, label, preconditi
                               label=label, precondition=precondition)
 
 
-#: L-BFGS-B memory (correction pairs); its own step costs O(LBFGS_MEMORY²·n) flops. Measured
-#: (T = 2000, b = 16, eq. 1, μ_i = 1/i, η = 0.5, one thread): with 30 pairs scipy's L-BFGS-B
-#: step took 5.4 ms of each ≈ 11 ms iteration; 10 pairs: 1473 instead of 1363 iterations to
-#: relative optimality 1e-6, 16.6 s instead of 23.3 s wall.
+#: L-BFGS-B memory (correction pairs); its own step costs O(LBFGS_MEMORY²·n) flops, which
+#: with many pairs is a large share of an iteration: 10 pairs need a few more iterations
+#: than 30 but less time.
 LBFGS_MEMORY = 10
 #: Rescale the L-BFGS variables by an estimate of the inverse square root of the Hessian diagonal.
 PRECONDITION = True
@@ -538,11 +533,8 @@ def _diagonal_scaling(gradient, x, g0, bands, steps, mask, *, colours=None, step
     h is estimated by ``bands × colours`` forward differences of the gradient along
     probe vectors that switch on one band's entries in every ``colours``-th column
     (entries far apart along the band interact weakly, so ``(∇f(x + δv) − ∇f(x))_i/δ``
-    ≈ H_ii for the switched-on i). Measured on T = 200, b = 16 (noisecurve, μ_i = 1/i,
-    η = 0.5) at the optimum: the Hessian on the tangent space has condition number 7e7,
-    after this rescaling (with the exact diagonal) 3e5; 20 colours give the diagonal
-    within a factor 1.3 for 80 % of the entries. Only the variables change, not the
-    objective or the stopping test.
+    ≈ H_ii for the switched-on i). Only the variables change, not the objective or the
+    stopping test.
     """
     cols = np.broadcast_to(np.arange(steps)[None, :], (bands, steps))
     est = np.zeros((bands, steps))
@@ -584,9 +576,8 @@ def _minimize_impl(surrogate, ab0, *, tol, max_iterations, verbose, label, preco
     ``NO_PROGRESS_RELATIVE`` (relative) over ``NO_PROGRESS_WINDOW`` iterations (reason
     "no progress": f is at its rounding level). There is no loss-change convergence rule:
     on the flat, ill-conditioned tails of the curvature objectives f keeps falling by ever
-    smaller amounts, and a rule "f changed by ≤ 0.1·tol over 100 iterations" stopped
-    (T = 2000, b = 16, eq. 1) at relative optimality 1.6e-5 with no certificate of how far
-    f was from its infimum. Line-search failures (a trial step that makes C numerically
+    smaller amounts, and such a rule stops with no certificate of how far f is from its
+    infimum. Line-search failures (a trial step that makes C numerically
     singular, or L-BFGS-B's own "no relative reduction" stop) restart L-BFGS from the best
     point with a fresh preconditioner; two restarts in a row without progress give up.
 
@@ -758,8 +749,8 @@ def _solve_bandmf(steps, bands, *, tol, max_iterations, verbose):
     key = (steps, bands, tol, max_iterations)
     if key not in _BANDMF_CACHE:
         problem = _Problem(objective="bandmf", steps=steps)
-        # no preconditioner: measured T = 2000, b = 16: 183 iterations without, 165 with
-        # (plus 320 probe gradients), i.e. twice the CPU time
+        # no preconditioner: a full-rank workload converges in about as many iterations
+        # without one, and the probe gradients would double the CPU time
         ab, stats = _minimize(problem.surrogate, _bandmf_initial(steps, bands), tol=tol,
                               max_iterations=max_iterations, verbose=verbose, label="bandmf",
                               precondition=False)
@@ -792,7 +783,7 @@ def _version() -> str:
 
 
 def _attach_diagnostics(meta: dict, band_values, *, reference_ab=None) -> dict:
-    """A2's ``noise_diagnostics`` (and ``warn_if_excursive`` against DP-BandMF)."""
+    """Store ``noise_diagnostics`` (and ``warn_if_excursive`` against DP-BandMF) in ``meta``."""
     from keras_noisecurve.mixing.diagnostics import noise_diagnostics, warn_if_excursive
 
     mixing = MixingMatrix(band_values)

@@ -1,6 +1,6 @@
 r"""Workload matrices W for the mixing-matrix objectives ``Tr(W X⁻¹)``, ``X = CᵀC``.
 
-numpy only (no TensorFlow). Conventions as in DESIGN.md §2: steps t = 0 … T−1, the
+numpy only (no TensorFlow). Conventions (docs/design.md#notation): steps t = 0 … T−1, the
 correlated noise is ``z̃ = C⁻¹z`` so ``Cov(z̃) = C⁻¹C⁻ᵀ = X⁻¹`` (per unit of σ²).
 
 Objectives (``OBJECTIVES``):
@@ -26,10 +26,10 @@ Objectives (``OBJECTIVES``):
     ``tests/mixing/test_theorem31.py`` confirms this exact form and shows that the
     printed one does not match the simulated gradient norms. This module implements
     the exact form (same 𝔐 counting, correct exponents).
-``noisecurve-all-iterates`` (issue 7)
+``noisecurve-all-iterates``
     Mean over t = 1 … T of ``E[L(w̃_t) − L(w_t)]``, see the derivation below;
     ``= (η²σ²/2)·Tr(W_all X⁻¹)``.
-``noisecurve-blend`` (issue 7)
+``noisecurve-blend``
     ``W = (1−λ)·W_curv/Tr(W_curv) + λ·AᵀA/Tr(AᵀA)`` with ``W_curv`` the eq.-1 workload
     and ``λ = blend_weight ∈ [0, 1]`` (``"auto"`` is resolved by the solver).
 
@@ -71,7 +71,8 @@ import numpy as np
 
 from keras_noisecurve._validation import check_choice, check_float, check_int
 
-#: Names of the objectives, in the order of DESIGN.md §2 and issue 7.
+#: Names of the objectives: the two baselines, then the curvature objectives (eq. 1, eq. 2,
+#: and the two variants that score the whole trajectory).
 OBJECTIVES = (
     "dpsgd",
     "bandmf",
@@ -84,7 +85,7 @@ OBJECTIVES = (
 #: Objectives whose workload depends on a Hessian spectrum and a learning rate.
 CURVATURE_OBJECTIVES = OBJECTIVES[2:]
 
-#: Default objective of ``solve_mixing_matrix``. Evidence decides it (issue 7): in the
+#: Default objective of ``solve_mixing_matrix``. Evidence decides it: in the
 #: validation-tuned accuracy benchmark (docs/results.md; softmax regression and an MLP
 #: on the bundled MNIST-5k, ε ∈ {2, 5, 8}, 20 paired seeds) no curvature objective
 #: beat DP-BandMF on validation data, so DP-BandMF is the safe default. Curvature
@@ -333,7 +334,7 @@ def workload_matrix(*, objective, steps, spectrum=None, learning_rate=None, blen
 
 
 def blend_workload(*, curvature: np.ndarray, blend_weight: float) -> np.ndarray:
-    """``(1−λ)·W_curv/Tr(W_curv) + λ·AᵀA/Tr(AᵀA)`` (issue 7); ``Tr(AᵀA) = T(T+1)/2``."""
+    """``(1−λ)·W_curv/Tr(W_curv) + λ·AᵀA/Tr(AᵀA)``; ``Tr(AᵀA) = T(T+1)/2``."""
     steps = curvature.shape[0]
     lam = float(blend_weight)
     out = np.zeros_like(curvature)

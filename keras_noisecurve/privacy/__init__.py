@@ -1,4 +1,4 @@
-"""Privacy accounting and the cyclic Poisson sampler (DESIGN.md §3, docs/privacy.md).
+"""Privacy accounting and the cyclic Poisson sampler (docs/design.md#privacy-model, docs/privacy.md).
 
 - :mod:`keras_noisecurve.privacy.accounting` (numpy/scipy + dp_accounting): the
   dominating ``dp_accounting`` event of a run, ε, noise calibration, padding and

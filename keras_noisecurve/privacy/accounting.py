@@ -7,7 +7,7 @@ adjacency, the relation under which ``dp_accounting``'s Poisson-subsampled Gauss
 is analysed. The mechanism is the whole training run: every intermediate model is
 released.
 
-Two sampling schemes (DESIGN.md §3):
+Two sampling schemes (docs/design.md#privacy-model):
 
 ``"cyclic_poisson"`` (BandMF amplification, Choquette-Choo et al. 2023, "Amplified
   banded matrix factorization"). The n examples are split into b fixed, balanced
@@ -292,7 +292,7 @@ def dp_event(
     epochs: Optional[int] = None,
     mixing=None,
 ) -> dp_accounting.DpEvent:
-    """The ``dp_accounting`` event that dominates a training run (DESIGN.md §3).
+    """The ``dp_accounting`` event that dominates a training run.
 
     - ``cyclic_poisson``: ``SelfComposedDpEvent(PoissonSampledDpEvent(q,
       GaussianDpEvent(σ/s)), ⌈T/b⌉)`` with ``q = B·b/n`` (BandMF amplification).
@@ -330,7 +330,7 @@ def compute_epsilon(
 
     Accountants: ``"pld"`` — ``dp_accounting.pld.PLDAccountant`` with value
     discretisation interval ``PLD_VALUE_DISCRETIZATION = 1e-4`` (pessimistic
-    rounding, so an upper bound; about 1 s per call for thousands of compositions);
+    rounding, so an upper bound; seconds per call for thousands of compositions);
     ``"rdp"`` — ``dp_accounting.rdp.RdpAccountant`` with ``RDP_ORDERS`` (looser,
     milliseconds).
 

@@ -30,7 +30,7 @@ class PrivacyBudget(keras.callbacks.Callback):
         optimizer steps the plan (and C) covers.
       target_epsilon: optional ε budget (> 0). Training stops after the last step
         whose ε is ≤ target_epsilon.
-      accountant: ``"pld"`` (default; ~1 s per new participation count) or ``"rdp"``
+      accountant: ``"pld"`` (default; seconds per new participation count) or ``"rdp"``
         (fast, looser). With ``log_every_step`` and b = 1 prefer ``"rdp"``.
       log_every_step: also put ε into the logs of every batch.
       verbose: 0 silent, 1 prints why training stopped.

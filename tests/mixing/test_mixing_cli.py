@@ -1,7 +1,7 @@
 """``noisecurve solve`` and ``noisecurve inspect``: round trips, tampering, bad input.
 
 The expected errors printed by ``inspect --json`` are checked against dense numpy
-computations of Tr(W (CᵀC)⁻¹) with W built here from its definition (DESIGN.md §2),
+computations of Tr(W (CᵀC)⁻¹) with W built here from its definition (docs/mixing.md §2),
 not against the library's own ``objective_value``.
 """
 

@@ -1,4 +1,4 @@
-"""Monte Carlo checks of paper Theorem 3.1 (and of the issue-7 objectives) on a quadratic loss.
+"""Monte Carlo checks of paper Theorem 3.1 (and of the all-iterates and blend objectives) on a quadratic loss.
 
 Noisy gradient descent ``w̃_{t+1} = w̃_t − η(H(w̃_t − d) + σ z̃_t)`` with ``z̃ = C⁻¹z`` is
 simulated for many independent trials (vectorised numpy), once with the artifact's online
