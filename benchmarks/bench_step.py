@@ -24,12 +24,21 @@ optimizer and its noise, and "noise floor" is the DP-SGD noise's share of a step
 
 ``--memory-batch-sizes 64 128 256 512`` adds the peak step memory of every
 configuration at those batch sizes (untimed).
+
+TensorFlow picks its CPU kernels (oneDNN or Eigen) by the CPU's instructions, and
+the ghost conv rule's formulation follows the kernels. ``--onednn both`` runs the
+whole benchmark twice in one invocation, as child processes with
+``TF_ENABLE_ONEDNN_OPTS=0`` and ``=1``, and ends with their ratio lines side by side::
+
+    python benchmarks/bench_step.py --models cnn --configs non-private ghost --onednn both
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import subprocess
+import sys
 import time
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
@@ -267,7 +276,18 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--memory-batch-sizes", nargs="*", type=int, default=[],
                         help="also report each configuration's peak step memory at these batch sizes")
+    parser.add_argument("--onednn", choices=("default", "0", "1", "both"), default="default",
+                        help="TF_ENABLE_ONEDNN_OPTS for the run; 'both' runs 0 and 1 as child processes")
     args = parser.parse_args(argv)
+    if args.onednn == "both":
+        return run_both_kernel_paths(sys.argv[1:] if argv is None else list(argv))
+    if args.onednn != "default" and os.environ.get("TF_ENABLE_ONEDNN_OPTS") != args.onednn:
+        raise SystemExit(f"--onednn {args.onednn} must be set before TensorFlow starts: "
+                         f"run with TF_ENABLE_ONEDNN_OPTS={args.onednn} or --onednn both")
+    from keras_noisecurve.training import ghost_layers
+
+    print(f"TF_ENABLE_ONEDNN_OPTS={os.environ.get('TF_ENABLE_ONEDNN_OPTS', '(unset)')}: ghost conv rule takes "
+          f"{ghost_layers.conv_chunk(tf.float32)} example(s) per Conv2DBackpropFilter", flush=True)
 
     planned = max(args.warmup + args.repeats * args.steps + 1, 64)
     rng = np.random.default_rng(0)
@@ -335,6 +355,35 @@ def main(argv=None):
                 if name.startswith("banded") and name in updates:
                     derived = (median["dpsgd"] - updates["dpsgd"] + updates[name]) / median["dpsgd"]
                     print(f"{name} / DP-SGD from the update cost: {derived:.3f}x (target <= 1.10)")
+    return 0
+
+
+def run_both_kernel_paths(argv) -> int:
+    """Run this benchmark with ``TF_ENABLE_ONEDNN_OPTS=0`` then ``=1``; print both ratio summaries."""
+    rest, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--onednn":
+            skip = True
+        elif not a.startswith("--onednn="):
+            rest.append(a)
+    summaries = {}
+    for value in ("0", "1"):
+        print(f"\n######## TF_ENABLE_ONEDNN_OPTS={value} ########", flush=True)
+        env = {**os.environ, "TF_ENABLE_ONEDNN_OPTS": value}
+        proc = subprocess.run([sys.executable, os.path.abspath(__file__), *rest, "--onednn", value],
+                              env=env, stdout=subprocess.PIPE, text=True)
+        print(proc.stdout, end="", flush=True)
+        if proc.returncode:
+            return proc.returncode
+        summaries[value] = [line for line in proc.stdout.splitlines()
+                            if line.startswith("==") or "x (target" in line or "per Conv2DBackpropFilter" in line]
+    print("\n######## both kernel paths, side by side ########")
+    for value, lines in summaries.items():
+        print(f"-- TF_ENABLE_ONEDNN_OPTS={value}")
+        for line in lines:
+            print("   " + line)
     return 0
 
 

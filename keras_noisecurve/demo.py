@@ -29,6 +29,7 @@ import os
 import sys
 import time
 
+from keras_noisecurve.mixing import DEFAULT_OBJECTIVE as _LIBRARY_DEFAULT
 from keras_noisecurve.mixing import workloads as _workloads
 
 #: The curvature objective the demo uses for its NoiseCurve row. It is taken from
@@ -36,10 +37,6 @@ from keras_noisecurve.mixing import workloads as _workloads
 #: else the curvature objective that did best on VALIDATION data in the accuracy
 #: benchmark's non-convex model (docs/results.md: "noisecurve-all-iterates"; no
 #: curvature objective beat DP-BandMF there, so the library default may be "bandmf").
-try:  # pragma: no cover - depends on the mixing package version
-    from keras_noisecurve.mixing import DEFAULT_OBJECTIVE as _LIBRARY_DEFAULT
-except ImportError:  # pragma: no cover
-    _LIBRARY_DEFAULT = None
 CURVATURE_OBJECTIVES = tuple(_workloads.CURVATURE_OBJECTIVES)
 _BEST_CURVATURE_OBJECTIVE = "noisecurve-all-iterates"
 NOISECURVE_OBJECTIVE = _LIBRARY_DEFAULT if _LIBRARY_DEFAULT in CURVATURE_OBJECTIVES else _BEST_CURVATURE_OBJECTIVE
@@ -184,13 +181,15 @@ def _run(args, cfg) -> int:
 
     tf.get_logger().setLevel("ERROR")  # vectorized_map's "uses a while_loop" notices are not progress
     from keras_noisecurve.models import small_groupnorm_cnn
-    from keras_noisecurve.spectrum.clipping import clipping_scale
+    from keras_noisecurve.spectrum import clipping_scale
 
     keras.utils.set_random_seed(args.seed)
     base = small_groupnorm_cnn((28, 28, 1), num_classes=10, dense_size=32, seed=args.seed)
     base.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     initial_weights = [w.copy() for w in base.get_weights()]
     _log(f"model: small GroupNorm CNN, {base.count_params():,} parameters")
+    _check_training_steps(x_train, y_train, batch=batch, bands=bands, eta=cfg["learning_rate"], clip=args.clip,
+                          seed=args.seed)
 
     # ---------------------------------------------------------------- spectrum
     t0 = time.perf_counter()
@@ -258,17 +257,10 @@ def _run(args, cfg) -> int:
         b = 1 if name == "DP-SGD" else bands
         t0 = time.perf_counter()
         _log(f"training {name} ({i + 1}/3): b={b}, sigma={sigmas[b]:.3f} ...")
-        model = small_groupnorm_cnn((28, 28, 1), num_classes=10, dense_size=32, seed=args.seed)
+        model, private = _private_cnn(mixing=mixings[name], eta=eta, clip=args.clip, sigma=sigmas[b], batch=batch,
+                                      seed=args.seed,
+                                      noise_seed=(args.seed + 1000 * i + 1) if args.deterministic else None)
         model.set_weights(initial_weights)
-        private = knc.make_private(model)
-        private.compile(
-            optimizer=knc.NoiseCurveOptimizer(
-                learning_rate=eta, mixing=mixings[name], l2_norm_clip=args.clip,
-                noise_multiplier=sigmas[b], expected_batch_size=batch,
-                seed=(args.seed + 1000 * i + 1) if args.deterministic else None,
-            ),
-            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        )
         dataset = knc.banded_poisson_dataset(x_train, y_train, batch_size=batch, bands=b, steps=steps,
                                              seed=(args.seed + 1) if args.deterministic else None)
         curve = _epoch_accuracy_callback(model, x_test, y_test, steps_per_epoch, name)
@@ -303,6 +295,51 @@ def _run(args, cfg) -> int:
         _log(f"plots: {', '.join(PLOT_FILES)} in {args.out}/")
     _log(f"done in {time.perf_counter() - started:.0f}s; results in {args.out}/results.json")
     return 0
+
+
+def _private_cnn(*, mixing, eta, clip, sigma, batch, seed, noise_seed):
+    """The demo's private model: the small GroupNorm CNN, per-example clipping, correlated noise."""
+    import keras
+
+    import keras_noisecurve as knc
+    from keras_noisecurve.models import small_groupnorm_cnn
+
+    model = small_groupnorm_cnn((28, 28, 1), num_classes=10, dense_size=32, seed=seed)
+    private = knc.make_private(model)
+    private.compile(
+        optimizer=knc.NoiseCurveOptimizer(
+            learning_rate=eta, mixing=mixing, l2_norm_clip=clip, noise_multiplier=sigma,
+            expected_batch_size=batch, seed=noise_seed,
+        ),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    return model, private
+
+
+def _check_training_steps(x, y, *, batch, bands, eta, clip, seed) -> None:
+    """Trace and run one training step of each configuration the demo trains (b = 1, b = bands).
+
+    Same model, clipping engine, optimizer and sampler as the real runs, on a
+    two-band-cycle plan; the models are thrown away. A step that cannot run on this
+    machine (a kernel, a layer rule) fails here, in seconds, not after the minutes of
+    spectrum estimation.
+    """
+    import warnings
+
+    import keras_noisecurve as knc
+
+    t0 = time.perf_counter()
+    _log("checking one training step of each configuration (b=1 and b=%d) ..." % bands)
+    for b in sorted({1, bands}):
+        mixing = (knc.MixingMatrix.identity(2) if b == 1
+                  else knc.solve_mixing_matrix(steps=2 * b, bands=b, objective="bandmf"))
+        _, private = _private_cnn(mixing=mixing, eta=eta, clip=clip, sigma=1.0, batch=batch, seed=seed,
+                                  noise_seed=0)
+        dataset = knc.banded_poisson_dataset(x, y, batch_size=batch, bands=b, steps=mixing.steps, seed=0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            private.fit(dataset, epochs=1, steps_per_epoch=1, verbose=0)
+    _log(f"training steps run ({time.perf_counter() - t0:.0f}s)")
 
 
 def _accuracy(model, x, y, batch_size: int = 500) -> float:
