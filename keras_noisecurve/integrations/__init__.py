@@ -1,1 +1,1 @@
-"""Integrations with other libraries (TensorFlow Privacy)."""
+"""Integrations with other libraries (TensorFlow Privacy: the optional ``tf-privacy`` extra)."""

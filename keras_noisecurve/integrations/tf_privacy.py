@@ -17,7 +17,11 @@ step is a valid (conservative) account when every example participates at most
 once in any b consecutive steps and no amplification is claimed: row t of C has
 entries of magnitude ≤ 1 (unit columns), so one participation moves row t of CG by
 at most ζ. The tight account with cyclic Poisson sampling (⌈T/b⌉ compositions) is
-``keras_noisecurve.privacy`` (DESIGN.md §3).
+``keras_noisecurve.privacy``.
+
+Needs TensorFlow Privacy, an optional extra (Python <= 3.11 only):
+``pip install "keras-noisecurve[tf-privacy]"``. Without it, importing this module
+raises an ``ImportError`` that says so.
 """
 
 from __future__ import annotations

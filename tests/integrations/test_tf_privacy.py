@@ -6,11 +6,14 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from keras_noisecurve.integrations._tf_privacy_import import import_tf_privacy
-from keras_noisecurve.integrations.tf_privacy import BandedMatrixFactorizationQuery
-from keras_noisecurve.mixing import MixingMatrix
-from keras_noisecurve.training import NoiseCurveOptimizer
-from tests.training.helpers import random_banded_c
+pytest.importorskip("keras_noisecurve.integrations.tf_privacy",
+                    reason="needs tensorflow-privacy: the tf-privacy extra (Python <= 3.11)")
+
+from keras_noisecurve.integrations._tf_privacy_import import import_tf_privacy  # noqa: E402
+from keras_noisecurve.integrations.tf_privacy import BandedMatrixFactorizationQuery  # noqa: E402
+from keras_noisecurve.mixing import MixingMatrix  # noqa: E402
+from keras_noisecurve.training import NoiseCurveOptimizer  # noqa: E402
+from tests.training.helpers import random_banded_c  # noqa: E402
 
 CLIP, SIGMA, SEED = 0.8, 1.3, 4
 SHAPES = [(3, 4), (4,), (2, 2, 2)]
@@ -81,3 +84,9 @@ def test_query_works_in_tf_function_and_validates():
         BandedMatrixFactorizationQuery(l2_norm_clip=0.0, noise_multiplier=1.0, mixing="dpsgd", template=[(2,)])
     with pytest.raises(ValueError, match="no such file"):
         BandedMatrixFactorizationQuery(l2_norm_clip=1.0, noise_multiplier=1.0, mixing="/nope.npz", template=[(2,)])
+
+
+def test_lazy_top_level_export():
+    import keras_noisecurve
+
+    assert keras_noisecurve.BandedMatrixFactorizationQuery is BandedMatrixFactorizationQuery
