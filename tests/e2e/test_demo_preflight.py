@@ -18,7 +18,7 @@ def test_a_step_that_cannot_run_fails_before_the_spectrum(tmp_path, monkeypatch)
     # spectrum estimation impossible to reach unnoticed: the demo must stop in the
     # check, before any spectrum work.
     import keras_noisecurve as knc
-    from keras_noisecurve.training import ghost_layers
+    from keras_noisecurve.training import ghost_conv
 
     def broken(*args, **kwargs):
         raise _Broken("this kernel does not run here")
@@ -26,7 +26,7 @@ def test_a_step_that_cannot_run_fails_before_the_spectrum(tmp_path, monkeypatch)
     def spectrum_reached(*args, **kwargs):
         raise AssertionError("the spectrum estimation started before the training steps were checked")
 
-    monkeypatch.setattr(ghost_layers, "conv_sq_norms", broken)
+    monkeypatch.setattr(ghost_conv, "conv_sq_norms", broken)
     monkeypatch.setattr(knc, "estimate_spectrum", spectrum_reached)
     started = time.perf_counter()
     with pytest.raises(_Broken, match="does not run here"):

@@ -19,7 +19,7 @@ import keras
 
 from keras_noisecurve.training.clipping import vectorized_clipped_sum
 from keras_noisecurve.training.ghost import ghost_clipped_sum, supports
-from keras_noisecurve.training import ghost_layers, kernels
+from keras_noisecurve.training import ghost_conv, ghost_layers, kernels
 
 P = 6
 RTOL = 1e-5
@@ -615,7 +615,7 @@ def test_float32_conv_model_any_batch_size_and_odd_images(n, form, monkeypatch):
     # gives 5×4), float32 as users train: each kernel path of the conv rule against a
     # loop over single examples. The conv layers are wide enough in positions that
     # the rule takes conv_sq_norms, not the patches.
-    monkeypatch.setattr(ghost_layers, "conv_chunk",
+    monkeypatch.setattr(ghost_conv, "conv_chunk",
                         lambda dtype, device=None: ghost_layers.CONV_CHUNK if form == "grouped" else 1)
     _set_precision("float32")
     rng = np.random.default_rng(37 + n)

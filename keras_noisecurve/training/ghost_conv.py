@@ -1,0 +1,245 @@
+"""Ghost-clipping rule for ``Conv1D`` / ``Conv2D`` and per-example conv kernel norms.
+
+Which formulation of the per-example kernel gradients runs depends on the kernels
+TensorFlow executes in this process (:mod:`keras_noisecurve.training.kernels`).
+"""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+from keras_noisecurve.training import kernels as _kernels
+from keras_noisecurve.training.ghost_common import (
+    Rule,
+    concat_positions,
+    dims,
+    norm_dtype,
+    per_example_sq,
+    scale_smaller,
+    sequence_sq_norms,
+    weighted_outer,
+    weighted_sum,
+)
+
+
+#: examples per grouped Conv2DBackpropFilter in :func:`conv_sq_norms` where that kernel
+#: runs; 4 was the fastest of 1, 4, 8, 16 for each conv of the benchmark CNN (oneDNN CPU).
+CONV_CHUNK = 4
+
+
+def conv_chunk(dtype, device: str | None = None) -> int:
+    """Examples per ``Conv2DBackpropFilter`` call that :func:`conv_sq_norms` uses by default.
+
+    :data:`CONV_CHUNK` where a grouped ``Conv2DBackpropFilter`` runs on ``device``
+    (a device type; default: where new ops go) in ``dtype`` (oneDNN CPU kernels,
+    cuDNN), else 1: one example per plain ``Conv2DBackpropFilter``, the kernel of
+    every ordinary backward pass, which runs wherever TensorFlow runs (Eigen CPU
+    kernels, float64). Probed once per device type and dtype
+    (:mod:`keras_noisecurve.training.kernels`).
+    """
+    device = device or _kernels.device_type()
+    grouped = _kernels.grouped_conv_filter_gradient_runs(device, tf.as_dtype(dtype).name)
+    return CONV_CHUNK if grouped else 1
+
+
+def conv_sq_norms(images, filter_hw, strides, padding, chunk=None) -> tf.Tensor:
+    """Per-example squared norm of a 2-D convolution's kernel gradient (groups = 1).
+
+    ``images``: the layer's calls as pairs ``(a, g)`` of channels-last input images
+    a (P, H, W, c_in) and output gradients g (P, H', W', c_out); ``filter_hw``,
+    ``strides`` (2 ints each) and ``padding`` (``"SAME"``/``"VALID"``) as the layer,
+    dilation 1. Returns (P,): ‖Σ_calls ∂K_i‖² per example.
+
+    Examples are taken ``chunk`` at a time in a ``tf.map_fn``. With ``chunk = 1``
+    each example's kernel gradient is one plain ``Conv2DBackpropFilter``. With
+    ``chunk > 1`` the chunk's examples become the groups of ONE grouped
+    ``Conv2DBackpropFilter`` (input (1, H, W, chunk·c_in), filter
+    (kh, kw, c_in, chunk·c_out)), whose filter gradient is the chunk's per-example
+    kernel gradients side by side, with no cross-example terms; only some kernels
+    run that (:func:`conv_chunk`). Memory P·k²·c_in·c_out at most
+    (chunk·k²·c_in·c_out per iteration). ``chunk`` defaults to :func:`conv_chunk`;
+    an explicit ``chunk > 1`` where the grouped kernel does not run is a
+    ``ValueError`` (raised while tracing, before any step runs).
+    """
+    dtype = images[0][0].dtype
+    device = _kernels.device_type(images[0][0])
+    if chunk is None:
+        chunk = conv_chunk(dtype, device)
+    elif chunk > 1 and conv_chunk(dtype, device) == 1:
+        raise ValueError(
+            f"conv_sq_norms(chunk={chunk}) needs a grouped Conv2DBackpropFilter, which TensorFlow's "
+            f"{device} kernels do not run in {tf.as_dtype(dtype).name} in this process (on CPUs it needs "
+            "oneDNN: TF_ENABLE_ONEDNN_OPTS=1); use chunk=1 or leave chunk=None to choose automatically."
+        )
+    p = tf.shape(images[0][0])[0]
+
+    def take(t, i):
+        """Examples i·chunk … i·chunk + chunk − 1 of t, zero-padded to ``chunk`` rows."""
+        part = t[i * chunk : (i + 1) * chunk]
+        return tf.pad(part, [[0, chunk - tf.shape(part)[0]]] + [[0, 0]] * (t.shape.rank - 1))
+
+    def per_chunk(i):
+        """Σ_calls per-example kernel gradient of chunk i, squared and summed: (chunk,)."""
+        total = 0.0
+        for a, g in images:
+            a, g = take(a, i), take(g, i)  # a (chunk, H, W, c_in), g (chunk, H', W', c_out)
+            c_in, c_out = a.shape[-1], g.shape[-1]
+            a = tf.reshape(tf.transpose(a, [1, 2, 0, 3]), [1, *dims(a)[1:3], chunk * c_in])
+            g = tf.reshape(tf.transpose(g, [1, 2, 0, 3]), [1, *dims(g)[1:3], chunk * c_out])
+            kernel = tf.compat.v1.nn.conv2d_backprop_filter(
+                a, [*filter_hw, c_in, chunk * c_out], g, strides=[1, *strides, 1], padding=padding
+            )
+            total += tf.reshape(kernel, [-1, chunk, c_out])  # (k²·c_in, chunk, c_out)
+        return tf.reduce_sum(tf.square(total), axis=[0, 2])
+
+    # slices are taken inside the loop: no copy of the whole batch (as map_fn's
+    # unstacking of its inputs would make)
+    sq = tf.map_fn(per_chunk, tf.range((p + chunk - 1) // chunk), fn_output_signature=tf.TensorSpec([chunk], dtype))
+    return tf.reshape(sq, [-1])[:p]
+
+
+class ConvRule(Rule):
+    """``keras.layers.Conv1D`` / ``Conv2D`` with ``groups=1``.
+
+    When L² ≥ k²·c_in·c_out (and dilation 1) the per-example kernel gradients are
+    formed directly, without patches, by :func:`conv_sq_norms` (one
+    ``Conv2DBackpropFilter`` per example, or one grouped call per chunk of examples
+    where the kernels run that). Otherwise input patches (same
+    padding, strides and dilation as the layer) are unfolded with
+    ``tf.image.extract_patches``, or, for fewer than 8 input channels, by the faster
+    convolution with a one-hot kernel, to (P, L, k·k·c_in), and the Gram form of
+    :func:`sequence_sq_norms` is applied with g (P, L, c_out).
+    """
+
+    classes = (keras.layers.Conv1D, keras.layers.Conv2D)
+    kind = "Conv"
+
+    def matches(self, layer) -> bool:
+        # exactly Conv1D/Conv2D (not the transposed, separable or depthwise classes,
+        # nor subclasses that may change the convolution).
+        return type(layer) in self.classes
+
+    def expected_variables(self, layer):
+        return [layer.kernel, layer.bias if layer.use_bias else None]
+
+    def check(self, layer):
+        reason = super().check(layer)
+        if reason:
+            return reason
+        if layer.groups != 1:
+            return f"groups={layer.groups} (only groups=1 is supported)"
+        if layer.padding not in ("valid", "same", "causal"):
+            return f"padding={layer.padding!r}"
+        return None
+
+    def forward(self, layer, original_call, record, inputs, *args, **kwargs):
+        x, padding = inputs, layer.padding
+        if padding == "causal":
+            x, padding = keras.ops.pad(x, layer._compute_causal_padding()), "valid"
+        z = keras.ops.conv(
+            x,
+            layer.kernel,
+            strides=list(layer.strides),
+            padding=padding,
+            dilation_rate=layer.dilation_rate,
+            data_format=layer.data_format,
+        )
+        if layer.use_bias:
+            if layer.data_format == "channels_last":
+                shape = (1,) * (layer.rank + 1) + (layer.filters,)
+            else:
+                shape = (1, layer.filters) + (1,) * layer.rank
+            z = keras.ops.add(z, keras.ops.reshape(layer.bias, shape))
+        record(out=z, a=inputs)
+        return layer.activation(z) if layer.activation is not None else z
+
+    def _as_2d(self, layer, a):
+        """Input as channels-last 2-D images (Conv1D: height 1, causal padding applied),
+        with the 2-D kernel size, strides, dilation and TF padding name."""
+        if layer.data_format == "channels_first":
+            a = tf.transpose(a, [0, *range(2, layer.rank + 2), 1])
+        ks, st, dr = list(layer.kernel_size), list(layer.strides), list(layer.dilation_rate)
+        padding = layer.padding
+        if layer.rank == 1:
+            if padding == "causal":
+                a = tf.pad(a, [[0, 0], [dr[0] * (ks[0] - 1), 0], [0, 0]])
+                padding = "valid"
+            a = a[:, None]
+            ks, st, dr = [1, *ks], [1, *st], [1, *dr]
+        return a, ks, st, dr, padding.upper()
+
+    def _patches(self, a, ks, st, dr, padding):
+        c_in = a.shape[-1]
+        width = ks[0] * ks[1] * c_in
+        if c_in < 8:
+            # Few channels: a convolution with a one-hot kernel gives the same windows
+            # (order k_h, k_w, c_in) and is several times faster on CPU than
+            # tf.image.extract_patches; with many channels its cost (width² per
+            # position) loses to extract_patches.
+            eye = tf.reshape(tf.eye(width, dtype=a.dtype), [ks[0], ks[1], c_in, width])
+            patches = tf.nn.conv2d(a, eye, strides=[1, *st, 1], padding=padding, dilations=[1, *dr, 1])
+        else:
+            patches = tf.image.extract_patches(
+                a, sizes=[1, *ks, 1], strides=[1, *st, 1], rates=[1, *dr, 1], padding=padding
+            )
+        return tf.reshape(patches, [tf.shape(a)[0], -1, width])
+
+    def analyse(self, layer, calls):
+        dtype = norm_dtype(calls[0]["g"].dtype)
+        images, gg = [], []
+        for c in calls:
+            g = tf.cast(c["g"], dtype)
+            if layer.data_format == "channels_first":
+                g = tf.transpose(g, [0, *range(2, layer.rank + 2), 1])
+            if layer.rank == 1:
+                g = g[:, None]
+            a, ks, st, dr, padding = self._as_2d(layer, tf.cast(tf.stop_gradient(c["a"]), dtype))
+            images.append((a, g))
+            gg.append(tf.reshape(g, [tf.shape(g)[0], -1, layer.filters]))
+        rows = concat_positions(gg)
+        length, d_in = rows.shape[1], ks[0] * ks[1] * images[0][0].shape[-1]
+        patches = None
+        if max(dr) == 1 and length is not None and length * length >= d_in * layer.filters:
+            total = conv_sq_norms(images, ks, st, padding)
+        else:
+            patches = concat_positions([self._patches(a, ks, st, dr, padding) for a, _ in images])
+            total = sequence_sq_norms(patches, rows)
+        bias_grads = None
+        if layer.use_bias:
+            bias_grads = tf.reduce_sum(rows, axis=1)
+            total += per_example_sq(bias_grads)
+
+        def grads(scale):
+            if max(dr) > 1:
+                # TF's CPU Conv2DBackpropFilter refuses dilation > 1: use the patches
+                # (order k_h, k_w, c_in = the kernel's leading axes).
+                kernel = weighted_outer(patches, rows, scale)
+                out = [(layer.kernel, tf.reshape(kernel, layer.kernel.shape))]
+                if bias_grads is not None:
+                    out.append((layer.bias, weighted_sum(bias_grads, scale)))
+                return out
+            # The weight-gradient step of an ordinary backward pass, on (a, c ⊙ g):
+            # the patches need not stay alive until here.
+            kernel = tf.add_n(
+                [
+                    tf.compat.v1.nn.conv2d_backprop_filter(
+                        a_scaled,
+                        [ks[0], ks[1], a.shape[-1], layer.filters],
+                        g_scaled,
+                        strides=[1, *st, 1],
+                        padding=padding,
+                        dilations=[1, *dr, 1],
+                    )
+                    for a, g in images
+                    for a_scaled, g_scaled in [scale_smaller(a, g, scale)]
+                ]
+            )
+            out = [(layer.kernel, tf.reshape(kernel, layer.kernel.shape))]
+            if bias_grads is not None:
+                out.append((layer.bias, weighted_sum(bias_grads, scale)))
+            return out
+
+        return total, grads
+
+
