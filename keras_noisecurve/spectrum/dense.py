@@ -14,17 +14,20 @@ from keras_noisecurve._validation import check_int
 from keras_noisecurve.spectrum.lanczos import _progress
 
 
-def dense_hessian(operator, *, chunk_size: int = 64, verbose: bool = False) -> np.ndarray:
+def dense_hessian(operator, *, chunk_size: int = 64, verbose: bool = False, return_asymmetry: bool = False):
     """The (p, p) float64 Hessian of ``operator`` (a ``HessianOperator``), symmetrised.
 
     Args:
       operator: object with ``dimension`` and ``matmat(V)`` (or only ``matvec``).
       chunk_size: columns per vectorised block (memory ∝ chunk_size × activations).
       verbose: progress bar.
+      return_asymmetry: also return the relative asymmetry of the assembled matrix.
 
     Returns:
-      H (p, p), exactly symmetric; the asymmetry before symmetrising,
-      max|H − Hᵀ| / max|H|, is stored in ``dense_hessian.last_asymmetry``.
+      H (p, p) float64, exactly symmetric: (H_raw + H_rawᵀ)/2 of the matrix assembled
+      from the Hessian-vector products. With ``return_asymmetry=True`` the pair
+      ``(H, asymmetry)``, ``asymmetry = max|H_raw − H_rawᵀ| / max|H_raw|`` (a float;
+      round-off of the products, ≈1e-16 for a float64 model).
     """
     p = int(operator.dimension)
     chunk = check_int("chunk_size", chunk_size, minimum=1)
@@ -44,12 +47,11 @@ def dense_hessian(operator, *, chunk_size: int = 64, verbose: bool = False) -> n
             bar.update(stop - start)
     if bar is not None:
         bar.close()
+    symmetric = 0.5 * (H + H.T)
+    if not return_asymmetry:
+        return symmetric
     scale = max(float(np.max(np.abs(H))), 1e-300)
-    dense_hessian.last_asymmetry = float(np.max(np.abs(H - H.T)) / scale)
-    return 0.5 * (H + H.T)
-
-
-dense_hessian.last_asymmetry = float("nan")
+    return symmetric, float(np.max(np.abs(H - H.T)) / scale)
 
 
 def exact_eigenvalues(hessian) -> np.ndarray:

@@ -209,11 +209,11 @@ def estimate_spectrum(
         },
     }
     if method == "exact":
-        H = dense_hessian(op, verbose=verbose)
+        H, asymmetry = dense_hessian(op, verbose=verbose, return_asymmetry=True)
         eig = np.linalg.eigvalsh(H)[::-1]
         meta.update(
             {
-                "hessian_asymmetry": dense_hessian.last_asymmetry,
+                "hessian_asymmetry": asymmetry,
                 "num_negative": int(np.count_nonzero(eig < 0)),
                 "min_eigenvalue": float(eig[-1]),
                 "p_plus": int(np.count_nonzero(eig >= mu_min)),
