@@ -23,7 +23,10 @@ from keras_noisecurve.mixing import (
     solve_mixing_matrix,
     workload_matrix,
 )
+from keras_noisecurve.mixing import banded, optimize
+from keras_noisecurve.mixing import surrogate as surrogate_module
 from keras_noisecurve.mixing import solver as solver_module
+from keras_noisecurve.mixing.workloads import check_curvature_inputs
 from keras_noisecurve.spectrum.artifact import Spectrum
 
 SPEC = Spectrum(np.geomspace(1.0, 1e-3, 40))
@@ -90,7 +93,7 @@ def test_loss_matches_independent_dense_reference(objective, steps, bands):
 def _random_ab(rng, bands, steps):
     ab = 0.3 * rng.standard_normal((bands, steps))
     ab[0] = 1.0 + rng.random(steps)
-    return ab * solver_module.valid_mask(bands, steps)
+    return ab * banded.valid_mask(bands, steps)
 
 
 def _dense_from_ab(ab):
@@ -106,12 +109,12 @@ def test_inverse_frobenius_term_matches_dense_inverse(steps, bands):
     # 1 to 9 blocks of the block recursion (odd and even counts: it runs two blocks at a time)
     rng = np.random.default_rng(steps + bands)
     ab = _random_ab(rng, bands, steps)
-    value, grad, row_norms = solver_module.inverse_frobenius_term(ab, return_diagonal=True)
+    value, grad, row_norms = banded.inverse_frobenius_term(ab, return_diagonal=True)
     c_inv = np.linalg.inv(_dense_from_ab(ab))
     assert value == pytest.approx(float(np.sum(c_inv**2)), rel=1e-12)
     np.testing.assert_allclose(row_norms, np.sum(c_inv**2, axis=1), rtol=1e-11)
     dense_grad = -2.0 * c_inv.T @ c_inv @ c_inv.T  # ∂‖C⁻¹‖²_F/∂C
-    mask = solver_module.valid_mask(bands, steps)
+    mask = banded.valid_mask(bands, steps)
     expected = np.zeros_like(ab)
     for d in range(bands):
         expected[d, : steps - d] = dense_grad[np.arange(d, steps), np.arange(steps - d)]
@@ -122,7 +125,7 @@ def test_inverse_frobenius_term_matches_dense_inverse(steps, bands):
 def test_gradient_matches_central_differences(steps, bands):
     rng = np.random.default_rng(steps)
     factor = rng.standard_normal((steps, 3))
-    surrogate = solver_module._Surrogate(factor=factor, prefix_weight=0.7, identity_weight=0.2)
+    surrogate = surrogate_module.Surrogate(factor=factor, prefix_weight=0.7, identity_weight=0.2)
     ab = _random_ab(rng, bands, steps)
     value, grad = surrogate(ab)
     # value against a dense computation with np.linalg.inv
@@ -130,7 +133,7 @@ def test_gradient_matches_central_differences(steps, bands):
     workload += 0.2 * np.eye(steps)
     c_inv = np.linalg.inv(_dense_from_ab(ab))
     assert value == pytest.approx(np.trace(c_inv.T @ workload @ c_inv), rel=1e-11)
-    mask = solver_module.valid_mask(bands, steps)
+    mask = banded.valid_mask(bands, steps)
     entries = np.argwhere(mask)
     for d, c in entries[rng.choice(len(entries), size=min(12, len(entries)), replace=False)]:
         h = 1e-6 * max(1.0, abs(ab[d, c]))
@@ -144,14 +147,14 @@ def test_gradient_matches_central_differences(steps, bands):
 def test_normalised_parametrisation_gradient_matches_central_differences():
     rng = np.random.default_rng(3)
     steps, bands = 15, 4
-    surrogate = solver_module._Surrogate(factor=rng.standard_normal((steps, 2)), prefix_weight=0.1)
+    surrogate = surrogate_module.Surrogate(factor=rng.standard_normal((steps, 2)), prefix_weight=0.1)
     raw = _random_ab(rng, bands, steps) * 3.0  # unnormalised raw band values
-    mask = solver_module.valid_mask(bands, steps)
+    mask = banded.valid_mask(bands, steps)
 
     def f(r):
-        return surrogate(solver_module._normalise(r)[0], gradient=False)[0]
+        return surrogate(optimize.normalise_columns(r)[0], gradient=False)[0]
 
-    c, norms = solver_module._normalise(raw)
+    c, norms = optimize.normalise_columns(raw)
     _, g = surrogate(c)
     chain = (g - c * np.einsum("ij,ij->j", c, g)) / norms * mask
     for d, col in np.argwhere(mask)[::5]:
@@ -245,8 +248,8 @@ def test_objective_value_matches_dense_formula(objective):
     rng = np.random.default_rng(9)
     steps, bands = 25, 4
     ab = _random_ab(rng, bands, steps)
-    ab = solver_module._normalise(ab)[0]
-    mixing = MixingMatrix(solver_module.ab_to_band_values(ab))
+    ab = optimize.normalise_columns(ab)[0]
+    mixing = MixingMatrix(banded.ab_to_band_values(ab))
     kw = {}
     if objective.startswith("noisecurve"):
         kw = dict(spectrum=SPEC, learning_rate=ETA)
@@ -368,7 +371,9 @@ def test_objective_value_bad_input():
 
 
 def test_mixing_package_does_not_import_tensorflow():
-    code = ("import sys, keras_noisecurve.mixing as m; m.solve_mixing_matrix(steps=4, bands=2, "
+    code = ("import sys, keras_noisecurve.mixing as m; import keras_noisecurve.mixing.banded, "
+            "keras_noisecurve.mixing.surrogate, keras_noisecurve.mixing.optimize, "
+            "keras_noisecurve.mixing.diagnostics; m.solve_mixing_matrix(steps=4, bands=2, "
             "objective='bandmf'); assert 'tensorflow' not in sys.modules, 'tensorflow imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -380,27 +385,27 @@ def test_diagonal_preconditioner_matches_dense_hessian_diagonal():
     steps, bands = 12, 3
     factor = rng.standard_normal((steps, 2))
     workload = factor @ factor.T + 0.05 * np.eye(steps)
-    surrogate = solver_module._Surrogate(factor=factor, identity_weight=0.05)
-    mask = solver_module.valid_mask(bands, steps)
-    x = solver_module._normalise(_random_ab(rng, bands, steps))[0][mask]
+    surrogate = surrogate_module.Surrogate(factor=factor, identity_weight=0.05)
+    mask = banded.valid_mask(bands, steps)
+    x = optimize.normalise_columns(_random_ab(rng, bands, steps))[0][mask]
 
     def dense_loss(z):
         raw = np.zeros((bands, steps))
         raw[mask] = z
-        c_inv = np.linalg.inv(_dense_from_ab(solver_module._normalise(raw)[0]))
+        c_inv = np.linalg.inv(_dense_from_ab(optimize.normalise_columns(raw)[0]))
         return float(np.trace(c_inv.T @ workload @ c_inv))
 
     def gradient(z):
         raw = np.zeros((bands, steps))
         raw[mask] = z
-        c, norms = solver_module._normalise(raw)
+        c, norms = optimize.normalise_columns(raw)
         _, g = surrogate(c)
         return ((g - c * np.einsum("ij,ij->j", c, g)) * mask / norms)[mask]
 
     h = 1e-4
     diag = np.array([(dense_loss(x + h * e) - 2 * dense_loss(x) + dense_loss(x - h * e)) / h**2
                      for e in np.eye(x.size)])
-    scale = solver_module._diagonal_scaling(gradient, x, gradient(x), bands, steps, mask, colours=steps)
+    scale = optimize._diagonal_scaling(gradient, x, gradient(x), bands, steps, mask, colours=steps)
     live = np.abs(diag) > 1e-6 * np.abs(diag).max()  # the last column's single entry is constant
     expected = np.sqrt(np.median(np.abs(diag[live])) / np.abs(diag[live]))
     np.testing.assert_allclose(scale[live], expected, rtol=1e-3)
@@ -408,13 +413,13 @@ def test_diagonal_preconditioner_matches_dense_hessian_diagonal():
 
 def test_preconditioned_and_plain_lbfgs_reach_the_same_loss():
     inputs = dict(spectrum=SPEC, learning_rate=ETA)
-    problem = solver_module._Problem(objective="noisecurve", steps=30,
-                                     inputs=solver_module.check_curvature_inputs(objective="noisecurve", **inputs))
+    problem = surrogate_module.Problem(objective="noisecurve", steps=30,
+                                       inputs=check_curvature_inputs(objective="noisecurve", **inputs))
     start = solver_module._bandmf_initial(30, 4)
     losses = []
     for precondition in (False, True):
-        _, stats = solver_module._minimize(problem.surrogate, start, tol=1e-7, max_iterations=20_000,
-                                           verbose=False, label="t", precondition=precondition)
+        _, stats = optimize.minimize_band_values(problem.surrogate, start, tol=1e-7, max_iterations=20_000,
+                                                 verbose=False, label="t", precondition=precondition)
         assert stats["converged"]
         losses.append(stats["surrogate_loss"])
     assert losses[1] == pytest.approx(losses[0], rel=1e-6)

@@ -1,0 +1,205 @@
+"""The objective the solver minimises: a workload W split for banded evaluation.
+
+``Problem`` holds everything the optimiser needs for one (objective, T, spectrum, η, λ):
+W is split as ``W ≈ RRᵀ + α·AᵀA + ε·I`` and ``Surrogate`` evaluates
+``f(C) = ‖C⁻ᵀR‖_F² + α·‖A C⁻¹‖_F² + ε·‖C⁻¹‖_F² = Tr((RRᵀ + αAᵀA + εI) X⁻¹)``, X = CᵀC,
+and its gradient on the band of C (``keras_noisecurve.mixing.banded``).
+
+* R (T×k) is the pivoted Cholesky factor of the curvature part, stopped once the
+  discarded trace is ≤ ``TRUNCATION_RELATIVE``·Tr(W) (the discarded part is PSD, so the
+  surrogate never over-states a direction W weights). One evaluation costs O(T·b·k)
+  for a rank-k curvature part, not O(T²·b); the prefix part (DP-BandMF) and the identity
+  part (DP-SGD, the ridge) use an O(T·b²) block recursion.
+* Ridge: when the curvature workload is numerically rank-deficient (pivoted Cholesky
+  stops at k < T), ``ε = RIDGE_RELATIVE·Tr(W)/T`` is added (W + εI). Without it the
+  infimum of ``Tr(W X⁻¹)`` may sit at a singular X (e.g. a one-value spectrum gives a
+  rank-one W). With it, ``ε·Tr(X⁻¹) ≤ f(C_bandmf)`` bounds ``‖X⁻¹‖`` on the level set,
+  so a minimiser with X ≻ 0 exists. ρ = ``RIDGE_RELATIVE`` is 10⁶ × the truncation
+  tolerance, so the ridge, not the truncation, decides the directions W does not
+  weight; smaller ρ leaves the optimiser drifting along them, larger ρ moves the
+  optimum (measurements: docs/mixing.md, "Solver speed").
+* ``Problem.exact_loss`` is always the exact ``Tr(W X⁻¹)``, without ridge or truncation.
+
+numpy only.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from keras_noisecurve.mixing.banded import (
+    inverse_frobenius_term,
+    lowrank_term,
+    prefix_factor,
+    prefix_factor_pullback,
+    trace_w_xinv,
+)
+from keras_noisecurve.mixing.workloads import blend_workload, curvature_workload
+
+__all__ = ["RIDGE_RELATIVE", "TRUNCATION_RELATIVE", "Problem", "Surrogate", "factor_workload", "pivoted_cholesky"]
+
+#: Ridge ρ: ε = ρ·Tr(W)/T is added to a numerically rank-deficient curvature workload.
+RIDGE_RELATIVE = 1e-6
+#: Pivoted Cholesky of W stops once the discarded trace is ≤ this × Tr(W).
+TRUNCATION_RELATIVE = 1e-12
+
+
+class Surrogate:
+    """``f(C) = ‖C⁻ᵀR‖_F² + α·‖A C⁻¹‖_F² + ε·‖C⁻¹‖_F² = Tr((RRᵀ + αAᵀA + εI) X⁻¹)``.
+
+    Args:
+      factor: R of shape (T, k), or None (k = 0).
+      prefix_weight: α ≥ 0 (A the T×T lower-triangular all-ones matrix).
+      identity_weight: ε ≥ 0.
+
+    Calling it on C in (b, T) band storage returns ``(f, ∂f/∂ab)`` (the gradient on the
+    band entries, shape (b, T); None with ``gradient=False``).
+    """
+
+    def __init__(self, *, factor=None, prefix_weight=0.0, identity_weight=0.0):
+        self.factor = factor
+        self.prefix_weight = float(prefix_weight)
+        self.identity_weight = float(identity_weight)
+
+    def __call__(self, ab, *, gradient=True):
+        value = 0.0
+        grad = np.zeros_like(ab) if gradient else None
+        if self.factor is not None and self.factor.shape[1] > 0:
+            v, g = lowrank_term(ab, self.factor, gradient=gradient)
+            value += v
+            if gradient:
+                grad += g
+        if self.prefix_weight:
+            v, g = inverse_frobenius_term(prefix_factor(ab), gradient=gradient)
+            value += self.prefix_weight * v
+            if gradient:
+                grad += self.prefix_weight * prefix_factor_pullback(g)
+        if self.identity_weight:
+            v, g = inverse_frobenius_term(ab, gradient=gradient)
+            value += self.identity_weight * v
+            if gradient:
+                grad += self.identity_weight * g
+        return value, grad
+
+
+def pivoted_cholesky(workload: np.ndarray, *, relative_tolerance: float = TRUNCATION_RELATIVE,
+                     max_rank: int | None = None):
+    """Greedy pivoted Cholesky ``W ≈ RRᵀ`` of a symmetric PSD (T, T) matrix.
+
+    Stops when the trace of the (PSD) remainder is ≤ ``relative_tolerance``·Tr(W) or at
+    ``max_rank`` columns. O(T·k²) time for rank k.
+
+    Returns:
+      (R of shape (T, k), remainder trace, full) where ``full`` says whether the
+      factorization used every step (W numerically positive definite).
+    """
+    steps = workload.shape[0]
+    max_rank = steps if max_rank is None else min(max_rank, steps)
+    diag = np.array(np.diagonal(workload), dtype=np.float64)
+    total = float(diag.sum())
+    factor = np.zeros((steps, max_rank))
+    if not total > 0:
+        return factor[:, :0], 0.0, False
+    k = 0
+    remainder = total
+    while k < max_rank and remainder > relative_tolerance * total:
+        p = int(np.argmax(diag))
+        pivot = diag[p]
+        if pivot <= 0:
+            break
+        col = workload[:, p] - factor[:, :k] @ factor[p, :k]
+        col /= math.sqrt(pivot)
+        factor[:, k] = col
+        diag -= col * col
+        diag[p] = 0.0
+        np.maximum(diag, 0.0, out=diag)
+        remainder = float(diag.sum())
+        k += 1
+    return factor[:, :k], remainder, k == steps
+
+
+def factor_workload(workload: np.ndarray):
+    """Low-rank factor of a dense curvature workload, falling back to eigh if the
+    numerical rank is large (pivoted Cholesky would cost O(T³) in a Python loop)."""
+    steps = workload.shape[0]
+    limit = max(64, steps // 4)
+    factor, remainder, full = pivoted_cholesky(workload, max_rank=limit)
+    total = float(np.trace(workload))
+    if factor.shape[1] < limit or full:
+        return factor, full
+    evals, evecs = np.linalg.eigh(workload)
+    evals = np.maximum(evals, 0.0)
+    order = np.argsort(evals)[::-1]
+    evals, evecs = evals[order], evecs[:, order]
+    tail = np.cumsum(evals[::-1])[::-1]  # tail[k] = Σ_{i>=k} λ_i
+    keep = int(np.searchsorted(-tail, -TRUNCATION_RELATIVE * total, side="left"))
+    keep = max(1, min(steps, keep))
+    full = keep == steps and evals[-1] > TRUNCATION_RELATIVE * total / steps
+    return evecs[:, :keep] * np.sqrt(evals[:keep]), full
+
+
+class Problem:
+    """Everything the solver needs for one (objective, T, spectrum, η, λ).
+
+    Args:
+      objective: one of ``keras_noisecurve.mixing.workloads.OBJECTIVES``.
+      steps: T.
+      inputs: validated ``CurvatureInputs`` (curvature objectives only).
+      blend_weight: λ ∈ [0, 1] (``noisecurve-blend`` only).
+
+    Attributes: ``surrogate`` (a ``Surrogate``), ``workload`` (dense W of the curvature
+    objectives, for exact reporting; None otherwise), ``ridge`` (ε, 0.0 if none) and
+    ``rank`` (columns of R kept; T for full-rank workloads).
+    """
+
+    def __init__(self, *, objective, steps, inputs=None, blend_weight=None):
+        self.objective = objective
+        self.steps = steps
+        self.blend_weight = blend_weight
+        self.workload = None  # dense W for exact reporting (curvature objectives)
+        self.ridge = 0.0
+        self.rank = steps
+        if objective == "dpsgd":
+            self.surrogate = Surrogate(identity_weight=1.0)
+            return
+        if objective == "bandmf":
+            self.surrogate = Surrogate(prefix_weight=1.0)
+            return
+        if objective == "noisecurve-blend":
+            lam = float(blend_weight)
+            w_curv = curvature_workload(objective="noisecurve", steps=steps, inputs=inputs)
+            self.workload = blend_workload(curvature=w_curv, blend_weight=lam)
+            factor, full = (None, True)
+            if lam < 1.0:
+                factor, full = factor_workload(w_curv)
+                factor = factor * math.sqrt((1.0 - lam) / float(np.trace(w_curv)))
+                self.rank = factor.shape[1]
+            prefix_weight = lam / (steps * (steps + 1) / 2.0)
+            if lam == 0.0 and not full:
+                self.ridge = RIDGE_RELATIVE * float(np.trace(self.workload)) / steps
+            self.surrogate = Surrogate(factor=factor, prefix_weight=prefix_weight, identity_weight=self.ridge)
+            return
+        self.workload = curvature_workload(objective=objective, steps=steps, inputs=inputs)
+        factor, full = factor_workload(self.workload)
+        self.rank = factor.shape[1]
+        if not full:
+            self.ridge = RIDGE_RELATIVE * float(np.trace(self.workload)) / steps
+        self.surrogate = Surrogate(factor=factor, identity_weight=self.ridge)
+
+    def exact_loss(self, ab) -> float:
+        """``Tr(W X⁻¹)`` without ridge or truncation."""
+        if self.objective == "dpsgd":
+            return inverse_frobenius_term(ab, gradient=False)[0]
+        if self.objective == "bandmf":
+            return inverse_frobenius_term(prefix_factor(ab), gradient=False)[0]
+        return trace_w_xinv(ab, self.workload)
+
+    def identity_loss(self) -> float:
+        """Loss of C = I, i.e. Tr(W)."""
+        if self.objective == "dpsgd":
+            return float(self.steps)
+        if self.objective == "bandmf":
+            return self.steps * (self.steps + 1) / 2.0
+        return float(np.trace(self.workload))
