@@ -68,7 +68,7 @@ def main(argv=None) -> int:
     from keras_noisecurve import data
     from keras_noisecurve.demo import NOISECURVE_OBJECTIVE
     from keras_noisecurve.models import softmax_regression
-    from keras_noisecurve.spectrum.clipping import clipping_scale
+    from keras_noisecurve.spectrum import clipping_scale
 
     objective = args.objective or NOISECURVE_OBJECTIVE
     splits = data.load_mnist5k()

@@ -94,7 +94,7 @@ def main(argv=None) -> int:
     import keras_noisecurve as knc
     from keras_noisecurve.demo import NOISECURVE_OBJECTIVE
     from keras_noisecurve.models import small_groupnorm_cnn
-    from keras_noisecurve.spectrum.clipping import clipping_scale
+    from keras_noisecurve.spectrum import clipping_scale
 
     objective = args.objective or NOISECURVE_OBJECTIVE
     x_train, y_train, x_test, y_test, public = load_data(args)

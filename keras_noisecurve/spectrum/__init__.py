@@ -29,7 +29,7 @@ _LAZY = {
     "moment_layers": "keras_noisecurve.spectrum.moments",
     "estimate_spectrum": "keras_noisecurve.spectrum.estimate",
     "upper_bound_hessian": "keras_noisecurve.spectrum.estimate",
-    "clipping_scale": "keras_noisecurve.spectrum.clipping",
+    "clipping_scale": "keras_noisecurve.spectrum.clip_scale",
     "DominanceCertificate": "keras_noisecurve.spectrum.dominance",
 }
 

@@ -1,4 +1,4 @@
-"""Clipping-aware curvature scale (issue 7 item 3; TensorFlow).
+"""Clipping-aware curvature scale s (TensorFlow).
 
 With per-example clipping at norm ζ, DP training steps along the mean of clipped
 gradients, (1/n) Σ_i min(1, ζ/‖g_i‖)·g_i. When ζ is below the typical per-example
@@ -19,7 +19,17 @@ from keras_noisecurve._validation import check_float, check_int
 
 
 def per_example_gradient_norms(model, x, y, *, loss_fn, batch_size: int = 128) -> np.ndarray:
-    """‖∇_w ℓ(y_i, f(x_i; w))‖₂ for every example, (n,) float64 (``tf.vectorized_map``, inference mode)."""
+    """‖∇_w ℓ(y_i, f(x_i; w))‖₂ over all trainable variables, for every example.
+
+    Args:
+      model: a built Keras model, run in inference mode (``training=False``).
+      x, y: (n, ...) inputs and labels.
+      loss_fn: ``(y_true, y_pred) -> (batch,)`` per-example loss.
+      batch_size: examples per ``tf.vectorized_map`` call.
+
+    Returns:
+      (n,) float64 gradient norms, in the units of the loss per unit weight.
+    """
     import tensorflow as tf
 
     variables = model.trainable_variables

@@ -9,7 +9,7 @@ from sklearn.datasets import load_digits
 
 import keras_noisecurve as knc
 from keras_noisecurve.spectrum.certificate import dominance_ratio
-from keras_noisecurve.spectrum.clipping import clipping_scale
+from keras_noisecurve.spectrum.clip_scale import clipping_scale
 from keras_noisecurve.spectrum.dense import dense_hessian
 from keras_noisecurve.spectrum.estimate import estimate_spectrum, upper_bound_hessian
 from keras_noisecurve.spectrum.hvp import HessianOperator
