@@ -1,7 +1,8 @@
 """Lanczos on a black-box symmetric matvec (numpy only, no TensorFlow).
 
 Used for the top-k eigenvalues of a Hessian upper bound Ĥ (paper §4.4) and, through
-``lanczos_tridiagonal``, by stochastic Lanczos quadrature (``slq.py``).
+``lanczos_tridiagonal``, by stochastic Lanczos quadrature (``slq.py``). Both run the
+same iteration, the ``_Lanczos`` class at the end of this module.
 
 Numerics: the Krylov basis and the tridiagonal matrix are float64; every new basis
 vector is orthogonalised against all previous ones twice (classical Gram-Schmidt,
@@ -85,59 +86,23 @@ def lanczos_tridiagonal(
       basis: (m, p) float64 or None; matvecs: number of matvec calls.
     """
     q = np.asarray(start, dtype=np.float64).reshape(-1)
-    p = q.size
-    m = check_int("num_steps", num_steps, minimum=1, maximum=p)
+    m = check_int("num_steps", num_steps, minimum=1, maximum=q.size)
     norm = np.linalg.norm(q)
     if not np.isfinite(norm) or norm == 0:
         raise ValueError("start vector must be finite and nonzero.")
-    q = q / norm
-    rng = rng if rng is not None else np.random.default_rng(0)
-    store = keep_basis or reorthogonalize
-    basis = np.zeros((m, p)) if store else None
-    alpha = np.zeros(m)
-    beta = np.zeros(m)
-    q_prev = np.zeros(p)
-    b_prev = 0.0
-    scale = 0.0
+    run = _Lanczos(
+        matvec,
+        q,
+        rng if rng is not None else np.random.default_rng(0),
+        reorthogonalize=reorthogonalize,
+        store_basis=keep_basis or reorthogonalize,
+        capacity=m,
+    )
     bar = _progress(m, verbose, desc)
-    for j in range(m):
-        if store:
-            basis[j] = q
-        w = np.asarray(matvec(q), dtype=np.float64).reshape(-1)
-        if w.shape != (p,):
-            raise ValueError(f"matvec must return a vector of shape ({p},), got {w.shape}.")
-        if not np.all(np.isfinite(w)):
-            raise FloatingPointError(f"matvec returned non-finite values at Lanczos step {j}.")
-        a = float(np.dot(q, w))
-        alpha[j] = a
-        w = w - a * q - b_prev * q_prev
-        if reorthogonalize:
-            for _ in range(2):
-                w -= basis[: j + 1].T @ (basis[: j + 1] @ w)
-        b = float(np.linalg.norm(w))
-        scale = max(scale, abs(a), b)
-        beta[j] = b
-        if bar is not None:
-            bar.update(1)
-        if j == m - 1:
-            break
-        if b <= 1e-12 * max(scale, 1e-300):
-            # Invariant subspace: restart in its orthogonal complement; T becomes block diagonal.
-            beta[j] = 0.0
-            for _ in range(5):
-                w = rng.standard_normal(p)
-                if store:
-                    for _ in range(2):
-                        w -= basis[: j + 1].T @ (basis[: j + 1] @ w)
-                nw = np.linalg.norm(w)
-                if nw > 1e-8:
-                    break
-            q_prev, q, b_prev = q, w / nw, 0.0
-        else:
-            q_prev, q, b_prev = q, w / b, b
+    run.extend(m, bar)
     if bar is not None:
         bar.close()
-    return alpha, beta, (basis if keep_basis else None), m
+    return run.alpha_array(), run.beta_array(), (run.basis if keep_basis else None), run.steps
 
 
 def tridiagonal_eigh(alpha: np.ndarray, beta: np.ndarray):
@@ -197,7 +162,7 @@ def lanczos_top_k(
     max_steps = min(max_steps, p)
     tol = check_float("tol", tol, positive=True)
     rng = np.random.default_rng(seed)
-    run = _LanczosRun(matvec, rng.standard_normal(p), rng)
+    run = _Lanczos(matvec, rng.standard_normal(p), rng, capacity=m)
     bar = _progress(m, verbose, "lanczos top-k")
     block = max(10, k // 2)
     target = m
@@ -228,15 +193,27 @@ def lanczos_top_k(
     )
 
 
-class _LanczosRun:
-    """Incremental Lanczos with full reorthogonalisation (twice), extendable step by step."""
+class _Lanczos:
+    """Lanczos iteration on ``matvec``, extendable step by step (the one implementation).
 
-    def __init__(self, matvec, start, rng):
-        q = np.asarray(start, dtype=np.float64)
+    State after n steps: ``alpha`` (n,) and ``beta`` (n,), the diagonal and couplings of
+    the tridiagonal T, and (with ``store_basis``) the (n, p) float64 Krylov basis.
+    Each new vector is reorthogonalised twice against the whole basis when
+    ``reorthogonalize`` is set. When β falls below 1e-12 × the largest |α|, |β| seen
+    (an invariant subspace), β is set to exactly 0 and the NEXT step, if any, starts
+    from a fresh random direction drawn from ``rng`` (orthogonalised against the basis
+    when it is stored): no draw is made after the last step, so a shared ``rng`` is
+    consumed only by restarts that are used. ``exhausted`` is set once p steps are done.
+    """
+
+    def __init__(self, matvec, start, rng, *, reorthogonalize=True, store_basis=True, capacity=0):
+        q = np.asarray(start, dtype=np.float64).reshape(-1)
         self.p = q.size
         self.matvec = matvec
         self.rng = rng
-        self._Q = np.zeros((0, self.p))
+        self.reorthogonalize = bool(reorthogonalize)
+        self.store_basis = bool(store_basis) or self.reorthogonalize
+        self._Q = np.zeros((min(capacity, self.p) if self.store_basis else 0, self.p))
         self.alpha = []
         self.beta = []
         self.q = q / np.linalg.norm(q)
@@ -244,10 +221,22 @@ class _LanczosRun:
         self.b_prev = 0.0
         self.scale = 0.0
         self.exhausted = False
+        self._restart = False
+
+    @property
+    def steps(self):
+        return len(self.alpha)
 
     @property
     def basis(self):
-        return self._Q[: self.steps]
+        """(steps, p) float64 Krylov basis (``None`` when it is not stored)."""
+        return self._Q[: self.steps] if self.store_basis else None
+
+    def alpha_array(self):
+        return np.asarray(self.alpha)
+
+    def beta_array(self):
+        return np.asarray(self.beta)
 
     def _append(self, q):
         n = self.steps
@@ -257,23 +246,35 @@ class _LanczosRun:
             self._Q = grown
         self._Q[n] = q
 
-    @property
-    def steps(self):
-        return len(self.alpha)
+    def _orthogonalize(self, w, rows):
+        Q = self._Q[:rows]
+        for _ in range(2):
+            w -= Q.T @ (Q @ w)
+        return w
 
-    def alpha_array(self):
-        return np.asarray(self.alpha)
-
-    def beta_array(self):
-        return np.asarray(self.beta)
+    def _random_restart(self):
+        """A fresh unit direction (orthogonal to the stored basis) after an invariant subspace."""
+        for _ in range(5):
+            w = self.rng.standard_normal(self.p)
+            if self.store_basis:
+                w = self._orthogonalize(w, self.steps)
+            nw = np.linalg.norm(w)
+            if nw > 1e-8:
+                break
+        self.q_prev, self.q, self.b_prev = self.q, w / nw, 0.0
 
     def extend(self, n, bar=None):
+        """Take up to ``n`` more steps (fewer when all p directions are exhausted)."""
         for _ in range(max(0, n)):
             if self.steps >= self.p:
                 self.exhausted = True
                 return
+            if self._restart:
+                self._restart = False
+                self._random_restart()
             q = self.q
-            self._append(q)
+            if self.store_basis:
+                self._append(q)
             w = np.asarray(self.matvec(q), dtype=np.float64).reshape(-1)
             if w.shape != (self.p,):
                 raise ValueError(f"matvec must return a vector of shape ({self.p},), got {w.shape}.")
@@ -281,9 +282,8 @@ class _LanczosRun:
                 raise FloatingPointError(f"matvec returned non-finite values at Lanczos step {self.steps}.")
             a = float(np.dot(q, w))
             w = w - a * q - self.b_prev * self.q_prev
-            Q = self._Q[: self.steps + 1]
-            for _ in range(2):
-                w -= Q.T @ (Q @ w)
+            if self.reorthogonalize:
+                w = self._orthogonalize(w, self.steps + 1)
             b = float(np.linalg.norm(w))
             self.scale = max(self.scale, abs(a), b)
             self.alpha.append(a)
@@ -292,16 +292,6 @@ class _LanczosRun:
                 bar.update(1)
             if b <= 1e-12 * max(self.scale, 1e-300):
                 self.beta[-1] = 0.0
-                if self.steps >= self.p:
-                    self.exhausted = True
-                    return
-                for _ in range(5):
-                    w = self.rng.standard_normal(self.p)
-                    for _ in range(2):
-                        w -= Q.T @ (Q @ w)
-                    nw = np.linalg.norm(w)
-                    if nw > 1e-8:
-                        break
-                self.q_prev, self.q, self.b_prev = q, w / nw, 0.0
+                self._restart = True
             else:
                 self.q_prev, self.q, self.b_prev = q, w / b, b
