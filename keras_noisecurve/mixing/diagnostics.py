@@ -33,10 +33,10 @@ import math
 import warnings
 
 import numpy as np
-import scipy.linalg.lapack as lapack
 import scipy.sparse.linalg as sparse_linalg
 
 from keras_noisecurve._validation import check_float
+from keras_noisecurve.mixing.banded import band_values_to_ab, solve_lower
 from keras_noisecurve.mixing.matrix import MixingMatrix
 
 __all__ = [
@@ -76,24 +76,6 @@ def _check_mixing(name: str, mixing) -> MixingMatrix:
     return mixing
 
 
-def _lower_band_storage(mixing: MixingMatrix) -> np.ndarray:
-    """C in LAPACK lower band storage, shape (b, T): ``ab[k, s] = C[s + k, s]``."""
-    bv = mixing.band_values
-    steps, bands = bv.shape
-    ab = np.zeros((bands, steps))
-    for k in range(bands):
-        ab[k, : steps - k] = bv[k:, k]
-    return ab
-
-
-def _banded_solve(ab: np.ndarray, rhs: np.ndarray, *, transpose: bool = False) -> np.ndarray:
-    """Solve C x = rhs (or Cᵀ x = rhs) for lower-triangular banded C in storage ``ab``."""
-    x, info = lapack.dtbtrs(ab, rhs, uplo="L", trans="T" if transpose else "N", diag="N")
-    if info != 0:  # pragma: no cover - a valid MixingMatrix has a positive diagonal
-        raise np.linalg.LinAlgError(f"banded triangular solve failed (LAPACK dtbtrs info={info}).")
-    return x
-
-
 def noise_profile(mixing: MixingMatrix) -> tuple[np.ndarray, np.ndarray]:
     """Per-step and running-sum noise std of C, by banded solves.
 
@@ -112,7 +94,7 @@ def noise_profile(mixing: MixingMatrix) -> tuple[np.ndarray, np.ndarray]:
     """
     mixing = _check_mixing("mixing", mixing)
     steps = mixing.steps
-    ab = _lower_band_storage(mixing)
+    ab = band_values_to_ab(mixing.band_values)
     block = max(1, min(steps, _BLOCK_ENTRIES // steps))
     step_sq = np.zeros(steps)
     prefix_sq = np.zeros(steps)
@@ -120,7 +102,7 @@ def noise_profile(mixing: MixingMatrix) -> tuple[np.ndarray, np.ndarray]:
         s1 = min(steps, s0 + block)
         rhs = np.zeros((steps - s0, s1 - s0), order="F")
         rhs[np.arange(s1 - s0), np.arange(s1 - s0)] = 1.0
-        cols = _banded_solve(ab[:, s0:], rhs)  # = C⁻¹[s0:, s0:s1]
+        cols = solve_lower(ab[:, s0:], rhs, transpose=False)  # = C⁻¹[s0:, s0:s1]
         step_sq[s0:] += np.einsum("ij,ij->i", cols, cols)
         np.cumsum(cols, axis=0, out=cols)  # rows of A C⁻¹ restricted to these columns
         prefix_sq[s0:] += np.einsum("ij,ij->i", cols, cols)
@@ -143,7 +125,7 @@ def _condition_number_lanczos(mixing: MixingMatrix) -> float:
     """
     bv = mixing.band_values
     steps, bands = bv.shape
-    ab = _lower_band_storage(mixing)
+    ab = band_values_to_ab(bv)
 
     def c_matvec(v):
         y = bv[:, 0] * v
@@ -161,8 +143,8 @@ def _condition_number_lanczos(mixing: MixingMatrix) -> float:
         return ct_matvec(c_matvec(np.ravel(v)))
 
     def inverse_gram(v):
-        y = _banded_solve(ab, np.ravel(v).reshape(-1, 1).copy(order="F"), transpose=True)
-        return _banded_solve(ab, y).ravel()
+        y = solve_lower(ab, np.ravel(v), transpose=True)
+        return solve_lower(ab, y, transpose=False)
 
     def largest(matvec):
         op = sparse_linalg.LinearOperator((steps, steps), matvec=matvec, dtype=np.float64)
