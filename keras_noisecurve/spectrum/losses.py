@@ -1,8 +1,9 @@
 """Loss resolution and random labels for the spectrum estimators (Keras/TensorFlow).
 
 ``resolve_loss`` turns what the user gave (``None``, a name, a ``keras.losses.Loss``,
-a function) into a function returning one loss value per example, so HVPs can weight
-batches by their example counts exactly. With ``loss=None`` the model's compiled
+a function) into a function returning one loss value per example (the same
+per-example loss private training uses, :mod:`keras_noisecurve._losses`), so HVPs can
+weight batches by their example counts exactly. With ``loss=None`` the model's compiled
 loss is used; an uncompiled model gets a classification loss inferred from its last
 layer's activation: softmax → sparse categorical cross-entropy; sigmoid → binary
 cross-entropy; anything else → the same losses ``from_logits=True`` (K > 1 outputs:
@@ -64,8 +65,15 @@ def output_width(model, x_sample) -> int:
 
 
 def resolve_loss(model, loss, *, num_outputs: int) -> ResolvedLoss:
-    """Per-example loss for ``model`` from ``loss`` (see module docstring)."""
+    """Per-example loss for ``model`` from ``loss`` (see module docstring).
+
+    ``None`` picks the model's compiled loss, else one inferred from its last layer;
+    the rest is :func:`keras_noisecurve._losses.per_example_loss_fn`, with a scalar
+    loss repeated for every example of the batch.
+    """
     import keras
+
+    from keras_noisecurve._losses import per_example_loss_fn, single_loss
 
     if loss is None:
         loss = getattr(model, "loss", None)
@@ -80,23 +88,7 @@ def resolve_loss(model, loss, *, num_outputs: int) -> ResolvedLoss:
             loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
         else:
             loss = keras.losses.BinaryCrossentropy(from_logits=True)
-    if isinstance(loss, (list, tuple, dict)):
-        raise ValueError(f"loss must be a single loss for a single-output model, got {type(loss).__name__}.")
-    if isinstance(loss, str):
-        obj = keras.losses.get(loss)
-        if obj is None:
-            raise ValueError(f"unknown loss {loss!r}.")
-        loss_obj = obj
-    else:
-        loss_obj = loss
-    if isinstance(loss_obj, type):
-        loss_obj = loss_obj()
-    if isinstance(loss_obj, keras.losses.Loss):
-        per_example = loss_obj.call
-    elif callable(loss_obj):
-        per_example = loss_obj
-    else:
-        raise ValueError(f"loss must be None, a loss name, a keras.losses.Loss or a callable; got {loss!r}.")
+    loss_obj = single_loss(loss)
     name = _loss_name(loss)
     if isinstance(loss_obj, keras.losses.Loss):
         try:
@@ -104,18 +96,7 @@ def resolve_loss(model, loss, *, num_outputs: int) -> ResolvedLoss:
                 name += " (from_logits=True)"
         except (NotImplementedError, AttributeError):
             pass
-
-    def fn(y_true, y_pred):
-        import tensorflow as tf
-
-        values = per_example(y_true, y_pred)
-        values = tf.convert_to_tensor(values)
-        if values.shape.rank is not None and values.shape.rank > 1:
-            values = tf.reduce_mean(values, axis=list(range(1, values.shape.rank)))
-        if values.shape.rank == 0:
-            values = tf.fill(tf.shape(y_pred)[:1], values)
-        return values
-
+    fn = per_example_loss_fn(loss_obj, broadcast_scalar=True)
     return ResolvedLoss(fn=fn, name=name, label_kind=_label_kind(name, num_outputs))
 
 

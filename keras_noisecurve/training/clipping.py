@@ -1,18 +1,12 @@
-"""Per-example clipping engines: the contract and the vectorized engine.
+"""Per-example clipping: the vectorized engine, the engine registry and shared checks.
 
-Contract (every engine implements it; ``ghost.ghost_clipped_sum`` too)::
+The engine contract and ``ClippedSum`` are in :mod:`keras_noisecurve.training.clipped_sum`
+(re-exported here); the ghost-norm engine is :mod:`keras_noisecurve.training.ghost`.
 
-    engine(model, loss_fn, x, y, sample_weight, *, l2_norm_clip,
-           microbatch_size=None, training=True) -> ClippedSum
-
-- ``loss_fn(y_true, y_pred) -> (P,)``: the per-example, UNREDUCED loss (see
-  :func:`per_example_loss_fn`).
-- ``sample_weight`` (P,) or ``None`` multiplies each example's loss BEFORE
-  clipping: a batch sampler's 0/1 mask makes padding contribute nothing, and any
-  weight keeps the sensitivity ≤ ζ because clipping comes after.
-- ``ClippedSum.grads[k] = Σ_i clip(w_i·∇loss_i, ζ)`` for ``model.trainable_variables[k]``,
-  where ``clip(g, ζ) = g·min(1, ζ/‖g‖₂)`` with the norm over ALL variables (global
-  per-example norm). Not divided by the batch size.
+- :func:`vectorized_clipped_sum`: per-example gradients with ``tf.vectorized_map``.
+- :func:`get_engine`: ``"vectorized"``, ``"ghost"`` or ``"auto"``.
+- :func:`per_example_loss_fn`: the unreduced ``(y_true, y_pred) -> (P,)`` loss an
+  engine needs (:mod:`keras_noisecurve._losses`).
 - Regularisation losses (kernel regularizers) are data-independent: their gradient
   ∇reg is computed once, outside clipping, and ``B·∇reg`` is added to the clipped
   sum (``B`` = ``expected_batch_size`` argument of :func:`add_regularization`) so
@@ -21,14 +15,16 @@ Contract (every engine implements it; ``ghost.ghost_clipped_sum`` too)::
 
 from __future__ import annotations
 
-import importlib
 import warnings
-from typing import Any, Callable, NamedTuple
+from typing import Callable
 
 import keras
 import tensorflow as tf
 
+from keras_noisecurve._losses import per_example_loss_fn
 from keras_noisecurve._validation import check_choice, check_float, check_int
+from keras_noisecurve.training import ghost
+from keras_noisecurve.training.clipped_sum import ClippedSum, chunked_clipped_sum
 
 __all__ = [
     "ClippedSum",
@@ -41,61 +37,6 @@ __all__ = [
 ]
 
 ENGINES = ("auto", "vectorized", "ghost")
-
-
-class ClippedSum(NamedTuple):
-    """Output of a clipping engine (shapes with P = number of examples in the batch).
-
-    grads: list of tensors, Σ_i clip(w_i·∇loss_i, ζ), aligned with ``model.trainable_variables``.
-    norms: (P,) per-example gradient norms before clipping, of w_i·∇loss_i.
-    per_example_loss: (P,) unweighted loss_i.
-    y_pred: the model outputs for the batch (for metrics).
-    """
-
-    grads: list
-    norms: Any
-    per_example_loss: Any
-    y_pred: Any
-
-
-# ---------------------------------------------------------------- loss functions
-def per_example_loss_fn(loss) -> Callable:
-    """A per-example loss ``(y_true, y_pred) -> (P,)`` from a compiled loss.
-
-    Args:
-      loss: a loss name (``"sparse_categorical_crossentropy"``), a ``keras.losses.Loss``
-        object, or a function ``(y_true, y_pred) -> per-example values``. Multi-output
-        losses (lists or dicts) are refused.
-
-    The result is never reduced over the batch: a ``Loss`` object's ``call`` is used
-    (its reduction is ignored); values with extra axes are averaged over them.
-    """
-    if isinstance(loss, (list, tuple, dict)):
-        raise ValueError(
-            "private training supports a single loss (one model output); got a "
-            f"{type(loss).__name__} of losses. Combine the outputs into one loss function."
-        )
-    if loss is None:
-        raise ValueError("the model must be compiled with a loss for private training.")
-    if isinstance(loss, str):
-        fn = keras.losses.get(loss)
-        if isinstance(fn, keras.losses.Loss):
-            fn = fn.call
-    elif isinstance(loss, keras.losses.Loss):
-        fn = loss.call
-    elif callable(loss):
-        fn = loss
-    else:
-        raise ValueError(f"loss must be a name, a keras.losses.Loss or a function; got {loss!r}.")
-
-    def per_example(y_true, y_pred):
-        values = fn(y_true, y_pred)
-        values = tf.convert_to_tensor(values)
-        if values.shape.rank is not None and values.shape.rank > 1:
-            values = tf.reduce_mean(values, axis=list(range(1, values.shape.rank)))
-        return values
-
-    return per_example
 
 
 # ----------------------------------------------------------------------- checks
@@ -192,9 +133,9 @@ def vectorized_clipped_sum(
       training: passed to ``model(..., training=training)``.
 
     Returns:
-      :class:`ClippedSum`. Memory O(P × parameters) (or per chunk); time ≈ 2× a plain
-      step on the small CNN. Regularisation losses are NOT included (see
-      :func:`add_regularization`).
+      :class:`ClippedSum`. Memory O(P × parameters) (or O(m × parameters) per chunk);
+      time: P gradients, vectorised (docs/training.md, "Performance", has timings).
+      Regularisation losses are NOT included (see :func:`add_regularization`).
     """
     l2_norm_clip, microbatch_size = _validate(l2_norm_clip, microbatch_size)
     variables = _trainable(model)
@@ -208,38 +149,10 @@ def vectorized_clipped_sum(
         sums, norms, losses, preds = _chunk_stats(model, loss_fn, variables, x, y, w, training, l2_norm_clip)
         return ClippedSum(sums, norms, losses, preds)
 
-    m = microbatch_size
-    chunks = (n + m - 1) // m
+    def step(x_chunk, y_chunk, w_chunk):
+        return ClippedSum(*_chunk_stats(model, loss_fn, variables, x_chunk, y_chunk, w_chunk, training, l2_norm_clip))
 
-    def take(tree, i):
-        return tf.nest.map_structure(lambda t: t[i * m : tf.minimum((i + 1) * m, n)], tree)
-
-    # Output signature from a symbolic trace on the first chunk.
-    first = _chunk_stats(model, loss_fn, variables, take(x, 0), take(y, 0), take(w, 0), training, l2_norm_clip)
-    norms_ta = tf.TensorArray(first[1].dtype, size=chunks, infer_shape=False)
-    loss_ta = tf.TensorArray(first[2].dtype, size=chunks, infer_shape=False)
-    pred_flat = tf.nest.flatten(first[3])
-    pred_tas = [tf.TensorArray(p.dtype, size=chunks, infer_shape=False) for p in pred_flat]
-    norms_ta = norms_ta.write(0, first[1])
-    loss_ta = loss_ta.write(0, first[2])
-    pred_tas = [ta.write(0, p) for ta, p in zip(pred_tas, pred_flat)]
-
-    def body(i, sums, norms_ta, loss_ta, pred_tas):
-        s, nr, ls, pr = _chunk_stats(model, loss_fn, variables, take(x, i), take(y, i), take(w, i), training, l2_norm_clip)
-        sums = [a + b for a, b in zip(sums, s)]
-        pred_tas = [ta.write(i, p) for ta, p in zip(pred_tas, tf.nest.flatten(pr))]
-        return i + 1, sums, norms_ta.write(i, nr), loss_ta.write(i, ls), pred_tas
-
-    _, sums, norms_ta, loss_ta, pred_tas = tf.while_loop(
-        lambda i, *_: i < chunks, body, (tf.constant(1), list(first[0]), norms_ta, loss_ta, pred_tas)
-    )
-    def concat(ta, like):
-        out = ta.concat()
-        out.set_shape(tf.TensorShape([None]).concatenate(like.shape[1:]))
-        return out
-
-    preds = tf.nest.pack_sequence_as(first[3], [concat(ta, p) for ta, p in zip(pred_tas, pred_flat)])
-    return ClippedSum(list(sums), concat(norms_ta, first[1]), concat(loss_ta, first[2]), preds)
+    return chunked_clipped_sum(step, x, y, w, microbatch_size)
 
 
 def add_regularization(model, clipped: ClippedSum, *, expected_batch_size: int, num_replicas: int = 1) -> ClippedSum:
@@ -262,15 +175,6 @@ def add_regularization(model, clipped: ClippedSum, *, expected_batch_size: int, 
 
 
 # ---------------------------------------------------------------------- registry
-def _ghost_module():
-    try:
-        return importlib.import_module("keras_noisecurve.training.ghost")
-    except ModuleNotFoundError as exc:
-        if exc.name == "keras_noisecurve.training.ghost":
-            return None
-        raise
-
-
 def get_engine(name: str = "auto", model=None) -> Callable:
     """The clipping engine called ``name``.
 
@@ -281,22 +185,19 @@ def get_engine(name: str = "auto", model=None) -> Callable:
       model: needed for ``"auto"`` and to check ``"ghost"`` supports the model.
 
     Returns:
-      a function with the engine signature (module docstring).
+      a function with the engine signature of :mod:`keras_noisecurve.training.clipped_sum`.
     """
     check_choice("clipping", name, ENGINES)
     if name == "vectorized":
         return vectorized_clipped_sum
-    ghost = _ghost_module()
     if name == "ghost":
-        if ghost is None:
-            raise ValueError("clipping='ghost' is not available in this installation; use 'vectorized'.")
         if model is not None:
             ok, reason = ghost.supports(model)
             if not ok:
                 raise ValueError(f"clipping='ghost' does not support this model: {reason}. Use 'vectorized'.")
         return ghost.ghost_clipped_sum
     # auto
-    if ghost is not None and model is not None:
+    if model is not None:
         ok, reason = ghost.supports(model)
         if ok:
             return ghost.ghost_clipped_sum

@@ -2,8 +2,8 @@
 
 DP training needs ``Σ_i clip(w_i·∇loss_i, ζ)``: the sum over the P examples of a
 batch of each example's (weighted) gradient scaled by ``c_i = min(1, ζ/‖w_i·∇loss_i‖)``
-(the clipped sum of DESIGN.md §2, paper App. C). The vectorized engine
-(:mod:`keras_noisecurve.training.clipping`) forms all P per-example gradients;
+(the clipped sum of the update rule in docs/design.md; paper App. C). The vectorized
+engine (:mod:`keras_noisecurve.training.clipping`) forms all P per-example gradients;
 this engine never does:
 
 1. one forward pass records, for every layer with trainable weights, its input
@@ -51,7 +51,7 @@ import threading
 import tensorflow as tf
 
 from keras_noisecurve._validation import check_int
-from keras_noisecurve.training.clipping import ClippedSum
+from keras_noisecurve.training.clipped_sum import ClippedSum, chunked_clipped_sum
 from keras_noisecurve.training.ghost_layers import find_rule
 
 __all__ = ["supports", "ghost_clipped_sum"]
@@ -304,9 +304,10 @@ def ghost_clipped_sum(
     """Clipped sum of per-example gradients via ghost norms (no per-example gradients).
 
     Computes ``Σ_i clip(w_i·∇loss_i, ζ)`` with ``clip(v, ζ) = v·min(1, ζ/‖v‖)`` (the
-    clipped sum of DESIGN.md §2 / paper App. C; noise is added by the optimizer), with
-    two backward passes and per-layer norm identities instead of P per-example
-    gradients. Same contract as
+    clipped sum of the update rule in docs/design.md, paper App. C; noise is added by
+    the optimizer), with two backward passes and per-layer norm identities instead of
+    P per-example gradients. Same engine contract
+    (:mod:`keras_noisecurve.training.clipped_sum`) as
     :func:`keras_noisecurve.training.clipping.vectorized_clipped_sum`.
 
     Args:
@@ -344,53 +345,9 @@ def ghost_clipped_sum(
         if own:
             layers_and_rules.append((layer, find_rule(layer)))
 
+    def step(x_chunk, y_chunk, w_chunk):
+        return _ghost_step(model, loss_fn, x_chunk, y_chunk, w_chunk, clip, training, layers_and_rules)
+
     if microbatch_size is None:
-        return _ghost_step(model, loss_fn, x, y, sample_weight, clip, training, layers_and_rules)
-    return _chunked(model, loss_fn, x, y, sample_weight, clip, training, layers_and_rules, microbatch_size)
-
-
-def _chunked(model, loss_fn, x, y, sample_weight, clip, training, layers_and_rules, m):
-    """Run :func:`_ghost_step` on consecutive chunks of ``m`` examples (``tf.while_loop``).
-
-    The last chunk may be shorter; the batch size may be dynamic. Grads are summed,
-    norms, losses and predictions concatenated in example order.
-    """
-    x, y = (tf.nest.map_structure(tf.convert_to_tensor, t) for t in (x, y))
-    if sample_weight is not None:
-        sample_weight = tf.convert_to_tensor(sample_weight)
-    n = tf.shape(tf.nest.flatten(x)[0])[0]
-    chunks = (n + m - 1) // m
-
-    def take(tree, i):
-        if tree is None:
-            return None
-        return tf.nest.map_structure(lambda t: t[i * m : tf.minimum((i + 1) * m, n)], tree)
-
-    def step(i):
-        return _ghost_step(
-            model, loss_fn, take(x, i), take(y, i), take(sample_weight, i), clip, training, layers_and_rules
-        )
-
-    first = step(0)
-    pred_flat = tf.nest.flatten(first.y_pred)
-    norms_ta = tf.TensorArray(first.norms.dtype, size=chunks, infer_shape=False).write(0, first.norms)
-    loss_ta = tf.TensorArray(first.per_example_loss.dtype, size=chunks, infer_shape=False).write(
-        0, first.per_example_loss
-    )
-    pred_tas = [tf.TensorArray(p.dtype, size=chunks, infer_shape=False).write(0, p) for p in pred_flat]
-
-    def body(i, sums, norms_ta, loss_ta, pred_tas):
-        part = step(i)
-        sums = [a + b for a, b in zip(sums, part.grads)]
-        pred_tas = [ta.write(i, p) for ta, p in zip(pred_tas, tf.nest.flatten(part.y_pred))]
-        return i + 1, sums, norms_ta.write(i, part.norms), loss_ta.write(i, part.per_example_loss), pred_tas
-
-    _, sums, norms_ta, loss_ta, pred_tas = tf.while_loop(
-        lambda i, *_: i < chunks, body, (tf.constant(1), list(first.grads), norms_ta, loss_ta, pred_tas)
-    )
-    return ClippedSum(
-        grads=list(sums),
-        norms=norms_ta.concat(),
-        per_example_loss=loss_ta.concat(),
-        y_pred=tf.nest.pack_sequence_as(first.y_pred, [ta.concat() for ta in pred_tas]),
-    )
+        return step(x, y, sample_weight)
+    return chunked_clipped_sum(step, x, y, sample_weight, microbatch_size)
