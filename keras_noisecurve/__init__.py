@@ -2,7 +2,7 @@
 
 Public names are loaded lazily, so ``import keras_noisecurve`` stays fast and the
 numpy/scipy parts (mixing-matrix solver, privacy accounting) never import
-TensorFlow. See DESIGN.md §4 for the API contract.
+TensorFlow. docs/api.md documents every public name; docs/design.md the notation.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ _EXPORTS = {
     "BandedMatrixFactorizationQuery": "keras_noisecurve.integrations.tf_privacy",
 }
 
-_SUBMODULES = {"callbacks", "mixing", "privacy", "spectrum", "training", "integrations", "cli"}
+_SUBMODULES = {"callbacks", "layers", "mixing", "privacy", "spectrum", "training", "integrations", "cli"}
 
 __all__ = sorted(_EXPORTS) + sorted(_SUBMODULES) + ["__version__"]
 

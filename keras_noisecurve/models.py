@@ -18,104 +18,21 @@
 - ``mlp``: a fully connected ReLU network.
 - ``softmax_regression``: multinomial logistic regression (convex).
 
-The GroupNorm layer here (``GroupNorm``) computes the variance as the mean of
-squared deviations from the mean, so its *second* derivatives are exact; Keras'
-``GroupNormalization`` goes through ``tf.nn.moments``, whose gradient stops at the
-mean inside the variance, which makes Hessian-vector products ≈1e-3 wrong
-(DESIGN.md §6). That matters for the spectrum of a Hessian upper bound.
+The CNN normalises with :class:`keras_noisecurve.layers.GroupNorm` (exact second
+derivatives, for the spectrum of a Hessian upper bound) and pools with
+:class:`keras_noisecurve.layers.AdaptiveAveragePooling2D`; both layers are re-exported
+here, where they used to live.
 """
 
 from __future__ import annotations
 
-import math
-
 import keras
-from keras import layers, ops
+from keras import layers
 
 from keras_noisecurve._validation import check_int
+from keras_noisecurve.layers import AdaptiveAveragePooling2D, GroupNorm
 
-
-@keras.saving.register_keras_serializable(package="keras_noisecurve")
-class GroupNorm(layers.Layer):
-    """Group normalisation over the channel axis (channels last) with exact 2nd derivatives.
-
-    ``y = (x − mean_g) / sqrt(var_g + epsilon) · gamma + beta``, where mean and
-    variance are taken over the spatial axes and the channels of each group g
-    (Wu & He 2018). Same parameters as ``keras.layers.GroupNormalization``:
-    ``gamma`` and ``beta`` of shape (channels,).
-
-    Args:
-      groups: number of groups; must divide the number of channels.
-      epsilon: added to the variance.
-    """
-
-    def __init__(self, groups: int = 8, epsilon: float = 1e-5, **kwargs):
-        super().__init__(**kwargs)
-        self.groups = check_int("groups", groups, minimum=1)
-        self.epsilon = float(epsilon)
-
-    def build(self, input_shape):
-        channels = input_shape[-1]
-        if channels is None or channels % self.groups:
-            raise ValueError(
-                f"GroupNorm: groups ({self.groups}) must divide the number of channels ({channels})."
-            )
-        self.gamma = self.add_weight(name="gamma", shape=(channels,), initializer="ones")
-        self.beta = self.add_weight(name="beta", shape=(channels,), initializer="zeros")
-
-    def call(self, x):
-        channels = x.shape[-1]
-        spatial = tuple(x.shape[1:-1])
-        grouped = ops.reshape(x, (-1, *spatial, self.groups, channels // self.groups))
-        axes = tuple(range(1, len(spatial) + 1)) + (len(spatial) + 2,)
-        mean = ops.mean(grouped, axis=axes, keepdims=True)
-        centred = grouped - mean
-        var = ops.mean(centred * centred, axis=axes, keepdims=True)
-        normed = ops.reshape(centred / ops.sqrt(var + self.epsilon), (-1, *spatial, channels))
-        return normed * self.gamma + self.beta
-
-    def get_config(self):
-        return {**super().get_config(), "groups": self.groups, "epsilon": self.epsilon}
-
-
-@keras.saving.register_keras_serializable(package="keras_noisecurve")
-class AdaptiveAveragePooling2D(layers.Layer):
-    """PyTorch's ``AdaptiveAvgPool2d`` for channels-last inputs of any static size.
-
-    Output cell (i, j) of an ``(out_h, out_w)`` grid averages input rows
-    ``floor(i·H/out_h) … ceil((i+1)·H/out_h) − 1`` and the analogous columns, so
-    windows overlap when H is not a multiple of ``out_h`` (exactly PyTorch's rule).
-
-    Input (batch, H, W, C) → output (batch, out_h, out_w, C).
-    """
-
-    def __init__(self, output_size=(2, 2), **kwargs):
-        super().__init__(**kwargs)
-        if isinstance(output_size, int):
-            output_size = (output_size, output_size)
-        self.output_size = tuple(check_int("output_size", s, minimum=1) for s in output_size)
-
-    @staticmethod
-    def _windows(size, out):
-        return [(math.floor(i * size / out), math.ceil((i + 1) * size / out)) for i in range(out)]
-
-    def call(self, x):
-        height, width = x.shape[1], x.shape[2]
-        if height is None or width is None:
-            raise ValueError("AdaptiveAveragePooling2D needs static spatial dimensions.")
-        rows = []
-        for r0, r1 in self._windows(height, self.output_size[0]):
-            cols = []
-            for c0, c1 in self._windows(width, self.output_size[1]):
-                cols.append(ops.mean(x[:, r0:r1, c0:c1, :], axis=(1, 2)))
-            rows.append(ops.stack(cols, axis=1))
-        return ops.stack(rows, axis=1)
-
-    def compute_output_shape(self, input_shape):
-        return (input_shape[0], *self.output_size, input_shape[-1])
-
-    def get_config(self):
-        return {**super().get_config(), "output_size": self.output_size}
+__all__ = ["AdaptiveAveragePooling2D", "GroupNorm", "mlp", "small_groupnorm_cnn", "softmax_regression"]
 
 
 def _check_shape(input_shape, ndim):
@@ -145,8 +62,8 @@ def small_groupnorm_cnn(
       input_shape: (height, width, channels), channels last; e.g. (32, 32, 3) for
         CIFAR-10, (28, 28, 1) for MNIST.
       num_classes: number of output logits.
-      dense_size: width of the hidden dense layer (64 gives the ≈41k parameters at
-        32×32×3 quoted in DESIGN.md; 32 gives 32,362).
+      dense_size: width of the hidden dense layer (64 gives 40,906 parameters at
+        32×32×3; 32 gives 32,362).
       groups: GroupNorm groups per layer; must divide 16 (1, 2, 4, 8 or 16).
       padding: ``"same"`` or ``"valid"`` for the convolutions (parameter count is the same).
       seed: seed of the weight initialisers (None: Keras' global RNG).
