@@ -1,8 +1,8 @@
 """Privacy accounting and the cyclic Poisson sampler (docs/design.md#privacy-model, docs/privacy.md).
 
 - :mod:`keras_noisecurve.privacy.accounting` (numpy/scipy + dp_accounting): the
-  dominating ``dp_accounting`` event of a run, ε, noise calibration, padding and
-  overflow bounds. Re-exported here.
+  dominating ``dp_accounting`` event of a run and ε (``events``), noise calibration
+  (``calibration``), padding and overflow bounds (``overflow``). Re-exported here.
 - :mod:`keras_noisecurve.privacy.sampler` (TensorFlow, imported lazily):
   ``banded_poisson_dataset`` and ``sampling_plan``.
 - :mod:`keras_noisecurve.privacy.budget` (Keras): the ``PrivacyBudget`` callback.

@@ -2,6 +2,8 @@
 independently of keras_noisecurve's own event construction."""
 
 import math
+import subprocess
+import sys
 
 import dp_accounting
 import numpy as np
@@ -226,4 +228,12 @@ def test_accounting_and_cli_do_not_import_tensorflow():
         "knc.compute_epsilon; knc.calibrate_noise_multiplier; knc.dp_event;"
         "assert 'tensorflow' not in sys.modules, 'tensorflow imported'"
     )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_accounting_does_not_import_tensorflow():
+    code = ("import sys, keras_noisecurve.privacy as p; import keras_noisecurve.privacy.events, "
+            "keras_noisecurve.privacy.calibration, keras_noisecurve.privacy.overflow; "
+            "p.compute_epsilon(noise_multiplier=1.0, delta=1e-5, num_examples=100, batch_size=10, steps=5, "
+            "accountant='rdp'); assert 'tensorflow' not in sys.modules, 'tensorflow imported'")
     subprocess.run([sys.executable, "-c", code], check=True)

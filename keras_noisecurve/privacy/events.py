@@ -1,0 +1,365 @@
+"""The ``dp_accounting`` event that dominates a training run, and its ε.
+
+numpy/scipy + ``dp_accounting`` only: this module never imports TensorFlow.
+
+Privacy model (docs/privacy.md): example-level DP with **add-or-remove-one**
+adjacency, the relation under which ``dp_accounting``'s Poisson-subsampled Gaussian
+is analysed. The mechanism is the whole training run: every intermediate model is
+released.
+
+Two sampling schemes (docs/design.md#privacy-model):
+
+``"cyclic_poisson"`` (BandMF amplification, Choquette-Choo et al. 2023, "Amplified
+  banded matrix factorization"). The n examples are split into b fixed, balanced
+  partitions; step t uses partition ``t mod b`` and includes each of its examples
+  independently with probability ``q = B·b/n``. With a lower-triangular b-banded C
+  the participations of one example are ≥ b steps apart, so the columns of C they
+  touch have disjoint row supports and the run is dominated by
+
+      ⌈T/b⌉ self-compositions of PoissonSampled(q, Gaussian(σ / s)),
+
+  with s the largest column norm of C (1 for a valid artifact). ⌈T/b⌉ and not T/b:
+  partition 0 is used at steps 0, b, 2b, …, i.e. ⌈T/b⌉ times when b does not divide
+  T, and the guarantee must hold for its examples too. b = 1 is plain DP-SGD with
+  ``q = B/n`` and T compositions.
+
+``"fixed_epochs"`` (no amplification). One shuffled order, repeated every epoch, in
+  ``⌈n/B⌉`` batches per epoch: every example participates exactly once per epoch
+  and consecutive participations are ``steps_per_epoch ≥ b`` steps apart. Then
+  ``X = CᵀC`` has zero entries between participations and the L2 sensitivity of
+  the whole run is ``s·√k`` (k = epochs), i.e. a single Gaussian mechanism with
+  noise multiplier ``σ / (s·√k)``.
+
+Noise multipliers are relative to the clip norm ζ: the optimizer adds ``ζ·σ·z̃_t``
+to the clipped gradient sum.
+
+Calibration of σ from (ε, δ) is in :mod:`keras_noisecurve.privacy.calibration`, the
+padded batch size and the overflow δ in :mod:`keras_noisecurve.privacy.overflow`;
+:mod:`keras_noisecurve.privacy.accounting` gathers all three.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+import dp_accounting
+import numpy as np
+from dp_accounting import pld as _pld
+from dp_accounting import rdp as _rdp
+
+from keras_noisecurve._validation import check_choice, check_float, check_int
+
+__all__ = [
+    "ACCOUNTANTS",
+    "PLD_VALUE_DISCRETIZATION",
+    "RDP_ORDERS",
+    "SAMPLINGS",
+    "AccountingSetup",
+    "accounting_setup",
+    "coarse_epsilon_for_setup",
+    "compute_epsilon",
+    "dp_event",
+    "epsilon_for_setup",
+    "epsilon_of_event",
+    "event_for_setup",
+    "make_accountant",
+    "sampling_probability",
+]
+
+SAMPLINGS = ("cyclic_poisson", "fixed_epochs")
+ACCOUNTANTS = ("pld", "rdp")
+
+#: Value discretisation interval of the PLD accountant (privacy-loss grid step).
+#: ``dp_accounting`` rounds pessimistically, so the ε it reports is an upper bound.
+PLD_VALUE_DISCRETIZATION = 1e-4
+
+#: RDP orders: dp_accounting's standard list (1.1 … 10.9 by 0.1, 11 … 63, 128, 256,
+#: 512, 1024), the same list ``RdpAccountant()`` and TensorFlow Privacy use.
+RDP_ORDERS = tuple(_rdp.rdp_privacy_accountant.DEFAULT_RDP_ORDERS)
+
+
+@dataclasses.dataclass(frozen=True)
+class AccountingSetup:
+    """The validated description of a training run that the accountant needs.
+
+    Attributes:
+      sampling: ``"cyclic_poisson"`` or ``"fixed_epochs"``.
+      num_examples: n, size of the private training set.
+      batch_size: B, the expected (cyclic Poisson) or fixed batch size.
+      steps: T, number of optimizer steps.
+      bands: b, band width of C.
+      epochs: k for ``fixed_epochs`` (= ⌈T / steps_per_epoch⌉), else None.
+      steps_per_epoch: ⌈n/B⌉ for ``fixed_epochs``, else None.
+      sampling_probability: q = B·b/n for ``cyclic_poisson``, else None.
+      compositions: ⌈T/b⌉ for ``cyclic_poisson`` (Poisson-subsampled Gaussians);
+        1 for ``fixed_epochs`` (one Gaussian mechanism of sensitivity s·√k).
+      sensitivity: s, the largest column norm of C's leading T×T block (1.0 when no
+        mixing matrix is given, i.e. a valid artifact is assumed only if none is given).
+    """
+
+    sampling: str
+    num_examples: int
+    batch_size: int
+    steps: int
+    bands: int
+    epochs: Optional[int]
+    steps_per_epoch: Optional[int]
+    sampling_probability: Optional[float]
+    compositions: int
+    sensitivity: float
+
+    def participations(self, steps: Optional[int] = None) -> int:
+        """Number of times one example can participate in the first ``steps`` steps."""
+        steps = self.steps if steps is None else steps
+        if self.sampling == "cyclic_poisson":
+            return -(-steps // self.bands)
+        return -(-steps // self.steps_per_epoch)
+
+
+def sampling_probability(*, num_examples: int, batch_size: int, bands: int = 1) -> float:
+    """Per-step inclusion probability ``q = B·b/n`` of cyclic Poisson sampling.
+
+    Each partition holds about n/b examples and is visited every b steps; including
+    each of them with probability q gives an expected batch of B examples.
+
+    Raises:
+      ValueError: if q ≥ 1 — the batch is too large for b partitions: a partition of
+        n/b examples cannot yield B examples in expectation without including every
+        example (no amplification). Use fewer bands or a smaller batch.
+    """
+    n = check_int("num_examples", num_examples, minimum=1)
+    batch = check_int("batch_size", batch_size, minimum=1)
+    b = check_int("bands", bands, minimum=1)
+    q = batch * b / n
+    if q >= 1.0:
+        raise ValueError(
+            f"sampling probability q = batch_size*bands/num_examples = {batch}*{b}/{n} = {q:g} must be < 1: "
+            f"the batch is too large for {b} partitions of about {n / b:g} examples each. "
+            "Use fewer bands or a smaller batch_size."
+        )
+    return q
+
+
+def _mixing_sensitivity(mixing, steps: int, bands: Optional[int]) -> tuple[int, float]:
+    """(bands, max column norm of C[:steps, :steps]) from a MixingMatrix."""
+    from keras_noisecurve.mixing.matrix import MixingMatrix
+
+    if not isinstance(mixing, MixingMatrix):
+        raise TypeError(f"mixing must be a keras_noisecurve.MixingMatrix, got {type(mixing).__name__}.")
+    if bands is not None and bands != mixing.bands:
+        raise ValueError(f"bands={bands} does not match the mixing matrix, which has {mixing.bands} bands.")
+    if steps > mixing.steps:
+        raise ValueError(
+            f"steps={steps} exceeds the mixing matrix's {mixing.steps} steps: C defines the noise of "
+            f"{mixing.steps} steps only."
+        )
+    values = np.asarray(mixing.band_values)[:steps]
+    sq = np.zeros(steps)
+    for j in range(values.shape[1]):
+        # C[t, t-j] = values[t, j] lies in column t-j; keep rows t < steps.
+        sq[: max(steps - j, 0)] += values[j:steps, j] ** 2
+    sensitivity = float(np.sqrt(sq.max()))
+    if not sensitivity > 0 or not math.isfinite(sensitivity):
+        raise ValueError(f"the mixing matrix has an invalid column norm {sensitivity!r}.")
+    return mixing.bands, sensitivity
+
+
+def accounting_setup(
+    *,
+    num_examples: int,
+    batch_size: int,
+    steps: int,
+    bands: Optional[int] = None,
+    sampling: str = "cyclic_poisson",
+    epochs: Optional[int] = None,
+    mixing=None,
+) -> AccountingSetup:
+    """Validate a run description and derive q, compositions and sensitivity.
+
+    Args:
+      num_examples, batch_size, steps: positive ints n, B, T.
+      bands: positive int b ≤ T; None means 1, or the mixing matrix's bands when
+        ``mixing`` is given.
+      sampling: ``"cyclic_poisson"`` or ``"fixed_epochs"``.
+      epochs: required iff ``sampling == "fixed_epochs"``; must equal
+        ``⌈T / ⌈n/B⌉⌉``, the number of (possibly partial) epochs the T steps touch,
+        which is the number of times the first example of the fixed order participates.
+      mixing: optional ``MixingMatrix``; its bands (must equal ``bands`` if both are
+        given) and the largest column norm of its leading T×T block set b and s.
+
+    Raises:
+      ValueError / TypeError with a message naming the argument.
+    """
+    sampling = check_choice("sampling", sampling, SAMPLINGS)
+    n = check_int("num_examples", num_examples, minimum=1)
+    batch = check_int("batch_size", batch_size, minimum=1)
+    steps = check_int("steps", steps, minimum=1)
+    if bands is not None:
+        bands = check_int("bands", bands, minimum=1)
+    if mixing is not None:
+        bands, sensitivity = _mixing_sensitivity(mixing, steps, bands)
+    else:
+        bands = 1 if bands is None else bands
+        sensitivity = 1.0
+    if bands > steps:
+        raise ValueError(
+            f"bands={bands} cannot exceed steps={steps}: C is T×T, so at most T bands exist."
+        )
+    if batch > n:
+        raise ValueError(f"batch_size={batch} cannot exceed num_examples={n}.")
+
+    if sampling == "cyclic_poisson":
+        if epochs is not None:
+            raise ValueError(
+                f"epochs={epochs!r} is only meaningful for sampling='fixed_epochs'; for cyclic_poisson give steps only."
+            )
+        q = sampling_probability(num_examples=n, batch_size=batch, bands=bands)
+        return AccountingSetup(
+            sampling, n, batch, steps, bands, None, None, q, -(-steps // bands), sensitivity
+        )
+
+    if epochs is None:
+        raise ValueError("sampling='fixed_epochs' requires epochs (the number of passes over the data).")
+    epochs = check_int("epochs", epochs, minimum=1)
+    per_epoch = -(-n // batch)
+    if per_epoch < bands:
+        raise ValueError(
+            f"fixed_epochs needs steps_per_epoch = ceil(num_examples/batch_size) = {per_epoch} >= bands = {bands}: "
+            "an example's participations are steps_per_epoch steps apart and must be at least b apart for the "
+            "sensitivity sqrt(epochs) to hold. Use fewer bands or a smaller batch_size."
+        )
+    touched = -(-steps // per_epoch)
+    if touched != epochs:
+        raise ValueError(
+            f"steps={steps} and epochs={epochs} are inconsistent: with {per_epoch} steps per epoch "
+            f"(ceil({n}/{batch})), {steps} steps touch ceil({steps}/{per_epoch}) = {touched} epochs. "
+            f"Require (epochs-1)*{per_epoch} < steps <= epochs*{per_epoch}; e.g. steps={epochs * per_epoch}."
+        )
+    return AccountingSetup(sampling, n, batch, steps, bands, epochs, per_epoch, None, 1, sensitivity)
+
+
+def event_for_setup(setup: AccountingSetup, noise_multiplier: float, participations: Optional[int] = None):
+    """The dominating DpEvent of ``setup`` at noise multiplier σ (σ ≥ 0)."""
+    k = setup.participations() if participations is None else participations
+    if setup.sampling == "cyclic_poisson":
+        inner = dp_accounting.PoissonSampledDpEvent(
+            setup.sampling_probability, dp_accounting.GaussianDpEvent(noise_multiplier / setup.sensitivity)
+        )
+        return dp_accounting.SelfComposedDpEvent(inner, k)
+    return dp_accounting.GaussianDpEvent(noise_multiplier / (setup.sensitivity * math.sqrt(k)))
+
+
+def make_accountant(accountant: str):
+    if accountant == "pld":
+        return _pld.PLDAccountant(value_discretization_interval=PLD_VALUE_DISCRETIZATION)
+    return _rdp.RdpAccountant(list(RDP_ORDERS))
+
+
+def epsilon_of_event(event, delta: float, accountant: str) -> float:
+    return float(make_accountant(accountant).compose(event).get_epsilon(delta))
+
+
+def coarse_epsilon_for_setup(setup: AccountingSetup, *, noise_multiplier: float, delta: float,
+                             accountant: str = "pld", participations: Optional[int] = None) -> float:
+    """Like :func:`epsilon_for_setup` but PLD on a 10× coarser grid (1e-3): ~10× faster.
+
+    For searches only (e.g. the callback's budget bisection); every reported ε uses
+    :func:`epsilon_for_setup`.
+    """
+    k = setup.participations() if participations is None else participations
+    if k == 0:
+        return 0.0
+    event = event_for_setup(setup, noise_multiplier, k)
+    if accountant == "pld":
+        a = _pld.PLDAccountant(value_discretization_interval=10 * PLD_VALUE_DISCRETIZATION)
+        return float(a.compose(event).get_epsilon(delta))
+    return epsilon_of_event(event, delta, accountant)
+
+
+def dp_event(
+    *,
+    num_examples: int,
+    batch_size: int,
+    steps: int,
+    bands: Optional[int] = None,
+    noise_multiplier: float,
+    sampling: str = "cyclic_poisson",
+    epochs: Optional[int] = None,
+    mixing=None,
+) -> dp_accounting.DpEvent:
+    """The ``dp_accounting`` event that dominates a training run.
+
+    - ``cyclic_poisson``: ``SelfComposedDpEvent(PoissonSampledDpEvent(q,
+      GaussianDpEvent(σ/s)), ⌈T/b⌉)`` with ``q = B·b/n`` (BandMF amplification).
+    - ``fixed_epochs``: ``GaussianDpEvent(σ / (s·√k))``, k = epochs.
+
+    s is the largest column norm of ``mixing`` (1 without one). Neighbouring relation:
+    add-or-remove-one example.
+
+    Args:
+      noise_multiplier: σ > 0, noise standard deviation divided by the clip norm.
+      Others: see :func:`accounting_setup`.
+    """
+    sigma = check_float("noise_multiplier", noise_multiplier, positive=True)
+    setup = accounting_setup(
+        num_examples=num_examples, batch_size=batch_size, steps=steps, bands=bands,
+        sampling=sampling, epochs=epochs, mixing=mixing,
+    )
+    return event_for_setup(setup, sigma)
+
+
+def compute_epsilon(
+    *,
+    noise_multiplier: float,
+    delta: float,
+    num_examples: int,
+    batch_size: int,
+    steps: int,
+    bands: Optional[int] = None,
+    sampling: str = "cyclic_poisson",
+    epochs: Optional[int] = None,
+    mixing=None,
+    accountant: str = "pld",
+) -> float:
+    """ε of a training run at accounting δ (add-or-remove-one adjacency).
+
+    Accountants: ``"pld"`` — ``dp_accounting.pld.PLDAccountant`` with value
+    discretisation interval ``PLD_VALUE_DISCRETIZATION = 1e-4`` (pessimistic
+    rounding, so an upper bound; seconds per call for thousands of compositions);
+    ``"rdp"`` — ``dp_accounting.rdp.RdpAccountant`` with ``RDP_ORDERS`` (looser,
+    milliseconds).
+
+    The batches of :func:`keras_noisecurve.privacy.sampler.banded_poisson_dataset`
+    are padded to a fixed size and truncated in the (tiny-probability) event of
+    overflow; the run is then (ε, δ + overflow_delta)-DP, see :func:`overflow_delta`.
+
+    Returns:
+      ε (float; ``inf`` is impossible for σ > 0).
+    """
+    sigma = check_float("noise_multiplier", noise_multiplier, positive=True)
+    delta = check_float("delta", delta, open_unit=True)
+    accountant = check_choice("accountant", accountant, ACCOUNTANTS)
+    setup = accounting_setup(
+        num_examples=num_examples, batch_size=batch_size, steps=steps, bands=bands,
+        sampling=sampling, epochs=epochs, mixing=mixing,
+    )
+    return epsilon_of_event(event_for_setup(setup, sigma), delta, accountant)
+
+
+def epsilon_for_setup(setup: AccountingSetup, *, noise_multiplier: float, delta: float,
+                      accountant: str = "pld", participations: Optional[int] = None) -> float:
+    """ε for an already validated ``setup``, optionally after fewer participations.
+
+    ``participations`` = k counts the compositions actually run: ⌈t/b⌉ after t steps of
+    cyclic Poisson sampling, ⌈t/steps_per_epoch⌉ for fixed epochs. 0 gives ε = 0.
+    Used by the ``PrivacyBudget`` callback.
+    """
+    sigma = check_float("noise_multiplier", noise_multiplier, positive=True)
+    delta = check_float("delta", delta, open_unit=True)
+    accountant = check_choice("accountant", accountant, ACCOUNTANTS)
+    k = setup.participations() if participations is None else check_int("participations", participations, minimum=0)
+    if k == 0:
+        return 0.0
+    return epsilon_of_event(event_for_setup(setup, sigma, k), delta, accountant)

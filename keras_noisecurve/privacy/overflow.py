@@ -1,0 +1,87 @@
+"""Padding of the cyclic Poisson sampler's batches, and the δ that truncation adds.
+
+numpy/scipy only: this module never imports TensorFlow.
+
+The sampler (:mod:`keras_noisecurve.privacy.sampler`) pads every batch to a fixed size
+P; :func:`padded_batch_size` picks P from a bound on the probability that a step draws
+more than P examples, :func:`overflow_probability`.
+
+Total δ: a step that samples more than P examples is truncated. The δ of
+``compute_epsilon`` and ``calibrate_noise_multiplier`` is the accounting δ of the ideal
+(untruncated) mechanism; the run's total δ is ``delta + overflow_delta(...)`` (see
+:func:`overflow_delta`). With the sampler's default (overflow probability ≤ 1e-12)
+this addition is below 1e-12·(1 + e^ε).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from scipy import stats
+
+from keras_noisecurve._validation import check_float, check_int
+from keras_noisecurve.privacy.events import sampling_probability
+
+__all__ = ["DEFAULT_OVERFLOW_PROBABILITY", "overflow_delta", "overflow_probability", "padded_batch_size"]
+
+#: Default bound on the probability that any step of the cyclic Poisson sampler
+#: draws more examples than its padded batch size (see :func:`padded_batch_size`).
+DEFAULT_OVERFLOW_PROBABILITY = 1e-12
+
+
+def _largest_partition(num_examples: int, bands: int) -> int:
+    return -(-num_examples // bands)
+
+
+def overflow_probability(*, num_examples: int, batch_size: int, steps: int, bands: int = 1,
+                         padded_size: int) -> float:
+    """Union bound on P(some step of cyclic Poisson sampling draws > P examples).
+
+    Step t draws Binomial(m_t, q) examples, m_t ≤ ⌈n/b⌉ the size of partition
+    ``t mod b``. To cover a neighbouring dataset (one more example) the bound uses
+    m = ⌈n/b⌉ + 1 for every step: ``min(1, T · P[Binomial(m, q) > P])``.
+    """
+    n = check_int("num_examples", num_examples, minimum=1)
+    steps = check_int("steps", steps, minimum=1)
+    padded = check_int("padded_size", padded_size, minimum=0)
+    q = sampling_probability(num_examples=n, batch_size=batch_size, bands=bands)
+    m = _largest_partition(n, bands) + 1
+    return float(min(1.0, steps * stats.binom.sf(padded, m, q)))
+
+
+def padded_batch_size(*, num_examples: int, batch_size: int, steps: int, bands: int = 1,
+                      overflow_probability: float = DEFAULT_OVERFLOW_PROBABILITY) -> int:
+    """Smallest padded batch size P whose :func:`overflow_probability` is ≤ the target.
+
+    Computed exactly from the Binomial tail (scipy ``binom.logsf``), never above the
+    largest partition size ⌈n/b⌉ (a real partition can never overflow that).
+    """
+    n = check_int("num_examples", num_examples, minimum=1)
+    steps = check_int("steps", steps, minimum=1)
+    bands = check_int("bands", bands, minimum=1)
+    target = check_float("overflow_probability", overflow_probability, open_unit=True)
+    q = sampling_probability(num_examples=n, batch_size=batch_size, bands=bands)
+    m_real = _largest_partition(n, bands)
+    m = m_real + 1
+    candidates = np.arange(0, m_real + 1)
+    log_tail = math.log(steps) + stats.binom.logsf(candidates, m, q)
+    ok = np.flatnonzero(log_tail <= math.log(target))
+    return int(candidates[ok[0]]) if ok.size else int(m_real)
+
+
+def overflow_delta(*, epsilon: float, overflow_probability: float) -> float:
+    """Extra δ caused by truncating overflowing batches: ``(1 + e^ε) · p``.
+
+    Let M be the ideal (untruncated) mechanism and M' the truncated one; on every
+    dataset they differ only on the overflow event, so their outputs are within
+    total variation p (the union bound :func:`overflow_probability`, which already
+    covers the neighbour's extra example). If M is (ε, δ)-DP then for neighbours D, D'
+    ``P[M'(D)∈S] ≤ P[M(D)∈S] + p ≤ e^ε P[M(D')∈S] + δ + p ≤ e^ε P[M'(D')∈S] + δ + (1+e^ε)p``.
+    The total δ of a run is ``delta + overflow_delta(epsilon=ε, overflow_probability=p)``.
+    """
+    epsilon = check_float("epsilon", epsilon, nonnegative=True)
+    p = check_float("overflow_probability", overflow_probability, nonnegative=True)
+    if p > 1:
+        raise ValueError(f"overflow_probability must be <= 1, got {p}.")
+    return float(min(1.0, (1.0 + math.exp(min(epsilon, 700.0))) * p))
