@@ -36,7 +36,6 @@ import warnings
 import numpy as np
 
 from keras_noisecurve.mixing.cli_solve import (
-    CURVATURE_OBJECTIVES,
     CommandError,
     diagnostics_lines,
     fail,
@@ -44,6 +43,7 @@ from keras_noisecurve.mixing.cli_solve import (
     report_warnings,
     solver_lines,
 )
+from keras_noisecurve.mixing.workloads import CURVATURE_OBJECTIVES, OBJECTIVES
 
 PROG = "noisecurve inspect"
 
@@ -55,8 +55,6 @@ _ANNOUNCE_REFERENCE_STEPS = 500
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``noisecurve inspect``."""
-    from keras_noisecurve.mixing.workloads import OBJECTIVES
-
     parser.add_argument("file", metavar="FILE", help="mixing-matrix .npz written by 'noisecurve solve'")
     parser.add_argument(
         "--spectrum", metavar="FILE", help="Spectrum .npz to recompute curvature objectives (the file stores only its digest)"

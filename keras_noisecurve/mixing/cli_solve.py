@@ -23,15 +23,9 @@ import sys
 import time
 import warnings
 
-PROG = "noisecurve solve"
+from keras_noisecurve.mixing.workloads import CURVATURE_OBJECTIVES, OBJECTIVES
 
-#: Objective names, as in ``keras_noisecurve.mixing.workloads.OBJECTIVES``.
-CURVATURE_OBJECTIVES = (
-    "noisecurve",
-    "noisecurve-convergence",
-    "noisecurve-all-iterates",
-    "noisecurve-blend",
-)
+PROG = "noisecurve solve"
 
 
 class CommandError(Exception):
@@ -79,12 +73,6 @@ def load_spectrum(path: str):
         raise CommandError(f"cannot read spectrum file {path!r}: {exc}") from None
 
 
-def _objectives():
-    from keras_noisecurve.mixing.workloads import OBJECTIVES
-
-    return tuple(OBJECTIVES)
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``noisecurve solve``."""
     parser.add_argument("--steps", type=int, required=True, metavar="T", help="number of training steps T (>= 1)")
@@ -94,7 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--objective",
         required=True,
-        choices=_objectives(),
+        choices=OBJECTIVES,
         metavar="NAME",
         help="workload W of the objective Tr(W X^-1): %(choices)s",
     )

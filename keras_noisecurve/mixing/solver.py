@@ -32,34 +32,39 @@ import time
 import numpy as np
 
 from keras_noisecurve._validation import check_choice, check_float, check_int
-from keras_noisecurve.mixing.banded import (
-    ab_to_band_values,
-    band_values_to_ab,
-    inverse_frobenius_term,
-    prefix_factor,
-    prefix_noise_std,
-    trace_w_xinv,
-    valid_mask,
-)
+from keras_noisecurve.mixing.banded import ab_to_band_values, band_values_to_ab, prefix_noise_std, valid_mask
 from keras_noisecurve.mixing.matrix import MixingMatrix
 from keras_noisecurve.mixing.optimize import minimize_band_values, normalise_columns, relative_optimality
-from keras_noisecurve.mixing.surrogate import RIDGE_RELATIVE, TRUNCATION_RELATIVE, Problem, pivoted_cholesky
+from keras_noisecurve.mixing.surrogate import (
+    RIDGE_RELATIVE,
+    TRUNCATION_RELATIVE,
+    Problem,
+    exact_loss,
+    pivoted_cholesky,
+)
 from keras_noisecurve.mixing.workloads import (
     AUTO_BLEND_GRID,
     CURVATURE_OBJECTIVES,
     DEFAULT_OBJECTIVE,
+    LOSS_SCALES,
     OBJECTIVES,
-    blend_workload,
     check_blend_weight,
     check_curvature_inputs,
     check_unused_inputs,
-    curvature_workload,
+    dense_workload,
     prefix_workload,
 )
 
 # Still importable from here, where they lived before the solver was split into
 # banded / surrogate / optimize (setting one here does not change the solver).
-from keras_noisecurve.mixing.banded import lowrank_term, prefix_factor_pullback, solve_lower  # noqa: F401
+from keras_noisecurve.mixing.banded import (  # noqa: F401
+    inverse_frobenius_term,
+    lowrank_term,
+    prefix_factor,
+    prefix_factor_pullback,
+    solve_lower,
+    trace_w_xinv,
+)
 from keras_noisecurve.mixing.optimize import (  # noqa: F401
     LBFGS_MEMORY,
     NO_PROGRESS_RELATIVE,
@@ -68,6 +73,7 @@ from keras_noisecurve.mixing.optimize import (  # noqa: F401
     PRECONDITION_REFRESH,
     PROBE_COLOURS,
 )
+from keras_noisecurve.mixing.workloads import blend_workload, curvature_workload  # noqa: F401
 
 #: ``blend_weight="auto"`` keeps the peak running-noise-sum std within this × DP-BandMF's.
 AUTO_BLEND_FACTOR = 1.5
@@ -238,7 +244,7 @@ def solve_mixing_matrix(*, steps, bands, objective=DEFAULT_OBJECTIVE, spectrum=N
         "ridge": float(problem.ridge),
         "ridge_relative": RIDGE_RELATIVE if problem.ridge else 0.0,
         "workload_rank": int(problem.rank),
-        "loss_scale": _loss_scale(objective),
+        "loss_scale": LOSS_SCALES[objective],
         "version": _version(),
     }
     if auto_record is not None:
@@ -246,16 +252,6 @@ def solve_mixing_matrix(*, steps, bands, objective=DEFAULT_OBJECTIVE, spectrum=N
     band_values = ab_to_band_values(ab)
     _attach_diagnostics(meta, band_values, reference_ab=bandmf_ab if objective in CURVATURE_OBJECTIVES else None)
     return MixingMatrix(band_values, meta)
-
-
-def _loss_scale(objective: str) -> str:
-    if objective in ("noisecurve", "noisecurve-all-iterates", "noisecurve-blend"):
-        return "E[loss gap] = (eta^2 sigma^2 / 2) * loss for a quadratic model (blend: of the normalised mix)"
-    if objective == "noisecurve-convergence":
-        return "mean squared gradient norm = k* + eta^2 sigma^2 * loss for a quadratic model"
-    if objective == "bandmf":
-        return "total variance of the running noise sum (sigma = 1)"
-    return "total per-step noise variance (sigma = 1)"
 
 
 def _solve_problem(problem, bands, start_ab, bandmf_ab, tol, max_iterations, verbose):
@@ -296,20 +292,13 @@ def objective_value(mixing, *, objective, spectrum=None, learning_rate=None, ble
         raise ValueError(f"mixing must be a MixingMatrix; got {type(mixing).__name__}.")
     check_choice("objective", objective, OBJECTIVES)
     check_unused_inputs(objective, spectrum=spectrum, learning_rate=learning_rate, blend_weight=blend_weight)
-    steps = mixing.steps
     ab = band_values_to_ab(np.asarray(mixing.band_values))
-    if objective == "dpsgd":
-        return inverse_frobenius_term(ab, gradient=False)[0]
-    if objective == "bandmf":
-        return inverse_frobenius_term(prefix_factor(ab), gradient=False)[0]
-    inputs = check_curvature_inputs(objective=objective, spectrum=spectrum, learning_rate=learning_rate)
-    if objective == "noisecurve-blend":
-        lam = check_blend_weight(blend_weight, allow_auto=False)
-        workload = blend_workload(curvature=curvature_workload(objective="noisecurve", steps=steps, inputs=inputs),
-                                  blend_weight=lam)
-    else:
-        workload = curvature_workload(objective=objective, steps=steps, inputs=inputs)
-    return trace_w_xinv(ab, workload)
+    workload = None
+    if objective in CURVATURE_OBJECTIVES:
+        inputs = check_curvature_inputs(objective=objective, spectrum=spectrum, learning_rate=learning_rate)
+        lam = check_blend_weight(blend_weight, allow_auto=False) if objective == "noisecurve-blend" else None
+        workload = dense_workload(objective=objective, steps=mixing.steps, inputs=inputs, blend_weight=lam)
+    return exact_loss(ab, objective=objective, workload=workload)
 
 
 __all__ = ["solve_mixing_matrix", "objective_value", "prefix_noise_std", "pivoted_cholesky",

@@ -38,12 +38,34 @@ from keras_noisecurve.mixing.banded import (
 )
 from keras_noisecurve.mixing.workloads import blend_workload, curvature_workload
 
-__all__ = ["RIDGE_RELATIVE", "TRUNCATION_RELATIVE", "Problem", "Surrogate", "factor_workload", "pivoted_cholesky"]
+__all__ = [
+    "RIDGE_RELATIVE",
+    "TRUNCATION_RELATIVE",
+    "Problem",
+    "Surrogate",
+    "exact_loss",
+    "factor_workload",
+    "pivoted_cholesky",
+]
 
 #: Ridge ρ: ε = ρ·Tr(W)/T is added to a numerically rank-deficient curvature workload.
 RIDGE_RELATIVE = 1e-6
 #: Pivoted Cholesky of W stops once the discarded trace is ≤ this × Tr(W).
 TRUNCATION_RELATIVE = 1e-12
+
+
+def exact_loss(ab: np.ndarray, *, objective: str, workload: np.ndarray | None = None) -> float:
+    """``Tr(W X⁻¹)``, X = CᵀC, for C in (b, T) band storage, with banded solves only.
+
+    ``dpsgd`` (W = I, ``‖C⁻¹‖_F²``) and ``bandmf`` (W = AᵀA, ``‖A C⁻¹‖_F²``) use the
+    O(T·b²) block recursion and need no ``workload``; every other objective needs its
+    dense (T, T) ``workload`` and costs O(T²·b).
+    """
+    if objective == "dpsgd":
+        return inverse_frobenius_term(ab, gradient=False)[0]
+    if objective == "bandmf":
+        return inverse_frobenius_term(prefix_factor(ab), gradient=False)[0]
+    return trace_w_xinv(ab, workload)
 
 
 class Surrogate:
@@ -190,11 +212,7 @@ class Problem:
 
     def exact_loss(self, ab) -> float:
         """``Tr(W X⁻¹)`` without ridge or truncation."""
-        if self.objective == "dpsgd":
-            return inverse_frobenius_term(ab, gradient=False)[0]
-        if self.objective == "bandmf":
-            return inverse_frobenius_term(prefix_factor(ab), gradient=False)[0]
-        return trace_w_xinv(ab, self.workload)
+        return exact_loss(ab, objective=self.objective, workload=self.workload)
 
     def identity_loss(self) -> float:
         """Loss of C = I, i.e. Tr(W)."""

@@ -85,6 +85,19 @@ OBJECTIVES = (
 #: Objectives whose workload depends on a Hessian spectrum and a learning rate.
 CURVATURE_OBJECTIVES = OBJECTIVES[2:]
 
+_LOSS_GAP = "E[loss gap] = (eta^2 sigma^2 / 2) * loss for a quadratic model (blend: of the normalised mix)"
+#: What the objective value ``Tr(W X⁻¹)`` measures, per objective (the solver stores it
+#: as ``metadata["loss_scale"]``).
+LOSS_SCALES = {
+    "dpsgd": "total per-step noise variance (sigma = 1)",
+    "bandmf": "total variance of the running noise sum (sigma = 1)",
+    "noisecurve": _LOSS_GAP,
+    "noisecurve-convergence": "mean squared gradient norm = k* + eta^2 sigma^2 * loss for a quadratic model",
+    "noisecurve-all-iterates": _LOSS_GAP,
+    "noisecurve-blend": _LOSS_GAP,
+}
+assert tuple(LOSS_SCALES) == OBJECTIVES
+
 #: Default objective of ``solve_mixing_matrix``. Evidence decides it: in the
 #: validation-tuned accuracy benchmark (docs/results.md; softmax regression and an MLP
 #: on the bundled MNIST-5k, ε ∈ {2, 5, 8}, 20 paired seeds) no curvature objective
@@ -321,15 +334,29 @@ def workload_matrix(*, objective, steps, spectrum=None, learning_rate=None, blen
     check_choice("objective", objective, OBJECTIVES)
     steps = check_int("steps", steps, minimum=1)
     check_unused_inputs(objective, spectrum=spectrum, learning_rate=learning_rate, blend_weight=blend_weight)
+    inputs = lam = None
+    if objective in CURVATURE_OBJECTIVES:
+        inputs = check_curvature_inputs(objective=objective, spectrum=spectrum, learning_rate=learning_rate)
+    if objective == "noisecurve-blend":
+        lam = check_blend_weight(blend_weight, allow_auto=False)
+    return dense_workload(objective=objective, steps=steps, inputs=inputs, blend_weight=lam)
+
+
+def dense_workload(*, objective: str, steps: int, inputs: CurvatureInputs | None = None,
+                   blend_weight: float | None = None) -> np.ndarray:
+    """The dense (T, T) workload of ``objective`` from already validated inputs.
+
+    ``inputs`` (from ``check_curvature_inputs``) for the curvature objectives, λ =
+    ``blend_weight`` (a number in [0, 1]) for ``noisecurve-blend``; see
+    ``workload_matrix`` for the validated public entry point.
+    """
     if objective == "dpsgd":
         return np.eye(steps)
     if objective == "bandmf":
         return prefix_workload(steps)
-    inputs = check_curvature_inputs(objective=objective, spectrum=spectrum, learning_rate=learning_rate)
     if objective == "noisecurve-blend":
-        lam = check_blend_weight(blend_weight, allow_auto=False)
         return blend_workload(curvature=curvature_workload(objective="noisecurve", steps=steps, inputs=inputs),
-                              blend_weight=lam)
+                              blend_weight=blend_weight)
     return curvature_workload(objective=objective, steps=steps, inputs=inputs)
 
 
