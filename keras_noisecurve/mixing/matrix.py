@@ -276,7 +276,7 @@ class MixingMatrix:
 
 
 def load_mixing(mixing):
-    """Resolve a ``mixing=`` argument to a :class:`MixingMatrix` (or the string ``"dpsgd"``).
+    """Resolve a ``mixing=`` argument to a ``MixingMatrix`` (or the string ``"dpsgd"``).
 
     ``NoiseCurveOptimizer(mixing=...)`` and the TensorFlow Privacy query
     ``BandedMatrixFactorizationQuery(mixing=...)`` accept a mixing matrix in any of the
@@ -285,17 +285,17 @@ def load_mixing(mixing):
     Args:
       mixing: one of
 
-        - a :class:`MixingMatrix`: returned as it is;
+        - a ``MixingMatrix``: returned as it is;
         - the string ``"dpsgd"``: returned as it is. It means independent noise (C = I)
           with no step limit; ``MixingMatrix.identity(T)`` is the same noise for T steps;
         - a path (``str`` or ``os.PathLike``) of a ``.npz`` artifact written by
-          :meth:`MixingMatrix.save` or ``noisecurve solve``: loaded and re-validated by
-          :meth:`MixingMatrix.load`;
+          ``MixingMatrix.save`` or ``noisecurve solve``: loaded and re-validated by
+          ``MixingMatrix.load``;
         - a dict ``{"band_values": (T, b) array-like, "metadata": dict}`` (the form
           ``NoiseCurveOptimizer.get_config()`` stores; ``metadata`` may be missing).
 
     Returns:
-      The :class:`MixingMatrix`, or ``"dpsgd"``.
+      The ``MixingMatrix``, or the string ``"dpsgd"``.
 
     Raises:
       ValueError: a path that is not a file or not a valid artifact, a dict without
