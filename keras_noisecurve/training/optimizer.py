@@ -1,7 +1,9 @@
-"""Keras 3 optimizers for private training: ``DPOptimizer`` (DP-SGD) and
-``NoiseCurveOptimizer`` (banded correlated noise of a mixing matrix C).
+"""Keras 3 optimizers for private training: ``NoiseCurveOptimizer`` (the noise of a
+mixing matrix C: DP-SGD for C = I, DP-BandMF, NoiseCurve) and its base ``DPOptimizer``
+(C = I without a step plan). docs/training.md, "DP-SGD", says which to use.
 
-Update rule (DESIGN.md §2, paper App. C), at step t = ``optimizer.iterations``::
+Update rule (docs/design.md#update-rule, paper App. C), at step
+t = ``optimizer.iterations``::
 
     ĝ_t = (Σ_i clip(g_i, ζ) + ζ·σ·z̃_t) / B          B = expected batch size
     w   ← w − η·ĝ_t                                   plain SGD, no momentum
@@ -84,7 +86,10 @@ def _check_kwargs(kwargs):
 class DPOptimizer(keras.optimizers.Optimizer):
     """DP-SGD for Keras 3: clipped sum in, independent Gaussian noise, mean over B.
 
-    ``w ← w − η·(Σ_i clip(g_i, ζ) + ζ·σ·z_t) / B`` with z_t ~ N(0, I) (DESIGN.md §2, C = I).
+    ``w ← w − η·(Σ_i clip(g_i, ζ) + ζ·σ·z_t) / B`` with z_t ~ N(0, I), i.e. C = I, at
+    every step, with no step plan. The base class of ``NoiseCurveOptimizer``, which
+    holds the whole update; ``DPOptimizer(...)`` is ``NoiseCurveOptimizer(mixing="dpsgd", ...)``
+    (same noise, draw for draw).
 
     Args:
       learning_rate: η > 0 (float) or a ``keras.optimizers.schedules.LearningRateSchedule``.
@@ -98,8 +103,9 @@ class DPOptimizer(keras.optimizers.Optimizer):
 
     Plain SGD only: no momentum, weight decay, EMA, clipnorm/clipvalue/global_clipnorm,
     loss scaling or gradient accumulation (each raises ``ValueError``). There is no
-    step limit for DP-SGD; use ``NoiseCurveOptimizer(mixing=MixingMatrix.identity(T))``
-    to have the optimizer refuse steps beyond a privacy plan of T steps.
+    step limit: the way to ask for DP-SGD is
+    ``NoiseCurveOptimizer(mixing=MixingMatrix.identity(T))``, which refuses steps
+    beyond the privacy plan of T steps like every other C (docs/training.md, "DP-SGD").
     """
 
     def __init__(
@@ -133,12 +139,18 @@ class DPOptimizer(keras.optimizers.Optimizer):
         self.noise_multiplier = noise_multiplier
         self.expected_batch_size = expected_batch_size
         self.seed = seed
-        self._noise = BandedNoise(None)  # subclasses replace it
+        self._mixing = "dpsgd"  # C = I without a step plan; NoiseCurveOptimizer sets its C
+        self._noise = _noise_of(self._mixing)
         self._initial_key = key_from_seed(seed)
         self._private_apply = False
         self._step_noise = None  # _StepNoise while one step's updates are built
 
     # ------------------------------------------------------------- noise source
+    @property
+    def mixing(self):
+        """The mixing matrix: a ``MixingMatrix``, or ``"dpsgd"`` (C = I, no step plan)."""
+        return self._mixing
+
     @property
     def noise(self) -> BandedNoise:
         """The online noise generator (``BandedNoise``)."""
@@ -212,9 +224,17 @@ class DPOptimizer(keras.optimizers.Optimizer):
         grads, variables = zip(*grads_and_vars)
         return self.apply(list(grads), list(variables))
 
+    # Keras's TensorFlow optimizer calls this PRIVATE hook once per step, in cross-replica
+    # context, around the per-variable update_step calls (_backend_update_step ->
+    # maybe_merge_call). No public hook runs there: apply() runs once per replica, in
+    # replica context, and update_step once per variable and replica copy. The work all
+    # variables of a step share (privacy-plan check, step seed, row t of C) is built here
+    # once per step instead of once per variable. Without the hook, update_step builds it
+    # itself (same noise, slower); tests/training/test_keras_hook.py fails if a Keras
+    # release removes the hook, changes its signature or stops calling it.
     def _distributed_tf_update_step(self, distribution, grads_and_vars, learning_rate):
         """Build the per-step noise work (plan check, step seed, row of C) once, then
-        the per-variable updates (Keras' TF-backend hook, called once per step)."""
+        the per-variable updates."""
         self._step_noise = _StepNoise(self)
         try:
             return super()._distributed_tf_update_step(distribution, grads_and_vars, learning_rate)
@@ -263,6 +283,11 @@ class DPOptimizer(keras.optimizers.Optimizer):
         return config
 
 
+def _noise_of(mixing) -> BandedNoise:
+    """The online noise generator of a resolved ``mixing`` (``"dpsgd"``: C = I, no plan)."""
+    return BandedNoise(None if mixing == "dpsgd" else mixing.band_values)
+
+
 class _StepNoise:
     """What all variables of one step share: the step t, its seed ``step_seed(key, t)``
     (computed after the privacy-plan check, so no update runs past step T) and the
@@ -290,13 +315,16 @@ class _StepNoise:
 class NoiseCurveOptimizer(DPOptimizer):
     """DP-SGD with banded correlated noise z̃_t = (C⁻¹Z)_t of a mixing matrix C.
 
-    ``w ← w − η·(Σ_i clip(g_i, ζ) + ζ·σ·z̃_t) / B`` (DESIGN.md §2, paper App. C), with
-    z̃ computed online from a ring buffer of b − 1 past values per variable.
+    ``w ← w − η·(Σ_i clip(g_i, ζ) + ζ·σ·z̃_t) / B`` (docs/design.md#update-rule;
+    paper App. C), with z̃ computed online from a ring buffer of b − 1 past values per
+    variable.
 
     Args:
-      mixing: a ``MixingMatrix`` (T steps, b bands), the path of a ``.npz`` artifact,
-        or ``"dpsgd"`` (independent noise, no step limit). Training refuses step
-        t ≥ T (the privacy plan is spent): the step fails with an error.
+      mixing: anything ``keras_noisecurve.mixing.load_mixing`` reads: a ``MixingMatrix``
+        (T steps, b bands; ``MixingMatrix.identity(T)`` is DP-SGD), the path of a
+        ``.npz`` artifact, the config dict ``get_config`` writes, or ``"dpsgd"`` (C = I
+        without a step plan, what ``DPOptimizer`` does). Training refuses step t ≥ T
+        (the privacy plan is spent): the step fails with an error.
       learning_rate, l2_norm_clip, noise_multiplier, expected_batch_size, seed, name:
         as ``DPOptimizer``. A learning rate that differs from
         ``mixing.metadata["learning_rate"]`` warns (C was optimised for that η);
@@ -325,7 +353,7 @@ class NoiseCurveOptimizer(DPOptimizer):
             **kwargs,
         )
         self._mixing = mixing
-        self._noise = self._make_noise()
+        self._noise = _noise_of(mixing)
         if self._mixing != "dpsgd":
             meta = self._mixing.metadata
             objective = meta.get("objective", "unknown")
@@ -343,16 +371,6 @@ class NoiseCurveOptimizer(DPOptimizer):
                     "assumes a constant learning rate; the noise is still private but no longer optimal.",
                     stacklevel=2,
                 )
-
-    def _make_noise(self) -> BandedNoise:
-        if self._mixing == "dpsgd":
-            return BandedNoise(None)
-        return BandedNoise(self._mixing.band_values)
-
-    @property
-    def mixing(self):
-        """The ``MixingMatrix`` (or ``"dpsgd"``)."""
-        return self._mixing
 
     def get_config(self):
         config = super().get_config()

@@ -119,6 +119,7 @@ def test_dpoptimizer_is_dpsgd_without_limit():
         b.apply_clipped_sum([tf.ones(30)], [v2])
     np.testing.assert_array_equal(v1.numpy(), v2.numpy())
     assert a.noise.steps is None
+    assert a.mixing == b.mixing == "dpsgd"
 
 
 def test_step_past_plan_fails_in_eager_apply():
