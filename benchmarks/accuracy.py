@@ -27,7 +27,7 @@ Protocol (paper §5 and App. A, scaled to a 2-core CPU):
   (only C⁻¹ differs), which is what makes a paired test meaningful.
 
 Training loop: the update of ``keras_noisecurve.DPOptimizer`` / ``NoiseCurveOptimizer``
-(DESIGN.md §2) written in numpy for speed — per-example gradients of softmax
+(docs/design.md#update-rule) written in numpy for speed — per-example gradients of softmax
 regression are outer products, so clipping costs O(B·(d + k)):
 
     ĝ_t = (Σ_{i∈B_t} clip(g_i, ζ) + ζ·σ·z̃_t) / B,   w ← w − η·ĝ_t,   z̃ = C⁻¹z
@@ -593,7 +593,7 @@ def significance(final, args):
 
 
 def decide_default(final, args, alpha: float = 0.05):
-    """The default-objective rule (issue 7 item 4), on VALIDATION accuracy only.
+    """The default-objective rule of docs/results.md, on VALIDATION accuracy only.
 
     For every method, pool its validation accuracies over all (ε, final seed) pairs; a
     curvature variant *beats* DP-BandMF if its pooled mean is higher AND a one-sided

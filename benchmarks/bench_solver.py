@@ -3,8 +3,9 @@
 Columns: wall seconds and CPU seconds (time.process_time) of the whole call. Run with
 ``OMP_NUM_THREADS=1`` on a shared machine.
 
-Spectrum: μ_i = 1/i, i = 1 … 2000, η = 0.5 (the speed target of issue 2: T = 2000,
-b = 16, ``noisecurve``, relative optimality 1e-6 in ≤ 20 s on 2 cores).
+Spectrum: μ_i = 1/i, i = 1 … 2000, η = 0.5 (the solver's speed target, docs/mixing.md
+"Solver speed": T = 2000, b = 16, ``noisecurve``, relative optimality 1e-6 in ≤ 20 s on
+2 cores).
 
 Usage::
 

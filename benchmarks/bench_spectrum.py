@@ -10,7 +10,8 @@ Dense 256→64 + ReLU, Dense 64→10: 40,906 parameters on 32×32×3 inputs. Pub
 sklearn ``load_digits`` images upsampled 8×8 → 32×32 and repeated over 3 channels,
 random labels (paper §4.1), no pre-training (weights at initialisation).
 
-Run (defaults are the issue's setting; smaller settings for a quick look)::
+Run (the defaults are the setting measured in docs/spectrum.md, "Cost"; smaller
+settings for a quick look)::
 
     python benchmarks/bench_spectrum.py                  # 512 examples, top-100
     python benchmarks/bench_spectrum.py --examples 128 --top-k 20

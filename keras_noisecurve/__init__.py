@@ -2,7 +2,7 @@
 
 Public names are loaded lazily, so ``import keras_noisecurve`` stays fast and the
 numpy/scipy parts (mixing-matrix solver, privacy accounting) never import
-TensorFlow. docs/api.md documents every public name; docs/design.md the notation.
+TensorFlow. docs/api.md documents the public names, docs/design.md#notation the notation.
 """
 
 from __future__ import annotations

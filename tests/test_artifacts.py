@@ -166,6 +166,11 @@ def test_spectrum_save_load_and_digest(tmp_path):
     with pytest.raises(ValueError, match="not a keras-noisecurve spectrum"):
         MixingMatrix.identity(3).save(tmp_path / "c.npz")
         Spectrum.load(tmp_path / "c.npz")
+    with np.load(tmp_path / "s.npz") as data:
+        fields = {k: data[k] for k in data.files if k != "multiplicities"}
+    np.savez(tmp_path / "partial.npz", **fields)
+    with pytest.raises(ValueError, match="missing field 'multiplicities'"):
+        Spectrum.load(tmp_path / "partial.npz")
 
 
 # ------------------------------------------------------------------ packaging

@@ -3,7 +3,8 @@
 numpy only (no TensorFlow), so the mixing-matrix solver can consume it cheaply.
 
 A spectrum is stored as K distinct (eigenvalue, multiplicity) pairs; the
-curvature workload of the solver costs O(K·T) from them (DESIGN.md §2). The
+curvature workload of the solver costs O(K·T) from them (a Hankel matrix, see
+docs/design.md#notation). The
 multiplicities may be non-integer where a fitted tail spreads mass (paper eq. 3);
 they must be positive and finite.
 """
@@ -167,7 +168,7 @@ class Spectrum:
         return h.hexdigest()
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write as ``.npz`` without pickle."""
+        """Write as ``.npz`` without pickle (fields: docs/design.md#file-formats)."""
         with open(path, "wb") as f:
             np.savez(
                 f,
@@ -181,7 +182,11 @@ class Spectrum:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Spectrum":
-        """Read a file written by ``save``; raises ``ValueError`` for anything else."""
+        """Read a file written by ``save``; raises ``ValueError`` for anything else.
+
+        The fields (docs/design.md#file-formats) are read without pickle and
+        re-validated by the constructor.
+        """
         try:
             with np.load(path, allow_pickle=False) as data:
                 fields = {k: data[k] for k in data.files}
@@ -191,6 +196,9 @@ class Spectrum:
             raise ValueError(f"{path}: not a keras-noisecurve spectrum file.")
         if int(fields.get("format_version", -1)) != _FORMAT_VERSION:
             raise ValueError(f"{path}: unsupported spectrum format version {fields.get('format_version')}.")
+        for key in ("eigenvalues", "multiplicities", "dimension", "metadata"):
+            if key not in fields:
+                raise ValueError(f"{path}: missing field {key!r}.")
         return cls(
             fields["eigenvalues"],
             fields["multiplicities"],

@@ -11,8 +11,8 @@ Pipeline (paper §4.1 and §4.4):
    with exact moments through GroupNormalization/LayerNormalization (``moments.py``).
 4. ``method="exact"``: dense Hessian (p HVPs) and ``numpy.linalg.eigh``; ``"lanczos"``:
    top-k by Lanczos, p₊ = #{μ ≥ μ_min} by SLQ, power-law tail fit (paper eq. 3);
-   ``"auto"``: exact when p ≤ ``exact_threshold`` (default 3,000: a 72 MB matrix and
-   3,000 HVPs, seconds to a few minutes on a CPU), Lanczos otherwise.
+   ``"auto"``: exact when p ≤ ``exact_threshold`` (default 3,000: a 72 MB float64
+   matrix and 3,000 HVPs), Lanczos otherwise.
 5. Negative eigenvalues are clamped to 0 by ``Spectrum``.
 """
 

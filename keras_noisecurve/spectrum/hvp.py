@@ -7,7 +7,8 @@
 over all trainable variables as a flat float64 linear operator: ``matvec(v)`` takes and
 returns (p,) float64 numpy vectors (variables in ``model.trainable_variables`` order,
 each flattened row-major). Products are computed by double back-propagation with nested
-``tf.GradientTape`` (≈ 2.6× a gradient), batch by batch, each batch contributing
+``tf.GradientTape`` (a few gradients' cost; docs/spectrum.md, "Cost"), batch by batch,
+each batch contributing
 Σ_{i∈batch} ℓ_i / n, so unequal batches are weighted by their example counts exactly.
 
 The model runs in inference mode (``training=False``): dropout is off and batch

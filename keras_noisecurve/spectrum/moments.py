@@ -4,7 +4,8 @@ Keras 3 (TensorFlow backend) computes ``keras.ops.moments`` with ``tf.nn.moments
 whose variance is ``mean((x − stop_gradient(mean))²)``. Because Σ(x − mean) = 0, the
 first derivative is unaffected, but second derivatives miss the mean's path: Hessian-
 vector products through ``GroupNormalization`` and ``LayerNormalization`` (and
-``BatchNormalization`` in training mode) are off by ≈1e-3 relative (DESIGN.md §6).
+``BatchNormalization`` in training mode) are off by 1e-3 to 1e-2 relative
+(docs/spectrum.md, "The GroupNormalization pitfall").
 
 ``exact_moments()`` is a context manager that, while active, replaces the backend's
 ``_compute_moments`` with ``mean`` and ``mean((x − mean)²)`` without any stop-gradient.

@@ -9,15 +9,13 @@ eigenvalues ≥ μ_min (from an SLQ count, or exact). C > 0 and α > 0 are fitte
 least squares on log μ_i over the lower part of the k computed top eigenvalues,
 indices ⌈fit_from·k⌉ … k (default fit_from = 0.5): the extrapolation into the tail is
 governed by the local slope there, and fitting all of the top-k lets the few steep
-leading eigenvalues pull the curve under the true tail (measured on a GroupNorm CNN
-with a known spectrum: fraction of tail indices where the curve is above the truth
-0–2 % fitting all top-k vs 73–100 % fitting the lower half, k = 50…200; see
-tests/spectrum/test_model_spectrum.py). ``fit_from=0`` fits all top-k as in the paper.
-The tail k+1 … p₊ is
-then represented by a few hundred geometric bins of indices; each bin takes the
-fitted value at its FIRST (largest) index, so the compressed tail lies on or above
-the fitted (decreasing) curve, and is capped at μ_k (the smallest computed value,
-which every tail eigenvalue is below). Eigenvalues past p₊ are taken as 0.
+leading eigenvalues pull the curve under the true tail (docs/spectrum.md, "Tail fit",
+compares both fits on spectra known exactly). ``fit_from=0`` fits all top-k as in the
+paper. The tail k+1 … p₊ is then represented by a few hundred geometric bins of
+indices; each bin takes the fitted value at its FIRST (largest) index, so the
+compressed tail lies on or above the fitted (decreasing) curve, and is capped at μ_k
+(the smallest computed value, which every tail eigenvalue is below). Eigenvalues past
+p₊ are taken as 0.
 """
 
 from __future__ import annotations

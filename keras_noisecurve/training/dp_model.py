@@ -1,7 +1,7 @@
 """``DPModel``: a Keras model whose ``train_step`` clips per example, and
 ``make_private`` to wrap any model.
 
-One training step (DESIGN.md §2):
+One training step (docs/design.md#update-rule):
 
 1. the clipping engine computes Σ_i clip(w_i·∇loss_i, ζ) (w_i = sample weight or
    the sampler's padding mask, applied before clipping);

@@ -2,7 +2,7 @@
 
 DP training needs ``Σ_i clip(w_i·∇loss_i, ζ)``: the sum over the P examples of a
 batch of each example's (weighted) gradient scaled by ``c_i = min(1, ζ/‖w_i·∇loss_i‖)``
-(the clipped sum of the update rule in docs/design.md; paper App. C). The vectorized
+(the clipped sum of docs/design.md#update-rule; paper App. C). The vectorized
 engine (:mod:`keras_noisecurve.training.clipping`) forms all P per-example gradients;
 this engine never does:
 
@@ -304,7 +304,7 @@ def ghost_clipped_sum(
     """Clipped sum of per-example gradients via ghost norms (no per-example gradients).
 
     Computes ``Σ_i clip(w_i·∇loss_i, ζ)`` with ``clip(v, ζ) = v·min(1, ζ/‖v‖)`` (the
-    clipped sum of the update rule in docs/design.md, paper App. C; noise is added by
+    clipped sum of docs/design.md#update-rule, paper App. C; noise is added by
     the optimizer), with two backward passes and per-layer norm identities instead of
     P per-example gradients. Same engine contract
     (:mod:`keras_noisecurve.training.clipped_sum`) as

@@ -1,15 +1,16 @@
-"""Online banded correlated noise z̃ = C⁻¹z (DESIGN.md §2), shared by the Keras
-optimizer and the TensorFlow Privacy query.
+"""Online banded correlated noise z̃ = C⁻¹z (docs/design.md#notation), shared by the
+Keras optimizer and the TensorFlow Privacy query.
 
 Randomness is counter based: the standard normal draw z_t for variable k is made
 from Philox bits keyed by ``seed = fold_in(fold_in(key, t), k)`` (see
 :func:`normal_from_seed`: Box–Muller on 32-bit uniforms, computed with vectorised
-TensorFlow ops, ~2.5× faster on CPU than ``tf.random.stateless_normal``). It depends
+TensorFlow ops, because ``tf.random.stateless_normal`` runs its Box–Muller in scalar
+code; docs/training.md, "Secret seeds", has the timings). It depends
 only on (key, step t, variable index k), so it is identical on every replica of a
 ``tf.distribute`` strategy and is reproduced exactly after restoring the key, the
 step counter and the ring buffers from any checkpoint.
 
-The recurrence (paper App. C, DESIGN.md §2)::
+The recurrence (paper App. C)::
 
     z̃_t = (z_t − Σ_{j=1}^{b−1} C[t, t−j] · z̃_{t−j}) / C[t, t]
 
