@@ -347,8 +347,7 @@ def main(argv=None):
         if args.memory_batch_sizes:
             memory_by_batch(model_name, args.configs, args.memory_batch_sizes, planned)
         # Two identical compiled models can differ by ~20 % in step time on a loaded
-        # machine (measured: two DP-SGD CNN instances, 357 vs 289 ms/step), which swamps
-        # the cost of the noise. The noise source changes only the optimizer update, so
+        # machine (docs/training.md, "Performance"), which swamps the cost of the noise. The noise source changes only the optimizer update, so
         # also report banded / DP-SGD = (step_dpsgd − update_dpsgd + update_banded) / step_dpsgd.
         if "dpsgd" in median:
             for name in median:
