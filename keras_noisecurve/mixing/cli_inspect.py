@@ -76,7 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # ---------------------------------------------------------------------------- pieces
-def _load_mixing(path: str):
+def _read_mixing_file(path: str):
     from keras_noisecurve.mixing.matrix import InvalidMixingMatrixError, MixingMatrix
 
     if not os.path.isfile(path):
@@ -108,7 +108,7 @@ def _reference(args, mixing):
     if args.no_reference:
         return None, "skipped (--no-reference)"
     if args.reference is not None:
-        ref = _load_mixing(args.reference)
+        ref = _read_mixing_file(args.reference)
         if ref.steps != mixing.steps:
             raise CommandError(
                 f"--reference has {ref.steps} steps but {args.file!r} has {mixing.steps}; they must match."
@@ -314,7 +314,7 @@ def run(args) -> int:
                 plot_dir = os.path.dirname(os.path.abspath(args.plot))
                 if not os.path.isdir(plot_dir):
                     raise CommandError(f"the directory of --plot {args.plot!r} does not exist.")
-            mixing = _load_mixing(args.file)
+            mixing = _read_mixing_file(args.file)
             spectrum = load_spectrum(args.spectrum) if args.spectrum is not None else None
             reference, reference_how = _reference(args, mixing)
             expected = _expected_error(args, mixing, spectrum, reference)
