@@ -9,7 +9,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from keras_noisecurve.models import GroupNorm as _PaperGroupNorm
+from keras_noisecurve.layers import GroupNorm as _PaperGroupNorm
 from keras_noisecurve.training.ghost_common import Rule, norm_dtype, per_example_sq, sum_over, weighted_sum
 
 
