@@ -205,7 +205,7 @@ class GroupNormalizationRule(_ChannelsLastGroupsRule):
 
 
 class ChannelsLastGroupNormRule(_ChannelsLastGroupsRule):
-    """``keras_noisecurve.models.GroupNorm`` (the paper CNN's GroupNorm, channels last).
+    """``keras_noisecurve.layers.GroupNorm`` (the paper CNN's GroupNorm, channels last).
 
     Same x̂ as its ``call``: ``(x − mean_g) / sqrt(var_g + ε)`` over the spatial axes
     and the channels of each group; ``gamma``/``beta`` per channel (last axis).
