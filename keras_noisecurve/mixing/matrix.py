@@ -100,7 +100,7 @@ class MixingMatrix:
             s = int(np.argmax(dev))
             raise InvalidMixingMatrixError(
                 f"every column of C must have L2 norm 1 (within {COLUMN_NORM_TOLERANCE:g}); "
-                f"column {s} has norm {norms[s]!r}. Normalise the columns before building the "
+                f"column {s} has norm {float(norms[s])!r}. Normalise the columns before building the "
                 "artifact: the privacy accounting assumes unit column norms."
             )
         values.setflags(write=False)
