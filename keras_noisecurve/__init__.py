@@ -8,6 +8,7 @@ TensorFlow. docs/api.md documents the public names, docs/design.md#notation the 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 
 __version__ = "0.1.0"
 
@@ -43,7 +44,22 @@ _EXPORTS = {
 
 _SUBMODULES = {"callbacks", "layers", "mixing", "privacy", "spectrum", "training", "integrations", "cli"}
 
-__all__ = sorted(_EXPORTS) + sorted(_SUBMODULES) + ["__version__"]
+#: exports that need an optional extra: left out of ``__all__`` (so ``import *`` works)
+#: when the extra's package is not installed; accessing them then names the extra.
+_OPTIONAL = {"BandedMatrixFactorizationQuery": "tensorflow_privacy"}
+
+
+
+def _installed(package: str) -> bool:
+    try:
+        return importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+__all__ = sorted(
+    name for name in _EXPORTS if name not in _OPTIONAL or _installed(_OPTIONAL[name])
+) + sorted(_SUBMODULES) + ["__version__"]
 
 
 def __getattr__(name: str):

@@ -83,3 +83,30 @@ def test_other_missing_modules_are_not_disguised(monkeypatch):
         import_tf_privacy("privacy.no_such_module")
     assert exc.value.name == "tensorflow_privacy.privacy"
     assert "keras-noisecurve[tf-privacy]" not in str(exc.value)
+
+
+@pytest.mark.parametrize("hidden", [True, False], ids=["without-extra", "as-installed"])
+def test_star_import_works_with_or_without_the_extra(hidden):
+    # `from keras_noisecurve import *` resolves every name of __all__: the optional
+    # export is listed only where tensorflow-privacy is installed.
+    import subprocess
+
+    hook = (
+        "import sys\n"
+        "class F:\n"
+        "    @staticmethod\n"
+        "    def find_spec(name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'tensorflow_privacy':\n"
+        "            raise ModuleNotFoundError(name, name=name)\n"
+        "sys.meta_path.insert(0, F())\n"
+    )
+    code = (hook if hidden else "") + (
+        "import importlib.util\n"
+        "installed = not " + str(hidden) + " and importlib.util.find_spec('tensorflow_privacy') is not None\n"
+        "ns = {}\n"
+        "exec('from keras_noisecurve import *', ns)\n"
+        "assert ('BandedMatrixFactorizationQuery' in ns) == installed, installed\n"
+        "assert 'make_private' in ns and 'MixingMatrix' in ns\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
