@@ -16,6 +16,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     # mixing matrices (numpy/scipy)
     "MixingMatrix": "keras_noisecurve.mixing",
+    "UpdateRule": "keras_noisecurve.mixing",
     "InvalidMixingMatrixError": "keras_noisecurve.mixing",
     "load_mixing": "keras_noisecurve.mixing",
     "solve_mixing_matrix": "keras_noisecurve.mixing",

@@ -17,6 +17,7 @@ from keras_noisecurve.mixing.solver import (
     prefix_noise_std,
     solve_mixing_matrix,
 )
+from keras_noisecurve.mixing.update_rule import SCHEDULES, UpdateRule
 from keras_noisecurve.mixing.workloads import (
     AUTO_BLEND_GRID,
     CURVATURE_OBJECTIVES,
@@ -35,7 +36,9 @@ __all__ = [
     "MixingMatrix",
     "OBJECTIVES",
     "RIDGE_RELATIVE",
+    "SCHEDULES",
     "TRUNCATION_RELATIVE",
+    "UpdateRule",
     "load_mixing",
     "objective_value",
     "prefix_noise_std",
