@@ -226,9 +226,37 @@ def cyclic_poisson_batches(n: int, batch_size: int, bands: int, steps: int, rng:
     return [parts[t % bands][rng.random(len(parts[t % bands])) < q] for t in range(steps)]
 
 
-def train_dp(problem: Problem, model, *, mixing, sigma: float, lr: float, clip: float, batch_size: int, seed: int):
+class HeavyBall:
+    """Keras's ``SGD(momentum=β, nesterov=False)`` with learning rate η·s_t, in numpy.
+
+    At step t = 0 … T−1, with s = ``rule.multipliers(T)`` (all ones without a rule)::
+
+        m_{t+1} = β·m_t − η·s_t·g_t,        w_{t+1} = w_t + m_{t+1},        m_0 = 0
+
+    in Keras's operation order (``m ← m·β − g·η_t``, then ``w ← w + m``). With β = 0 the
+    step is ``w − η·s_t·g_t`` directly, bit-identical to the plain loop this replaced.
+    """
+
+    def __init__(self, lr: float, steps: int, rule=None):
+        self.rates = lr * (np.ones(steps) if rule is None else rule.multipliers(steps))
+        self.momentum = 0.0 if rule is None else float(rule.momentum)
+        self.m = None
+
+    def step(self, w, t: int, g):
+        """Return w_{t+1} from w_t and the (privatized) gradient g_t."""
+        if self.momentum == 0.0:
+            return w - self.rates[t] * g
+        m = np.zeros_like(w) if self.m is None else self.m
+        self.m = m * self.momentum - g * self.rates[t]
+        return w + self.m
+
+
+def train_dp(problem: Problem, model, *, mixing, sigma: float, lr: float, clip: float, batch_size: int, seed: int,
+             rule=None):
     """One private run; returns the final weights (None if they diverged).
 
+    ĝ_t = (Σ clip(g_i, ζ) + ζσ·z̃_t)/B with z̃ = C⁻¹z, applied by ``HeavyBall`` (the update
+    rule ``rule``: momentum and learning-rate schedule; None is plain SGD, w ← w − η·ĝ_t).
     Batches, raw noise z and initial weights depend only on ``seed`` (paired across methods).
     """
     x, y = problem.x_train, problem.y_train
@@ -237,10 +265,11 @@ def train_dp(problem: Problem, model, *, mixing, sigma: float, lr: float, clip: 
     z = np.random.default_rng([seed, 2]).standard_normal((steps, model.p))
     z_tilde = mixing.inverse_apply(z)  # the library's online recurrence C⁻¹z
     w = model.init(np.random.default_rng([seed, 3]))
+    opt = HeavyBall(lr, steps, rule)
     for t in range(steps):
         idx = batches[t]
         gsum = model.clipped_sum(w, x[idx], y[idx], clip) if len(idx) else 0.0
-        w = w - lr * (gsum + clip * sigma * z_tilde[t]) / batch_size
+        w = opt.step(w, t, (gsum + clip * sigma * z_tilde[t]) / batch_size)
         if not np.all(np.isfinite(w)):
             return None
     return w
@@ -252,13 +281,22 @@ def accuracy(model, w, x, y) -> float:
     return float(np.mean(np.argmax(model.logits(w, x), axis=1) == y))
 
 
-def nonprivate_reference(problem, model, args):
-    """Non-private full-batch GD (same model, same T), learning rate picked on validation."""
+def lr_candidates(rule=None):
+    """Learning rates the non-private reference tries: {0.5 … 8}·(1 − β) (the same effective rate
+    η/(1 − β) under momentum β)."""
+    beta = 0.0 if rule is None else float(rule.momentum)
+    return [float(f"{c * (1.0 - beta):.12g}") for c in (0.5, 1.0, 2.0, 4.0, 8.0)]
+
+
+def nonprivate_reference(problem, model, args, rule=None):
+    """Non-private full-batch GD (same model, same T, same update rule), learning rate picked on
+    validation; returns (val, test, lr)."""
     best = None
-    for lr in sorted({0.5, 1.0, 2.0, 4.0, 8.0, *args.lr_grid}):
+    for lr in sorted({*lr_candidates(rule), *args.lr_grid}):
         w = model.init(np.random.default_rng([0, 3]))
-        for _ in range(args.steps):
-            w = w - lr * model.mean_gradient(w, problem.x_train, problem.y_train)
+        opt = HeavyBall(lr, args.steps, rule)
+        for t in range(args.steps):
+            w = opt.step(w, t, model.mean_gradient(w, problem.x_train, problem.y_train))
             if not np.all(np.isfinite(w)):
                 break
         val = accuracy(model, w if np.all(np.isfinite(w)) else None, problem.x_val, problem.y_val)
