@@ -27,14 +27,24 @@ Protocol (paper §5 and App. A, scaled to a 2-core CPU):
   (only C⁻¹ differs), which is what makes a paired test meaningful.
 
 Training loop: the update of ``keras_noisecurve.DPOptimizer`` / ``NoiseCurveOptimizer``
-(docs/design.md#update-rule) written in numpy for speed — per-example gradients of softmax
-regression are outer products, so clipping costs O(B·(d + k)):
+written in numpy for speed (``_accuracy_train.py``) — per-example gradients of these
+models are outer products, so clipping costs O(B·(d + k)):
 
-    ĝ_t = (Σ_{i∈B_t} clip(g_i, ζ) + ζ·σ·z̃_t) / B,   w ← w − η·ĝ_t,   z̃ = C⁻¹z
+    ĝ_t = (Σ_{i∈B_t} clip(g_i, ζ) + ζ·σ·z̃_t) / B,   z̃ = C⁻¹z,
+    m_{t+1} = β·m_t − η·s_t·ĝ_t,   w_{t+1} = w_t + m_{t+1},   m_0 = 0
 
-with z̃ from ``MixingMatrix.inverse_apply`` (the library's online recurrence) and
-batches from cyclic Poisson sampling (partition t mod b, inclusion probability
-q = B·b/n), exactly the sampler the accounting assumes.
+(Keras's ``SGD(momentum=β)``; β = ``--momentum``, s_t the multipliers of ``--schedule``,
+``keras_noisecurve.UpdateRule``; the defaults are plain SGD, w ← w − η·ĝ_t), with z̃ from
+``MixingMatrix.inverse_apply`` (the library's online recurrence) and batches from cyclic
+Poisson sampling (partition t mod b, inclusion probability q = B·b/n), exactly the sampler
+the accounting assumes.
+
+Update rule and workload: every method trains with the same rule. ``--workload`` says
+which rule the matrix-factorisation C's are solved for: ``plain`` (today's workloads,
+no ``update_rule``), ``matched`` (``solve_mixing_matrix(update_rule=rule)``, rows
+labelled ``+rule``) or ``both`` (each MF method twice, so the tables answer "does
+matching the workload to the update rule help?"). Objectives whose workload is only
+derived for plain SGD are skipped for the matched workload, with the reason logged.
 
 Run (about 15 min on 2 cores with the defaults):
 
@@ -46,11 +56,10 @@ Run (about 15 min on 2 cores with the defaults):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
-import platform
-import subprocess
 import sys
 import time
 import warnings
@@ -63,6 +72,13 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the _accuracy_* helpers beside this file
 
+from _accuracy_report import (  # noqa: E402
+    decide_default,
+    matched_vs_plain,
+    reference_bandmf,
+    render,
+    significance,
+)
 from _accuracy_train import (  # noqa: E402, F401  (tests read them from this script)
     Problem,
     SoftmaxRegression,
@@ -79,10 +95,71 @@ from _accuracy_train import (  # noqa: E402, F401  (tests read them from this sc
     train_dp,
 )
 
-from keras_noisecurve.mixing import CURVATURE_OBJECTIVES, OBJECTIVES  # noqa: E402
+from keras_noisecurve.mixing import CURVATURE_OBJECTIVES, OBJECTIVES, SCHEDULES, UpdateRule  # noqa: E402
 
 METHODS = OBJECTIVES  # DP-SGD, DP-BandMF and every curvature objective
 CURVATURE = CURVATURE_OBJECTIVES
+RULE_SUFFIX = "+rule"  # label suffix of a C solved for the training rule (matched workload)
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """A row of the report: ``method`` (solver objective) with C solved for the training rule
+    (``matched``) or for plain SGD."""
+
+    label: str
+    method: str
+    matched: bool = False
+
+
+def rule_refusal(method, rule, spectrum):
+    """None if ``solve_mixing_matrix`` accepts ``method`` with ``update_rule=rule``, else why not.
+
+    Asks the solver itself (a T = 8, b = 1 call, which validates and returns C = I at once),
+    so the benchmark knows no list of supported objectives of its own.
+    """
+    import inspect
+
+    import keras_noisecurve as knc
+
+    if "update_rule" not in inspect.signature(knc.solve_mixing_matrix).parameters:
+        return "this keras_noisecurve's solve_mixing_matrix takes no update_rule"
+    kwargs = dict(steps=8, bands=1, objective=method, update_rule=rule, max_iterations=0)
+    if method in CURVATURE:
+        kwargs.update(spectrum=spectrum, learning_rate=1e-3 / max(spectrum.max_eigenvalue, 1e-12))
+    if method == "noisecurve-blend":
+        kwargs["blend_weight"] = "auto"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            knc.solve_mixing_matrix(**kwargs)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def plan_variants(args, spectrum):
+    """The report's rows for ``--methods`` × ``--workload``; returns {"variants", "skipped"}."""
+    rule, variants, skipped = args.rule, [], []
+    if rule.is_plain and args.workload != "matched":
+        log(f"--workload {args.workload}: the update rule is plain SGD, so the matched workload is the plain one "
+            "(one row per method)")
+    for m in args.methods:
+        if m == "dpsgd" or rule.is_plain:
+            variants.append(Variant(m, m))
+            continue
+        if args.workload in ("plain", "both"):
+            variants.append(Variant(m, m))
+        if args.workload in ("matched", "both"):
+            reason = rule_refusal(m, rule, spectrum)
+            if reason is None:
+                variants.append(Variant(m + RULE_SUFFIX, m, matched=True))
+            else:
+                skipped.append((m + RULE_SUFFIX, reason))
+                log(f"skipping {m + RULE_SUFFIX}: {reason}")
+    if not variants:
+        raise SystemExit("error: no method left to run (every one skipped, see above).")
+    return {"variants": variants, "skipped": skipped}
 
 
 # ---------------------------------------------------------------- mixing + sigma
@@ -106,25 +183,31 @@ class Cache:
             self.scales[clip] = clipping_scale(self.model, self.w_pub, self.problem.x_public, self.y_pub, clip)
         return self.scales[clip]
 
-    def mixing_key(self, method, bands, lr, clip):
-        """(method, b, η_eff) or None for C = I; η_eff = η·s(ζ) for curvature objectives."""
-        if method == "dpsgd" or bands == 1:
+    def mixing_key(self, variant, bands, lr, clip):
+        """(method, b, η_eff, rule) or None for C = I; η_eff = η·s(ζ) for curvature objectives;
+        rule = the training rule's JSON record for a matched workload, None for plain SGD's."""
+        if variant.method == "dpsgd" or bands == 1:
             return None
-        eta = None if method == "bandmf" else round(lr * self.scale(clip), 12)
-        return (method, bands, eta)
+        eta = None if variant.method == "bandmf" else round(lr * self.scale(clip), 12)
+        rule = json.dumps(self.args.rule.to_metadata(), sort_keys=True) if variant.matched else None
+        return (variant.method, bands, eta, rule)
 
     def _path(self, key):
         if not self.args.cache_dir:
             return None
         import hashlib
 
-        text = json.dumps([key, self.args.steps, self.args.solver_tol, self.spectrum.digest()])
+        # a plain-workload key hashes as before update rules existed, so earlier caches stay valid
+        record = [list(key[:3]), self.args.steps, self.args.solver_tol, self.spectrum.digest()]
+        if key[3] is not None:
+            record.append(json.loads(key[3]))
+        text = json.dumps(record)
         return os.path.join(self.args.cache_dir, hashlib.sha256(text.encode()).hexdigest()[:24] + ".npz")
 
-    def mixing(self, method, bands, lr, clip):
+    def mixing(self, variant, bands, lr, clip):
         import keras_noisecurve as knc
 
-        key = self.mixing_key(method, bands, lr, clip)
+        key = self.mixing_key(variant, bands, lr, clip)
         if key is None:
             return knc.MixingMatrix.identity(self.args.steps)
         if key not in self.mixings:
@@ -135,15 +218,26 @@ class Cache:
                 self.store(key, solve_one(key, self.args.steps, self.args.solver_tol, self.spectrum))
         return self.mixings[key]
 
+    @staticmethod
+    def _check_rule(key, mixing):
+        """The C must record the rule it was solved for (no record: plain SGD)."""
+        expected = UpdateRule.from_metadata(None if key[3] is None else json.loads(key[3]))
+        recorded = UpdateRule.from_metadata(mixing.metadata.get("update_rule"))
+        if recorded != expected:
+            raise RuntimeError(f"the C for {key[:3]} records update rule {recorded!r}; expected {expected!r}.")
+
     def _loaded(self, key, mixing):
+        self._check_rule(key, mixing)
         self.mixings[key] = mixing
         self.solve_seconds += mixing.metadata.get("solver", {}).get("total_seconds", 0.0) or 0.0
 
     def store(self, key, mixing):
+        self._check_rule(key, mixing)
         self.mixings[key] = mixing
         self.solve_seconds += mixing.metadata.get("solver", {}).get("total_seconds", 0.0) or 0.0
         meta = mixing.metadata
-        log(f"  solved {key[0]} b={key[1]} eta_eff={key[2]}: loss={meta.get('loss', float('nan')):.4g} "
+        label = key[0] + ("" if key[3] is None else RULE_SUFFIX)
+        log(f"  solved {label} b={key[1]} eta_eff={key[2]}: loss={meta.get('loss', float('nan')):.4g} "
             f"(DP-BandMF C: {meta.get('baseline_losses', {}).get('bandmf', float('nan')):.4g}), "
             f"peak running-sum std {meta.get('diagnostics', {}).get('prefix_std_max', float('nan')):.3g}, "
             f"{meta.get('solver', {}).get('total_seconds', float('nan')):.1f}s")
@@ -188,11 +282,13 @@ class Cache:
 
 
 def solve_one(key, steps, tol, spectrum):
-    """Solve C for key = (objective, b, η_eff) (module-level so a process pool can run it)."""
+    """Solve C for key = (objective, b, η_eff, rule) (module-level so a process pool can run it)."""
     import keras_noisecurve as knc
 
-    method, bands, eta = key
+    method, bands, eta, rule = key
     kwargs = dict(steps=steps, bands=bands, objective=method)
+    if rule is not None:
+        kwargs["update_rule"] = UpdateRule.from_metadata(json.loads(rule))
     if method != "bandmf":
         kwargs.update(spectrum=spectrum, learning_rate=eta, tol=tol)
     if method == "noisecurve-blend":
@@ -213,9 +309,10 @@ def _init_worker(problem, model):
 
 
 def _run_task(task):
-    mixing, sigma, lr, clip, batch_size, seed = task
+    mixing, sigma, lr, clip, batch_size, seed, rule = task
     problem, model = _WORKER["problem"], _WORKER["model"]
-    w = train_dp(problem, model, mixing=mixing, sigma=sigma, lr=lr, clip=clip, batch_size=batch_size, seed=seed)
+    w = train_dp(problem, model, mixing=mixing, sigma=sigma, lr=lr, clip=clip, batch_size=batch_size, seed=seed,
+                 rule=rule)
     return accuracy(model, w, problem.x_val, problem.y_val), accuracy(model, w, problem.x_test, problem.y_test)
 
 
@@ -225,8 +322,8 @@ def run_tasks(tasks, pool):
     return list(pool.map(_run_task, tasks, chunksize=4))
 
 
-def configs_for(method, args):
-    bands = [1] if method == "dpsgd" else args.band_grid
+def configs_for(variant, args):
+    bands = [1] if variant.method == "dpsgd" else args.band_grid
     return list(itertools.product(args.lr_grid, args.clip_grid, bands))
 
 
@@ -258,29 +355,34 @@ def main(argv=None) -> int:
     log(f"spectrum: mu_max={spectrum.max_eigenvalue:.4g} trace={spectrum.trace():.4g} "
         f"distinct={spectrum.eigenvalues.size}")
     cache = Cache(args, spectrum, w_pub, y_pub, problem, model)
+    log(f"update rule: {args.rule.describe()}; workload: {args.workload}")
+    plan = plan_variants(args, spectrum)
+    variants = plan["variants"]
+    rule = None if args.rule.is_plain else args.rule  # None: the plain loop, bit for bit
 
     pool = (ProcessPoolExecutor(args.workers, initializer=_init_worker, initargs=(problem, model))
             if args.workers > 1 else None)
     _init_worker(problem, model)
 
-    keys = [cache.mixing_key(m, b, lr, clip) for m in args.methods for (lr, clip, b) in configs_for(m, args)]
+    keys = [cache.mixing_key(v, b, lr, clip) for v in variants for (lr, clip, b) in configs_for(v, args)]
     cache.precompute(keys, pool)
     if args.precompute_only:
         log(f"precomputed {len(cache.mixings)} mixing matrices into {args.cache_dir}")
         return 0
 
-    tuning = {}  # (eps, method) -> list of (config, mean val acc)
+    tuning = {}  # (eps, label) -> list of (config, mean val acc)
     best = {}
     for eps in args.epsilons:
-        for method in args.methods:
-            configs = configs_for(method, args)
+        for variant in variants:
+            method = variant.label
+            configs = configs_for(variant, args)
             tasks, owners = [], []
             for cfg in configs:
                 lr, clip, bands = cfg
-                mix = cache.mixing(method, bands, lr, clip)
+                mix = cache.mixing(variant, bands, lr, clip)
                 sig = cache.sigma(eps, bands)
                 for s in range(args.tune_seeds):
-                    tasks.append((mix, sig, lr, clip, args.batch_size, 10_000 + s))
+                    tasks.append((mix, sig, lr, clip, args.batch_size, 10_000 + s, rule))
                     owners.append(cfg)
             results = run_tasks(tasks, pool)
             scores = {}
@@ -293,13 +395,14 @@ def main(argv=None) -> int:
                 f"best lr={table[0][0][0]:g} clip={table[0][0][1]:g} b={table[0][0][2]} "
                 f"val={table[0][1]:.4f}  (solver time so far {cache.solve_seconds:.0f}s)")
 
-    final = {}  # (eps, method) -> dict(val=[...], test=[...])
+    final = {}  # (eps, label) -> dict(val=[...], test=[...])
     for eps in args.epsilons:
-        for method in args.methods:
+        for variant in variants:
+            method = variant.label
             lr, clip, bands = best[(eps, method)]
-            mix = cache.mixing(method, bands, lr, clip)
+            mix = cache.mixing(variant, bands, lr, clip)
             sig = cache.sigma(eps, bands)
-            tasks = [(mix, sig, lr, clip, args.batch_size, s) for s in range(args.seeds)]
+            tasks = [(mix, sig, lr, clip, args.batch_size, s, rule) for s in range(args.seeds)]
             res = run_tasks(tasks, pool)
             final[(eps, method)] = {"val": [r[0] for r in res], "test": [r[1] for r in res],
                                     "lr": lr, "clip": clip, "bands": bands, "sigma": sig}
@@ -308,12 +411,12 @@ def main(argv=None) -> int:
     if pool is not None:
         pool.shutdown()
 
-    nonprivate = nonprivate_reference(problem, model, args)
-    stats = significance(final, args)
-    decision = decide_default(final, args)
+    nonprivate = nonprivate_reference(problem, model, args, rule)
+    res = analyse(final, args, variants)
+    res["plan"] = plan
     wall = time.time() - start
     log(f"done in {wall / 60:.1f} min")
-    report = render(args, argv, problem, model, spectrum, final, stats, decision, tuning, wall, nonprivate, cache)
+    report = render(args, argv, problem, model, spectrum, res, wall, nonprivate, cache)
     print(report)
     if args.out:
         with open(args.out, "w") as f:
@@ -322,209 +425,25 @@ def main(argv=None) -> int:
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump({f"{e}|{m}": v for (e, m), v in final.items()}, f, indent=1)
+            json.dump({"update_rule": args.rule.to_metadata(), "workload": args.workload,
+                       **{f"{e}|{m}": v for (e, m), v in final.items()}}, f, indent=1)
     return 0
 
 
-def significance(final, args):
-    from scipy import stats
-
-    out = {}
-    for eps in args.epsilons:
-        if (eps, "bandmf") not in final:
-            continue
-        base = np.array(final[(eps, "bandmf")]["test"])
-        for method in args.methods:
-            if method not in CURVATURE:
-                continue
-            ours = np.array(final[(eps, method)]["test"])
-            diff = ours - base
-            if len(diff) < 2 or np.allclose(diff, diff[0]):
-                t_stat, p_t = float("nan"), (0.0 if diff.mean() > 0 else 1.0) if len(diff) else float("nan")
-            else:
-                res = stats.ttest_rel(ours, base, alternative="greater")
-                t_stat, p_t = float(res.statistic), float(res.pvalue)
-            perm = stats.permutation_test(
-                (ours, base), lambda a, b, axis: np.mean(a, axis=axis) - np.mean(b, axis=axis),
-                permutation_type="independent", alternative="greater", n_resamples=20000, random_state=0,
-            )
-            out[(eps, method)] = {"t": t_stat, "p_t": p_t, "p_perm": float(perm.pvalue),
-                                  "mean_diff": float(diff.mean()), "wins": int(np.sum(diff > 0)),
-                                  "losses": int(np.sum(diff < 0))}
-    return out
-
-
-def decide_default(final, args, alpha: float = 0.05):
-    """The default-objective rule of docs/results.md, on VALIDATION accuracy only.
-
-    For every method, pool its validation accuracies over all (ε, final seed) pairs; a
-    curvature variant *beats* DP-BandMF if its pooled mean is higher AND a one-sided
-    paired t-test over the (ε, seed) pairs (paired: same batches and raw noise) gives
-    p < ``alpha``. The default is the winning variant with the highest mean; if none
-    beats DP-BandMF, the default is DP-BandMF. A difference within the seed noise is
-    not a win.
-    """
-    from scipy import stats
-
-    if "bandmf" not in args.methods:
-        return None
-    curv = [m for m in args.methods if m in CURVATURE]
-    if not curv:
-        return None
-
-    def pooled(m):
-        return np.concatenate([np.asarray(final[(e, m)]["val"]) for e in args.epsilons])
-
-    score = {m: float(np.mean(pooled(m))) for m in args.methods}
-    per_eps = {m: {e: float(np.mean(final[(e, m)]["val"])) for e in args.epsilons} for m in args.methods}
-    base = pooled("bandmf")
-    p_values = {}
-    for m in curv:
-        diff = pooled(m) - base
-        if np.allclose(diff, diff[0]):
-            p_values[m] = 0.0 if diff[0] > 0 else 1.0
-        else:
-            p_values[m] = float(stats.ttest_rel(pooled(m), base, alternative="greater").pvalue)
-    winners = [m for m in curv if score[m] > score["bandmf"] and p_values[m] < alpha]
-    best = max(curv, key=lambda m: score[m])
-    default = max(winners, key=lambda m: score[m]) if winners else "bandmf"
-    return {"score": score, "per_eps": per_eps, "winner": best, "p_values": p_values, "alpha": alpha,
-            "beats_bandmf": bool(winners), "default": default}
-
-
-def machine_description():
-    cpu = platform.processor() or "unknown"
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name"):
-                cpu = line.split(":", 1)[1].strip()
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return f"{os.cpu_count()} CPU cores (`nproc` = {os.cpu_count()}), {cpu}, {platform.system()} {platform.release()}, Python {platform.python_version()}, numpy {np.__version__}"
-
-
-def fmt_ms(values):
-    v = 100 * np.asarray(values)
-    sd = v.std(ddof=1) if len(v) > 1 else 0.0
-    return f"{v.mean():.2f} ± {sd:.2f}"
-
-
-def render(args, argv, problem, model, spectrum, final, stats, decision, tuning, wall, nonprivate, cache):
-    cmd = "python benchmarks/accuracy.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    lines = ["# Accuracy benchmark results", ""]
-    lines += [
-        "Generated by `benchmarks/accuracy.py` (do not edit by hand; re-run the command below).",
-        "",
-        "## Setup",
-        "",
-        f"- Command: `{cmd.strip()}`",
-        f"- Machine: {machine_description()}",
-        f"- Wall time: {wall / 60:.1f} min for this invocation; solving the {len(cache.mixings)} mixing matrices took "
-        f"{cache.solve_seconds / 60:.1f} min of solver time in total (solved once, cached in `{args.cache_dir}`, "
-        "possibly by an earlier `--precompute-only` run with the same arguments)",
-        f"- Private data: bundled MNIST-5k, split seed 0: {len(problem.y_train)} train / "
-        f"{len(problem.y_val)} validation / {len(problem.y_test)} test (stratified).",
-        f"- Public data: scikit-learn digits (1,797, unlabeled), upsampled to 28×28. "
-        f"Features: PCA({args.pca_dim}) fitted on the public images, unit-norm, + bias.",
-        f"- Model: {model.name}" + (f" ({args.hidden} hidden ReLU units)" if args.model == "mlp" else "")
-        + f", {model.p} parameters, trained from "
-        + ("zero" if args.model == "softmax" else "a seeded random (He) initialisation")
-        + f". Spectrum: exact Hessian after random-label pre-training ({args.pretrain_steps} full-batch GD steps, "
-        f"η = {args.pretrain_lr:g}) on the public features "
-        f"(μ_max = {spectrum.max_eigenvalue:.4g}, Tr = {spectrum.trace():.4g}).",
-        f"- Privacy: δ = {args.delta:g}, cyclic Poisson sampling, expected batch size B = {args.batch_size}, "
-        f"T = {args.steps} steps ({args.steps * args.batch_size / len(problem.y_train):.1f} epochs), PLD accounting.",
-        f"- Tuning (validation only, same grid for every method): learning rate ∈ {args.lr_grid}, "
-        f"clip norm ∈ {args.clip_grid}, bands ∈ {args.band_grid} (DP-SGD: b = 1); "
-        f"each configuration scored by mean validation accuracy over {args.tune_seeds} seeds.",
-        f"- NoiseCurve objectives use learning rate η·s(ζ), s = mean public clipping factor "
-        f"(`--lr-scale {args.lr_scale}`).",
-        f"- Final: {args.seeds} fresh seeds per (method, ε) at the tuned configuration; seeds are paired "
-        f"across methods (same batches, same raw noise z).",
-        f"- Non-private reference (full-batch GD, same T, η = {nonprivate[2]:g} picked on validation): "
-        f"validation {100 * nonprivate[0]:.2f} %, test {100 * nonprivate[1]:.2f} %.",
-        f"- Curvature objectives solved with `tol={args.solver_tol:g}` (DP-BandMF with the library default); "
-        "each artifact's exact objective value is logged by the script.",
-        "",
-        "## Test accuracy (%), mean ± std over seeds",
-        "",
-    ]
-    header = "| method | " + " | ".join(f"ε = {e:g}" for e in args.epsilons) + " |"
-    lines += [header, "|---|" + "---|" * len(args.epsilons)]
-    for m in args.methods:
-        cells = [fmt_ms(final[(e, m)]["test"]) for e in args.epsilons]
-        lines.append(f"| {m} | " + " | ".join(cells) + " |")
-    lines += ["", "## Validation accuracy (%) at the tuned configuration, same seeds", ""]
-    lines += [header, "|---|" + "---|" * len(args.epsilons)]
-    for m in args.methods:
-        cells = [fmt_ms(final[(e, m)]["val"]) for e in args.epsilons]
-        lines.append(f"| {m} | " + " | ".join(cells) + " |")
-    lines += ["", "## Tuned hyperparameters (learning rate, clip norm, bands) and σ", ""]
-    lines += [header, "|---|" + "---|" * len(args.epsilons)]
-    for m in args.methods:
-        cells = [f"η={final[(e, m)]['lr']:g}, ζ={final[(e, m)]['clip']:g}, b={final[(e, m)]['bands']}, "
-                 f"σ={final[(e, m)]['sigma']:.3f}" for e in args.epsilons]
-        lines.append(f"| {m} | " + " | ".join(cells) + " |")
-    if stats:
-        lines += ["", "## Significance vs DP-BandMF (test accuracy, one-sided, H1: variant better)", "",
-                  "| ε | variant | mean diff (pp) | wins/losses | paired t | p (t-test) | p (permutation) |",
-                  "|---|---|---|---|---|---|---|"]
-        for (e, m), s in stats.items():
-            lines.append(f"| {e:g} | {m} | {100 * s['mean_diff']:+.2f} | {s['wins']}/{s['losses']} | "
-                         f"{s['t']:.2f} | {s['p_t']:.3g} | {s['p_perm']:.3g} |")
-    if decision:
-        lines += ["", "## Default objective (decided on VALIDATION accuracy only)", "",
-                  "Rule: pool each method's validation accuracies over all (ε, final seed) pairs. A curvature "
-                  "variant beats DP-BandMF if its pooled mean is higher and a one-sided paired t-test over the "
-                  f"pairs gives p < {decision['alpha']:g}; the default is the best such variant, else DP-BandMF. "
-                  "The test split plays no part in this decision.", "",
-                  "| method | pooled val. accuracy (%) | p vs DP-BandMF (val.) | "
-                  + " | ".join(f"val ε = {e:g}" for e in args.epsilons) + " |",
-                  "|---|---|---|" + "---|" * len(args.epsilons)]
-        for m in args.methods:
-            cells = [f"{100 * decision['per_eps'][m][e]:.2f}" for e in args.epsilons]
-            pv = decision["p_values"].get(m)
-            lines.append(f"| {m} | {100 * decision['score'][m]:.2f} | {'—' if pv is None else f'{pv:.3g}'} | "
-                         + " | ".join(cells) + " |")
-        lines.append("")
-        if decision["beats_bandmf"]:
-            lines.append(f"**Decision: `{decision['default']}`** — it beats DP-BandMF on validation "
-                         f"({100 * decision['score'][decision['default']]:.2f} % vs "
-                         f"{100 * decision['score']['bandmf']:.2f} %, p = {decision['p_values'][decision['default']]:.3g}).")
-        else:
-            lines.append(f"**Decision: no curvature variant beats DP-BandMF on validation** (best: "
-                         f"`{decision['winner']}` {100 * decision['score'][decision['winner']]:.2f} % vs DP-BandMF "
-                         f"{100 * decision['score']['bandmf']:.2f} %, one-sided paired p = "
-                         f"{decision['p_values'][decision['winner']]:.3g}). DP-BandMF is the safe default.")
-    lines += ["", "## Conclusion", ""] + conclusion(args, final, stats, decision) + [""]
-    return "\n".join(lines)
-
-
-def conclusion(args, final, stats, decision):
-    """Plain-language summary computed from the numbers (no hand-written claims)."""
-    out = []
-    if "bandmf" in args.methods and "dpsgd" in args.methods:
-        for e in args.epsilons:
-            d = 100 * (np.mean(final[(e, "bandmf")]["test"]) - np.mean(final[(e, "dpsgd")]["test"]))
-            out.append(f"- ε = {e:g}: DP-BandMF vs DP-SGD: {d:+.2f} pp test accuracy.")
-    for (e, m), s in stats.items():
-        verdict = "significantly better (p < 0.05, both tests)" if max(s["p_t"], s["p_perm"]) < 0.05 else (
-            "not significantly different or worse")
-        out.append(f"- ε = {e:g}: {m} vs DP-BandMF: {100 * s['mean_diff']:+.2f} pp "
-                   f"({s['wins']} wins / {s['losses']} losses over paired seeds) — {verdict}.")
-    if decision:
-        out.append("")
-        if decision["beats_bandmf"]:
-            d = decision["default"]
-            out.append(f"On validation data `{d}` beats DP-BandMF by "
-                       f"{100 * (decision['score'][d] - decision['score']['bandmf']):.2f} pp (pooled over ε and seeds, "
-                       f"p = {decision['p_values'][d]:.3g}), so it is the recommended default objective.")
-        else:
-            out.append(f"No curvature objective beats DP-BandMF on validation data (best: `{decision['winner']}`, "
-                       f"{100 * (decision['score'][decision['winner']] - decision['score']['bandmf']):+.2f} pp averaged "
-                       "over ε). DP-BandMF is the safe default.")
-    return out
+def analyse(final, args, variants):
+    """Reference DP-BandMF row, significance tests, matched-vs-plain tests and the default rule."""
+    labels = [v.label for v in variants]
+    curvature = [v.label for v in variants if v.method in CURVATURE]
+    ref, ref_scores = reference_bandmf(final, args.epsilons, [v.label for v in variants if v.method == "bandmf"])
+    if len(ref_scores) > 1:
+        log(f"DP-BandMF reference for the tests: {ref} (pooled validation "
+            + ", ".join(f"{lab} {v:.4f}" for lab, v in ref_scores.items()) + ")")
+    plain = {v.method: v.label for v in variants if not v.matched}
+    pairs = [(plain[v.method], v.label) for v in variants if v.matched and v.method in plain]
+    return {"labels": labels, "final": final, "ref": ref, "ref_scores": ref_scores,
+            "stats": significance(final, args.epsilons, curvature, ref),
+            "matched": matched_vs_plain(final, args.epsilons, pairs),
+            "decision": decide_default(final, args.epsilons, labels, curvature, ref)}
 
 
 def parse_args(argv=None):
@@ -537,13 +456,23 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=50)
     p.add_argument("--pca-dim", type=int, default=128)
     p.add_argument("--lr-grid", type=float, nargs="+", default=None,
-                   help="learning rates (default 4 8 16 for softmax, 2 4 8 for mlp)")
+                   help="(base) learning rates (default 4 8 16 for softmax, 2 4 8 for mlp, times 1 − momentum)")
     p.add_argument("--clip-grid", type=float, nargs="+", default=[0.25, 0.5, 1.0])
     p.add_argument("--band-grid", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--solver-tol", type=float, default=1e-3,
                    help="relative optimality tolerance of the curvature solves (default 1e-3)")
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     p.add_argument("--lr-scale", choices=("clip", "none"), default="clip")
+    p.add_argument("--momentum", type=float, default=0.0,
+                   help="heavy-ball momentum β of the training rule (Keras SGD(momentum=β); default 0)")
+    p.add_argument("--schedule", choices=[s for s in SCHEDULES if s != "custom"], default="constant",
+                   help="learning-rate schedule of the training rule (default constant)")
+    p.add_argument("--cooldown-fraction", type=float, default=None,
+                   help="share of the steps spent cooling down (--schedule linear-cooldown; default 0.25)")
+    p.add_argument("--workload", choices=("plain", "matched", "both"), default="matched",
+                   help="which rule the matrix-factorisation C's are solved for: plain SGD, the training rule "
+                        "(rows labelled +rule), or both (each MF method twice); default matched (no difference "
+                        "when the rule is plain)")
     p.add_argument("--spectrum-seed", type=int, default=0)
     p.add_argument("--model", choices=("softmax", "mlp"), default="softmax",
                    help="softmax regression (convex) or a tiny one-hidden-layer ReLU MLP (non-convex)")
@@ -559,8 +488,14 @@ def parse_args(argv=None):
     p.add_argument("--json", default=None, help="write raw per-seed results here")
     p.add_argument("--quick", action="store_true", help="tiny run for smoke tests (seconds)")
     args = p.parse_args(argv)
-    if args.lr_grid is None:
-        args.lr_grid = [4.0, 8.0, 16.0] if args.model == "softmax" else [2.0, 4.0, 8.0]
+    try:
+        args.rule = UpdateRule(momentum=args.momentum, schedule=args.schedule,
+                               cooldown_fraction=args.cooldown_fraction)
+    except (TypeError, ValueError) as err:
+        p.error(str(err))
+    if args.lr_grid is None:  # the same effective rate η/(1 − β) under momentum
+        base = [4.0, 8.0, 16.0] if args.model == "softmax" else [2.0, 4.0, 8.0]
+        args.lr_grid = [float(f"{lr * (1.0 - args.momentum):.12g}") for lr in base]
     if args.quick:
         args.epsilons = args.epsilons[:1]
         args.seeds = min(args.seeds, 2)

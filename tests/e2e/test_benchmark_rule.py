@@ -106,3 +106,33 @@ def test_train_dp_applies_the_rule_like_keras_sgd():
     expected = _keras_sgd_run(lr, rule, steps, np.array([0.5, -1.0]),
                               lambda w_, t: sizes[t] / batch * (H @ w_ - C))
     np.testing.assert_allclose(w, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_mixing_cache_key_includes_the_rule_and_plain_keys_hash_as_before(tmp_path):
+    import argparse
+    import hashlib
+    import json
+    import runpy
+
+    bench = runpy.run_path(str(_PATH.parent / "accuracy.py"), run_name="bench_rule")
+    spectrum = type("S", (), {"digest": lambda self: "abc"})()
+
+    def cache_for(rule):
+        args = argparse.Namespace(rule=rule, cache_dir=str(tmp_path), steps=40, solver_tol=1e-3, lr_scale="none")
+        return bench["Cache"](args, spectrum, None, None, None, None)
+
+    variant, plain_variant = bench["Variant"], bench["Variant"]("noisecurve", "noisecurve")
+    matched = variant("noisecurve+rule", "noisecurve", matched=True)
+    rule_a = UpdateRule(momentum=0.9, schedule="linear-cooldown")
+    rule_b = UpdateRule(momentum=0.9, schedule="cosine")
+    key_a = cache_for(rule_a).mixing_key(matched, 4, 2.0, 0.5)
+    key_b = cache_for(rule_b).mixing_key(matched, 4, 2.0, 0.5)
+    assert key_a[:3] == key_b[:3] == ("noisecurve", 4, 2.0) and key_a != key_b
+    assert UpdateRule.from_metadata(json.loads(key_a[3])) == rule_a
+    assert cache_for(rule_a)._path(key_a) != cache_for(rule_b)._path(key_b)
+    # the plain workload ignores the training rule, and its file name is the one used before rules existed
+    key_p = cache_for(rule_a).mixing_key(plain_variant, 4, 2.0, 0.5)
+    assert key_p == cache_for(UpdateRule()).mixing_key(plain_variant, 4, 2.0, 0.5) == ("noisecurve", 4, 2.0, None)
+    old = hashlib.sha256(json.dumps([["noisecurve", 4, 2.0], 40, 1e-3, "abc"]).encode()).hexdigest()[:24]
+    assert cache_for(rule_a)._path(key_p) == str(tmp_path / f"{old}.npz")
+    assert cache_for(rule_a).mixing_key(matched, 1, 2.0, 0.5) is None  # b = 1 is C = I for any rule
