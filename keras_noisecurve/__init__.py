@@ -40,6 +40,8 @@ _EXPORTS = {
     "DPModel": "keras_noisecurve.training",
     "make_private": "keras_noisecurve.training",
     "PrivateModel": "keras_noisecurve.training",
+    "LinearCooldown": "keras_noisecurve.training",
+    "learning_rate_schedule": "keras_noisecurve.training",
     "BandedMatrixFactorizationQuery": "keras_noisecurve.integrations.tf_privacy",
 }
 

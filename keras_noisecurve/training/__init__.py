@@ -7,21 +7,28 @@
   (``dp_model.py``) through a clipping engine: ``clipping.py`` (vectorized engine and
   the registry), ``ghost.py`` (ghost norms, rules in ``ghost_layers.py``), both
   returning the ``ClippedSum`` of ``clipped_sum.py``.
+- :func:`learning_rate_schedule`, :class:`LinearCooldown`, :class:`MultiplierSchedule`
+  (``schedules.py``): the Keras learning rate of an ``UpdateRule``'s schedule, for an
+  ``inner=keras.optimizers.SGD(...)`` that runs the update a mixing matrix was solved for.
 """
 
 from keras_noisecurve.training.clipping import ClippedSum, get_engine, vectorized_clipped_sum
 from keras_noisecurve.training.dp_model import DPModel, PrivateModel, make_private
 from keras_noisecurve.training.noise import BandedNoise
 from keras_noisecurve.training.optimizer import DPOptimizer, NoiseCurveOptimizer
+from keras_noisecurve.training.schedules import LinearCooldown, MultiplierSchedule, learning_rate_schedule
 
 __all__ = [
     "BandedNoise",
     "ClippedSum",
     "DPModel",
     "DPOptimizer",
+    "LinearCooldown",
+    "MultiplierSchedule",
     "NoiseCurveOptimizer",
     "PrivateModel",
     "get_engine",
+    "learning_rate_schedule",
     "make_private",
     "vectorized_clipped_sum",
 ]
