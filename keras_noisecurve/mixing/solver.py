@@ -16,11 +16,14 @@ for a given C. The work is split by job:
   normalised inside the objective, a diagonal preconditioner for the ill-conditioned
   (ridged) objectives, and scale-free stopping on the relative optimality
   ``‖P(∇_C f)‖₂ / f``; ``metadata["solver"]`` records which stopping rule fired.
-* here: validation, the DP-BandMF baseline (cached per (T, b, tol, max_iterations)),
-  ``blend_weight="auto"``, and the metadata. Curvature objectives start from the
-  DP-BandMF solution for the same (T, b), which is also the reported baseline;
-  DP-BandMF starts from the banded, column-normalised Toeplitz square root of the
-  prefix-sum matrix.
+* here: validation, the DP-BandMF baseline (cached per (T, b, tol, max_iterations,
+  update rule)), ``blend_weight="auto"``, and the metadata. Curvature objectives start
+  from the DP-BandMF solution for the same (T, b) and the same update rule, which is
+  also the reported baseline; DP-BandMF starts from the banded, column-normalised
+  Toeplitz square root of the prefix-sum matrix.
+* update rules (``update_rule=``, heavy-ball momentum and learning-rate schedules): the
+  workloads of ``keras_noisecurve.mixing.rule_workloads``; every solved C records
+  ``metadata["update_rule"] = rule.to_metadata()`` (a C without the key means plain SGD).
 
 The measurements behind the solver's settings are in docs/mixing.md ("Solver speed").
 """
@@ -35,6 +38,12 @@ from keras_noisecurve._validation import check_choice, check_float, check_int
 from keras_noisecurve.mixing.banded import ab_to_band_values, band_values_to_ab, prefix_noise_std, valid_mask
 from keras_noisecurve.mixing.matrix import MixingMatrix
 from keras_noisecurve.mixing.optimize import minimize_band_values, normalise_columns, relative_optimality
+from keras_noisecurve.mixing.rule_workloads import (
+    PrefixMap,
+    check_rule_objective,
+    is_identity_rule,
+    resolve_update_rule,
+)
 from keras_noisecurve.mixing.surrogate import (
     RIDGE_RELATIVE,
     TRUNCATION_RELATIVE,
@@ -95,15 +104,26 @@ def _bandmf_initial(steps: int, bands: int) -> np.ndarray:
 _BANDMF_CACHE: dict = {}
 
 
-def _solve_bandmf(steps, bands, *, tol, max_iterations, verbose):
+def _bandmf_key(steps, bands, tol, max_iterations, rule):
+    """Cache key of a DP-BandMF solve; plain SGD (and rules equal to it) keep the old key."""
     key = (steps, bands, tol, max_iterations)
+    if rule is None or is_identity_rule(rule, steps):
+        return key
+    return key + (repr(rule.to_metadata()),)
+
+
+def _solve_bandmf(steps, bands, *, tol, max_iterations, verbose, update_rule=None):
+    key = _bandmf_key(steps, bands, tol, max_iterations, update_rule)
     if key not in _BANDMF_CACHE:
-        problem = Problem(objective="bandmf", steps=steps)
-        # no preconditioner: a full-rank workload converges in about as many iterations
-        # without one, and the probe gradients would double the CPU time
+        problem = Problem(objective="bandmf", steps=steps, update_rule=update_rule)
+        # plain SGD: no preconditioner; a full-rank workload converges in about as many
+        # iterations without one, and the probe gradients would double the CPU time. A
+        # momentum/schedule workload (column scales s_t down to ~1e-6 for a cosine decay)
+        # is ill-conditioned: there the preconditioner cuts the time several-fold
+        # (docs/mixing.md, "Momentum and learning-rate schedules")
         ab, stats = minimize_band_values(problem.surrogate, _bandmf_initial(steps, bands), tol=tol,
                                          max_iterations=max_iterations, verbose=verbose, label="bandmf",
-                                         precondition=False)
+                                         precondition=problem.prefix_map is not None)
         if len(_BANDMF_CACHE) > 8:
             _BANDMF_CACHE.clear()
         _BANDMF_CACHE[key] = (ab, stats)
@@ -141,7 +161,7 @@ def _attach_diagnostics(meta: dict, band_values, *, reference_ab=None) -> dict:
 
 def solve_mixing_matrix(*, steps, bands, objective=DEFAULT_OBJECTIVE, spectrum=None, learning_rate=None,
                         blend_weight=None, tol=1e-6, max_iterations=10_000, initial=None,
-                        verbose=False) -> MixingMatrix:
+                        verbose=False, update_rule=None) -> MixingMatrix:
     """Solve paper Problem (1): the b-banded, unit-column, lower-triangular C minimising
     ``Tr(W X⁻¹)``, X = CᵀC, for the workload W of ``objective``.
 
@@ -165,19 +185,31 @@ def solve_mixing_matrix(*, steps, bands, objective=DEFAULT_OBJECTIVE, spectrum=N
       initial: optional ``MixingMatrix`` with the same (T, b) to start from; default
         the DP-BandMF solution (curvature objectives) or a Toeplitz guess (bandmf).
       verbose: print progress (f and relative optimality) every 25 iterations.
+      update_rule: the ``UpdateRule`` training will run (heavy-ball momentum β,
+        learning-rate multipliers s_t; Keras's SGD), or None for plain SGD with a
+        constant learning rate. ``bandmf``, ``noisecurve`` and ``noisecurve-blend`` use
+        the rule's workloads (``keras_noisecurve.mixing.rule_workloads``), ``dpsgd``
+        accepts any rule, the all-iterates and convergence objectives only plain
+        constant-rate SGD. The curvature objectives start from (and report as the
+        baseline) the DP-BandMF C for the same rule. With momentum, η·max(s)·μ_max
+        must stay below 2(1 + β).
 
     Returns:
       ``MixingMatrix`` whose ``metadata`` holds objective, steps, bands, learning_rate,
-      blend_weight, spectrum_digest, loss = exact Tr(W X⁻¹) (for curvature objectives
-      the expected loss gap of a quadratic model is (η²σ²/2)·loss, paper eq. 1),
-      baseline_losses {"dpsgd": Tr(W), "bandmf": loss of the DP-BandMF C}, solver
+      blend_weight, spectrum_digest, update_rule (``UpdateRule.to_metadata()``, also for
+      plain SGD), loss = exact Tr(W X⁻¹) (for curvature objectives the expected loss gap
+      of a quadratic model is (η²σ²/2)·loss, paper eq. 1), baseline_losses
+      {"dpsgd": Tr(W), "bandmf": loss of the DP-BandMF C for the same rule}, solver
       statistics, ridge, workload_rank, version and diagnostics.
 
     Raises:
       ValueError: invalid arguments (each message names the value received).
+      TypeError: ``update_rule`` is not an ``UpdateRule`` or None.
     """
     steps, bands = _check_common(objective, steps, bands)
     check_unused_inputs(objective, spectrum=spectrum, learning_rate=learning_rate, blend_weight=blend_weight)
+    rule = resolve_update_rule(update_rule, steps)
+    check_rule_objective(objective, rule)
     tol = check_float("tol", tol, positive=True)
     max_iterations = check_int("max_iterations", max_iterations, minimum=0)
     if objective == "dpsgd" and bands != 1:
@@ -188,7 +220,8 @@ def solve_mixing_matrix(*, steps, bands, objective=DEFAULT_OBJECTIVE, spectrum=N
     inputs = None
     lam = None
     if objective in CURVATURE_OBJECTIVES:
-        inputs = check_curvature_inputs(objective=objective, spectrum=spectrum, learning_rate=learning_rate)
+        inputs = check_curvature_inputs(objective=objective, spectrum=spectrum, learning_rate=learning_rate,
+                                        update_rule=rule, steps=steps)
     if objective == "noisecurve-blend":
         lam = check_blend_weight(blend_weight, allow_auto=True)
     start_ab = None
@@ -208,7 +241,7 @@ def solve_mixing_matrix(*, steps, bands, objective=DEFAULT_OBJECTIVE, spectrum=N
         bandmf_stats = None
     else:
         bandmf_ab, bandmf_stats = _solve_bandmf(steps, bands, tol=tol, max_iterations=max_iterations,
-                                                verbose=verbose)
+                                                verbose=verbose, update_rule=rule)
 
     auto_record = None
     if lam == "auto":
@@ -216,7 +249,8 @@ def solve_mixing_matrix(*, steps, bands, objective=DEFAULT_OBJECTIVE, spectrum=N
         auto_record = {"rule": AUTO_BLEND_RULE.format(grid=list(AUTO_BLEND_GRID), factor=AUTO_BLEND_FACTOR),
                        "bandmf_peak_prefix_std": bandmf_peak, "tried": []}
         for candidate in AUTO_BLEND_GRID:
-            problem = Problem(objective=objective, steps=steps, inputs=inputs, blend_weight=candidate)
+            problem = Problem(objective=objective, steps=steps, inputs=inputs, blend_weight=candidate,
+                              update_rule=rule)
             ab, stats = _solve_problem(problem, bands, start_ab, bandmf_ab, tol, max_iterations, verbose)
             peak = float(prefix_noise_std(ab).max())
             auto_record["tried"].append({"blend_weight": candidate, "peak_prefix_std": peak,
@@ -225,7 +259,7 @@ def solve_mixing_matrix(*, steps, bands, objective=DEFAULT_OBJECTIVE, spectrum=N
                 lam = candidate
                 break
     else:
-        problem = Problem(objective=objective, steps=steps, inputs=inputs, blend_weight=lam)
+        problem = Problem(objective=objective, steps=steps, inputs=inputs, blend_weight=lam, update_rule=rule)
         ab, stats = _solve_problem(problem, bands, start_ab, bandmf_ab, tol, max_iterations, verbose)
 
     loss = problem.exact_loss(ab)
@@ -237,6 +271,7 @@ def solve_mixing_matrix(*, steps, bands, objective=DEFAULT_OBJECTIVE, spectrum=N
         "learning_rate": None if inputs is None else inputs.learning_rate,
         "blend_weight": lam,
         "spectrum_digest": None if inputs is None else inputs.digest,
+        "update_rule": rule.to_metadata(),
         "loss": float(loss),
         "baseline_losses": {"dpsgd": float(problem.identity_loss()), "bandmf": float(bandmf_loss)},
         "solver": dict(stats, total_seconds=time.perf_counter() - t_start,
@@ -264,41 +299,54 @@ def _solve_problem(problem, bands, start_ab, bandmf_ab, tol, max_iterations, ver
                     "surrogate_loss": float(problem.surrogate(ab, gradient=False)[0]),
                     "message": "bands=1: C = I is the only unit-column diagonal C"}
     if problem.objective == "bandmf" and start_ab is None:
-        return bandmf_ab.copy(), _cached_bandmf_stats(steps, bands, tol, max_iterations)
+        return bandmf_ab.copy(), _cached_bandmf_stats(steps, bands, tol, max_iterations, problem.update_rule)
     if problem.objective == "noisecurve-blend" and problem.blend_weight == 1.0 and start_ab is None:
-        return bandmf_ab.copy(), _cached_bandmf_stats(steps, bands, tol, max_iterations)
+        return bandmf_ab.copy(), _cached_bandmf_stats(steps, bands, tol, max_iterations, problem.update_rule)
     ab0 = start_ab if start_ab is not None else bandmf_ab
     return minimize_band_values(problem.surrogate, ab0, tol=tol, max_iterations=max_iterations,
                                 verbose=verbose, label=problem.objective, precondition=problem.ridge > 0)
 
 
-def _cached_bandmf_stats(steps, bands, tol, max_iterations):
-    return dict(_BANDMF_CACHE[(steps, bands, tol, max_iterations)][1])
+def _cached_bandmf_stats(steps, bands, tol, max_iterations, rule=None):
+    return dict(_BANDMF_CACHE[_bandmf_key(steps, bands, tol, max_iterations, rule)][1])
 
 
-def objective_value(mixing, *, objective, spectrum=None, learning_rate=None, blend_weight=None) -> float:
+def objective_value(mixing, *, objective, spectrum=None, learning_rate=None, blend_weight=None,
+                    update_rule=None) -> float:
     """``Tr(W X⁻¹)`` for the C of ``mixing`` (X = CᵀC) under ``objective``'s workload.
 
-    Banded triangular solves only: O(T·b²) for ``dpsgd``/``bandmf``, O(T²·b) for the
-    curvature objectives (dense W, 8·T² bytes). For ``noisecurve`` the expected final
-    loss gap of a quadratic model is ``(η²σ²/2)·objective_value`` (paper eq. 1).
+    Banded triangular solves only: O(T·b²) for ``dpsgd``/``bandmf`` (also with a rule),
+    O(T²·b) for the curvature objectives (dense W, 8·T² bytes). For ``noisecurve`` the
+    expected final loss gap of a quadratic model is ``(η²σ²/2)·objective_value``
+    (paper eq. 1).
 
     Args:
       mixing: a ``MixingMatrix``.
       objective, spectrum, learning_rate, blend_weight: as in ``workload_matrix``
         (``blend_weight`` must be a number here, not ``"auto"``).
+      update_rule: the ``UpdateRule`` whose workload is evaluated; None (the default) is
+        plain SGD with a constant learning rate, whatever rule ``mixing`` was solved for.
+        It is never read from ``mixing.metadata["update_rule"]``: pass
+        ``UpdateRule.from_metadata(mixing.metadata.get("update_rule"))`` to score C
+        under the rule it was solved for.
     """
     if not isinstance(mixing, MixingMatrix):
         raise ValueError(f"mixing must be a MixingMatrix; got {type(mixing).__name__}.")
     check_choice("objective", objective, OBJECTIVES)
     check_unused_inputs(objective, spectrum=spectrum, learning_rate=learning_rate, blend_weight=blend_weight)
+    rule = resolve_update_rule(update_rule, mixing.steps)
+    check_rule_objective(objective, rule)
+    identity = is_identity_rule(rule, mixing.steps)
     ab = band_values_to_ab(np.asarray(mixing.band_values))
     workload = None
     if objective in CURVATURE_OBJECTIVES:
-        inputs = check_curvature_inputs(objective=objective, spectrum=spectrum, learning_rate=learning_rate)
+        inputs = check_curvature_inputs(objective=objective, spectrum=spectrum, learning_rate=learning_rate,
+                                        update_rule=rule, steps=mixing.steps)
         lam = check_blend_weight(blend_weight, allow_auto=False) if objective == "noisecurve-blend" else None
-        workload = dense_workload(objective=objective, steps=mixing.steps, inputs=inputs, blend_weight=lam)
-    return exact_loss(ab, objective=objective, workload=workload)
+        workload = dense_workload(objective=objective, steps=mixing.steps, inputs=inputs, blend_weight=lam,
+                                  update_rule=None if identity else rule)
+    prefix_map = None if identity or objective != "bandmf" else PrefixMap(mixing.steps, rule)
+    return exact_loss(ab, objective=objective, workload=workload, prefix_map=prefix_map)
 
 
 __all__ = ["solve_mixing_matrix", "objective_value", "prefix_noise_std", "pivoted_cholesky",

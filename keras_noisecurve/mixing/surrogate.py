@@ -19,6 +19,10 @@ and its gradient on the band of C (``keras_noisecurve.mixing.banded``).
   weight; smaller ρ leaves the optimiser drifting along them, larger ρ moves the
   optimum (measurements: docs/mixing.md, "Solver speed").
 * ``Problem.exact_loss`` is always the exact ``Tr(W X⁻¹)``, without ridge or truncation.
+* Update rules (momentum β, schedule s_t; ``keras_noisecurve.mixing.rule_workloads``):
+  the prefix part becomes ``α·‖A_rule C⁻¹‖_F² = α·‖L⁻¹‖_F²`` with the (b + 2)-banded
+  ``L = C·diag(s)⁻¹·(I − βS)·(I − S)`` (``PrefixMap.factor``), the same O(T·b²) block
+  recursion, exact (no factorization of a dense W); the eq.-1 part is split as above.
 
 numpy only.
 """
@@ -36,7 +40,8 @@ from keras_noisecurve.mixing.banded import (
     prefix_factor_pullback,
     trace_w_xinv,
 )
-from keras_noisecurve.mixing.workloads import blend_workload, curvature_workload
+from keras_noisecurve.mixing.rule_workloads import PrefixMap, is_identity_rule
+from keras_noisecurve.mixing.workloads import blend_workload, curvature_workload, rule_curvature_workload
 
 __all__ = [
     "RIDGE_RELATIVE",
@@ -54,15 +59,19 @@ RIDGE_RELATIVE = 1e-6
 TRUNCATION_RELATIVE = 1e-12
 
 
-def exact_loss(ab: np.ndarray, *, objective: str, workload: np.ndarray | None = None) -> float:
+def exact_loss(ab: np.ndarray, *, objective: str, workload: np.ndarray | None = None,
+               prefix_map: PrefixMap | None = None) -> float:
     """``Tr(W X⁻¹)``, X = CᵀC, for C in (b, T) band storage, with banded solves only.
 
-    ``dpsgd`` (W = I, ``‖C⁻¹‖_F²``) and ``bandmf`` (W = AᵀA, ``‖A C⁻¹‖_F²``) use the
-    O(T·b²) block recursion and need no ``workload``; every other objective needs its
-    dense (T, T) ``workload`` and costs O(T²·b).
+    ``dpsgd`` (W = I, ``‖C⁻¹‖_F²``) and ``bandmf`` (W = AᵀA, ``‖A C⁻¹‖_F²``; with
+    ``prefix_map`` W = A_ruleᵀA_rule, ``‖A_rule C⁻¹‖_F²``) use the O(T·b²) block
+    recursion and need no ``workload``; every other objective needs its dense (T, T)
+    ``workload`` and costs O(T²·b).
     """
     if objective == "dpsgd":
         return inverse_frobenius_term(ab, gradient=False)[0]
+    if objective == "bandmf" and prefix_map is not None:
+        return inverse_frobenius_term(prefix_map.factor(ab), gradient=False)[0]
     if objective == "bandmf":
         return inverse_frobenius_term(prefix_factor(ab), gradient=False)[0]
     return trace_w_xinv(ab, workload)
@@ -75,15 +84,18 @@ class Surrogate:
       factor: R of shape (T, k), or None (k = 0).
       prefix_weight: α ≥ 0 (A the T×T lower-triangular all-ones matrix).
       identity_weight: ε ≥ 0.
+      prefix_map: a ``rule_workloads.PrefixMap``: the prefix term is then
+        ``α·‖A_rule C⁻¹‖_F²`` (None: A, plain SGD).
 
     Calling it on C in (b, T) band storage returns ``(f, ∂f/∂ab)`` (the gradient on the
     band entries, shape (b, T); None with ``gradient=False``).
     """
 
-    def __init__(self, *, factor=None, prefix_weight=0.0, identity_weight=0.0):
+    def __init__(self, *, factor=None, prefix_weight=0.0, identity_weight=0.0, prefix_map=None):
         self.factor = factor
         self.prefix_weight = float(prefix_weight)
         self.identity_weight = float(identity_weight)
+        self.prefix_map = prefix_map
 
     def __call__(self, ab, *, gradient=True):
         value = 0.0
@@ -93,7 +105,12 @@ class Surrogate:
             value += v
             if gradient:
                 grad += g
-        if self.prefix_weight:
+        if self.prefix_weight and self.prefix_map is not None:
+            v, g = inverse_frobenius_term(self.prefix_map.factor(ab), gradient=gradient)
+            value += self.prefix_weight * v
+            if gradient:
+                grad += self.prefix_weight * self.prefix_map.pullback(g)
+        elif self.prefix_weight:
             v, g = inverse_frobenius_term(prefix_factor(ab), gradient=gradient)
             value += self.prefix_weight * v
             if gradient:
@@ -163,47 +180,61 @@ def factor_workload(workload: np.ndarray):
 
 
 class Problem:
-    """Everything the solver needs for one (objective, T, spectrum, η, λ).
+    """Everything the solver needs for one (objective, T, spectrum, η, λ, update rule).
 
     Args:
       objective: one of ``keras_noisecurve.mixing.workloads.OBJECTIVES``.
       steps: T.
       inputs: validated ``CurvatureInputs`` (curvature objectives only).
       blend_weight: λ ∈ [0, 1] (``noisecurve-blend`` only).
+      update_rule: a validated ``UpdateRule`` (None: plain SGD; a rule with β = 0 and
+        every s_t = 1 is the same problem, bit for bit).
 
     Attributes: ``surrogate`` (a ``Surrogate``), ``workload`` (dense W of the curvature
-    objectives, for exact reporting; None otherwise), ``ridge`` (ε, 0.0 if none) and
-    ``rank`` (columns of R kept; T for full-rank workloads).
+    objectives, for exact reporting; None otherwise), ``ridge`` (ε, 0.0 if none),
+    ``rank`` (columns of R kept; T for full-rank workloads) and ``prefix_map`` (the
+    rule's ``PrefixMap``; None for plain SGD).
     """
 
-    def __init__(self, *, objective, steps, inputs=None, blend_weight=None):
+    def __init__(self, *, objective, steps, inputs=None, blend_weight=None, update_rule=None):
         self.objective = objective
         self.steps = steps
         self.blend_weight = blend_weight
+        self.update_rule = update_rule
         self.workload = None  # dense W for exact reporting (curvature objectives)
         self.ridge = 0.0
         self.rank = steps
+        rule = None if update_rule is None or is_identity_rule(update_rule, steps) else update_rule
+        self.prefix_map = None if rule is None else PrefixMap(steps, rule)
         if objective == "dpsgd":
             self.surrogate = Surrogate(identity_weight=1.0)
             return
         if objective == "bandmf":
-            self.surrogate = Surrogate(prefix_weight=1.0)
+            self.surrogate = Surrogate(prefix_weight=1.0, prefix_map=self.prefix_map)
             return
         if objective == "noisecurve-blend":
             lam = float(blend_weight)
-            w_curv = curvature_workload(objective="noisecurve", steps=steps, inputs=inputs)
-            self.workload = blend_workload(curvature=w_curv, blend_weight=lam)
+            if rule is None:
+                w_curv = curvature_workload(objective="noisecurve", steps=steps, inputs=inputs)
+            else:
+                w_curv = rule_curvature_workload(objective="noisecurve", steps=steps, inputs=inputs, rule=rule)
+            self.workload = blend_workload(curvature=w_curv, blend_weight=lam, prefix=self.prefix_map)
             factor, full = (None, True)
             if lam < 1.0:
                 factor, full = factor_workload(w_curv)
                 factor = factor * math.sqrt((1.0 - lam) / float(np.trace(w_curv)))
                 self.rank = factor.shape[1]
-            prefix_weight = lam / (steps * (steps + 1) / 2.0)
+            prefix_trace = steps * (steps + 1) / 2.0 if rule is None else self.prefix_map.trace()
+            prefix_weight = lam / prefix_trace
             if lam == 0.0 and not full:
                 self.ridge = RIDGE_RELATIVE * float(np.trace(self.workload)) / steps
-            self.surrogate = Surrogate(factor=factor, prefix_weight=prefix_weight, identity_weight=self.ridge)
+            self.surrogate = Surrogate(factor=factor, prefix_weight=prefix_weight, identity_weight=self.ridge,
+                                       prefix_map=self.prefix_map)
             return
-        self.workload = curvature_workload(objective=objective, steps=steps, inputs=inputs)
+        if rule is None:
+            self.workload = curvature_workload(objective=objective, steps=steps, inputs=inputs)
+        else:
+            self.workload = rule_curvature_workload(objective=objective, steps=steps, inputs=inputs, rule=rule)
         factor, full = factor_workload(self.workload)
         self.rank = factor.shape[1]
         if not full:
@@ -212,12 +243,14 @@ class Problem:
 
     def exact_loss(self, ab) -> float:
         """``Tr(W X⁻¹)`` without ridge or truncation."""
-        return exact_loss(ab, objective=self.objective, workload=self.workload)
+        return exact_loss(ab, objective=self.objective, workload=self.workload, prefix_map=self.prefix_map)
 
     def identity_loss(self) -> float:
         """Loss of C = I, i.e. Tr(W)."""
         if self.objective == "dpsgd":
             return float(self.steps)
         if self.objective == "bandmf":
+            if self.prefix_map is not None:
+                return self.prefix_map.trace()
             return self.steps * (self.steps + 1) / 2.0
         return float(np.trace(self.workload))

@@ -57,6 +57,15 @@ finite sums of at most T bounded terms, so the relative rounding error of an ent
 O(T·ε) even for ημ = 1e-10 (no 1/(1 − r²) factor ever appears).
 The convergence workload uses the same construction with weights ``m_i μ_i²``.
 
+Update rules: every workload above is for plain SGD, ``w ← w − η·ĝ_t``. With
+``update_rule=`` (an ``UpdateRule``: heavy-ball momentum β, learning-rate multipliers s_t)
+``bandmf`` is ``A_ruleᵀA_rule`` for the rule's map from gradients to iterates,
+``noisecurve`` the eq.-1 workload of the rule, ``noisecurve-blend`` the same blend of
+those two, and ``dpsgd`` stays I; ``noisecurve-all-iterates`` and
+``noisecurve-convergence`` are refused for any rule but plain constant-rate SGD. The
+derivations are in ``keras_noisecurve.mixing.rule_workloads``. None, and any rule with
+β = 0 and every s_t = 1, give exactly the workloads above.
+
 Scalar factors: the objective value is always ``Tr(W X⁻¹)``; for ``noisecurve`` and
 ``noisecurve-all-iterates`` the expected loss gap is ``(η²σ²/2)·Tr(W X⁻¹)``; for
 ``noisecurve-convergence`` the noise part of the mean squared gradient norm is
@@ -70,6 +79,14 @@ import warnings
 import numpy as np
 
 from keras_noisecurve._validation import check_choice, check_float, check_int
+from keras_noisecurve.mixing.rule_workloads import (
+    PrefixMap,
+    check_rule_objective,
+    check_rule_stability,
+    final_loss_workload,
+    is_identity_rule,
+    resolve_update_rule,
+)
 
 #: Names of the objectives: the two baselines, then the curvature objectives (eq. 1, eq. 2,
 #: and the two variants that score the whole trajectory).
@@ -122,7 +139,8 @@ class CurvatureInputs:
         self.digest = digest
 
 
-def check_curvature_inputs(*, objective, spectrum, learning_rate) -> CurvatureInputs:
+def check_curvature_inputs(*, objective, spectrum, learning_rate, update_rule=None,
+                           steps=None) -> CurvatureInputs:
     """Validate the spectrum and learning rate of a curvature objective.
 
     Args:
@@ -130,13 +148,17 @@ def check_curvature_inputs(*, objective, spectrum, learning_rate) -> CurvatureIn
       spectrum: a ``keras_noisecurve.Spectrum`` or a 1-D array of eigenvalues
         (multiplicity 1 each; must be finite and ≥ 0).
       learning_rate: η > 0.
+      update_rule: the ``UpdateRule`` the workload is for (None: plain SGD); any other
+        rule than plain constant-rate SGD needs ``steps`` (T, for its multipliers).
 
     Raises:
       ValueError: missing spectrum or learning rate, η ≤ 0, a non-finite or negative
-        raw eigenvalue, ημ_max ≥ 2 (gradient descent diverges on the quadratic model).
+        raw eigenvalue, ημ_max ≥ 2 (gradient descent diverges on the quadratic model);
+        for another rule, η·max(s)·μ_max ≥ 2(1 + β) (heavy ball diverges).
 
     Warns:
-      UserWarning: ημ_max > 1 (violates the assumption of the paper's Theorem 3.2).
+      UserWarning: ημ_max > 1 (violates the assumption of the paper's Theorem 3.2), also
+        for a momentum-free constant schedule at its effective rate.
     """
     from keras_noisecurve.spectrum.artifact import Spectrum
 
@@ -166,6 +188,10 @@ def check_curvature_inputs(*, objective, spectrum, learning_rate) -> CurvatureIn
         spec = Spectrum(raw)
     mu = np.asarray(spec.eigenvalues, dtype=np.float64)
     m = np.asarray(spec.multiplicities, dtype=np.float64)
+    if update_rule is not None and not is_identity_rule(update_rule, steps):
+        check_rule_stability(learning_rate=eta, max_eigenvalue=float(mu.max()), rule=update_rule, steps=steps,
+                             stacklevel=4)
+        return CurvatureInputs(mu, m, eta, spec.digest())
     eta_mu_max = eta * float(mu.max())
     if eta_mu_max >= 2.0:
         raise ValueError(
@@ -304,7 +330,8 @@ def check_unused_inputs(objective, *, spectrum, learning_rate, blend_weight) -> 
         )
 
 
-def workload_matrix(*, objective, steps, spectrum=None, learning_rate=None, blend_weight=None) -> np.ndarray:
+def workload_matrix(*, objective, steps, spectrum=None, learning_rate=None, blend_weight=None,
+                    update_rule=None) -> np.ndarray:
     """The (T, T) workload W of an objective: the solver minimises ``Tr(W X⁻¹)``, X = CᵀC.
 
     Args:
@@ -317,6 +344,12 @@ def workload_matrix(*, objective, steps, spectrum=None, learning_rate=None, blen
         training run the noise is for, in the same units as 1/μ.
       blend_weight: λ ∈ [0, 1], ``noisecurve-blend`` only (``"auto"`` is resolved by
         ``solve_mixing_matrix``, not here).
+      update_rule: the ``UpdateRule`` (heavy-ball momentum β, schedule multipliers s_t)
+        the workload is for; None is plain SGD. ``bandmf`` becomes ``A_ruleᵀA_rule`` and
+        ``noisecurve`` (and the blend) the eq.-1 workload of the rule
+        (``keras_noisecurve.mixing.rule_workloads``); ``dpsgd`` is I for every rule;
+        ``noisecurve-all-iterates`` and ``noisecurve-convergence`` accept only plain
+        constant-rate SGD.
 
     Returns:
       float64 array of shape (T, T), symmetric positive semi-definite. For
@@ -328,28 +361,37 @@ def workload_matrix(*, objective, steps, spectrum=None, learning_rate=None, blen
 
     Raises:
       ValueError: unknown objective, steps < 1, a missing/invalid spectrum or learning
-        rate for a curvature objective, ημ_max ≥ 2, an invalid blend weight, or any of
-        these arguments given to an objective that does not use it.
+        rate for a curvature objective, ημ_max ≥ 2 (η·max(s)·μ_max ≥ 2(1 + β) for a
+        rule), an invalid blend weight, any of these arguments given to an objective
+        that does not use it, or a rule the objective is not derived for.
+      TypeError: ``update_rule`` is not an ``UpdateRule`` or None.
     """
     check_choice("objective", objective, OBJECTIVES)
     steps = check_int("steps", steps, minimum=1)
     check_unused_inputs(objective, spectrum=spectrum, learning_rate=learning_rate, blend_weight=blend_weight)
+    rule = resolve_update_rule(update_rule, steps)
+    check_rule_objective(objective, rule)
     inputs = lam = None
     if objective in CURVATURE_OBJECTIVES:
-        inputs = check_curvature_inputs(objective=objective, spectrum=spectrum, learning_rate=learning_rate)
+        inputs = check_curvature_inputs(objective=objective, spectrum=spectrum, learning_rate=learning_rate,
+                                        update_rule=rule, steps=steps)
     if objective == "noisecurve-blend":
         lam = check_blend_weight(blend_weight, allow_auto=False)
-    return dense_workload(objective=objective, steps=steps, inputs=inputs, blend_weight=lam)
+    return dense_workload(objective=objective, steps=steps, inputs=inputs, blend_weight=lam, update_rule=rule)
 
 
 def dense_workload(*, objective: str, steps: int, inputs: CurvatureInputs | None = None,
-                   blend_weight: float | None = None) -> np.ndarray:
+                   blend_weight: float | None = None, update_rule=None) -> np.ndarray:
     """The dense (T, T) workload of ``objective`` from already validated inputs.
 
     ``inputs`` (from ``check_curvature_inputs``) for the curvature objectives, λ =
-    ``blend_weight`` (a number in [0, 1]) for ``noisecurve-blend``; see
-    ``workload_matrix`` for the validated public entry point.
+    ``blend_weight`` (a number in [0, 1]) for ``noisecurve-blend``, ``update_rule`` an
+    ``UpdateRule`` or None (plain SGD; the same workloads as a rule with β = 0 and every
+    s_t = 1); see ``workload_matrix`` for the validated public entry point.
     """
+    if update_rule is not None and not is_identity_rule(update_rule, steps):
+        return _rule_workload(objective=objective, steps=steps, inputs=inputs, blend_weight=blend_weight,
+                              rule=update_rule)
     if objective == "dpsgd":
         return np.eye(steps)
     if objective == "bandmf":
@@ -360,8 +402,42 @@ def dense_workload(*, objective: str, steps: int, inputs: CurvatureInputs | None
     return curvature_workload(objective=objective, steps=steps, inputs=inputs)
 
 
-def blend_workload(*, curvature: np.ndarray, blend_weight: float) -> np.ndarray:
-    """``(1−λ)·W_curv/Tr(W_curv) + λ·AᵀA/Tr(AᵀA)``; ``Tr(AᵀA) = T(T+1)/2``."""
+def rule_curvature_workload(*, objective: str, steps: int, inputs: CurvatureInputs, rule) -> np.ndarray:
+    """Dense curvature workload for an update rule other than literal plain SGD.
+
+    ``noisecurve``: ``final_loss_workload`` of the rule. ``noisecurve-all-iterates`` and
+    ``noisecurve-convergence``: only for β = 0 with a constant multiplier c
+    (``rule.is_plain``), where SGD at rate η·c gives ``c²·W(η·c)``; any other rule
+    raises ``ValueError`` (``check_rule_objective``).
+    """
+    if objective == "noisecurve":
+        return final_loss_workload(steps=steps, eigenvalues=inputs.eigenvalues,
+                                   multiplicities=inputs.multiplicities, learning_rate=inputs.learning_rate,
+                                   rule=rule)
+    check_rule_objective(objective, rule)
+    c = float(rule.multipliers(steps)[0])
+    scaled = CurvatureInputs(inputs.eigenvalues, inputs.multiplicities, inputs.learning_rate * c, inputs.digest)
+    return c * c * curvature_workload(objective=objective, steps=steps, inputs=scaled)
+
+
+def _rule_workload(*, objective, steps, inputs, blend_weight, rule) -> np.ndarray:
+    if objective == "dpsgd":
+        return np.eye(steps)
+    prefix = PrefixMap(steps, rule)
+    if objective == "bandmf":
+        return prefix.workload()
+    if objective == "noisecurve-blend":
+        curvature = rule_curvature_workload(objective="noisecurve", steps=steps, inputs=inputs, rule=rule)
+        return blend_workload(curvature=curvature, blend_weight=blend_weight, prefix=prefix)
+    return rule_curvature_workload(objective=objective, steps=steps, inputs=inputs, rule=rule)
+
+
+def blend_workload(*, curvature: np.ndarray, blend_weight: float, prefix=None) -> np.ndarray:
+    """``(1−λ)·W_curv/Tr(W_curv) + λ·AᵀA/Tr(AᵀA)``; ``Tr(AᵀA) = T(T+1)/2``.
+
+    ``prefix``: a ``rule_workloads.PrefixMap`` to blend with ``A_ruleᵀA_rule`` instead
+    of the plain prefix workload AᵀA (None).
+    """
     steps = curvature.shape[0]
     lam = float(blend_weight)
     out = np.zeros_like(curvature)
@@ -374,6 +450,8 @@ def blend_workload(*, curvature: np.ndarray, blend_weight: float) -> np.ndarray:
             )
         out += (1.0 - lam) / tr * curvature
     if lam > 0.0:
-        out += lam / (steps * (steps + 1) / 2.0) * prefix_workload(steps)
+        if prefix is None:
+            out += lam / (steps * (steps + 1) / 2.0) * prefix_workload(steps)
+        else:
+            out += lam / prefix.trace() * prefix.workload()
     return out
-
