@@ -8,64 +8,99 @@
    (``keras_noisecurve.models.small_groupnorm_cnn``).
 3. Spectrum: random-label pre-training on the public images, then Lanczos top-k +
    SLQ count + power-law tail (paper §4), scaled by the public clipping factor.
-4. Mixing matrices: NoiseCurve (objective ``NOISECURVE_OBJECTIVE``) and DP-BandMF
-   for the same T and b; DP-SGD is C = I.
+4. Mixing matrices: NoiseCurve (its objective, default ``NOISECURVE_OBJECTIVE``) and
+   DP-BandMF, each for its own b and the update rule (momentum, learning-rate schedule)
+   it is trained with; DP-SGD is C = I.
 5. Accounting: σ calibrated for (ε, δ) under cyclic Poisson sampling (b bands for
    the matrix-factorisation methods, b = 1 for DP-SGD).
-6. Training: DP-SGD, DP-BandMF and NoiseCurve side by side, same initial weights,
-   learning rate, clip norm, batch size and steps; one table and plots
-   (spectrum, |C|, per-step and running-sum noise std, test accuracy per epoch)
-   in ``--out``.
+6. Training: DP-SGD, DP-BandMF and NoiseCurve side by side, each with its training
+   configuration from ``keras_noisecurve.demo_configs`` (learning rate, clip norm,
+   momentum, schedule, b; flags override every method), the same batch size and
+   steps, ``--seeds N`` times with paired seeds (seed s: the same initial weights for
+   every method and, with ``--deterministic``, the same batches and raw noise). The
+   spectrum and the mixing matrices are computed once. One table (mean ± std test
+   accuracy over the N seeds) and plots (spectrum, band values C[t, t − j] of each
+   correlated C, per-step and running-sum noise std, test accuracy per epoch) in
+   ``--out``; results.json keeps every run.
 
-Default run ≈ 10 min on a 2-core CPU; ``--quick`` ≈ 1–2 min (fewer public images,
-steps and Lanczos iterations: a smoke test, not a meaningful comparison).
+Default run (one seed) ≈ 10 min on a 2-core CPU; each further seed adds the three
+trainings (about a third of that); ``--quick`` ≈ 1–2 min (fewer public images, steps
+and Lanczos iterations: a smoke test, not a meaningful comparison).
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
+import math
 import os
 import sys
 import time
 
-from keras_noisecurve.mixing import DEFAULT_OBJECTIVE as _LIBRARY_DEFAULT
-from keras_noisecurve.mixing import workloads as _workloads
+from keras_noisecurve import demo_configs
+from keras_noisecurve.demo_configs import CONFIGS, CURVATURE_OBJECTIVES, METHODS, PROVENANCE
 
-#: The curvature objective the demo uses for its NoiseCurve row. It is taken from
-#: ``keras_noisecurve.mixing.DEFAULT_OBJECTIVE`` when that is a curvature objective,
-#: else the curvature objective that did best on VALIDATION data in the accuracy
-#: benchmark's non-convex model (docs/results.md: "noisecurve-all-iterates"; no
-#: curvature objective beat DP-BandMF there, so the library default may be "bandmf").
-CURVATURE_OBJECTIVES = tuple(_workloads.CURVATURE_OBJECTIVES)
-_BEST_CURVATURE_OBJECTIVE = "noisecurve-all-iterates"
-NOISECURVE_OBJECTIVE = _LIBRARY_DEFAULT if _LIBRARY_DEFAULT in CURVATURE_OBJECTIVES else _BEST_CURVATURE_OBJECTIVE
+#: The curvature objective the demo uses for its NoiseCurve row: the "objective" of
+#: ``keras_noisecurve.demo_configs.CONFIGS["NoiseCurve"]`` (by default
+#: ``keras_noisecurve.mixing.DEFAULT_OBJECTIVE`` when that is a curvature objective, else
+#: the curvature objective that did best on VALIDATION data in the accuracy benchmark's
+#: non-convex model; see ``demo_configs.NOISECURVE_OBJECTIVE``).
+NOISECURVE_OBJECTIVE = CONFIGS["NoiseCurve"]["objective"]
 _OBJECTIVE_SOURCE = (
-    "keras_noisecurve.mixing.DEFAULT_OBJECTIVE"
-    if _LIBRARY_DEFAULT in CURVATURE_OBJECTIVES
-    else "keras_noisecurve.demo.NOISECURVE_OBJECTIVE"
+    demo_configs.OBJECTIVE_SOURCE if NOISECURVE_OBJECTIVE == demo_configs.NOISECURVE_OBJECTIVE
+    else "keras_noisecurve.demo_configs.CONFIGS"
 )
 
-METHODS = ("DP-SGD", "DP-BandMF", "NoiseCurve")
+#: Correlated methods (b >= 2, a solved C).
+CORRELATED = tuple(m for m in METHODS if m != "DP-SGD")
+
+#: Command-line flags that override a field of every method's configuration.
+_OVERRIDES = {"learning_rate": "--learning-rate", "clip": "--clip", "momentum": "--momentum", "bands": "--bands"}
 
 
 class _Fail(Exception):
     """A user error: message printed, exit status 2."""
 
 
+def _per_method(field: str) -> str:
+    values = {m: CONFIGS[m][field] for m in METHODS if not (field == "bands" and m == "DP-SGD")}
+    if len(set(values.values())) == 1:
+        return f"{next(iter(values.values()))} for " + ("DP-BandMF and NoiseCurve" if field == "bands" else "every method")
+    return ", ".join(f"{m} {v}" for m, v in values.items())
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``noisecurve demo``."""
     parser.add_argument("--quick", action="store_true",
-                        help="smoke run (about 1-2 min): 128 public images, 2 epochs, b=4, a rough top-8 spectrum")
+                        help="smoke run (about 1-2 min): 128 public images, 2 epochs, a rough top-8 spectrum")
     parser.add_argument("--out", default="noisecurve_out", help="output folder for plots and results (default ./noisecurve_out)")
     parser.add_argument("--epsilon", type=float, default=2.0, help="target epsilon (default 2)")
     parser.add_argument("--delta", type=float, default=1e-5, help="target delta (default 1e-5)")
     parser.add_argument("--epochs", type=int, default=None, help="training epochs (default 10; --quick 2)")
-    parser.add_argument("--bands", type=int, default=None, help="band width b of the correlated methods (default 4; B*b must not exceed the 3,500 training images)")
+    parser.add_argument("--seeds", type=int, default=1,
+                        help="train each method N times, with paired seeds --seed, --seed+1, ...; the table shows "
+                             "mean ± std test accuracy over the N runs, results.json keeps every run; the spectrum "
+                             "and the mixing matrices are computed once (default 1)")
+    parser.add_argument("--bands", type=int, default=None,
+                        help="band width b of DP-BandMF and NoiseCurve, overriding both methods' configuration "
+                             f"(DP-SGD is b=1; B*b must not exceed the 3,500 training images). Default from "
+                             f"keras_noisecurve.demo_configs: {_per_method('bands')}")
     parser.add_argument("--batch-size", type=int, default=250, help="expected batch size B (default 250)")
-    parser.add_argument("--learning-rate", type=float, default=None, help="SGD learning rate (default 1.0)")
-    parser.add_argument("--clip", type=float, default=1.0, help="per-example L2 clip norm (default 1)")
-    parser.add_argument("--objective", default=NOISECURVE_OBJECTIVE, choices=CURVATURE_OBJECTIVES,
+    parser.add_argument("--learning-rate", type=float, default=None,
+                        help="SGD learning rate eta of EVERY method, overriding the per-method configuration. "
+                             f"Default from keras_noisecurve.demo_configs: {_per_method('learning_rate')}")
+    parser.add_argument("--clip", type=float, default=None,
+                        help="per-example L2 clip norm of EVERY method, overriding the per-method configuration. "
+                             f"Default from keras_noisecurve.demo_configs: {_per_method('clip')}")
+    parser.add_argument("--momentum", type=float, default=None,
+                        help="heavy-ball momentum beta in [0, 1) of EVERY method, overriding the per-method "
+                             "configuration (recorded in results.json; C is solved for it). Momentum > 0 trains "
+                             "with NoiseCurveOptimizer(inner=keras.optimizers.SGD(lr, momentum=beta)); where this "
+                             "keras_noisecurve lacks inner= (or a solver that takes update_rule=) the demo stops "
+                             "at once with a message. Default from "
+                             f"keras_noisecurve.demo_configs: {_per_method('momentum')}")
+    parser.add_argument("--objective", default=None, choices=CURVATURE_OBJECTIVES,
                         help=f"curvature objective of the NoiseCurve row (default {NOISECURVE_OBJECTIVE})")
     parser.add_argument("--public", default="digits", choices=("digits", "mnist-heldout"),
                         help="public (unlabeled) data: scikit-learn digits (default) or a held-out MNIST slice")
@@ -73,10 +108,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="number of public images for the spectrum (default 512; --quick 128)")
     parser.add_argument("--top-k", type=int, default=None, help="Lanczos eigenvalues (default 32; --quick 8)")
     parser.add_argument("--seed", type=int, default=0,
-                        help="seed of the initial weights, the public subset and the spectrum (default 0)")
+                        help="seed of the public subset and the spectrum, and the first training seed "
+                             "(run r of --seeds uses seed S+r for the initial weights) (default 0)")
     parser.add_argument("--deterministic", action="store_true",
-                        help="also seed the batch sampler and the noise from --seed (reproducible, for tests; "
-                             "a known noise seed voids the privacy guarantee). Default: OS entropy")
+                        help="also seed the batch sampler and the noise from each run's seed (reproducible, for "
+                             "tests; a known noise seed voids the privacy guarantee). Default: OS entropy")
     parser.add_argument("--no-plots", action="store_true", help="skip the matplotlib plots")
 
 
@@ -84,8 +120,6 @@ def _defaults(args) -> dict:
     quick = args.quick
     cfg = {
         "epochs": args.epochs if args.epochs is not None else (2 if quick else 10),
-        "bands": args.bands if args.bands is not None else 4,
-        "learning_rate": args.learning_rate if args.learning_rate is not None else 1.0,
         "top_k": args.top_k if args.top_k is not None else (8 if quick else 32),
         "public_size": args.public_size,
         "pretrain_epochs": 1 if quick else 4,
@@ -94,9 +128,27 @@ def _defaults(args) -> dict:
         "val_size": 500,
         "test_size": 1000,
         "eval_size": 500 if quick else 1000,
+        "seeds": args.seeds,
     }
     if cfg["public_size"] is None:
         cfg["public_size"] = 128 if quick else 512
+    methods, overridden = {}, {}
+    objective = args.objective if args.objective is not None else CONFIGS["NoiseCurve"]["objective"]
+    for name in METHODS:
+        m = dict(CONFIGS[name])
+        for field, flag in _OVERRIDES.items():
+            value = getattr(args, field)
+            if value is None or (field == "bands" and name == "DP-SGD"):
+                continue
+            m[field] = value
+            overridden.setdefault(name, []).append(flag)
+        if name == "NoiseCurve":
+            m["objective"] = objective
+            if args.objective is not None:
+                overridden.setdefault(name, []).append("--objective")
+        methods[name] = m
+    cfg["methods"] = methods
+    cfg["overridden"] = overridden
     return cfg
 
 
@@ -108,10 +160,16 @@ def _validate(args, cfg) -> None:
     need(args.epsilon > 0, f"--epsilon must be > 0, got {args.epsilon}")
     need(0 < args.delta < 1, f"--delta must lie in (0, 1), got {args.delta}")
     need(cfg["epochs"] >= 1, f"--epochs must be >= 1, got {cfg['epochs']}")
-    need(cfg["bands"] >= 2, f"--bands must be >= 2 (b = 1 is DP-SGD, which the demo always runs), got {cfg['bands']}")
+    need(args.seeds >= 1, f"--seeds must be >= 1 (the number of training runs per method), got {args.seeds}")
+    if args.bands is not None:
+        need(args.bands >= 2, f"--bands must be >= 2 (b = 1 is DP-SGD, which the demo always runs), got {args.bands}")
     need(args.batch_size >= 1, f"--batch-size must be >= 1, got {args.batch_size}")
-    need(cfg["learning_rate"] > 0, f"--learning-rate must be > 0, got {cfg['learning_rate']}")
-    need(args.clip > 0, f"--clip must be > 0, got {args.clip}")
+    if args.learning_rate is not None:
+        need(args.learning_rate > 0, f"--learning-rate must be > 0, got {args.learning_rate}")
+    if args.clip is not None:
+        need(args.clip > 0, f"--clip must be > 0, got {args.clip}")
+    if args.momentum is not None:
+        need(0 <= args.momentum < 1, f"--momentum must lie in [0, 1), got {args.momentum}")
     need(cfg["top_k"] >= 2, f"--top-k must be >= 2, got {cfg['top_k']}")
     need(cfg["public_size"] >= 16, f"--public-size must be >= 16, got {cfg['public_size']}")
     need(args.seed >= 0, f"--seed must be >= 0, got {args.seed}")
@@ -119,6 +177,73 @@ def _validate(args, cfg) -> None:
         need(cfg["public_size"] <= 1797, f"--public-size must be <= 1797 for --public digits, got {cfg['public_size']}")
     else:
         need(cfg["public_size"] <= 2000, f"--public-size must be <= 2000 for --public mnist-heldout, got {cfg['public_size']}")
+    try:
+        demo_configs.validate_configs(cfg["methods"])
+    except ValueError as exc:
+        raise _Fail(str(exc)) from exc
+    _check_supported(cfg["methods"])
+
+
+def _source(name, field, cfg) -> str:
+    flag = _OVERRIDES.get(field, "--objective" if field == "objective" else None)
+    return flag if flag in cfg["overridden"].get(name, ()) else "keras_noisecurve.demo_configs"
+
+
+def _check_supported(methods) -> None:
+    """Fail fast when a configuration needs a library feature this installation lacks."""
+    for name, m in methods.items():
+        if m["momentum"] > 0 and not _optimizer_takes_inner():
+            raise _Fail(
+                f"{name}: momentum {m['momentum']:g} needs keras_noisecurve.NoiseCurveOptimizer(inner="
+                "keras.optimizers.SGD(lr, momentum=beta), ...), which this version of keras_noisecurve does not "
+                "have yet (its optimizer is plain SGD); run with momentum 0 (--momentum 0 or demo_configs)"
+            )
+        if name in CORRELATED and not _is_plain(m) and not _solver_takes_update_rule():
+            raise _Fail(
+                f"{name}: momentum {m['momentum']:g} with a {m['schedule']!r} learning rate needs its C solved for "
+                "that update rule (solve_mixing_matrix(..., update_rule=...)), which this version of "
+                "keras_noisecurve does not have yet; use momentum 0 and a constant schedule"
+            )
+
+
+def _optimizer_takes_inner() -> bool:
+    import keras_noisecurve as knc
+
+    return "inner" in inspect.signature(knc.NoiseCurveOptimizer).parameters
+
+
+def _solver_takes_update_rule() -> bool:
+    import keras_noisecurve as knc
+
+    return "update_rule" in inspect.signature(knc.solve_mixing_matrix).parameters
+
+
+def _is_plain(m) -> bool:
+    """Plain SGD with a constant learning rate: what every C was solved for before update rules."""
+    return m["momentum"] == 0 and m["schedule"] == "constant"
+
+
+def _update_rule(m):
+    import keras_noisecurve as knc
+
+    return knc.UpdateRule(momentum=m["momentum"], schedule=m["schedule"])
+
+
+def _solve(*, steps, bands, objective, m, **kwargs):
+    """``solve_mixing_matrix`` for the update rule of configuration ``m``. For plain SGD with a
+    constant learning rate nothing is added to the call (the solver's default rule)."""
+    import keras_noisecurve as knc
+
+    if not _is_plain(m):
+        kwargs["update_rule"] = _update_rule(m)
+    return knc.solve_mixing_matrix(steps=steps, bands=bands, objective=objective, **kwargs)
+
+
+def _describe(m) -> str:
+    text = f"eta={m['learning_rate']:g}, clip={m['clip']:g}, momentum={m['momentum']:g}, {m['schedule']} lr, b={m['bands']}"
+    if "objective" in m:
+        text += f", objective {m['objective']!r}"
+    return text
 
 
 def _log(msg: str) -> None:
@@ -127,8 +252,8 @@ def _log(msg: str) -> None:
 
 def run(args) -> int:
     """Run the demo; returns 0 on success, 2 on a bad flag."""
-    cfg = _defaults(args)
     try:
+        cfg = _defaults(args)
         _validate(args, cfg)
         return _run(args, cfg)
     except _Fail as exc:
@@ -147,8 +272,15 @@ def _run(args, cfg) -> int:
 
     from keras_noisecurve import data as kdata
 
-    _log(f"NoiseCurve objective: {args.objective!r}"
-         + (f" (default, from {_OBJECTIVE_SOURCE})" if args.objective == NOISECURVE_OBJECTIVE else " (from --objective)"))
+    methods = cfg["methods"]
+    objective = methods["NoiseCurve"]["objective"]
+    _log(f"NoiseCurve objective: {objective!r}"
+         + (" (from --objective)" if args.objective is not None
+            else f" (default, from {_OBJECTIVE_SOURCE})"))
+    _log(f"training configuration ({PROVENANCE}):")
+    for name, m in methods.items():
+        flags = cfg["overridden"].get(name)
+        _log(f"  {name}: {_describe(m)}" + (f" ({', '.join(flags)} from the command line)" if flags else ""))
     _log("loading data: private = bundled MNIST-5k, public = "
          + ("scikit-learn digits (unlabeled)" if args.public == "digits" else "held-out MNIST slice (unlabeled)"))
     if args.public == "mnist-heldout":
@@ -161,17 +293,19 @@ def _run(args, cfg) -> int:
     x_test, y_test = splits.x_test[: cfg["eval_size"]], splits.y_test[: cfg["eval_size"]]
     n = len(y_train)
     batch = args.batch_size
-    bands = cfg["bands"]
-    if batch * bands > n:
-        raise _Fail(f"--batch-size {batch} x --bands {bands} = {batch * bands} exceeds the {n} training images "
-                    "(cyclic Poisson sampling needs B*b <= n)")
     steps_per_epoch = max(1, round(n / batch))
     steps = cfg["epochs"] * steps_per_epoch
-    if bands > steps:
-        raise _Fail(f"--bands {bands} exceeds the number of steps {steps}")
+    for name, m in methods.items():
+        b = m["bands"]
+        if batch * b > n:
+            where = "--bands" if _source(name, "bands", cfg) == "--bands" else f"{name}'s bands"
+            raise _Fail(f"--batch-size {batch} x {where} {b} = {batch * b} exceeds the {n} training images (cyclic Poisson sampling needs B*b <= n)")
+        if b > steps:
+            raise _Fail(f"{name}: bands {b} exceeds the number of steps {steps}")
+    seeds = [args.seed + r for r in range(cfg["seeds"])]
     _log(f"private n={n}, public {len(x_public)} images, test {len(y_test)}; B={batch}, "
-         f"T={steps} steps ({cfg['epochs']} epochs x {steps_per_epoch}), b={bands}, "
-         f"eta={cfg['learning_rate']}, clip={args.clip}")
+         f"T={steps} steps ({cfg['epochs']} epochs x {steps_per_epoch}); "
+         f"{len(seeds)} seed{'s' if len(seeds) > 1 else ''} ({', '.join(map(str, seeds))})")
 
     import keras
     import tensorflow as tf
@@ -186,10 +320,9 @@ def _run(args, cfg) -> int:
     keras.utils.set_random_seed(args.seed)
     base = small_groupnorm_cnn((28, 28, 1), num_classes=10, dense_size=32, seed=args.seed)
     base.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    initial_weights = [w.copy() for w in base.get_weights()]
+    initial_weights = {args.seed: [w.copy() for w in base.get_weights()]}
     _log(f"model: small GroupNorm CNN, {base.count_params():,} parameters")
-    _check_training_steps(x_train, y_train, batch=batch, bands=bands, eta=cfg["learning_rate"], clip=args.clip,
-                          seed=args.seed)
+    _check_training_steps(x_train, y_train, batch=batch, configs=methods, seed=args.seed)
 
     # ---------------------------------------------------------------- spectrum
     t0 = time.perf_counter()
@@ -199,32 +332,40 @@ def _run(args, cfg) -> int:
         base, x_public, pretrain_epochs=cfg["pretrain_epochs"], method="lanczos", top_k=cfg["top_k"],
         slq_probes=cfg["slq_probes"], slq_steps=cfg["slq_steps"], seed=args.seed, verbose=True,
     )
-    scale = clipping_scale(base, x_public, l2_norm_clip=args.clip, seed=args.seed)
-    curvature = spectrum.scaled(scale)
+    scales = {}
+    for m in methods.values():
+        if m["clip"] not in scales:
+            scales[m["clip"]] = clipping_scale(base, x_public, l2_norm_clip=m["clip"], seed=args.seed)
     spectrum.save(os.path.join(args.out, "spectrum.npz"))
-    eta = cfg["learning_rate"]
+    nc = methods["NoiseCurve"]
+    scale = scales[nc["clip"]]
+    curvature = spectrum.scaled(scale)
     _log(f"spectrum: mu_max={spectrum.max_eigenvalue:.4g}, trace={spectrum.trace():.4g}, "
-         f"clipping scale s={scale:.3f} -> eta*s*mu_max={eta * curvature.max_eigenvalue:.3g} "
-         f"({time.perf_counter() - t0:.0f}s)")
-    if eta * curvature.max_eigenvalue >= 2:
-        raise _Fail(f"--learning-rate {eta} makes eta*mu_max = {eta * curvature.max_eigenvalue:.3g} >= 2 "
-                    "(gradient descent on the upper bound diverges); lower it")
+         f"clipping scale s={scale:.3f} (clip {nc['clip']:g}) -> NoiseCurve eta*s*mu_max="
+         f"{nc['learning_rate'] * curvature.max_eigenvalue:.3g} ({time.perf_counter() - t0:.0f}s)")
+    for name, m in methods.items():
+        rate = m["learning_rate"] * scales[m["clip"]] * spectrum.max_eigenvalue
+        limit = 2.0 * (1.0 + m["momentum"])  # heavy ball on a quadratic: stable iff eta*mu < 2(1 + beta)
+        if rate >= limit:
+            raise _Fail(f"{name}: learning rate {m['learning_rate']:g} (from {_source(name, 'learning_rate', cfg)}) "
+                        f"makes eta*mu_max = {rate:.3g} >= {limit:g} (gradient descent on the upper bound "
+                        "diverges); lower it")
 
     # ---------------------------------------------------------- mixing matrices
     t0 = time.perf_counter()
-    _log(f"solving C: DP-BandMF and {args.objective} (T={steps}, b={bands}) ...")
+    bm = methods["DP-BandMF"]
+    _log(f"solving C: DP-BandMF (b={bm['bands']}) and {objective} (b={nc['bands']}), T={steps} ...")
     mixings = {
         "DP-SGD": knc.MixingMatrix.identity(steps),
-        "DP-BandMF": knc.solve_mixing_matrix(steps=steps, bands=bands, objective="bandmf"),
+        "DP-BandMF": _solve(steps=steps, bands=bm["bands"], objective="bandmf", m=bm),
     }
-    kwargs = {"blend_weight": "auto"} if args.objective == "noisecurve-blend" else {}
+    kwargs = {"blend_weight": "auto"} if objective == "noisecurve-blend" else {}
     import warnings
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        mixings["NoiseCurve"] = knc.solve_mixing_matrix(
-            steps=steps, bands=bands, objective=args.objective, spectrum=curvature, learning_rate=eta, **kwargs
-        )
+        mixings["NoiseCurve"] = _solve(steps=steps, bands=nc["bands"], objective=objective, m=nc,
+                                       spectrum=curvature, learning_rate=nc["learning_rate"], **kwargs)
     for w in caught:
         _log(f"solver warning: {w.message}")
     for name, mixing in mixings.items():
@@ -238,7 +379,7 @@ def _run(args, cfg) -> int:
     t0 = time.perf_counter()
     sigmas = {}
     for name in METHODS:
-        b = 1 if name == "DP-SGD" else bands
+        b = methods[name]["bands"]
         if b not in sigmas:
             sigmas[b] = knc.calibrate_noise_multiplier(
                 epsilon=args.epsilon, delta=args.delta, num_examples=n, batch_size=batch, steps=steps, bands=b
@@ -252,44 +393,71 @@ def _run(args, cfg) -> int:
          + ", ".join(f"b={b}: sigma={s:.3f}" for b, s in sigmas.items()) + f" ({time.perf_counter() - t0:.0f}s)")
 
     # ----------------------------------------------------------------- training
+    runs = {name: [] for name in METHODS}
+    total = len(seeds) * len(METHODS)
+    t_train = time.perf_counter()
+    for r, seed in enumerate(seeds):
+        if seed not in initial_weights:
+            initial_weights[seed] = small_groupnorm_cnn((28, 28, 1), num_classes=10, dense_size=32,
+                                                        seed=seed).get_weights()
+        for i, name in enumerate(METHODS):
+            m = methods[name]
+            b = m["bands"]
+            t0 = time.perf_counter()
+            label = name if len(seeds) == 1 else f"{name} seed {seed}"
+            _log(f"training {label} ({r * len(METHODS) + i + 1}/{total}): b={b}, sigma={sigmas[b]:.3f} ...")
+            model, private = _private_cnn(mixing=mixings[name], config=m, sigma=sigmas[b], batch=batch, seed=seed,
+                                          noise_seed=(seed + 1) if args.deterministic else None)
+            model.set_weights(initial_weights[seed])
+            dataset = knc.banded_poisson_dataset(x_train, y_train, batch_size=batch, bands=b, steps=steps,
+                                                 seed=(seed + 1) if args.deterministic else None)
+            curve = _epoch_accuracy_callback(model, x_test, y_test, steps_per_epoch, label)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                private.fit(dataset, epochs=1, steps_per_epoch=steps, verbose=0, callbacks=[curve])
+            acc = _accuracy(model, x_test, y_test)
+            runs[name].append({"seed": seed, "test_accuracy": acc, "seconds": time.perf_counter() - t0,
+                               "accuracy_per_epoch": curve.history})
+            _log(f"{label}: test accuracy {100 * acc:.2f} % ({runs[name][-1]['seconds']:.0f}s)")
+    train_seconds = time.perf_counter() - t_train
+
     results = {}
-    for i, name in enumerate(METHODS):
-        b = 1 if name == "DP-SGD" else bands
-        t0 = time.perf_counter()
-        _log(f"training {name} ({i + 1}/3): b={b}, sigma={sigmas[b]:.3f} ...")
-        model, private = _private_cnn(mixing=mixings[name], eta=eta, clip=args.clip, sigma=sigmas[b], batch=batch,
-                                      seed=args.seed,
-                                      noise_seed=(args.seed + 1000 * i + 1) if args.deterministic else None)
-        model.set_weights(initial_weights)
-        dataset = knc.banded_poisson_dataset(x_train, y_train, batch_size=batch, bands=b, steps=steps,
-                                             seed=(args.seed + 1) if args.deterministic else None)
-        curve = _epoch_accuracy_callback(model, x_test, y_test, steps_per_epoch, name)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            private.fit(dataset, epochs=1, steps_per_epoch=steps, verbose=0, callbacks=[curve])
-        acc = _accuracy(model, x_test, y_test)
+    for name in METHODS:
+        b = methods[name]["bands"]
+        accs = [run_["test_accuracy"] for run_ in runs[name]]
+        curves = np.array([run_["accuracy_per_epoch"] for run_ in runs[name]], dtype=np.float64)
         results[name] = {
-            "test_accuracy": acc, "epsilon": epsilons[b], "sigma": sigmas[b], "bands": b,
-            "seconds": time.perf_counter() - t0, "accuracy_per_epoch": curve.history,
+            "test_accuracy": _mean(accs), "test_accuracy_std": _std(accs), "n": len(accs),
+            "epsilon": epsilons[b], "sigma": sigmas[b], "bands": b, "config": methods[name],
+            "seconds": _mean([run_["seconds"] for run_ in runs[name]]),
+            "accuracy_per_epoch": curves.mean(axis=0).tolist(),
+            "runs": runs[name],
         }
-        _log(f"{name}: test accuracy {100 * acc:.2f} % ({results[name]['seconds']:.0f}s)")
+    paired = _paired_differences(runs) if len(seeds) > 1 else {}
 
     # ------------------------------------------------------------------ output
     table = _table(results)
     print()
     print(f"Results (eps={args.epsilon}, delta={args.delta}; MNIST-5k, {n} private / {len(y_test)} test images; "
-          f"NoiseCurve objective {args.objective!r}):")
+          f"NoiseCurve objective {objective!r}"
+          + (f"; mean ± std over {len(seeds)} paired seeds {seeds[0]}..{seeds[-1]}" if len(seeds) > 1 else "")
+          + "):")
     print(table)
+    for line in _paired_lines(paired):
+        print(line)
+    print(f"Training configuration: {PROVENANCE}.")
     summary = {
-        "objective": args.objective, "epsilon": args.epsilon, "delta": args.delta, "steps": steps,
-        "bands": bands, "batch_size": batch, "learning_rate": eta, "clip": args.clip, "seed": args.seed,
-        "clipping_scale": scale, "results": results,
+        "objective": objective, "epsilon": args.epsilon, "delta": args.delta, "steps": steps,
+        "batch_size": batch, "seed": args.seed, "seeds": seeds, "deterministic": bool(args.deterministic),
+        "configs": methods, "overridden": cfg["overridden"], "provenance": PROVENANCE,
+        "clipping_scale": scale, "clipping_scales": {str(k): v for k, v in scales.items()},
+        "training_seconds": train_seconds, "results": results, "paired_differences": paired,
         "noise": {k: {kk: v for kk, v in d.items() if not isinstance(v, list)} for k, d in diagnostics.items()},
     }
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(summary, f, indent=1)
     with open(os.path.join(args.out, "results.md"), "w") as f:
-        f.write(table + "\n")
+        f.write(table + "\n" + "".join(line + "\n" for line in _paired_lines(paired)))
     if not args.no_plots:
         _plots(args.out, spectrum, mixings, diagnostics, results, steps_per_epoch)
         _log(f"plots: {', '.join(PLOT_FILES)} in {args.out}/")
@@ -297,8 +465,57 @@ def _run(args, cfg) -> int:
     return 0
 
 
-def _private_cnn(*, mixing, eta, clip, sigma, batch, seed, noise_seed):
-    """The demo's private model: the small GroupNorm CNN, per-example clipping, correlated noise."""
+def _mean(values) -> float:
+    return float(sum(values) / len(values))
+
+
+def _std(values):
+    """Sample standard deviation (n − 1 in the denominator); None for a single value."""
+    if len(values) < 2:
+        return None
+    mu = _mean(values)
+    return float(math.sqrt(sum((v - mu) ** 2 for v in values) / (len(values) - 1)))
+
+
+def _paired_differences(runs) -> dict:
+    """Per-seed accuracy differences of each correlated method against DP-SGD (same seed)."""
+    out = {}
+    base = {r["seed"]: r["test_accuracy"] for r in runs["DP-SGD"]}
+    for name in CORRELATED:
+        diffs = [r["test_accuracy"] - base[r["seed"]] for r in runs[name]]
+        out[f"{name} - DP-SGD"] = {"mean": _mean(diffs), "std": _std(diffs), "n": len(diffs), "per_seed": diffs}
+    return out
+
+
+def _paired_lines(paired) -> list:
+    if not paired:
+        return []
+    return ["Paired differences (same seed): " + "; ".join(
+        f"{k} {100 * d['mean']:+.2f} ± {100 * d['std']:.2f} pp" for k, d in paired.items())]
+
+
+def _learning_rate(config, steps):
+    """η (a float) for a constant schedule, else a Keras schedule with η·s_t, s_t from ``UpdateRule``."""
+    if config["schedule"] == "constant":
+        return config["learning_rate"]
+    import keras
+
+    rates = [config["learning_rate"] * float(s) for s in _update_rule(config).multipliers(steps)]
+
+    class _StepRates(keras.optimizers.schedules.LearningRateSchedule):
+        def __call__(self, step):
+            table = keras.ops.convert_to_tensor(rates, dtype="float32")
+            return keras.ops.take(table, keras.ops.minimum(keras.ops.cast(step, "int32"), len(rates) - 1))
+
+        def get_config(self):
+            return {"rates": rates}
+
+    return _StepRates()
+
+
+def _private_cnn(*, mixing, config, sigma, batch, seed, noise_seed):
+    """The demo's private model: the small GroupNorm CNN, per-example clipping, correlated noise,
+    trained with ``config``'s learning rate (and schedule over C's T steps), clip norm and momentum."""
     import keras
 
     import keras_noisecurve as knc
@@ -306,35 +523,47 @@ def _private_cnn(*, mixing, eta, clip, sigma, batch, seed, noise_seed):
 
     model = small_groupnorm_cnn((28, 28, 1), num_classes=10, dense_size=32, seed=seed)
     private = knc.make_private(model)
-    private.compile(
-        optimizer=knc.NoiseCurveOptimizer(
-            learning_rate=eta, mixing=mixing, l2_norm_clip=clip, noise_multiplier=sigma,
-            expected_batch_size=batch, seed=noise_seed,
-        ),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-    )
+    common = dict(mixing=mixing, l2_norm_clip=config["clip"], noise_multiplier=sigma, expected_batch_size=batch,
+                  seed=noise_seed)
+    learning_rate = _learning_rate(config, mixing.steps)
+    if config["momentum"] > 0:
+        if not _optimizer_takes_inner():
+            raise _Fail(f"momentum {config['momentum']:g} needs NoiseCurveOptimizer(inner=...), "
+                        "which this version of keras_noisecurve does not have yet")
+        optimizer = knc.NoiseCurveOptimizer(
+            inner=keras.optimizers.SGD(learning_rate, momentum=config["momentum"]), **common
+        )
+    else:
+        optimizer = knc.NoiseCurveOptimizer(learning_rate=learning_rate, **common)
+    private.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     return model, private
 
 
-def _check_training_steps(x, y, *, batch, bands, eta, clip, seed) -> None:
-    """Trace and run one training step of each configuration the demo trains (b = 1, b = bands).
+def _check_training_steps(x, y, *, batch, configs, seed) -> None:
+    """Trace and run one training step of each distinct configuration the demo trains.
 
     Same model, clipping engine, optimizer and sampler as the real runs, on a
-    two-band-cycle plan; the models are thrown away. A step that cannot run on this
-    machine (a kernel, a layer rule) fails here, in seconds, not after the minutes of
-    spectrum estimation.
+    two-band-cycle plan (C solved for the configuration's update rule); the models are
+    thrown away. A step that cannot run on this machine (a kernel, a layer rule, an
+    optimizer option) fails here, in seconds, not after the minutes of spectrum estimation.
     """
     import warnings
 
     import keras_noisecurve as knc
 
+    distinct = {}
+    for m in configs.values():
+        key = tuple(m[f] for f in demo_configs.FIELDS)
+        distinct.setdefault(key, m)
     t0 = time.perf_counter()
-    _log("checking one training step of each configuration (b=1 and b=%d) ..." % bands)
-    for b in sorted({1, bands}):
+    _log(f"checking one training step of each configuration ({len(distinct)}: "
+         + ", ".join(f"b={m['bands']}" + ("" if _is_plain(m) else f" momentum {m['momentum']:g} {m['schedule']}")
+                     for m in distinct.values()) + ") ...")
+    for m in distinct.values():
+        b = m["bands"]
         mixing = (knc.MixingMatrix.identity(2) if b == 1
-                  else knc.solve_mixing_matrix(steps=2 * b, bands=b, objective="bandmf"))
-        _, private = _private_cnn(mixing=mixing, eta=eta, clip=clip, sigma=1.0, batch=batch, seed=seed,
-                                  noise_seed=0)
+                  else _solve(steps=2 * b, bands=b, objective="bandmf", m=m))
+        _, private = _private_cnn(mixing=mixing, config=m, sigma=1.0, batch=batch, seed=seed, noise_seed=0)
         dataset = knc.banded_poisson_dataset(x, y, batch_size=batch, bands=b, steps=mixing.steps, seed=0)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -371,14 +600,22 @@ def _epoch_accuracy_callback(model, x, y, steps_per_epoch, name):
 
 
 def _table(results) -> str:
-    lines = ["| method | test accuracy | epsilon | sigma | b | wall time |", "|---|---|---|---|---|---|"]
+    """One row per method. One seed: the accuracy of that run (as before ``--seeds``); N seeds:
+    mean ± sample std over the N runs, N in the header, wall time per run."""
+    n = next(iter(results.values()))["n"]
+    if n == 1:
+        lines = ["| method | test accuracy | epsilon | sigma | b | wall time |", "|---|---|---|---|---|---|"]
+    else:
+        lines = [f"| method | test accuracy (mean ± std, N = {n}) | epsilon | sigma | b | wall time per run |",
+                 "|---|---|---|---|---|---|"]
     for name, r in results.items():
-        lines.append(f"| {name} | {100 * r['test_accuracy']:.2f} % | {r['epsilon']:.3f} | {r['sigma']:.3f} | "
-                     f"{r['bands']} | {r['seconds']:.0f} s |")
+        acc = f"{100 * r['test_accuracy']:.2f} %" if n == 1 else \
+            f"{100 * r['test_accuracy']:.2f} ± {100 * r['test_accuracy_std']:.2f} %"
+        lines.append(f"| {name} | {acc} | {r['epsilon']:.3f} | {r['sigma']:.3f} | {r['bands']} | {r['seconds']:.0f} s |")
     return "\n".join(lines)
 
 
-PLOT_FILES = ("spectrum.png", "mixing_matrices.png", "noise.png", "accuracy.png")
+PLOT_FILES = ("spectrum.png", "mixing_bands.png", "noise.png", "accuracy.png")
 
 
 def _plots(out, spectrum, mixings, diagnostics, results, steps_per_epoch) -> None:
@@ -410,16 +647,7 @@ def _plots(out, spectrum, mixings, diagnostics, results, steps_per_epoch) -> Non
     fig.savefig(os.path.join(out, "spectrum.png"), dpi=110)
     plt.close(fig)
 
-    names = [k for k in mixings if k != "DP-SGD"]
-    fig, axes = plt.subplots(1, len(names), figsize=(5 * len(names), 4.2))
-    for ax, name in zip(np.atleast_1d(axes), names):
-        dense = np.abs(mixings[name].to_dense())
-        im = ax.imshow(np.log10(np.maximum(dense, 1e-6)), cmap="viridis", vmin=-4, vmax=0)
-        ax.set_title(f"log10 |C|: {name}")
-        fig.colorbar(im, ax=ax, fraction=0.046)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out, "mixing_matrices.png"), dpi=110)
-    plt.close(fig)
+    _plot_bands(plt, np, os.path.join(out, "mixing_bands.png"), {k: v for k, v in mixings.items() if k != "DP-SGD"})
 
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
     for name, d in diagnostics.items():
@@ -437,12 +665,40 @@ def _plots(out, spectrum, mixings, diagnostics, results, steps_per_epoch) -> Non
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, r in results.items():
-        hist = r["accuracy_per_epoch"]
-        ax.plot(np.arange(1, len(hist) + 1), [100 * a for a in hist], "o-", label=name)
+        hist = np.array(r["accuracy_per_epoch"]) * 100
+        epochs = np.arange(1, len(hist) + 1)
+        if r["n"] > 1:
+            runs = np.array([run_["accuracy_per_epoch"] for run_ in r["runs"]]) * 100
+            std = runs.std(axis=0, ddof=1)
+            line, = ax.plot(epochs, hist, "o-", label=f"{name} (mean ± std, N = {r['n']})")
+            ax.fill_between(epochs, hist - std, hist + std, color=line.get_color(), alpha=0.2)
+        else:
+            ax.plot(epochs, hist, "o-", label=name)
     ax.set_xlabel("epoch")
     ax.set_ylabel("test accuracy (%)")
     ax.set_title("Accuracy per epoch")
     ax.legend()
     fig.tight_layout()
     fig.savefig(os.path.join(out, "accuracy.png"), dpi=110)
+    plt.close(fig)
+
+
+def _plot_bands(plt, np, path, mixings) -> None:
+    """One panel per correlated C: the band values C[t, t − j] against the step t, one curve
+    per diagonal j = 0 … b − 1 (j = 0 the diagonal; a curve starts at t = j)."""
+    fig, axes = plt.subplots(1, len(mixings), figsize=(5.5 * len(mixings), 4.2), sharey=True, squeeze=False)
+    for ax, (name, mixing) in zip(axes[0], mixings.items()):
+        values = np.asarray(mixing.band_values)
+        steps, bands = values.shape
+        for j in range(bands):
+            t = np.arange(j, steps)
+            ax.plot(t, values[j:, j], lw=1.4, label=f"j = {j}" + (": diagonal C[t, t]" if j == 0 else f": C[t, t-{j}]"))
+        ax.axhline(0.0, color="0.6", lw=0.8)
+        ax.set_title(f"{name}: band values of C (T = {steps}, b = {bands})")
+        ax.set_xlabel("step t")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small", ncol=1 if bands <= 6 else 2)
+    axes[0][0].set_ylabel("C[t, t - j]")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
     plt.close(fig)
