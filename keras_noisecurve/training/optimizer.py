@@ -6,17 +6,27 @@ Update rule (docs/design.md#update-rule, paper App. C), at step
 t = ``optimizer.iterations``::
 
     ĝ_t = (Σ_i clip(g_i, ζ) + ζ·σ·z̃_t) / B          B = expected batch size
-    w   ← w − η·ĝ_t                                   plain SGD, no momentum
+    w   ← w − η·ĝ_t                                   inner=None: plain SGD
+    inner.update_step(ĝ_t, w, η_t)                    inner=<a Keras optimizer>
 
 The optimizer receives the CLIPPED SUM Σ_i clip(g_i, ζ) (from ``DPModel`` or a
 clipping engine) through :meth:`DPOptimizer.apply_clipped_sum`; the ordinary
 ``apply``/``apply_gradients`` entry points refuse to run, so a plain
 ``keras.Model`` can never train through it without per-example clipping.
 
-Momentum, weight decay, gradient clipping of the noisy sum, EMA, loss scaling and
-gradient accumulation are refused: the mixing-matrix objective (paper eq. 1)
-assumes exactly w ← w − η·ĝ_t, and clipping after the sum would not bound any
-example's contribution.
+Privatization ends at ĝ_t: with ``inner=`` (momentum SGD, Adam, AdamW, …) the inner
+optimizer post-processes ĝ_t exactly as Keras would a gradient (its slots, its
+learning rate or schedule at its ``iterations``, which advance with ours, and its
+weight decay), which costs no privacy. The update rule C was optimised for is
+recorded in ``mixing.metadata["update_rule"]`` (absent: plain SGD, constant rate);
+construction warns once when the optimizer runs another one. docs/training.md,
+"Any Keras optimizer (`inner=`)", has the details.
+
+Refused: clipping of the noisy sum or mean (``clipnorm``/``clipvalue``/``global_clipnorm``,
+here or on the inner: per-example clipping is ``l2_norm_clip``), EMA, loss scaling and
+gradient accumulation (one optimizer step must be one noisy step of the privacy
+plan), and ``weight_decay`` on this optimizer (give it to the inner optimizer, e.g.
+``keras.optimizers.AdamW``).
 """
 
 from __future__ import annotations
@@ -29,11 +39,15 @@ import tensorflow as tf
 
 from keras_noisecurve._validation import check_float, check_int
 from keras_noisecurve.mixing.matrix import load_mixing
+from keras_noisecurve.mixing.update_rule import UpdateRule
 from keras_noisecurve.training.noise import BandedNoise, key_from_seed, normal_from_seed, step_seed, variable_seed
 
 __all__ = ["DPOptimizer", "NoiseCurveOptimizer"]
 
 _PACKAGE = "keras_noisecurve"
+
+#: the learning rate of ``inner=None`` when none is given
+DEFAULT_LEARNING_RATE = 0.01
 
 # kwarg -> (value that means "off", reason)
 _REFUSED = {
@@ -50,11 +64,29 @@ _REFUSED = {
     "weight_decay": (
         None,
         "it changes the dynamics the mixing matrix was optimised for; add a kernel "
-        "regularizer (data-independent, so it is not clipped) to the loss instead",
+        "regularizer (data-independent, so it is not clipped) to the loss instead, or give "
+        "the decay to an inner optimizer (inner=keras.optimizers.AdamW(...) or "
+        "keras.optimizers.SGD(weight_decay=...))",
     ),
 }
 # accepted with their defaults only (they appear in the base class config)
 _IGNORED_DEFAULTS = {"ema_momentum": 0.99, "ema_overwrite_frequency": None}
+
+_NOISY_CLIP = (
+    "it would clip the NOISY mean ĝ_t, not each example's gradient: harmless for privacy "
+    "(post-processing) but misleading, since it bounds no example's contribution (that is "
+    "l2_norm_clip), and it changes the update the mixing matrix was optimised for"
+)
+# attribute of an inner optimizer -> why a value other than None/False is refused
+_INNER_REFUSED = {
+    "clipnorm": _NOISY_CLIP,
+    "clipvalue": _NOISY_CLIP,
+    "global_clipnorm": _NOISY_CLIP,
+    "use_ema": "the private optimizer never updates or finalizes an inner optimizer's weight average",
+    "gradient_accumulation_steps": "one optimizer step must be one noisy step of the privacy plan; use "
+    "a larger expected_batch_size (and microbatch_size in make_private to bound memory) instead",
+    "loss_scale_factor": "the private optimizer receives clipped sums, not scaled losses",
+}
 
 
 def _check_backend():
@@ -82,17 +114,62 @@ def _check_kwargs(kwargs):
     return kwargs
 
 
+def _check_inner(inner):
+    """Refuse an ``inner`` optimizer that cannot post-process ĝ_t faithfully (ValueError)."""
+    if isinstance(inner, DPOptimizer):
+        raise ValueError(
+            f"inner={type(inner).__name__}(name={inner.name!r}) is itself a private optimizer: the noise "
+            "would be added twice and no privacy accounting describes that. Pass a plain Keras optimizer "
+            "as inner, e.g. inner=keras.optimizers.Adam(1e-3)."
+        )
+    if isinstance(inner, keras.optimizers.LossScaleOptimizer):
+        raise ValueError(
+            "inner=keras.optimizers.LossScaleOptimizer is not supported: the private optimizer receives "
+            "clipped sums of per-example gradients, not scaled losses, and a skipped step would break the "
+            "privacy plan (one step per noise draw). Pass the wrapped optimizer itself "
+            "(inner=loss_scale_optimizer.inner_optimizer)."
+        )
+    if not isinstance(inner, keras.optimizers.Optimizer):
+        raise TypeError(
+            f"inner must be a keras.optimizers.Optimizer (e.g. keras.optimizers.SGD(0.1, momentum=0.9)) "
+            f"or None; got {inner!r} ({type(inner).__name__})."
+        )
+    for name, reason in _INNER_REFUSED.items():
+        value = getattr(inner, name, None)
+        if value is not None and value is not False:
+            raise ValueError(
+                f"the inner optimizer {type(inner).__name__} has {name}={value!r}, which is not supported: "
+                f"{reason}. Create it without {name}."
+            )
+
+
+class _InnerLearningRate(keras.optimizers.schedules.LearningRateSchedule):
+    """Stands in for the outer learning rate when there is an inner optimizer (creates no
+    variable): the inner optimizer's current learning rate."""
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def __call__(self, step):
+        return self._inner.learning_rate
+
+    def get_config(self):
+        return {}
+
+
 @keras.saving.register_keras_serializable(package=_PACKAGE)
 class DPOptimizer(keras.optimizers.Optimizer):
     """DP-SGD for Keras 3: clipped sum in, independent Gaussian noise, mean over B.
 
-    ``w ← w − η·(Σ_i clip(g_i, ζ) + ζ·σ·z_t) / B`` with z_t ~ N(0, I), i.e. C = I, at
-    every step, with no step plan. The base class of ``NoiseCurveOptimizer``, which
+    ``ĝ_t = (Σ_i clip(g_i, ζ) + ζ·σ·z_t) / B`` with z_t ~ N(0, I), i.e. C = I, at every
+    step, with no step plan; then ``w ← w − η·ĝ_t`` (``inner=None``) or the update of
+    the ``inner`` Keras optimizer. The base class of ``NoiseCurveOptimizer``, which
     holds the whole update; ``DPOptimizer(...)`` is ``NoiseCurveOptimizer(mixing="dpsgd", ...)``
     (same noise, draw for draw).
 
     Args:
-      learning_rate: η > 0 (float) or a ``keras.optimizers.schedules.LearningRateSchedule``.
+      learning_rate: η > 0 (float) or a ``keras.optimizers.schedules.LearningRateSchedule``;
+        default 0.01. Must be left out with ``inner`` (the inner optimizer's is used).
       l2_norm_clip: ζ > 0, the per-example L2 clipping norm (used by ``DPModel``).
       noise_multiplier: σ ≥ 0; the noise standard deviation is ζ·σ on the sum.
       expected_batch_size: B ≥ 1, the EXPECTED batch size of the (Poisson) sampler.
@@ -100,22 +177,33 @@ class DPOptimizer(keras.optimizers.Optimizer):
       seed: ``None`` (default): a secret key from OS entropy. An integer makes the
         noise reproducible, for tests only: knowing it voids the privacy guarantee.
       name: optimizer name.
+      inner: ``None`` (default: plain SGD, ``w ← w − η·ĝ_t``) or a fresh Keras optimizer
+        (``keras.optimizers.SGD(η, momentum=β)``, ``Adam``, ``AdamW``, …) created in the
+        same ``tf.distribute`` scope. Each step hands it the privatized mean ĝ_t through
+        its ``update_step(ĝ_t, w, η_t)``; its ``iterations`` advance with this optimizer's,
+        its learning rate (or schedule) and weight decay apply, and
+        ``optimizer.learning_rate`` reads and sets its learning rate. Refused
+        (``ValueError``): a private optimizer, a ``LossScaleOptimizer``, an inner
+        optimizer with clipnorm/clipvalue/global_clipnorm, use_ema,
+        gradient_accumulation_steps or loss_scale_factor, one from another
+        distribution strategy, or one already built on other variables.
 
-    Plain SGD only: no momentum, weight decay, EMA, clipnorm/clipvalue/global_clipnorm,
-    loss scaling or gradient accumulation (each raises ``ValueError``). There is no
-    step limit: the way to ask for DP-SGD is
+    No clipnorm/clipvalue/global_clipnorm, EMA, loss scaling, gradient accumulation or
+    ``weight_decay`` on this optimizer (each raises ``ValueError``; weight decay belongs
+    to the inner optimizer). There is no step limit: the way to ask for DP-SGD is
     ``NoiseCurveOptimizer(mixing=MixingMatrix.identity(T))``, which refuses steps
     beyond the privacy plan of T steps like every other C (docs/training.md, "DP-SGD").
     """
 
     def __init__(
         self,
-        learning_rate=0.01,
+        learning_rate=None,
         l2_norm_clip=1.0,
         noise_multiplier=1.0,
         expected_batch_size=None,
         seed=None,
         name="dp_optimizer",
+        inner=None,
         **kwargs,
     ):
         _check_backend()
@@ -130,11 +218,32 @@ class DPOptimizer(keras.optimizers.Optimizer):
         expected_batch_size = check_int("expected_batch_size", expected_batch_size, minimum=1)
         if seed is not None:
             seed = check_int("seed", seed, minimum=0, maximum=2**63 - 1)
-        if not isinstance(learning_rate, keras.optimizers.schedules.LearningRateSchedule) and not callable(
-            learning_rate
-        ):
-            learning_rate = check_float("learning_rate", learning_rate, positive=True)
+        if inner is not None:
+            _check_inner(inner)
+            if learning_rate is not None:
+                raise ValueError(
+                    f"learning_rate={learning_rate!r} is given together with inner={type(inner).__name__}: "
+                    "the inner optimizer's learning rate (or schedule) is the one used. Leave learning_rate "
+                    f"out and give it to the inner optimizer, e.g. keras.optimizers.{type(inner).__name__}"
+                    "(learning_rate=...)."
+                )
+            learning_rate = _InnerLearningRate(inner)  # creates no variable of its own
+        else:
+            if learning_rate is None:
+                learning_rate = DEFAULT_LEARNING_RATE
+            if not isinstance(learning_rate, keras.optimizers.schedules.LearningRateSchedule) and not callable(
+                learning_rate
+            ):
+                learning_rate = check_float("learning_rate", learning_rate, positive=True)
         super().__init__(learning_rate=learning_rate, name=name, **kwargs)
+        if inner is not None and inner._distribution_strategy is not self._distribution_strategy:
+            raise ValueError(
+                f"the inner optimizer {type(inner).__name__} was created under another tf.distribute "
+                f"strategy ({type(inner._distribution_strategy).__name__}) than this optimizer "
+                f"({type(self._distribution_strategy).__name__}): its slot variables would not be "
+                "mirrored like the model's. Create both inside the same `with strategy.scope():`."
+            )
+        self._inner = inner
         self.l2_norm_clip = l2_norm_clip
         self.noise_multiplier = noise_multiplier
         self.expected_batch_size = expected_batch_size
@@ -162,10 +271,50 @@ class DPOptimizer(keras.optimizers.Optimizer):
             return 0
         return int(sum(np.prod(r.shape) * np.dtype(r.dtype).itemsize for r in self._rings if r is not None))
 
+    # ------------------------------------------------------------ inner optimizer
+    @property
+    def inner(self):
+        """The Keras optimizer that receives the privatized gradient ĝ_t, or ``None`` (plain SGD)."""
+        return getattr(self, "_inner", None)
+
+    @property
+    def learning_rate(self):
+        """The current learning rate: the inner optimizer's when there is one."""
+        inner = self.inner
+        if inner is not None:
+            return inner.learning_rate
+        return self._get_current_learning_rate()
+
+    @learning_rate.setter
+    def learning_rate(self, learning_rate):
+        inner = self.inner
+        if inner is not None:
+            inner.learning_rate = learning_rate
+        else:
+            keras.optimizers.Optimizer.learning_rate.fset(self, learning_rate)
+
+    @property
+    def variables(self):
+        """This optimizer's variables, then the inner optimizer's (as ``LossScaleOptimizer``)."""
+        inner = self.inner
+        return self._variables[:] + (inner.variables if inner is not None else [])
+
+    def _apply_weight_decay(self, variables):
+        # Weight decay is the inner optimizer's (this optimizer refuses weight_decay):
+        # w ← w − η_t·λ·w before its update, as Keras applies it; data-independent, so
+        # post-processing of the private output.
+        inner = self.inner
+        if inner is not None:
+            return inner._apply_weight_decay(variables)
+        return super()._apply_weight_decay(variables)
+
     # -------------------------------------------------------------------- build
     def build(self, variables):
         if self.built:
             return
+        inner = self.inner
+        if inner is not None and inner.built:
+            self._check_built_inner(inner, variables)
         super().build(variables)
         key = self._initial_key
         self._noise_key = self.add_variable(
@@ -188,6 +337,25 @@ class DPOptimizer(keras.optimizers.Optimizer):
                     name=f"{getattr(var, 'path', var.name).replace('/', '_')}_noise_ring",
                 )
             self._rings.append(ring)
+        if inner is not None and not inner.built:
+            inner.build(variables)
+
+    def _check_built_inner(self, inner, variables):
+        """An inner optimizer built before this one must be built on exactly ``variables``
+        and not have stepped on its own."""
+        ours = {self._var_key(v) for v in variables}
+        if set(inner._trainable_variables_indices) != ours:
+            raise ValueError(
+                f"the inner optimizer {type(inner).__name__} is already built on other variables "
+                f"({len(inner._trainable_variables)} variables, not the {len(variables)} this optimizer "
+                "trains): its slots belong to another model. Pass a fresh (unbuilt) optimizer as inner."
+            )
+        if tf.executing_eagerly() and int(inner.iterations.numpy()) != int(self.iterations.numpy()):
+            raise ValueError(
+                f"the inner optimizer {type(inner).__name__} has already taken {int(inner.iterations.numpy())} "
+                f"steps of its own (this optimizer: {int(self.iterations.numpy())}): its schedule and slots "
+                "would not follow the private steps. Pass a fresh (unbuilt) optimizer as inner."
+            )
 
     # ------------------------------------------------------------ entry points
     def apply_clipped_sum(self, grads, trainable_variables=None):
@@ -201,11 +369,12 @@ class DPOptimizer(keras.optimizers.Optimizer):
           trainable_variables: the model's trainable variables (needed on the first
             call to build the optimizer).
 
-        The update is ``w ← w − η·(sum + ζ·σ·z̃_t)/B`` for every variable.
+        Every variable gets ``ĝ_t = (sum + ζ·σ·z̃_t)/B``: ``w ← w − η·ĝ_t`` without an
+        inner optimizer, else the inner optimizer's ``update_step(ĝ_t, w, η_t)``.
         """
         self._private_apply = True
         try:
-            return super().apply(grads, trainable_variables)
+            return self.apply(grads, trainable_variables)
         finally:
             self._private_apply = False
 
@@ -218,7 +387,14 @@ class DPOptimizer(keras.optimizers.Optimizer):
                 "keras_noisecurve.make_private(model) (or build a keras_noisecurve.DPModel) before "
                 "compile(), or call a clipping engine and optimizer.apply_clipped_sum() yourself."
             )
-        return super().apply(grads, trainable_variables)
+        inner = self.inner
+        if inner is None or len(grads) == 0:
+            return super().apply(grads, trainable_variables)
+        result = super().apply(grads, trainable_variables)
+        # the inner optimizer's step counter (its schedule, Adam's bias correction)
+        # advances with ours, as Keras's own apply() advances it
+        inner._iterations.assign_add(1)
+        return result
 
     def apply_gradients(self, grads_and_vars):
         grads, variables = zip(*grads_and_vars)
@@ -242,7 +418,10 @@ class DPOptimizer(keras.optimizers.Optimizer):
             self._step_noise = None
 
     def update_step(self, gradient, variable, learning_rate):
-        """``variable ← variable − (η/B)·(gradient + ζσ·z̃_t)`` (gradient = clipped sum).
+        """``ĝ = (gradient + ζσ·z̃_t)/B`` (gradient = clipped sum), then
+        ``variable ← variable − η·ĝ`` or, with an inner optimizer,
+        ``inner.update_step(ĝ, variable, learning_rate)`` (``learning_rate`` is then the
+        inner optimizer's η_t).
 
         z̃_t = z_t / C[t, t] for b = 1 (the scale ζσ/C[t, t] is folded into the draw);
         for b ≥ 2 the ring buffer gives z̃_t and slot t mod (b − 1) is overwritten.
@@ -264,8 +443,13 @@ class DPOptimizer(keras.optimizers.Optimizer):
             slot = tf.reshape(self._noise.slot(noise.step), [1])
             self.assign(ring, tf.IndexedSlices(z_tilde[None], slot, tf.shape(ring.value)))
             noise_term = tf.cast(std, dtype) * z_tilde
-        rate = tf.cast(learning_rate, dtype) / tf.cast(self.expected_batch_size, dtype)
-        self.assign_sub(variable, rate * (tf.cast(gradient, dtype) + noise_term))
+        inner = self.inner
+        if inner is None:
+            rate = tf.cast(learning_rate, dtype) / tf.cast(self.expected_batch_size, dtype)
+            self.assign_sub(variable, rate * (tf.cast(gradient, dtype) + noise_term))
+        else:
+            privatized = (tf.cast(gradient, dtype) + noise_term) / tf.cast(self.expected_batch_size, dtype)
+            inner.update_step(privatized, variable, learning_rate)
 
     # ------------------------------------------------------------------- config
     def get_config(self):
@@ -280,7 +464,59 @@ class DPOptimizer(keras.optimizers.Optimizer):
                 "seed": self.seed,
             }
         )
+        if self.inner is not None:
+            config.pop("learning_rate", None)  # the inner optimizer's, stored with it
+            config["inner"] = keras.saving.serialize_keras_object(self.inner)
         return config
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        if isinstance(config.get("inner"), dict):
+            config["inner"] = keras.saving.deserialize_keras_object(config["inner"], custom_objects=custom_objects)
+        return super().from_config(config, custom_objects=custom_objects)
+
+    # ------------------------------------------------------------ update rule
+    def _update_rule_run(self, steps):
+        """What this optimizer runs over ``steps`` steps: ``(kind, momentum, nesterov,
+        learning_rates)``; kind is ``"sgd"`` or the inner optimizer's class name, and
+        learning_rates (shape (steps,)) is ``None`` when it cannot be evaluated."""
+        inner = self.inner
+        if inner is None:
+            return "sgd", 0.0, False, _learning_rates(self._learning_rate, steps)
+        if isinstance(inner, keras.optimizers.SGD):
+            return "sgd", float(inner.momentum), bool(inner.nesterov), _learning_rates(inner._learning_rate, steps)
+        return type(inner).__name__, None, None, None
+
+
+def _learning_rates(learning_rate, steps):
+    """η_t for t = 0 … steps − 1 (float64), from a float, a variable or a
+    ``LearningRateSchedule``; ``None`` for a zero-argument callable (unknown)."""
+    if isinstance(learning_rate, keras.optimizers.schedules.LearningRateSchedule):
+        try:  # most schedules are elementwise: one call for all steps
+            rates = np.asarray(keras.ops.convert_to_numpy(learning_rate(np.arange(steps))), dtype=np.float64)
+        except Exception:  # noqa: BLE001 - e.g. a schedule with a tf.cond on the step
+            rates = None
+        if rates is None or rates.shape != (steps,):
+            rates = np.array([float(keras.ops.convert_to_numpy(learning_rate(t))) for t in range(steps)])
+        return rates
+    if isinstance(learning_rate, (keras.Variable, tf.Variable)):
+        return np.full(steps, float(keras.ops.convert_to_numpy(learning_rate)))
+    if callable(learning_rate):
+        return None
+    return np.full(steps, float(learning_rate))
+
+
+def _float32_rates(rates, rule, steps):
+    """Keras evaluates schedules in float32, so small multipliers (a cosine near step T)
+    carry relative errors far above ``UpdateRule``'s comparison tolerance. Rates that
+    equal η·s_t to float32 precision (|η_t − η·s_t| ≤ 8 float32 ulps of η) are replaced
+    by η·s_t, so only real differences are reported."""
+    planned = rule.multipliers(steps)
+    eta = rates[0] / planned[0]
+    if eta > 0 and np.all(np.abs(rates - eta * planned) <= 8 * np.finfo(np.float32).eps * eta):
+        return eta * planned
+    return rates
 
 
 def _noise_of(mixing) -> BandedNoise:
@@ -315,9 +551,9 @@ class _StepNoise:
 class NoiseCurveOptimizer(DPOptimizer):
     """DP-SGD with banded correlated noise z̃_t = (C⁻¹Z)_t of a mixing matrix C.
 
-    ``w ← w − η·(Σ_i clip(g_i, ζ) + ζ·σ·z̃_t) / B`` (docs/design.md#update-rule;
-    paper App. C), with z̃ computed online from a ring buffer of b − 1 past values per
-    variable.
+    ``ĝ_t = (Σ_i clip(g_i, ζ) + ζ·σ·z̃_t) / B`` (docs/design.md#update-rule; paper
+    App. C), with z̃ computed online from a ring buffer of b − 1 past values per
+    variable, then ``w ← w − η·ĝ_t`` or the update of the ``inner`` Keras optimizer.
 
     Args:
       mixing: anything ``keras_noisecurve.mixing.load_mixing`` reads: a ``MixingMatrix``
@@ -325,21 +561,28 @@ class NoiseCurveOptimizer(DPOptimizer):
         ``.npz`` artifact, the config dict ``get_config`` writes, or ``"dpsgd"`` (C = I
         without a step plan, what ``DPOptimizer`` does). Training refuses step t ≥ T
         (the privacy plan is spent): the step fails with an error.
-      learning_rate, l2_norm_clip, noise_multiplier, expected_batch_size, seed, name:
-        as ``DPOptimizer``. A learning rate that differs from
-        ``mixing.metadata["learning_rate"]`` warns (C was optimised for that η);
-        a learning-rate schedule warns unless the objective is ``dpsgd``.
+      learning_rate, l2_norm_clip, noise_multiplier, expected_batch_size, seed, name, inner:
+        as ``DPOptimizer``.
+
+    Construction warns once (``UserWarning``) when the update the optimizer runs differs
+    from the one C was optimised for, ``mixing.metadata["update_rule"]`` (absent: plain
+    SGD with a constant learning rate; ``keras_noisecurve.UpdateRule``): the momentum
+    and Nesterov flag of an inner ``keras.optimizers.SGD`` (0 without inner), its
+    learning rates at steps 0 … T−1 (schedule shape, and the base rate against
+    ``mixing.metadata["learning_rate"]`` where the objective recorded one), or an inner
+    optimizer that is not SGD at all. C = I (objective ``"dpsgd"``) never warns.
     """
 
     def __init__(
         self,
-        learning_rate=0.01,
+        learning_rate=None,
         mixing="dpsgd",
         l2_norm_clip=1.0,
         noise_multiplier=1.0,
         expected_batch_size=None,
         seed=None,
         name="noisecurve_optimizer",
+        inner=None,
         **kwargs,
     ):
         mixing = load_mixing(mixing)
@@ -350,27 +593,54 @@ class NoiseCurveOptimizer(DPOptimizer):
             expected_batch_size=expected_batch_size,
             seed=seed,
             name=name,
+            inner=inner,
             **kwargs,
         )
         self._mixing = mixing
         self._noise = _noise_of(mixing)
-        if self._mixing != "dpsgd":
-            meta = self._mixing.metadata
-            objective = meta.get("objective", "unknown")
-            planned = meta.get("learning_rate")
-            if isinstance(learning_rate, (int, float)) and planned is not None:
-                if not np.isclose(float(learning_rate), float(planned), rtol=1e-6, atol=0.0):
-                    warnings.warn(
-                        f"learning_rate={learning_rate} differs from the learning rate {planned} the mixing "
-                        f"matrix ({objective}) was optimised for; its noise is no longer optimal.",
-                        stacklevel=2,
-                    )
-            if not isinstance(learning_rate, (int, float)) and objective != "dpsgd":
-                warnings.warn(
-                    f"a learning-rate schedule is used with a {objective!r} mixing matrix, whose objective "
-                    "assumes a constant learning rate; the noise is still private but no longer optimal.",
-                    stacklevel=2,
-                )
+        message = self._update_rule_warning()
+        if message is not None:
+            warnings.warn(message, UserWarning, stacklevel=2)
+
+    def _update_rule_warning(self):
+        """The construction warning (a string), or ``None`` when the optimizer runs the
+        update rule C was optimised for."""
+        if self._mixing == "dpsgd":
+            return None
+        meta = self._mixing.metadata
+        objective = meta.get("objective", "unknown")
+        if objective == "dpsgd":  # C = I is optimal for no update rule in particular
+            return None
+        rule = UpdateRule.from_metadata(meta.get("update_rule"))
+        planned = meta.get("learning_rate")
+        steps = self._mixing.steps
+        kind, momentum, nesterov, rates = self._update_rule_run(steps)
+        if kind != "sgd":
+            return (
+                f"the mixing matrix ({objective}) was optimised for heavy-ball SGD ({rule.describe()}), but the "
+                f"inner optimizer is {kind}: the privatized gradient it receives is as private as ever, but its "
+                f"noise is no longer the one C was optimised for (no objective models {kind}'s update). Use "
+                "inner=keras.optimizers.SGD(...) to follow C."
+            )
+        if rates is not None:
+            rates = _float32_rates(rates, rule, steps)
+        problems = rule.mismatches(momentum=momentum, nesterov=nesterov, learning_rates=rates,
+                                   base_learning_rate=planned)
+        if rates is not None and not rates[0] > 0:
+            problems.insert(0, f"the optimizer's learning rate at step 0 is {rates[0]:g}")
+        if not problems:
+            return None
+        target = f"update rule ({rule.describe()})"
+        if planned is not None:
+            target = f"learning rate {float(planned):g} and {target}"
+        return (
+            f"the update this optimizer runs differs from the {target} the mixing matrix ({objective}) was "
+            "optimised for: " + "; ".join(problems) + ". Its noise is still private but no longer optimal. "
+            "Solve C for the update you run (solve_mixing_matrix(..., update_rule=UpdateRule(momentum=..., "
+            "schedule=...))), or run C's: inner=keras.optimizers.SGD(learning_rate_schedule(rule, "
+            "learning_rate=η, steps=T), momentum=rule.momentum) with "
+            "rule = UpdateRule.from_metadata(C.metadata.get('update_rule'))."
+        )
 
     def get_config(self):
         config = super().get_config()
