@@ -9,6 +9,10 @@ Shows the metadata, the column norms (all within 1e-9 of 1?), the expected error
 Tr(W X⁻¹) of C relative to DP-SGD (C = I) and DP-BandMF (same T, b) under the stored
 objective, and the noise diagnostics (:mod:`keras_noisecurve.mixing.diagnostics`).
 
+The update rule C was solved for (``metadata["update_rule"]``; none recorded means plain
+SGD) is shown, and the expected errors are computed under it: the workload of that rule,
+and a DP-BandMF reference solved for that rule.
+
 The expected error is *recomputed* with ``objective_value`` whenever everything the
 workload needs is at hand: always for ``dpsgd``/``bandmf``; for the curvature
 objectives only with ``--spectrum FILE`` (the file stores only the spectrum's
@@ -42,7 +46,9 @@ from keras_noisecurve.mixing.cli_solve import (
     load_spectrum,
     report_warnings,
     solver_lines,
+    update_rule_text,
 )
+from keras_noisecurve.mixing.update_rule import UpdateRule
 from keras_noisecurve.mixing.workloads import CURVATURE_OBJECTIVES, OBJECTIVES
 
 PROG = "noisecurve inspect"
@@ -101,8 +107,16 @@ def _column_norm_summary(mixing) -> dict:
     }
 
 
-def _reference(args, mixing):
-    """(reference C or None, how it was obtained)."""
+def _update_rule(mixing) -> UpdateRule:
+    """The rule C was solved for (``metadata["update_rule"]``; absent: plain SGD)."""
+    try:
+        return UpdateRule.from_metadata(mixing.metadata.get("update_rule"))
+    except (ValueError, TypeError, KeyError) as exc:
+        raise CommandError(f"invalid update_rule record in the metadata: {exc}") from None
+
+
+def _reference(args, mixing, rule=None):
+    """(reference C or None, how it was obtained); solved for ``rule`` (None: plain SGD)."""
     from keras_noisecurve.mixing import solve_mixing_matrix
 
     if args.no_reference:
@@ -113,7 +127,11 @@ def _reference(args, mixing):
             raise CommandError(
                 f"--reference has {ref.steps} steps but {args.file!r} has {mixing.steps}; they must match."
             )
-        return ref, f"loaded from {args.reference}"
+        how = f"loaded from {args.reference}"
+        ref_rule = _update_rule(ref)
+        if rule is not None and ref_rule != rule:
+            how += f" (solved for {ref_rule.describe()}; this C for {rule.describe()})"
+        return ref, how
     if mixing.steps >= _ANNOUNCE_REFERENCE_STEPS:
         print(
             f"{PROG}: solving the DP-BandMF reference (T = {mixing.steps}, b = {mixing.bands}); "
@@ -121,8 +139,11 @@ def _reference(args, mixing):
             file=sys.stderr,
             flush=True,
         )
-    ref = solve_mixing_matrix(steps=mixing.steps, bands=mixing.bands, objective="bandmf")
-    return ref, f"solved here (objective 'bandmf', T = {mixing.steps}, b = {mixing.bands})"
+    ref = solve_mixing_matrix(steps=mixing.steps, bands=mixing.bands, objective="bandmf", update_rule=rule)
+    how = f"solved here (objective 'bandmf', T = {mixing.steps}, b = {mixing.bands}"
+    if rule is not None and not rule.is_plain:
+        how += f", for {rule.describe()}"
+    return ref, how + ")"
 
 
 def _stored_blend_weight(meta):
@@ -140,15 +161,17 @@ def _stored_blend_weight(meta):
     return None
 
 
-def _expected_error(args, mixing, spectrum, reference) -> dict:
-    """Tr(W X⁻¹) of C and of the baselines: recomputed when possible, else stored."""
+def _expected_error(args, mixing, spectrum, reference, rule=None) -> dict:
+    """Tr(W X⁻¹) of C and of the baselines under the workload of ``rule`` (None: plain
+    SGD): recomputed when possible, else stored."""
     from keras_noisecurve.mixing import objective_value
     from keras_noisecurve.mixing.matrix import MixingMatrix
 
     meta = mixing.metadata
     stored_objective = meta.get("objective")
     objective = args.objective or stored_objective
-    result = {"objective": objective, "stored_objective": stored_objective}
+    result = {"objective": objective, "stored_objective": stored_objective,
+              "update_rule": (rule or UpdateRule()).describe()}
     learning_rate = args.learning_rate if args.learning_rate is not None else meta.get("learning_rate")
     blend_weight = _stored_blend_weight(meta) if objective == "noisecurve-blend" else None
 
@@ -178,7 +201,7 @@ def _expected_error(args, mixing, spectrum, reference) -> dict:
                 "the given spectrum differs from the one the file was solved with (digest mismatch): "
                 "values are under the given spectrum."
             )
-        kwargs = dict(objective=objective)
+        kwargs = dict(objective=objective, update_rule=rule)
         if objective in CURVATURE_OBJECTIVES:
             kwargs.update(spectrum=spectrum, learning_rate=learning_rate)
         if objective == "noisecurve-blend":
@@ -282,6 +305,7 @@ def _text_report(path, mixing, norms, expected, diag, ref_diag, reference_how) -
         f"{norms['max_abs_deviation']:.3g} -> all within {norms['tolerance']:g}: "
         f"{'yes' if norms['all_within_tolerance'] else 'NO'}"
     )
+    lines.append(f"update rule: {update_rule_text(meta)}")
     lines.append(f"expected error Tr(W X^-1) under objective {expected['objective']!r} ({expected['source']}):")
     if expected.get("note"):
         lines.append(f"  note: {expected['note']}")
@@ -315,9 +339,10 @@ def run(args) -> int:
                 if not os.path.isdir(plot_dir):
                     raise CommandError(f"the directory of --plot {args.plot!r} does not exist.")
             mixing = _read_mixing_file(args.file)
+            rule = _update_rule(mixing)
             spectrum = load_spectrum(args.spectrum) if args.spectrum is not None else None
-            reference, reference_how = _reference(args, mixing)
-            expected = _expected_error(args, mixing, spectrum, reference)
+            reference, reference_how = _reference(args, mixing, rule)
+            expected = _expected_error(args, mixing, spectrum, reference, rule)
         except (CommandError, ValueError, TypeError) as exc:
             report_warnings(PROG, caught)
             return fail(PROG, str(exc))

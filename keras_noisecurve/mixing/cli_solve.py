@@ -3,12 +3,19 @@
 Usage::
 
     noisecurve solve --steps T --bands b --objective NAME [--spectrum FILE]
-                     [--learning-rate ETA] [--blend-weight LAMBDA|auto] [--tol TOL]
-                     [--max-iterations N] [--out FILE] [--quiet]
+                     [--learning-rate ETA] [--blend-weight LAMBDA|auto]
+                     [--momentum BETA] [--schedule {constant,cosine,linear-cooldown}]
+                     [--cooldown-fraction F] [--tol TOL] [--max-iterations N]
+                     [--out FILE] [--quiet]
+
+``--momentum``/``--schedule``/``--cooldown-fraction`` give the update rule training will
+run (``keras_noisecurve.mixing.UpdateRule``: Keras's SGD with heavy-ball momentum and a
+learning-rate schedule; default plain SGD with a constant rate); C is solved for it and
+records it in ``metadata["update_rule"]``.
 
 Prints a summary: the objective value Tr(W X⁻¹), the DP-SGD and DP-BandMF baselines
-under the same W and the ratios to them, solver statistics, and the headline noise
-diagnostics (:mod:`keras_noisecurve.mixing.diagnostics`). Bad input gives a one-line
+under the same W and the ratios to them, the update rule, solver statistics, and the
+headline noise diagnostics (:mod:`keras_noisecurve.mixing.diagnostics`). Bad input gives a one-line
 error on stderr and exit status 2, never a traceback.
 
 numpy/scipy only: this module does not import TensorFlow.
@@ -23,6 +30,7 @@ import sys
 import time
 import warnings
 
+from keras_noisecurve.mixing.update_rule import SCHEDULES, UpdateRule
 from keras_noisecurve.mixing.workloads import CURVATURE_OBJECTIVES, OBJECTIVES
 
 PROG = "noisecurve solve"
@@ -98,6 +106,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="LAMBDA",
         help="noisecurve-blend only: weight in [0, 1] of the prefix-sum workload, or 'auto'",
     )
+    parser.add_argument(
+        "--momentum",
+        type=float,
+        default=0.0,
+        metavar="BETA",
+        help="heavy-ball momentum beta in [0, 1) of the SGD training will run (default 0)",
+    )
+    parser.add_argument(
+        "--schedule",
+        choices=SCHEDULES[:-1],
+        default="constant",
+        help="learning-rate schedule of that SGD: %(choices)s (default constant)",
+    )
+    parser.add_argument(
+        "--cooldown-fraction",
+        type=float,
+        metavar="F",
+        help="linear-cooldown only: share of the steps in (0, 1] spent cooling down (default 0.25)",
+    )
     parser.add_argument("--tol", type=float, default=1e-6, help="relative optimality tolerance (default 1e-6)")
     parser.add_argument(
         "--max-iterations", type=int, default=10_000, metavar="N", help="solver iteration limit (default 10000)"
@@ -129,6 +156,13 @@ def _check_args(args) -> None:
         raise CommandError("objective 'noisecurve-blend' needs --blend-weight LAMBDA (in [0, 1]) or 'auto'.")
     if args.objective != "noisecurve-blend" and args.blend_weight is not None:
         raise CommandError(f"--blend-weight is only used by objective 'noisecurve-blend', not {args.objective!r}.")
+    if not (math.isfinite(args.momentum) and 0.0 <= args.momentum < 1.0):
+        raise CommandError(f"--momentum must lie in [0, 1), got {args.momentum}.")
+    if args.cooldown_fraction is not None:
+        if args.schedule != "linear-cooldown":
+            raise CommandError(f"--cooldown-fraction is only used by --schedule linear-cooldown, not {args.schedule!r}.")
+        if not (math.isfinite(args.cooldown_fraction) and 0.0 < args.cooldown_fraction <= 1.0):
+            raise CommandError(f"--cooldown-fraction must lie in (0, 1], got {args.cooldown_fraction}.")
     out_dir = os.path.dirname(os.path.abspath(args.out))
     if not os.path.isdir(out_dir):
         raise CommandError(f"the directory of --out {args.out!r} does not exist.")
@@ -160,6 +194,7 @@ def summary_lines(mixing, *, seconds: float | None = None) -> list[str]:
         lines.append(f"  ({meta['loss_scale']})")
     elif objective in CURVATURE_OBJECTIVES:
         lines.append("  (expected loss gap = (eta^2 sigma^2 / 2) * Tr(W X^-1) for a quadratic model, paper eq. 1)")
+    lines.append(f"update rule: {update_rule_text(meta)}")
     lines.extend(solver_lines(meta.get("solver")))
     if seconds is not None:
         lines.append(f"wall time: {seconds:.2f} s")
@@ -169,6 +204,16 @@ def summary_lines(mixing, *, seconds: float | None = None) -> list[str]:
         lines.append(f"blend weight: {_fmt(meta['blend_weight'])}")
     lines.extend(diagnostics_lines(meta.get("diagnostics"), steps=mixing.steps))
     return lines
+
+
+def update_rule_text(meta) -> str:
+    """The update rule a C was solved for, from ``metadata["update_rule"]`` (absent: plain SGD)."""
+    record = meta.get("update_rule")
+    try:
+        text = UpdateRule.from_metadata(record).describe()
+    except (ValueError, TypeError, KeyError) as exc:
+        return f"unreadable record {record!r} ({exc})"
+    return text + (" (no record: solved before update rules were recorded)" if record is None else "")
 
 
 def solver_lines(solver) -> list[str]:
@@ -219,6 +264,11 @@ def run(args) -> int:
     try:
         _check_args(args)
         spectrum = load_spectrum(args.spectrum) if args.spectrum is not None else None
+        try:
+            rule = UpdateRule(momentum=args.momentum, schedule=args.schedule,
+                              cooldown_fraction=args.cooldown_fraction)
+        except (ValueError, TypeError) as exc:
+            raise CommandError(str(exc)) from None
     except CommandError as exc:
         return fail(PROG, str(exc))
 
@@ -238,6 +288,7 @@ def run(args) -> int:
                 tol=args.tol,
                 max_iterations=args.max_iterations,
                 verbose=not args.quiet,
+                update_rule=rule,
             )
         except (ValueError, TypeError) as exc:
             report_warnings(PROG, caught)

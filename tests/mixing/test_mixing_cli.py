@@ -433,3 +433,175 @@ def test_inspect_with_a_different_spectrum_says_so(capsys, workdir, noisecurve_f
     workload = _noisecurve_workload(0.5 * eigenvalues, STEPS, ETA)
     dense = MixingMatrix.load(noisecurve_file).to_dense()
     assert rec["loss"] == pytest.approx(_trace_objective(dense, workload), rel=1e-8)
+
+
+# ------------------------------------------------------------------- update rules
+MOMENTUM, COOLDOWN = 0.9, 0.5
+
+
+def _rule_multipliers(steps):
+    """linear-cooldown with f = 0.5 by hand: T_c = T − round(T/2), then 1 − (t − T_c)/(T − T_c)."""
+    cool = max(1, round(COOLDOWN * steps))
+    start = steps - cool
+    return np.array([1.0 if t < start else 1.0 - (t - start) / cool for t in range(steps)])
+
+
+def _rule_prefix_workload(steps):
+    """A_ruleᵀA_rule, A_rule[t, j] = s_j Σ_{k=j}^{t} β^{k−j}: the Keras SGD loop on unit gradients."""
+    s = _rule_multipliers(steps)
+    m, w, rows = np.zeros(steps), np.zeros(steps), []
+    for t in range(steps):
+        m = MOMENTUM * m - s[t] * np.eye(steps)[t]
+        w = w + m
+        rows.append(-w)
+    a = np.array(rows)
+    return a.T @ a
+
+
+def _rule_noisecurve_workload(eigenvalues, steps, eta):
+    """Σ_i μ_i u_i u_iᵀ, u_i(j) = −e_T/η for a unit noise impulse at step j, simulated forward."""
+    s = _rule_multipliers(steps)
+    out = np.zeros((steps, steps))
+    for mu in eigenvalues:
+        e, d = np.zeros(steps), np.zeros(steps)
+        for t in range(steps):
+            d = MOMENTUM * d - eta * s[t] * (mu * e + (np.arange(steps) == t))
+            e = e + d
+        out += mu * np.outer(e / eta, e / eta)
+    return out
+
+
+RULE_ARGS = ["--momentum", str(MOMENTUM), "--schedule", "linear-cooldown", "--cooldown-fraction", str(COOLDOWN)]
+
+
+@pytest.fixture(scope="module")
+def rule_file(workdir, spectrum_file):
+    path = workdir / "rule.npz"
+    code = main(["solve", "--steps", str(STEPS), "--bands", str(BANDS), "--objective", "noisecurve",
+                 "--spectrum", str(spectrum_file), "--learning-rate", str(ETA), "--tol", "1e-4",
+                 "--out", str(path), "--quiet"] + RULE_ARGS)
+    assert code == 0
+    return path
+
+
+def test_solve_for_an_update_rule_records_and_prints_it(capsys, workdir, spectrum_file, eigenvalues):
+    from keras_noisecurve.mixing import UpdateRule
+
+    path = workdir / "rule_summary.npz"
+    code, out, err = _run(capsys, ["solve", "--steps", str(STEPS), "--bands", str(BANDS), "--objective", "bandmf",
+                                   "--out", str(path)] + RULE_ARGS)
+    assert code == 0, err
+    meta = MixingMatrix.load(path).metadata
+    rule = UpdateRule(momentum=MOMENTUM, schedule="linear-cooldown", cooldown_fraction=COOLDOWN)
+    assert meta["update_rule"] == rule.to_metadata()
+    assert f"update rule: {rule.describe()}" in out
+    assert "momentum 0.9, linear cooldown over the last 0.5 of the steps" in out
+    dense = MixingMatrix.load(path).to_dense()
+    assert meta["loss"] == pytest.approx(_trace_objective(dense, _rule_prefix_workload(STEPS)), rel=1e-9)
+    assert meta["baseline_losses"]["dpsgd"] == pytest.approx(np.trace(_rule_prefix_workload(STEPS)), rel=1e-12)
+
+    # without the options: plain SGD, recorded as such
+    code, out, err = _run(capsys, ["solve", "--steps", "6", "--bands", "2", "--objective", "bandmf",
+                                   "--out", str(workdir / "plain_rule.npz")])
+    assert code == 0, err
+    assert MixingMatrix.load(workdir / "plain_rule.npz").metadata["update_rule"] == UpdateRule().to_metadata()
+    assert "update rule: SGD, momentum 0, constant learning rate" in out
+
+
+def test_inspect_evaluates_under_the_recorded_rule(capsys, rule_file, spectrum_file, eigenvalues):
+    mixing = MixingMatrix.load(rule_file)
+    dense = mixing.to_dense()
+    code, out, err = _run(capsys, ["inspect", str(rule_file)])
+    assert code == 0, err
+    assert "update rule: SGD, momentum 0.9, linear cooldown over the last 0.5 of the steps" in out
+    assert "solved here (objective 'bandmf'" in out and "for SGD, momentum 0.9" in out
+
+    code, out, err = _run(capsys, ["inspect", str(rule_file), "--json", "--spectrum", str(spectrum_file)])
+    assert code == 0, err
+    doc = json.loads(out)
+    rec = doc["expected_error"]
+    assert rec["source"] == "recomputed" and "momentum 0.9" in rec["update_rule"]
+    workload = _rule_noisecurve_workload(eigenvalues, STEPS, ETA)
+    assert rec["loss"] == pytest.approx(_trace_objective(dense, workload), rel=1e-8)
+    assert rec["loss"] == pytest.approx(mixing.metadata["loss"], rel=1e-8)
+    assert rec["dpsgd"] == pytest.approx(np.trace(workload), rel=1e-10)
+    # the reference is DP-BandMF for the same rule: the stored baseline (tolerances 1e-4 vs 1e-6)
+    assert rec["bandmf"] == pytest.approx(mixing.metadata["baseline_losses"]["bandmf"], rel=1e-3)
+    assert rec["ratio_vs_bandmf"] < 1.0
+
+    # under the prefix workload the rule's DP-BandMF reference is optimal
+    code, out, err = _run(capsys, ["inspect", str(rule_file), "--json", "--objective", "bandmf"])
+    assert code == 0, err
+    rec = json.loads(out)["expected_error"]
+    assert rec["loss"] == pytest.approx(_trace_objective(dense, _rule_prefix_workload(STEPS)), rel=1e-9)
+    assert rec["ratio_vs_bandmf"] >= 1.0 - 1e-6
+
+
+def test_inspect_file_without_a_rule_record_is_plain(capsys, workdir):
+    path = workdir / "no_rule.npz"
+    MixingMatrix.identity(5).with_metadata(objective="dpsgd").save(path)
+    code, out, err = _run(capsys, ["inspect", str(path), "--no-reference"])
+    assert code == 0, err
+    assert "update rule: SGD, momentum 0, constant learning rate (no record" in out
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--momentum", "1.0"], "--momentum must lie in [0, 1)"),
+        (["--momentum", "-0.5"], "--momentum must lie in [0, 1)"),
+        (["--momentum", "nan"], "--momentum must lie in [0, 1)"),
+        (["--momentum", "high"], "invalid float value"),
+        (["--schedule", "step"], "invalid choice"),
+        (["--schedule", "cosine", "--cooldown-fraction", "0.2"], "only used by --schedule linear-cooldown"),
+        (["--cooldown-fraction", "0.2"], "only used by --schedule linear-cooldown"),
+        (["--schedule", "linear-cooldown", "--cooldown-fraction", "0"], "--cooldown-fraction must lie in (0, 1]"),
+    ],
+)
+def test_solve_bad_update_rule_exit_2(capsys, workdir, extra, message):
+    argv = ["solve", "--steps", "8", "--bands", "2", "--objective", "bandmf", "--out", str(workdir / "never.npz")]
+    code, out, err = _run_exit(capsys, argv + extra)
+    assert code == 2
+    assert message in err
+    assert "Traceback" not in err
+    assert not (workdir / "never.npz").exists()
+
+
+def test_solve_rule_refusals_exit_2(capsys, workdir, spectrum_file):
+    base = ["solve", "--steps", "8", "--bands", "2", "--spectrum", str(spectrum_file), "--out",
+            str(workdir / "never.npz")]
+    cases = [
+        (["--objective", "noisecurve-all-iterates", "--learning-rate", "0.5", "--momentum", "0.9"],
+         "only derived for plain constant-rate SGD"),
+        (["--objective", "noisecurve-convergence", "--learning-rate", "0.5", "--schedule", "cosine"],
+         "only derived for plain constant-rate SGD"),
+        # η·max(s)·μ_max = 3.2 × 1 × 1 >= 2(1 + 0.5) = 3: heavy ball diverges
+        (["--objective", "noisecurve", "--learning-rate", "3.2", "--momentum", "0.5"], "= 3.2 >= 2(1 + momentum) = 3"),
+    ]
+    for extra, message in cases:
+        code, out, err = _run_exit(capsys, base + extra)
+        assert code == 2, (extra, err)
+        assert "noisecurve solve: error:" in err and message in err, err
+        assert "Traceback" not in err
+    assert not (workdir / "never.npz").exists()
+    # η·μ_max = 2.5 with momentum 0.5 is stable (plain SGD would refuse it)
+    code, out, err = _run_exit(capsys, base[:-1] + [str(workdir / "stable.npz"), "--objective", "noisecurve",
+                                                   "--learning-rate", "2.5", "--momentum", "0.5", "--quiet",
+                                                   "--tol", "1e-3"])
+    assert code == 0, err
+
+
+def test_inspect_bad_update_rule_record_exit_2(capsys, workdir):
+    path = workdir / "bad_rule.npz"
+    MixingMatrix.identity(4).with_metadata(objective="dpsgd", update_rule={"optimizer": "adam"}).save(path)
+    code, out, err = _run_exit(capsys, ["inspect", str(path), "--no-reference"])
+    assert code == 2
+    assert "noisecurve inspect: error: invalid update_rule record" in err and "adam" in err
+    assert "Traceback" not in err
+
+
+def test_inspect_refuses_an_objective_the_rule_has_no_workload_for(capsys, rule_file, spectrum_file):
+    code, out, err = _run_exit(capsys, ["inspect", str(rule_file), "--no-reference", "--spectrum", str(spectrum_file),
+                                        "--objective", "noisecurve-all-iterates"])
+    assert code == 2
+    assert "only derived for plain constant-rate SGD" in err and "Traceback" not in err
