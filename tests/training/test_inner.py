@@ -227,6 +227,15 @@ def test_learning_rate_forwards_to_the_inner_optimizer():
     assert float(plain.learning_rate.numpy()) == pytest.approx(0.03)
 
 
+def test_learning_rate_scheduler_callback_drives_the_inner_rate(fit_data, fit_init):
+    model = _fit_model(fit_init)
+    seen = []
+    scheduler = keras.callbacks.LearningRateScheduler(lambda epoch, lr: seen.append(float(lr)) or 0.01 / (epoch + 1))
+    _fit(model, fit_data, 2, callbacks=[scheduler])
+    assert seen == [pytest.approx(0.05), pytest.approx(0.01)]  # read through the private optimizer
+    assert float(model.optimizer.inner.learning_rate.numpy()) == pytest.approx(0.005)
+
+
 # ------------------------------------------------------------ DPModel.fit
 FIT_B, FIT_SEED = 8, 31
 FIT_C = random_banded_c(12, 3, rng=np.random.default_rng(5), diag_scale=0.5)
