@@ -103,6 +103,10 @@ def _bandmf_initial(steps: int, bands: int) -> np.ndarray:
 
 _BANDMF_CACHE: dict = {}
 
+#: ``metadata["loss_scale"]`` of ``bandmf`` for a rule other than plain SGD (W = A_ruleᵀA_rule).
+_RULE_PREFIX_SCALE = ("total variance of the iterate noise, sum_t E||w~_{t+1} - w_{t+1}||^2 per coordinate "
+                      "with a zero Hessian (sigma = 1, eta = 1)")
+
 
 def _bandmf_key(steps, bands, tol, max_iterations, rule):
     """Cache key of a DP-BandMF solve; plain SGD (and rules equal to it) keep the old key."""
@@ -279,7 +283,8 @@ def solve_mixing_matrix(*, steps, bands, objective=DEFAULT_OBJECTIVE, spectrum=N
         "ridge": float(problem.ridge),
         "ridge_relative": RIDGE_RELATIVE if problem.ridge else 0.0,
         "workload_rank": int(problem.rank),
-        "loss_scale": LOSS_SCALES[objective],
+        "loss_scale": _RULE_PREFIX_SCALE if objective == "bandmf" and problem.prefix_map is not None
+        else LOSS_SCALES[objective],
         "version": _version(),
     }
     if auto_record is not None:

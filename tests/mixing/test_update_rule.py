@@ -580,3 +580,10 @@ def test_plain_solves_are_unchanged_by_an_explicit_plain_rule():
         np.testing.assert_array_equal(a.band_values, b.band_values)
         assert a.metadata["loss"] == b.metadata["loss"]
         assert a.metadata["update_rule"] == b.metadata["update_rule"] == UpdateRule().to_metadata()
+
+
+def test_loss_scale_of_the_rule_prefix_workload():
+    rule = UpdateRule(momentum=0.5)
+    assert "iterate noise" in solve_mixing_matrix(steps=8, bands=2, objective="bandmf", update_rule=rule).metadata[
+        "loss_scale"]
+    assert "running noise sum" in solve_mixing_matrix(steps=8, bands=2, objective="bandmf").metadata["loss_scale"]
