@@ -437,6 +437,10 @@ def test_inner_built_on_other_variables_is_refused():
     inner = keras.optimizers.Adam(0.01)
     inner.build(variables)
     _optimizer(inner=inner).build(variables)
+    # ... but not one that has already stepped on its own (non-private gradients)
+    inner.apply([tf.ones(s) for s in SHAPES], variables)
+    with pytest.raises(ValueError, match="already taken 1 steps of its own"):
+        _optimizer(inner=inner).build(variables)
 
 
 # ------------------------------------------------------ update-rule warning
