@@ -31,7 +31,6 @@ and Lanczos iterations: a smoke test, not a meaningful comparison).
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import math
 import os
@@ -66,7 +65,8 @@ class _Fail(Exception):
 def _per_method(field: str) -> str:
     values = {m: CONFIGS[m][field] for m in METHODS if not (field == "bands" and m == "DP-SGD")}
     if len(set(values.values())) == 1:
-        return f"{next(iter(values.values()))} for " + ("DP-BandMF and NoiseCurve" if field == "bands" else "every method")
+        who = "DP-BandMF and NoiseCurve" if field == "bands" else "every method"
+        return f"{next(iter(values.values()))} for {who}"
     return ", ".join(f"{m} {v}" for m, v in values.items())
 
 
@@ -95,10 +95,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"Default from keras_noisecurve.demo_configs: {_per_method('clip')}")
     parser.add_argument("--momentum", type=float, default=None,
                         help="heavy-ball momentum beta in [0, 1) of EVERY method, overriding the per-method "
-                             "configuration (recorded in results.json; C is solved for it). Momentum > 0 trains "
-                             "with NoiseCurveOptimizer(inner=keras.optimizers.SGD(lr, momentum=beta)); where this "
-                             "keras_noisecurve lacks inner= (or a solver that takes update_rule=) the demo stops "
-                             "at once with a message. Default from "
+                             "configuration (recorded in results.json); momentum > 0 trains with "
+                             "NoiseCurveOptimizer(inner=keras.optimizers.SGD(lr, momentum=beta)) and the mixing "
+                             "matrices are solved for that update rule. Default from "
                              f"keras_noisecurve.demo_configs: {_per_method('momentum')}")
     parser.add_argument("--objective", default=None, choices=CURVATURE_OBJECTIVES,
                         help=f"curvature objective of the NoiseCurve row (default {NOISECURVE_OBJECTIVE})")
@@ -181,41 +180,11 @@ def _validate(args, cfg) -> None:
         demo_configs.validate_configs(cfg["methods"])
     except ValueError as exc:
         raise _Fail(str(exc)) from exc
-    _check_supported(cfg["methods"])
 
 
 def _source(name, field, cfg) -> str:
     flag = _OVERRIDES.get(field, "--objective" if field == "objective" else None)
     return flag if flag in cfg["overridden"].get(name, ()) else "keras_noisecurve.demo_configs"
-
-
-def _check_supported(methods) -> None:
-    """Fail fast when a configuration needs a library feature this installation lacks."""
-    for name, m in methods.items():
-        if m["momentum"] > 0 and not _optimizer_takes_inner():
-            raise _Fail(
-                f"{name}: momentum {m['momentum']:g} needs keras_noisecurve.NoiseCurveOptimizer(inner="
-                "keras.optimizers.SGD(lr, momentum=beta), ...), which this version of keras_noisecurve does not "
-                "have yet (its optimizer is plain SGD); run with momentum 0 (--momentum 0 or demo_configs)"
-            )
-        if name in CORRELATED and not _is_plain(m) and not _solver_takes_update_rule():
-            raise _Fail(
-                f"{name}: momentum {m['momentum']:g} with a {m['schedule']!r} learning rate needs its C solved for "
-                "that update rule (solve_mixing_matrix(..., update_rule=...)), which this version of "
-                "keras_noisecurve does not have yet; use momentum 0 and a constant schedule"
-            )
-
-
-def _optimizer_takes_inner() -> bool:
-    import keras_noisecurve as knc
-
-    return "inner" in inspect.signature(knc.NoiseCurveOptimizer).parameters
-
-
-def _solver_takes_update_rule() -> bool:
-    import keras_noisecurve as knc
-
-    return "update_rule" in inspect.signature(knc.solve_mixing_matrix).parameters
 
 
 def _is_plain(m) -> bool:
@@ -240,7 +209,8 @@ def _solve(*, steps, bands, objective, m, **kwargs):
 
 
 def _describe(m) -> str:
-    text = f"eta={m['learning_rate']:g}, clip={m['clip']:g}, momentum={m['momentum']:g}, {m['schedule']} lr, b={m['bands']}"
+    text = (f"eta={m['learning_rate']:g}, clip={m['clip']:g}, momentum={m['momentum']:g}, {m['schedule']} lr, "
+            f"b={m['bands']}")
     if "objective" in m:
         text += f", objective {m['objective']!r}"
     return text
@@ -299,7 +269,8 @@ def _run(args, cfg) -> int:
         b = m["bands"]
         if batch * b > n:
             where = "--bands" if _source(name, "bands", cfg) == "--bands" else f"{name}'s bands"
-            raise _Fail(f"--batch-size {batch} x {where} {b} = {batch * b} exceeds the {n} training images (cyclic Poisson sampling needs B*b <= n)")
+            raise _Fail(f"--batch-size {batch} x {where} {b} = {batch * b} exceeds the {n} training images "
+                        "(cyclic Poisson sampling needs B*b <= n)")
         if b > steps:
             raise _Fail(f"{name}: bands {b} exceeds the number of steps {steps}")
     seeds = [args.seed + r for r in range(cfg["seeds"])]
@@ -345,7 +316,7 @@ def _run(args, cfg) -> int:
          f"{nc['learning_rate'] * curvature.max_eigenvalue:.3g} ({time.perf_counter() - t0:.0f}s)")
     for name, m in methods.items():
         rate = m["learning_rate"] * scales[m["clip"]] * spectrum.max_eigenvalue
-        limit = 2.0 * (1.0 + m["momentum"])  # heavy ball on a quadratic: stable iff eta*mu < 2(1 + beta)
+        limit = _update_rule(m).max_stable_rate()  # heavy ball on a quadratic: stable iff eta*mu < 2(1 + beta)
         if rate >= limit:
             raise _Fail(f"{name}: learning rate {m['learning_rate']:g} (from {_source(name, 'learning_rate', cfg)}) "
                         f"makes eta*mu_max = {rate:.3g} >= {limit:g} (gradient descent on the upper bound "
@@ -494,25 +465,6 @@ def _paired_lines(paired) -> list:
         f"{k} {100 * d['mean']:+.2f} ± {100 * d['std']:.2f} pp" for k, d in paired.items())]
 
 
-def _learning_rate(config, steps):
-    """η (a float) for a constant schedule, else a Keras schedule with η·s_t, s_t from ``UpdateRule``."""
-    if config["schedule"] == "constant":
-        return config["learning_rate"]
-    import keras
-
-    rates = [config["learning_rate"] * float(s) for s in _update_rule(config).multipliers(steps)]
-
-    class _StepRates(keras.optimizers.schedules.LearningRateSchedule):
-        def __call__(self, step):
-            table = keras.ops.convert_to_tensor(rates, dtype="float32")
-            return keras.ops.take(table, keras.ops.minimum(keras.ops.cast(step, "int32"), len(rates) - 1))
-
-        def get_config(self):
-            return {"rates": rates}
-
-    return _StepRates()
-
-
 def _private_cnn(*, mixing, config, sigma, batch, seed, noise_seed):
     """The demo's private model: the small GroupNorm CNN, per-example clipping, correlated noise,
     trained with ``config``'s learning rate (and schedule over C's T steps), clip norm and momentum."""
@@ -525,11 +477,10 @@ def _private_cnn(*, mixing, config, sigma, batch, seed, noise_seed):
     private = knc.make_private(model)
     common = dict(mixing=mixing, l2_norm_clip=config["clip"], noise_multiplier=sigma, expected_batch_size=batch,
                   seed=noise_seed)
-    learning_rate = _learning_rate(config, mixing.steps)
+    # eta for a constant schedule, else a Keras schedule with eta*s_t over C's T steps
+    learning_rate = knc.learning_rate_schedule(_update_rule(config), learning_rate=config["learning_rate"],
+                                               steps=mixing.steps)
     if config["momentum"] > 0:
-        if not _optimizer_takes_inner():
-            raise _Fail(f"momentum {config['momentum']:g} needs NoiseCurveOptimizer(inner=...), "
-                        "which this version of keras_noisecurve does not have yet")
         optimizer = knc.NoiseCurveOptimizer(
             inner=keras.optimizers.SGD(learning_rate, momentum=config["momentum"]), **common
         )

@@ -42,18 +42,6 @@ def test_bad_seeds_fails_in_seconds_with_status_2(seeds, tmp_path, capsys):
     assert not (tmp_path / "o").exists()  # stopped before any work
 
 
-def test_momentum_without_the_inner_optimizer_fails_fast(tmp_path, capsys):
-    from keras_noisecurve import demo
-
-    if demo._optimizer_takes_inner():
-        pytest.skip("NoiseCurveOptimizer takes inner=: momentum > 0 trains for real")
-    started = time.perf_counter()
-    rc = cli.main(["demo", "--momentum", "0.9", "--out", str(tmp_path / "o")])
-    assert rc == 2
-    assert "inner=" in capsys.readouterr().err
-    assert time.perf_counter() - started < 30
-
-
 def test_unknown_choice_is_an_argparse_error(capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main(["demo", "--objective", "nonsense"])

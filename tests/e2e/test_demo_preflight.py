@@ -53,3 +53,59 @@ def test_the_check_runs_each_band_configuration_once(tmp_path, monkeypatch):
     demo._check_training_steps(x, y, batch=8, configs=configs, seed=0)
     # DP-BandMF and NoiseCurve train with the same configuration: checked once
     assert sorted(calls) == [1, 3]
+
+
+def _spy_private_cnn(monkeypatch):
+    built = []
+    real = demo._private_cnn
+
+    def spy(**kwargs):
+        model, private = real(**kwargs)
+        built.append((kwargs, private))
+        return model, private
+
+    monkeypatch.setattr(demo, "_private_cnn", spy)
+    return built
+
+
+def _tiny_data():
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    return rng.uniform(size=(64, 28, 28, 1)).astype("float32"), rng.integers(0, 10, 64)
+
+
+def _assert_c_follows_its_rule(built, momentum, schedule, recwarn):
+    import keras_noisecurve as knc
+
+    assert sorted(kwargs["mixing"].bands for kwargs, _ in built) == [1, 3]
+    for kwargs, _ in built:
+        if kwargs["mixing"].bands > 1:
+            rule = knc.UpdateRule.from_metadata(kwargs["mixing"].metadata.get("update_rule"))
+            assert rule == knc.UpdateRule(momentum=momentum, schedule=schedule)
+    # the optimizer runs the update rule C was solved for: no mismatch warning
+    assert not [w for w in recwarn if "optimised for" in str(w.message)]
+
+
+def test_a_schedule_trains_with_c_solved_for_it(monkeypatch, recwarn):
+    built = _spy_private_cnn(monkeypatch)
+    x, y = _tiny_data()
+    configs = {name: dict(cfg, learning_rate=0.5, schedule="cosine", bands=1 if name == "DP-SGD" else 3)
+               for name, cfg in demo.CONFIGS.items()}
+    demo._check_training_steps(x, y, batch=8, configs=configs, seed=0)
+    _assert_c_follows_its_rule(built, 0.0, "cosine", recwarn)
+    for kwargs, private in built:  # the learning rate followed the cosine multipliers for one step
+        import keras_noisecurve as knc
+
+        steps = kwargs["mixing"].steps
+        expected = 0.5 * knc.UpdateRule(schedule="cosine").multipliers(steps)[1]
+        assert float(private.optimizer.learning_rate) == pytest.approx(expected, rel=1e-6)
+
+
+def test_momentum_trains_through_the_inner_optimizer_with_c_solved_for_it(monkeypatch, recwarn):
+    built = _spy_private_cnn(monkeypatch)
+    x, y = _tiny_data()
+    configs = {name: dict(cfg, learning_rate=0.5, momentum=0.9, bands=1 if name == "DP-SGD" else 3)
+               for name, cfg in demo.CONFIGS.items()}
+    demo._check_training_steps(x, y, batch=8, configs=configs, seed=0)
+    _assert_c_follows_its_rule(built, 0.9, "constant", recwarn)
