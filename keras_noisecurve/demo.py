@@ -39,6 +39,7 @@ import time
 
 from keras_noisecurve import demo_configs
 from keras_noisecurve.demo_configs import CONFIGS, CURVATURE_OBJECTIVES, METHODS, PROVENANCE
+from keras_noisecurve.mixing.rule_workloads import check_rule_objective
 
 #: The curvature objective the demo uses for its NoiseCurve row: the "objective" of
 #: ``keras_noisecurve.demo_configs.CONFIGS["NoiseCurve"]`` (by default
@@ -178,8 +179,12 @@ def _validate(args, cfg) -> None:
         need(cfg["public_size"] <= 2000, f"--public-size must be <= 2000 for --public mnist-heldout, got {cfg['public_size']}")
     try:
         demo_configs.validate_configs(cfg["methods"])
+        nc = cfg["methods"]["NoiseCurve"]
+        # an objective derived only for plain SGD, with momentum or a schedule: say so now,
+        # not after minutes of spectrum estimation
+        check_rule_objective(nc["objective"], _update_rule(nc))
     except ValueError as exc:
-        raise _Fail(str(exc)) from exc
+        raise _Fail(f"NoiseCurve: {exc}" if "update rule" in str(exc) else str(exc)) from exc
 
 
 def _source(name, field, cfg) -> str:

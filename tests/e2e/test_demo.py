@@ -24,6 +24,8 @@ from keras_noisecurve import cli, demo_configs
         (["--momentum", "1.0"], "--momentum"),
         (["--public-size", "5000"], "--public-size"),
         (["--batch-size", "2000", "--bands", "4"], "exceeds"),
+        # an objective derived only for plain SGD, with momentum: refused before any work
+        (["--momentum", "0.5", "--objective", "noisecurve-all-iterates"], "only derived for plain"),
     ],
 )
 def test_bad_flags_exit_2_with_a_message(flags, message, tmp_path, capsys):
