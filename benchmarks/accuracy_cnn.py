@@ -300,6 +300,10 @@ def _mean_std(values):
     return f"{v.mean():.2f} ± {v.std(ddof=1):.2f}" if len(v) > 1 else f"{v.mean():.2f}"
 
 
+def _point(eta_eff, score):
+    return f"{eta_eff:g}→refused" if score == float("-inf") else f"{eta_eff:g}→{100 * score:.1f}"
+
+
 def render(args, argv, setup, tuned, final, wall):
     cmd = "python benchmarks/accuracy_cnn.py " + " ".join(sys.argv[1:] if argv is None else argv)
     rule_text = {m: setup.rule(m).describe() for m in args.momentum}
@@ -332,8 +336,7 @@ def render(args, argv, setup, tuned, final, wall):
                          f"{100 * t['scores'][t['eta_eff']]:.1f} | {_mean_std(tests)} | {paired} |")
     lines.append("")
     lines.append("Validation accuracy of every tuning point (effective η → %): "
-                 + "; ".join(f"{LABELS[m]} β={b:g}: " + ", ".join(f"{e:g}→{100 * s:.1f}" for e, s in
-                                                                    tuned[(m, b)]["scores"].items())
+                 + "; ".join(f"{LABELS[m]} β={b:g}: " + ", ".join(_point(e, s) for e, s in tuned[(m, b)]["scores"].items())
                              for (m, b) in tuned))
     return "\n".join(lines) + "\n"
 
