@@ -90,7 +90,8 @@ def _assert_c_follows_its_rule(built, momentum, schedule, recwarn):
 def test_a_schedule_trains_with_c_solved_for_it(monkeypatch, recwarn):
     built = _spy_private_cnn(monkeypatch)
     x, y = _tiny_data()
-    configs = {name: dict(cfg, learning_rate=0.5, schedule="cosine", bands=1 if name == "DP-SGD" else 3)
+    configs = {name: dict(cfg, learning_rate=0.5, momentum=0.0, schedule="cosine",
+                         bands=1 if name == "DP-SGD" else 3)
                for name, cfg in demo.CONFIGS.items()}
     demo._check_training_steps(x, y, batch=8, configs=configs, seed=0)
     _assert_c_follows_its_rule(built, 0.0, "cosine", recwarn)
