@@ -494,17 +494,24 @@ def _learning_rates(learning_rate, steps):
     ``LearningRateSchedule``; ``None`` for a zero-argument callable (unknown)."""
     if isinstance(learning_rate, keras.optimizers.schedules.LearningRateSchedule):
         try:  # most schedules are elementwise: one call for all steps
-            rates = np.asarray(keras.ops.convert_to_numpy(learning_rate(np.arange(steps))), dtype=np.float64)
+            rates = np.asarray(_numpy(learning_rate(tf.range(steps, dtype=tf.int64))), dtype=np.float64)
         except Exception:  # noqa: BLE001 - e.g. a schedule with a tf.cond on the step
             rates = None
         if rates is None or rates.shape != (steps,):
-            rates = np.array([float(keras.ops.convert_to_numpy(learning_rate(t))) for t in range(steps)])
+            rates = np.array([float(_numpy(learning_rate(tf.constant(t, tf.int64)))) for t in range(steps)])
         return rates
     if isinstance(learning_rate, (keras.Variable, tf.Variable)):
-        return np.full(steps, float(keras.ops.convert_to_numpy(learning_rate)))
+        return np.full(steps, float(_numpy(learning_rate)))
     if callable(learning_rate):
         return None
     return np.full(steps, float(learning_rate))
+
+
+def _numpy(value):
+    """A tensor or variable as numpy, through ``.numpy()``: ``np.asarray`` on a Keras
+    variable warns under numpy 2 (its ``__array__`` takes no ``copy`` argument)."""
+    value = value.value if isinstance(value, keras.Variable) else value
+    return value.numpy() if hasattr(value, "numpy") else np.asarray(value)
 
 
 def _float32_rates(rates, rule, steps):
