@@ -1,5 +1,6 @@
 """Small shared builders for the training tests (tiny models: the suite runs on 2 cores)."""
 
+import keras
 import numpy as np
 
 from keras_noisecurve.mixing import MixingMatrix
@@ -37,3 +38,18 @@ def bandmf_like_c(steps, bands):
     c = np.tril(c)
     c /= np.linalg.norm(c, axis=0, keepdims=True)
     return MixingMatrix.from_dense(c, bands=bands, metadata={"objective": "bandmf-like"})
+
+
+
+class CrashAt(keras.callbacks.Callback):
+    """Raises ``RuntimeError("simulated crash")`` after the ``at_step``-th training batch
+    (counted across epochs): an interrupted ``fit``."""
+
+    def __init__(self, at_step):
+        super().__init__()
+        self.at_step, self.seen = at_step, 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen += 1
+        if self.seen == self.at_step:
+            raise RuntimeError("simulated crash")

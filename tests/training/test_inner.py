@@ -24,7 +24,7 @@ from keras_noisecurve.training import (
     learning_rate_schedule,
     make_private,
 )
-from tests.training.helpers import random_banded_c
+from tests.training.helpers import CrashAt, random_banded_c
 
 ETA, CLIP, SIGMA, B, SEED = 0.5, 1.5, 2.0, 4, 7
 STEPS = 5
@@ -341,22 +341,11 @@ def test_keras_save_and_load_with_adam(tmp_path, fit_data, fit_init, uninterrupt
     _assert_same(loaded.get_weights(), uninterrupted)
 
 
-class _Crash(keras.callbacks.Callback):
-    def __init__(self, at_step):
-        super().__init__()
-        self.at_step, self.seen = at_step, 0
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.seen += 1
-        if self.seen == self.at_step:
-            raise RuntimeError("simulated crash")
-
-
 def test_backup_and_restore_with_adam(tmp_path, fit_data, fit_init, uninterrupted):
     backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))
     model = _fit_model(fit_init)
     with pytest.raises(RuntimeError, match="simulated crash"):
-        _fit(model, fit_data, 3, callbacks=[backup, _Crash(at_step=6)])  # mid epoch 2
+        _fit(model, fit_data, 3, callbacks=[backup, CrashAt(at_step=6)])  # mid epoch 2
     resumed = _fit_model(fit_init, seed=999)  # key, rings and Adam's moments come from the backup
     _fit(resumed, fit_data, 3, callbacks=[backup])
     assert int(resumed.optimizer.iterations.numpy()) == int(resumed.optimizer.inner.iterations.numpy()) == 12

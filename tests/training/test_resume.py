@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 
 from keras_noisecurve.training import NoiseCurveOptimizer, make_private
-from tests.training.helpers import random_banded_c
+from tests.training.helpers import CrashAt, random_banded_c
 
 B, STEPS, BANDS, SEED = 4, 6, 3, 17
 C = random_banded_c(STEPS, BANDS, rng=np.random.default_rng(9), diag_scale=0.5)
@@ -78,22 +78,11 @@ def test_keras_save_and_load(tmp_path, data, initial_weights, uninterrupted):
     assert not np.allclose(fresh.get_weights()[0], uninterrupted[0])
 
 
-class _Crash(keras.callbacks.Callback):
-    def __init__(self, at_step):
-        super().__init__()
-        self.at_step, self.seen = at_step, 0
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.seen += 1
-        if self.seen == self.at_step:
-            raise RuntimeError("simulated crash")
-
-
 def test_backup_and_restore(tmp_path, data, initial_weights, uninterrupted):
     backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))
     model = _model(initial_weights)
     with pytest.raises(RuntimeError, match="simulated crash"):
-        _fit(model, data, STEPS // 2, callbacks=[backup, _Crash(at_step=3)])  # mid epoch 2
+        _fit(model, data, STEPS // 2, callbacks=[backup, CrashAt(at_step=3)])  # mid epoch 2
     # a new process: fresh model (a different secret key unless restored), same backup dir
     resumed = _model(initial_weights, seed=999)  # the key must come from the backup
     _fit(resumed, data, STEPS // 2, callbacks=[backup])
