@@ -1,27 +1,31 @@
 """The cyclic Poisson batch sampler that makes BandMF amplification true.
 
-``sampling_plan`` (numpy only) draws the whole index sequence up front: a (T, P)
-int array of example indices and a (T, P) float32 mask (1 = real example,
-0 = padding). ``banded_poisson_dataset`` (TensorFlow, imported inside the function)
-turns it into a ``tf.data.Dataset`` of fixed-shape batches ``(x, y, mask)`` by a
-gather in ``map``, so shapes never change and nothing retraces.
+:class:`BatchSampler` (numpy only) gives random access to the batch of any step t —
+an int64 index vector (P,) and a float32 mask (P,) (1 = real example, 0 = padding) —
+from a secret key and t alone, so a resumed run continues with exactly the batches an
+uninterrupted one would have drawn. ``PrivateRun.dataset`` (the way to train) draws
+step by step through it; ``sampling_plan`` draws a whole run's (T, P) arrays up front
+(for inspection and tests), and ``banded_poisson_dataset`` (TensorFlow, imported inside
+the function) turns such a plan into a ``tf.data.Dataset`` of ``(x, y, mask)``
+without step indices, for custom loops that keep their own position.
 
-Keras ``fit`` passes the third element as ``sample_weight``; the private model
-applies it per example *before* clipping, so padding contributes nothing to the
-clipped sum. The optimizer divides by the expected batch size B, never by the
-mask sum. Padding slots hold copies of example 0: a private model
-(``make_private``/``DPModel``) leaves rows of weight 0 out of every metric; a plain
-Keras model applies ``sample_weight`` only to the loss and ``weighted_metrics``.
+Keras ``fit`` passes the mask as ``sample_weight``; the private model applies it per
+example *before* clipping, so padding contributes nothing to the clipped sum. The
+optimizer divides by the expected batch size B, never by the mask sum. Padding slots
+hold copies of example 0: a private model (``make_private``/``DPModel``) leaves rows of
+weight 0 out of every metric; a plain Keras model applies ``sample_weight`` only to the
+loss and ``weighted_metrics``.
 
-Secret randomness: with ``seed=None`` the partitions and batches come from OS
-entropy (``np.random.SeedSequence()``). A fixed seed makes the batch selection
-predictable to anyone who knows it, which weakens DP: use one only for tests and
-reproducibility experiments.
+Secret randomness: with ``seed=None`` the key comes from OS entropy
+(``np.random.SeedSequence()``). A fixed seed makes the batch selection predictable to
+anyone who knows it, which weakens DP: use one only for tests and reproducibility
+experiments.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 import warnings
 from typing import Optional
 
@@ -30,13 +34,44 @@ import numpy as np
 from keras_noisecurve._validation import check_choice, check_float, check_int
 from keras_noisecurve.privacy import accounting
 
-#: A tf.data input is materialised into numpy once; larger inputs are refused.
-MAX_MATERIALIZED_BYTES = 2 * 1024**3
+
+#: The secret sampling key is two 64-bit words (stored as int64, e.g. in an optimizer
+#: variable); every random choice of the sampler derives from it.
+KEY_WORDS = 2
+
+# stream tags: independent numpy streams derived from the key
+_PERMUTATION, _STEP = 0, 1
+
+
+def new_key() -> np.ndarray:
+    """A fresh secret sampling key from OS entropy: int64 array (2,)."""
+    return np.random.SeedSequence().generate_state(KEY_WORDS, np.uint64).view(np.int64)
+
+
+def key_from_seed(seed=None) -> np.ndarray:
+    """The sampling key (int64 (2,)) of ``seed``: ``None`` → :func:`new_key` (secret);
+    an int or a ``np.random.SeedSequence`` → a reproducible key (tests only: a known
+    seed makes the batches predictable, which weakens DP)."""
+    if seed is None:
+        return new_key()
+    if isinstance(seed, np.random.SeedSequence):
+        return seed.generate_state(KEY_WORDS, np.uint64).view(np.int64)
+    seed = check_int("seed", seed, minimum=0)
+    return np.random.SeedSequence(seed).generate_state(KEY_WORDS, np.uint64).view(np.int64)
+
+
+def check_key(key) -> np.ndarray:
+    """``key`` as an int64 array (2,), or ``ValueError`` saying what was received."""
+    arr = np.asarray(key)
+    if arr.shape != (KEY_WORDS,) or not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"a sampling key must be {KEY_WORDS} integers, got {key!r}.")
+    return arr.astype(np.int64)
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingPlan:
-    """The batches of a run, drawn up front.
+    """The batches of a run, drawn up front (for inspection and tests; training draws
+    them step by step through :class:`BatchSampler`).
 
     Attributes:
       indices: int64 array (T, P); row t lists the examples of step t, padding slots
@@ -72,12 +107,158 @@ class SamplingPlan:
         return self.indices[t][self.mask[t] > 0]
 
 
-def _rng(seed) -> np.random.Generator:
-    if seed is None:
-        return np.random.default_rng(np.random.SeedSequence())  # OS entropy
-    if isinstance(seed, np.random.SeedSequence):
-        return np.random.default_rng(seed)
-    return np.random.default_rng(check_int("seed", seed, minimum=0))
+class BatchSampler:
+    """Random access to the batch of any step: ``sampler.batch(t)`` → (indices, mask).
+
+    Every choice derives from the secret ``key`` (int64 (2,)) and the step index
+    alone, so batch t is the same whether the run is drawn from step 0 or resumed at
+    step t, in this process or another one with the same key.
+
+    ``cyclic_poisson``: a permutation of the n examples (numpy stream ``(key, 0)``) is
+    split into b balanced partitions (sizes differ by ≤ 1, ``np.array_split``). Step t
+    uses partition ``t mod b`` only and includes each of its m examples independently
+    with probability ``q = B·b/n``: from the stream ``(key, 1, t)`` it draws
+    k ~ Binomial(m, q), then a uniformly random k-subset in random order — the same
+    distribution as m independent coin flips. If k > P the first P of them (a uniformly
+    random P-subset) are kept: such truncations are accounted for only through the
+    overflow bound (the run's total δ adds ``overflow_delta``) and warned about.
+
+    ``fixed_epochs``: one permutation cut into ⌈n/B⌉ batches of B (the last one shorter,
+    padded); the SAME order repeats every epoch, so an example's participations are
+    exactly ``steps_per_epoch`` apart. P = B.
+
+    Args:
+      num_examples: n. batch_size: B. bands: b. steps: T. padded_size: P.
+      sampling: ``"cyclic_poisson"`` or ``"fixed_epochs"``.
+      key: the secret sampling key, int64 (2,) (:func:`key_from_seed`).
+
+    The permutation (O(n) memory) is computed on first use and kept; ``batch`` is
+    thread-safe.
+    """
+
+    def __init__(self, *, num_examples: int, batch_size: int, bands: int, steps: int, padded_size: int,
+                 sampling: str = "cyclic_poisson", key):
+        self.sampling = check_choice("sampling", sampling, accounting.SAMPLINGS)
+        self.num_examples = check_int("num_examples", num_examples, minimum=1)
+        self.batch_size = check_int("batch_size", batch_size, minimum=1)
+        self.bands = check_int("bands", bands, minimum=1)
+        self.steps = check_int("steps", steps, minimum=1)
+        self.padded_size = check_int("padded_size", padded_size, minimum=1)
+        self._key = check_key(key)
+        self._words = [int(w) for w in self._key.view(np.uint64)]
+        self.sampling_probability = (
+            accounting.sampling_probability(num_examples=self.num_examples, batch_size=self.batch_size,
+                                            bands=self.bands)
+            if self.sampling == "cyclic_poisson" else None
+        )
+        self._partitions = None
+        self._lock = threading.Lock()
+        self.truncated_steps = 0
+        self.dropped_examples = 0
+
+    @property
+    def partitions(self) -> list:
+        """The b partitions (cyclic Poisson) or the ⌈n/B⌉ batches of the order (fixed epochs)."""
+        with self._lock:
+            if self._partitions is None:
+                perm = np.random.default_rng(self._words + [_PERMUTATION]).permutation(self.num_examples)
+                perm = perm.astype(np.int64)
+                if self.sampling == "fixed_epochs":
+                    per_epoch = -(-self.num_examples // self.batch_size)
+                    self._partitions = [perm[i * self.batch_size:(i + 1) * self.batch_size] for i in range(per_epoch)]
+                else:
+                    self._partitions = np.array_split(perm, self.bands)
+            return self._partitions
+
+    def batch(self, t: int) -> tuple[np.ndarray, np.ndarray, int]:
+        """The batch of step t: ``(indices, mask, dropped)``.
+
+        indices: int64 (P,), real examples first, padding slots hold 0; mask: float32
+        (P,), 1 for a real example; dropped: examples removed by truncation (0 unless
+        the draw exceeded P).
+        """
+        t = int(t)
+        if not 0 <= t < self.steps:
+            raise ValueError(f"step {t} is outside the plan of {self.steps} steps (0 ... {self.steps - 1}).")
+        parts = self.partitions
+        indices = np.zeros(self.padded_size, dtype=np.int64)
+        mask = np.zeros(self.padded_size, dtype=np.float32)
+        if self.sampling == "fixed_epochs":
+            members = parts[t % len(parts)]
+            indices[: members.size] = members
+            mask[: members.size] = 1.0
+            return indices, mask, 0
+        part = parts[t % self.bands]
+        rng = np.random.default_rng(self._words + [_STEP, t])
+        k = int(rng.binomial(part.size, self.sampling_probability))
+        chosen = part[rng.choice(part.size, size=k, replace=False)] if k else part[:0]
+        dropped = max(0, k - self.padded_size)
+        chosen = chosen[: self.padded_size]
+        indices[: chosen.size] = chosen
+        mask[: chosen.size] = 1.0
+        if dropped:
+            with self._lock:
+                self.truncated_steps += 1
+                self.dropped_examples += dropped
+        return indices, mask, dropped
+
+
+def truncation_warning(*, truncated: int, steps: int, padded_size: int, dropped: int,
+                       overflow_probability: float) -> str:
+    """The message of the warning issued when a draw exceeded the padded size."""
+    return (
+        f"cyclic Poisson sampler: {truncated} of {steps} steps drew more than the padded size {padded_size} "
+        f"and were truncated ({dropped} examples dropped). Truncation is accounted for only through "
+        f"the overflow bound {overflow_probability:.3g}: the run's total delta is delta + "
+        "keras_noisecurve.privacy.overflow_delta(epsilon=..., overflow_probability="
+        f"{overflow_probability:.3g}). Increase max_batch_size or lower overflow_probability."
+    )
+
+
+def padded_size_for(*, num_examples: int, batch_size: int, bands: int, steps: int, sampling: str,
+                    max_batch_size: Optional[int] = None,
+                    overflow_probability: Optional[float] = None) -> tuple[int, float]:
+    """(P, overflow probability of P) for a plan; validates the arguments.
+
+    Cyclic Poisson: P is the smallest size whose union-bound overflow probability is ≤
+    ``overflow_probability`` (default ``accounting.DEFAULT_OVERFLOW_PROBABILITY =
+    1e-12``), or ``max_batch_size`` if given (its overflow probability is reported).
+    Fixed epochs: P = B, probability 0.
+    """
+    sampling = check_choice("sampling", sampling, accounting.SAMPLINGS)
+    n = check_int("num_examples", num_examples, minimum=1)
+    batch = check_int("batch_size", batch_size, minimum=1)
+    bands = check_int("bands", bands, minimum=1)
+    steps = check_int("steps", steps, minimum=1)
+    if bands > steps:
+        raise ValueError(f"bands={bands} cannot exceed steps={steps}.")
+    if batch > n:
+        raise ValueError(f"batch_size={batch} cannot exceed num_examples={n}.")
+    if max_batch_size is not None and overflow_probability is not None:
+        raise ValueError("give max_batch_size or overflow_probability, not both.")
+    if sampling == "fixed_epochs":
+        if max_batch_size is not None or overflow_probability is not None:
+            raise ValueError("max_batch_size / overflow_probability apply to cyclic_poisson only; fixed_epochs pads to batch_size.")
+        per_epoch = -(-n // batch)
+        if per_epoch < bands:
+            raise ValueError(
+                f"fixed_epochs needs steps_per_epoch = ceil({n}/{batch}) = {per_epoch} >= bands = {bands}: "
+                "participations of an example are steps_per_epoch apart and must be at least b apart."
+            )
+        return batch, 0.0
+    accounting.sampling_probability(num_examples=n, batch_size=batch, bands=bands)  # validates q < 1
+    if max_batch_size is not None:
+        padded = check_int("max_batch_size", max_batch_size, minimum=1)
+    else:
+        target = accounting.DEFAULT_OVERFLOW_PROBABILITY if overflow_probability is None else overflow_probability
+        target = check_float("overflow_probability", target, open_unit=True)
+        padded = accounting.padded_batch_size(
+            num_examples=n, batch_size=batch, steps=steps, bands=bands, overflow_probability=target
+        )
+    p_over = accounting.overflow_probability(
+        num_examples=n, batch_size=batch, steps=steps, bands=bands, padded_size=padded
+    )
+    return padded, p_over
 
 
 def sampling_plan(
@@ -91,23 +272,11 @@ def sampling_plan(
     max_batch_size: Optional[int] = None,
     overflow_probability: Optional[float] = None,
 ) -> SamplingPlan:
-    """Draw the partitions and the (T, P) index/mask arrays of a run.
+    """Draw the partitions and the (T, P) index/mask arrays of a whole run at once.
 
-    ``cyclic_poisson``: the n examples are permuted (secret randomness) and split
-    into b balanced partitions (sizes differ by ≤ 1, ``np.array_split``). Step t uses
-    partition ``t mod b`` only and includes each of its m examples independently with
-    probability ``q = B·b/n``: it draws k ~ Binomial(m, q), then a uniformly random
-    k-subset — the same distribution as m independent coin flips. P is the smallest
-    size whose union-bound overflow probability is ≤ ``overflow_probability``
-    (default ``accounting.DEFAULT_OVERFLOW_PROBABILITY = 1e-12``), or
-    ``max_batch_size`` if given (then its overflow probability is reported). A draw
-    with k > P keeps a uniformly random P-subset; such truncations are counted and
-    warned about, and the run's total δ is δ + ``accounting.overflow_delta``.
-
-    ``fixed_epochs``: one permutation cut into ⌈n/B⌉ batches of B (the last one
-    shorter, padded); the SAME order repeats every epoch, so an example's
-    participations are exactly ``steps_per_epoch`` apart; ``steps_per_epoch ≥ b`` is
-    required (consecutive participations must not share a band of C). P = B.
+    The batches are those of :class:`BatchSampler` (see it for the distribution) with
+    the key of ``seed``; P from :func:`padded_size_for`. Truncations are counted and
+    warned about (``RuntimeWarning``).
 
     Args:
       num_examples: n. batch_size: B (expected size for cyclic Poisson). bands: b.
@@ -119,128 +288,27 @@ def sampling_plan(
     Returns:
       SamplingPlan.
     """
-    sampling = check_choice("sampling", sampling, accounting.SAMPLINGS)
-    n = check_int("num_examples", num_examples, minimum=1)
-    batch = check_int("batch_size", batch_size, minimum=1)
-    bands = check_int("bands", bands, minimum=1)
-    steps = check_int("steps", steps, minimum=1)
-    if bands > steps:
-        raise ValueError(f"bands={bands} cannot exceed steps={steps}.")
-    if batch > n:
-        raise ValueError(f"batch_size={batch} cannot exceed num_examples={n}.")
-    if max_batch_size is not None and overflow_probability is not None:
-        raise ValueError("give max_batch_size or overflow_probability, not both.")
-    rng = _rng(seed)
-    perm = rng.permutation(n).astype(np.int64)
-
-    if sampling == "fixed_epochs":
-        if max_batch_size is not None or overflow_probability is not None:
-            raise ValueError("max_batch_size / overflow_probability apply to cyclic_poisson only; fixed_epochs pads to batch_size.")
-        per_epoch = -(-n // batch)
-        if per_epoch < bands:
-            raise ValueError(
-                f"fixed_epochs needs steps_per_epoch = ceil({n}/{batch}) = {per_epoch} >= bands = {bands}: "
-                "participations of an example are steps_per_epoch apart and must be at least b apart."
-            )
-        batches = [perm[i * batch:(i + 1) * batch] for i in range(per_epoch)]
-        indices = np.zeros((steps, batch), dtype=np.int64)
-        mask = np.zeros((steps, batch), dtype=np.float32)
-        for t in range(steps):
-            members = batches[t % per_epoch]
-            indices[t, : members.size] = members
-            mask[t, : members.size] = 1.0
-        return SamplingPlan(indices, mask, batches, sampling, None, batch, 0.0, 0, 0)
-
-    q = accounting.sampling_probability(num_examples=n, batch_size=batch, bands=bands)
-    if max_batch_size is not None:
-        padded = check_int("max_batch_size", max_batch_size, minimum=1)
-    else:
-        target = accounting.DEFAULT_OVERFLOW_PROBABILITY if overflow_probability is None else overflow_probability
-        target = check_float("overflow_probability", target, open_unit=True)
-        padded = accounting.padded_batch_size(
-            num_examples=n, batch_size=batch, steps=steps, bands=bands, overflow_probability=target
-        )
-    p_over = accounting.overflow_probability(
-        num_examples=n, batch_size=batch, steps=steps, bands=bands, padded_size=padded
+    padded, p_over = padded_size_for(
+        num_examples=num_examples, batch_size=batch_size, bands=bands, steps=steps, sampling=sampling,
+        max_batch_size=max_batch_size, overflow_probability=overflow_probability,
     )
-    partitions = np.array_split(perm, bands)
-    sizes = np.array([p.size for p in partitions])
-    counts = rng.binomial(sizes[np.arange(steps) % bands], q)
-    indices = np.zeros((steps, padded), dtype=np.int64)
-    mask = np.zeros((steps, padded), dtype=np.float32)
-    truncated = dropped = 0
-    for t in range(steps):
-        part = partitions[t % bands]
-        k = int(counts[t])
-        if k > padded:
-            truncated += 1
-            dropped += k - padded
-            k = padded
-        chosen = part[rng.choice(part.size, size=k, replace=False)] if k else part[:0]
-        indices[t, :k] = chosen
-        mask[t, :k] = 1.0
-    if truncated:
+    sampler = BatchSampler(num_examples=num_examples, batch_size=batch_size, bands=bands, steps=steps,
+                           padded_size=padded, sampling=sampling, key=key_from_seed(seed))
+    rows = [sampler.batch(t) for t in range(sampler.steps)]
+    indices = np.stack([r[0] for r in rows])
+    mask = np.stack([r[1] for r in rows])
+    if sampler.truncated_steps:
         warnings.warn(
-            f"cyclic Poisson sampler: {truncated} of {steps} steps drew more than the padded size {padded} "
-            f"and were truncated ({dropped} examples dropped). Truncation is accounted for only through "
-            f"the overflow bound {p_over:.3g}: the run's total delta is delta + "
-            "keras_noisecurve.privacy.overflow_delta(epsilon=..., overflow_probability="
-            f"{p_over:.3g}). Increase max_batch_size or lower overflow_probability.",
+            truncation_warning(truncated=sampler.truncated_steps, steps=sampler.steps, padded_size=padded,
+                               dropped=sampler.dropped_examples, overflow_probability=p_over),
             RuntimeWarning,
             stacklevel=2,
         )
-    return SamplingPlan(indices, mask, partitions, sampling, q, padded, p_over, truncated, dropped)
+    return SamplingPlan(indices, mask, sampler.partitions, sampler.sampling, sampler.sampling_probability,
+                        padded, p_over, sampler.truncated_steps, sampler.dropped_examples)
 
 
 # ------------------------------------------------------------------ tf.data
-def _nbytes(structure) -> int:
-    import tensorflow as tf
-
-    return sum(int(np.asarray(a).nbytes) for a in tf.nest.flatten(structure))
-
-
-def _materialize(dataset):
-    """(x, y, sample_weight) numpy structures from a dataset of examples."""
-    import tensorflow as tf
-
-    spec = dataset.element_spec
-    leaves = tf.nest.flatten(spec)
-    if leaves and all(getattr(s, "shape", None) is not None and s.shape.rank and s.shape[0] is None for s in leaves):
-        dataset = dataset.unbatch()  # a batched dataset: every component has an unknown leading dim
-        spec = dataset.element_spec
-    rows, total = [], 0
-    for element in dataset.as_numpy_iterator():
-        total += _nbytes(element)
-        if total > MAX_MATERIALIZED_BYTES:
-            raise ValueError(
-                f"the tf.data input exceeds {MAX_MATERIALIZED_BYTES / 1024**3:g} GiB when materialised; "
-                "banded_poisson_dataset keeps the private data in memory to gather its batches. Pass a "
-                "smaller dataset, or numpy arrays of indices/features you can hold in memory."
-            )
-        rows.append(element)
-    if not rows:
-        raise ValueError("the tf.data input is empty.")
-    stacked = tf.nest.map_structure(lambda *xs: np.stack(xs), *rows)
-    if isinstance(spec, tuple):
-        if len(spec) == 1:
-            return stacked[0], None, None
-        if len(spec) == 2:
-            return stacked[0], stacked[1], None
-        if len(spec) == 3:
-            return stacked[0], stacked[1], stacked[2]
-        raise ValueError(f"a tuple element must be (x,), (x, y) or (x, y, sample_weight); got {len(spec)} parts.")
-    return stacked, None, None
-
-
-def _leading_length(name, structure) -> int:
-    import tensorflow as tf
-
-    lengths = {int(np.shape(a)[0]) if np.ndim(a) else -1 for a in tf.nest.flatten(structure)}
-    if len(lengths) != 1 or -1 in lengths:
-        raise ValueError(f"every array in {name} must have the same leading (example) dimension; got lengths {sorted(lengths)}.")
-    return lengths.pop()
-
-
 def banded_poisson_dataset(
     x,
     y=None,
@@ -257,12 +325,16 @@ def banded_poisson_dataset(
 ):
     """A ``tf.data.Dataset`` of exactly ``steps`` fixed-shape batches ``(x, y, mask)``.
 
+    The sampler alone, without accounting or step indices: nothing checks that a
+    restored model continues at the right batch. To train, prefer
+    ``PrivateRun.dataset`` (the same batches, resume-safe).
+
     Args:
-      x: numpy array (n, ...), or a dict/tuple of such arrays, or a
-        ``tf.data.Dataset`` of examples ``x``, ``(x,)``, ``(x, y)`` or
-        ``(x, y, sample_weight)`` (a batched dataset — every component with an
-        unknown leading dimension — is unbatched). A dataset is materialised into
-        numpy once; more than 2 GiB is refused.
+      x: anything :func:`keras_noisecurve.privacy.sources.as_source` accepts: numpy
+        arrays (n, ...) or a dict/tuple of them, a ``tf.data.Dataset`` of examples
+        ``x``, ``(x,)``, ``(x, y)`` or ``(x, y, sample_weight)`` (materialised once;
+        more than 2 GiB is refused), a memory-mapped array, a random-access sequence
+        or a ``keras.utils.PyDataset`` (only each batch's examples are read).
       y: labels (n, ...) or a structure of them, or None (the dataset then yields
         ``(x, None, mask)``, which Keras reads as no targets plus per-example
         weights).
@@ -277,37 +349,20 @@ def banded_poisson_dataset(
     """
     import tensorflow as tf
 
-    if isinstance(x, tf.data.Dataset):
-        if y is not None or sample_weight is not None:
-            raise ValueError("with a tf.data.Dataset input, put y and sample_weight inside the dataset's elements.")
-        x, y, sample_weight = _materialize(x)
-    else:
-        x = tf.nest.map_structure(np.asarray, x)
-        if y is not None:
-            y = tf.nest.map_structure(np.asarray, y)
-    n = _leading_length("x", x)
-    if y is not None and _leading_length("y", y) != n:
-        raise ValueError(f"y has {_leading_length('y', y)} examples but x has {n}.")
-    if sample_weight is not None:
-        sample_weight = np.asarray(sample_weight, dtype=np.float32)
-        if sample_weight.shape != (n,):
-            raise ValueError(f"sample_weight must have shape ({n},), got {sample_weight.shape}.")
+    from keras_noisecurve.privacy.sources import as_source
 
+    source = as_source(x, y, sample_weight=sample_weight)
     plan = sampling_plan(
-        num_examples=n, batch_size=batch_size, bands=bands, steps=steps, seed=seed, sampling=sampling,
-        max_batch_size=max_batch_size, overflow_probability=overflow_probability,
+        num_examples=source.num_examples, batch_size=batch_size, bands=bands, steps=steps, seed=seed,
+        sampling=sampling, max_batch_size=max_batch_size, overflow_probability=overflow_probability,
     )
     mask = plan.mask
-    if sample_weight is not None:
-        mask = mask * sample_weight[plan.indices]
-    x_t = tf.nest.map_structure(tf.convert_to_tensor, x)
-    y_t = None if y is None else tf.nest.map_structure(tf.convert_to_tensor, y)
+    if source.sample_weight is not None:
+        mask = mask * source.sample_weight[plan.indices]
 
     def gather(idx, m):
-        xb = tf.nest.map_structure(lambda a: tf.gather(a, idx), x_t)
-        if y_t is None:
-            return xb, None, m
-        return xb, tf.nest.map_structure(lambda a: tf.gather(a, idx), y_t), m
+        xb, yb = source.tf_gather(idx)
+        return xb, yb, m
 
     ds = tf.data.Dataset.from_tensor_slices((plan.indices, mask.astype(np.float32)))
     ds = ds.map(gather, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)

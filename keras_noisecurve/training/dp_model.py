@@ -39,6 +39,54 @@ def _num_replicas() -> int:
     return ctx.num_replicas_in_sync
 
 
+def _split_step(data):
+    """``(x, y, sample_weight), step`` of a ``PrivateRun`` batch ``(x, y, mask, step)``;
+    ``data, None`` for any other batch."""
+    if isinstance(data, (tuple, list)) and len(data) == 4:
+        return tuple(data[:3]), data[3]
+    return data, None
+
+
+def _check_step(step, iterations):
+    """Fail the step unless every row of the batch belongs to step ``iterations``."""
+    expected = tf.cast(iterations, tf.int64)
+    step = tf.cast(step, tf.int64)
+    tf.debugging.assert_equal(
+        step,
+        tf.fill(tf.shape(step), expected),
+        message=(
+            "PrivateRun: this batch belongs to another step than the optimizer's (x: the batch's "
+            "step, y: the optimizer's). The dataset and the optimizer are out of step, "
+            "e.g. a dataset restarted at batch 0 after the model was restored, or reordered "
+            "(skip/shuffle/repeat) after run.dataset(): each step of the plan must use its own batch, "
+            "or the privacy accounting no longer holds. Pass run.dataset(...) to fit unchanged (it "
+            "starts at the optimizer's step), or in a custom loop call run.bind(optimizer) before "
+            "iterating it"
+        ),
+        summarize=2,
+    )
+
+
+class _StopAtPlanEnd(keras.callbacks.Callback):
+    """Stops ``fit`` after the plan's last step (instead of running out of data)."""
+
+    def __init__(self, steps):
+        super().__init__()
+        self._steps = steps
+
+    def on_train_begin(self, logs=None):
+        done = int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
+        if done >= self._steps:
+            raise RuntimeError(
+                f"the plan of {self._steps} steps is complete (the optimizer has taken {done} steps): "
+                "no further private step is possible with this run."
+            )
+
+    def on_train_batch_end(self, batch, logs=None):
+        if int(keras.ops.convert_to_numpy(self.model.optimizer.iterations)) >= self._steps:
+            self.model.stop_training = True
+
+
 class _PrivateTraining:
     """The private ``train_step`` and ``compile`` shared by ``DPModel`` and ``PrivateModel``.
 
@@ -94,6 +142,34 @@ class _PrivateTraining:
         if self.built:
             self.optimizer.build(self.trainable_variables)
 
+    def fit(self, x=None, y=None, **kwargs):
+        """``keras.Model.fit``; with a dataset of a ``PrivateRun`` (``run.dataset(...)``)
+        it also binds the run to this model's optimizer (refusing an optimizer made for
+        another plan), defaults ``epochs``/``steps_per_epoch`` to the run's and stops
+        after the plan's last step. The dataset starts at the optimizer's step, so a
+        restored model (``BackupAndRestore``, ``load_model``) continues the plan."""
+        run = getattr(x, "_knc_run", None)
+        if run is not None:
+            if y is not None:
+                raise ValueError("a PrivateRun dataset carries its labels: call fit(run.dataset(x, y)) without y.")
+            optimizer = self.optimizer
+            if not isinstance(optimizer, DPOptimizer):
+                raise ValueError(f"a private model needs a DPOptimizer, got {type(optimizer).__name__}.")
+            run.bind(optimizer)
+            kwargs.setdefault("steps_per_epoch", run.steps_per_epoch)
+            kwargs.setdefault("epochs", run.epochs)
+            kwargs.setdefault("shuffle", False)  # the plan decides the order
+            callbacks = list(kwargs.pop("callbacks", None) or [])
+            kwargs["callbacks"] = callbacks + [_StopAtPlanEnd(run.steps)]
+        return super().fit(x, y, **kwargs)
+
+    def _symbolic_build(self, iterator=None, data_batch=None):
+        # Keras builds a model under a tf.distribute strategy from one batch, unpacked
+        # as (x, y, sample_weight): leave out a PrivateRun batch's step index.
+        if data_batch is not None:
+            data_batch = _split_step(data_batch)[0]
+        return super()._symbolic_build(iterator=iterator, data_batch=data_batch)
+
     @tf.autograph.experimental.do_not_convert
     def _engine(self):
         """The clipping engine, resolved once (a Python-side choice, never traced)."""
@@ -102,10 +178,13 @@ class _PrivateTraining:
         return self._dp_engine
 
     def train_step(self, data):
+        data, step = _split_step(data)
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         optimizer = self.optimizer
         if not isinstance(optimizer, DPOptimizer):  # e.g. optimizer swapped after compile
             raise ValueError(f"DPModel needs a DPOptimizer, got {type(optimizer).__name__}.")
+        if step is not None:
+            _check_step(step, optimizer.iterations)
         if sample_weight is not None:
             sample_weight = tf.reshape(tf.cast(sample_weight, tf.float32), [-1])
         if not self.trainable_variables:  # an unbuilt subclassed model: create its weights

@@ -251,6 +251,8 @@ class DPOptimizer(keras.optimizers.Optimizer):
         self._mixing = "dpsgd"  # C = I without a step plan; NoiseCurveOptimizer sets its C
         self._noise = _noise_of(self._mixing)
         self._initial_key = key_from_seed(seed)
+        self._run = None  # a PrivateRun: NoiseCurveOptimizer(run=...)
+        self._sampling_key = None
         self._private_apply = False
         self._step_noise = None  # _StepNoise while one step's updates are built
 
@@ -259,6 +261,17 @@ class DPOptimizer(keras.optimizers.Optimizer):
     def mixing(self):
         """The mixing matrix: a ``MixingMatrix``, or ``"dpsgd"`` (C = I, no step plan)."""
         return self._mixing
+
+    @property
+    def run(self):
+        """The ``PrivateRun`` this optimizer was made for, or ``None``."""
+        return getattr(self, "_run", None)
+
+    @property
+    def sampling_key(self):
+        """The run's secret sampling key (int64 (2,) variable, saved with the optimizer),
+        or ``None`` without a run or before ``build``."""
+        return self._sampling_key
 
     @property
     def noise(self) -> BandedNoise:
@@ -323,6 +336,16 @@ class DPOptimizer(keras.optimizers.Optimizer):
             initializer=lambda shape, dtype=None: tf.constant(key, dtype=tf.int64),
             name="noise_key",
         )
+        if self.run is not None:
+            # The run's secret sampling key, saved and restored with the optimizer (and,
+            # under MultiWorkerMirroredStrategy, initialised from the chief's value).
+            sampling_key = self.run.initial_key()
+            self._sampling_key = self.add_variable(
+                shape=(2,),
+                dtype="int64",
+                initializer=lambda shape, dtype=None: tf.constant(sampling_key, dtype=tf.int64),
+                name="sampling_key",
+            )
         self._rings = []
         for var in variables:
             shape = self._noise.ring_shape(var.shape)
@@ -472,6 +495,10 @@ class DPOptimizer(keras.optimizers.Optimizer):
     @classmethod
     def from_config(cls, config, custom_objects=None):
         config = dict(config)
+        if isinstance(config.get("run"), dict):
+            from keras_noisecurve.privacy.run import PrivateRun
+
+            config["run"] = PrivateRun.from_config(config["run"])
         if isinstance(config.get("inner"), dict):
             config["inner"] = keras.saving.deserialize_keras_object(config["inner"], custom_objects=custom_objects)
         return super().from_config(config, custom_objects=custom_objects)
@@ -526,6 +553,26 @@ def _float32_rates(rates, rule, steps):
     return rates
 
 
+def _from_run(run, mixing, noise_multiplier, expected_batch_size):
+    """(C, σ, B) of ``run``; any of them also given must agree with the run."""
+    from keras_noisecurve.privacy.run import PrivateRun
+
+    if not isinstance(run, PrivateRun):
+        raise ValueError(f"run must be a keras_noisecurve.PrivateRun, got {type(run).__name__}.")
+    given = {"mixing": mixing, "noise_multiplier": noise_multiplier, "expected_batch_size": expected_batch_size}
+    planned = {"mixing": run.mixing, "noise_multiplier": run.noise_multiplier, "expected_batch_size": run.batch_size}
+    for name, value in given.items():
+        if value is None:
+            continue
+        same = load_mixing(value) == planned[name] if name == "mixing" else value == planned[name]
+        if not same:
+            raise ValueError(
+                f"{name}={value!r} differs from the run's ({planned[name]!r}): with run=, leave {name} out "
+                "(the run's is used)."
+            )
+    return planned["mixing"], planned["noise_multiplier"], planned["expected_batch_size"]
+
+
 def _noise_of(mixing) -> BandedNoise:
     """The online noise generator of a resolved ``mixing`` (``"dpsgd"``: C = I, no plan)."""
     return BandedNoise(None if mixing == "dpsgd" else mixing.band_values)
@@ -570,6 +617,11 @@ class NoiseCurveOptimizer(DPOptimizer):
         (the privacy plan is spent): the step fails with an error.
       learning_rate, l2_norm_clip, noise_multiplier, expected_batch_size, seed, name, inner:
         as ``DPOptimizer``.
+      run: a ``keras_noisecurve.PrivateRun`` (what ``run.optimizer(...)`` passes): C, σ
+        and B are then the run's (given ones must agree), the run's secret sampling key
+        becomes the optimizer variable ``sampling_key`` (saved and restored with
+        ``iterations`` and the noise state), and the run's dataset starts at this
+        optimizer's step.
 
     Construction warns once (``UserWarning``) when the update the optimizer runs differs
     from the one C was optimised for, ``mixing.metadata["update_rule"]`` (absent: plain
@@ -583,16 +635,21 @@ class NoiseCurveOptimizer(DPOptimizer):
     def __init__(
         self,
         learning_rate=None,
-        mixing="dpsgd",
+        mixing=None,
         l2_norm_clip=1.0,
-        noise_multiplier=1.0,
+        noise_multiplier=None,
         expected_batch_size=None,
         seed=None,
         name="noisecurve_optimizer",
         inner=None,
+        run=None,
         **kwargs,
     ):
-        mixing = load_mixing(mixing)
+        if run is not None:
+            mixing, noise_multiplier, expected_batch_size = _from_run(run, mixing, noise_multiplier,
+                                                                      expected_batch_size)
+        mixing = load_mixing("dpsgd" if mixing is None else mixing)
+        noise_multiplier = 1.0 if noise_multiplier is None else noise_multiplier
         super().__init__(
             learning_rate=learning_rate,
             l2_norm_clip=l2_norm_clip,
@@ -605,6 +662,9 @@ class NoiseCurveOptimizer(DPOptimizer):
         )
         self._mixing = mixing
         self._noise = _noise_of(mixing)
+        if run is not None:
+            self._run = run
+            run.bind(self)
         message = self._update_rule_warning()
         if message is not None:
             warnings.warn(message, UserWarning, stacklevel=2)
@@ -651,6 +711,11 @@ class NoiseCurveOptimizer(DPOptimizer):
 
     def get_config(self):
         config = super().get_config()
+        if self.run is not None:  # C, sigma and B are the run's
+            for name in ("noise_multiplier", "expected_batch_size"):
+                config.pop(name, None)
+            config["run"] = self.run.get_config()
+            return config
         if self._mixing == "dpsgd":
             config["mixing"] = "dpsgd"
         else:

@@ -134,9 +134,9 @@ def test_sampler_validation():
 
 
 def test_oversized_tf_data_input_is_refused(monkeypatch):
-    from keras_noisecurve.privacy import sampler
+    from keras_noisecurve.privacy import sources
 
-    monkeypatch.setattr(sampler, "MAX_MATERIALIZED_BYTES", 1000)
+    monkeypatch.setattr(sources, "MAX_MATERIALIZED_BYTES", 1000)
     ds = tf.data.Dataset.from_tensor_slices(np.zeros((100, 8), "float32"))
     with pytest.raises(ValueError, match="GiB when materialised"):
         banded_poisson_dataset(ds, batch_size=5, bands=1, steps=2)

@@ -1,0 +1,130 @@
+"""The ``tf.data`` pipeline of a :class:`~keras_noisecurve.privacy.run.PrivateRun`.
+
+Per step t the pipeline asks the run's random-access sampler for the batch's example
+indices and mask (a ``tf.numpy_function``, O(P) work), gathers only those examples from
+the source (``keras_noisecurve.privacy.sources``) and yields ``(x, y, mask, step)``.
+
+Where the sequence starts is decided when the dataset is ITERATED, not when it is
+built: a ``tf.py_function`` reads ``(step, key)`` from the optimizer the run is bound
+to. So a model restored by ``BackupAndRestore``, ``load_model`` or
+``tf.train.Checkpoint`` continues with batch k of the same plan when its optimizer
+stands at step k, with the saved key, and the same dataset object serves a fresh run
+and a resumed one.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import numpy as np
+import tensorflow as tf
+
+from keras_noisecurve.privacy.sampler import truncation_warning
+from keras_noisecurve.privacy.sources import as_source
+
+__all__ = ["plan_dataset", "replicas_in_sync"]
+
+
+def replicas_in_sync() -> int:
+    """Replicas of the current ``tf.distribute`` strategy (1 outside any)."""
+    return int(tf.distribute.get_strategy().num_replicas_in_sync)
+
+
+class _Samplers:
+    """One :class:`BatchSampler` per key (normally one), shared by the pipeline's threads."""
+
+    def __init__(self, run, sample_weight):
+        self._run = run
+        self._weight = sample_weight
+        self._by_key = {}
+        self._lock = threading.Lock()
+        self._warned = False
+
+    def batch(self, step, key):
+        key = np.asarray(key, dtype=np.int64)
+        with self._lock:
+            sampler = self._by_key.get(key.tobytes())
+            if sampler is None:
+                sampler = self._run.sampler(key)
+                self._by_key = {key.tobytes(): sampler}  # keep only the newest key
+        indices, mask, dropped = sampler.batch(int(step))
+        if self._weight is not None:
+            mask = mask * self._weight[indices]
+        if dropped and not self._warned:
+            self._warned = True
+            warnings.warn(
+                truncation_warning(truncated=sampler.truncated_steps, steps=int(step) + 1,
+                                   padded_size=sampler.padded_size, dropped=sampler.dropped_examples,
+                                   overflow_probability=self._run.overflow_probability),
+                RuntimeWarning,
+            )
+        return indices, mask.astype(np.float32)
+
+
+def plan_dataset(run, x, y=None, *, sample_weight=None, example_fn=None, input_context=None):
+    """``run.dataset(...)``; see :meth:`PrivateRun.dataset` for the arguments and elements."""
+    source = as_source(x, y, sample_weight=sample_weight, example_fn=example_fn)
+    if source.num_examples != run.num_examples:
+        raise ValueError(
+            f"the data has {source.num_examples} examples but the run was planned for num_examples="
+            f"{run.num_examples}: the sampling probability and the privacy guarantee assume n examples."
+        )
+    if input_context is None:
+        replicas, pipelines, pipeline_id = replicas_in_sync(), 1, 0
+    else:
+        replicas = int(input_context.num_replicas_in_sync)
+        pipelines, pipeline_id = int(input_context.num_input_pipelines), int(input_context.input_pipeline_id)
+        if replicas % pipelines:
+            raise ValueError(f"{replicas} replicas cannot be split evenly over {pipelines} input pipelines.")
+    padded = -(-run.padded_batch_size // replicas) * replicas  # extra rows are masked padding
+    per_replica = padded // replicas
+    local = replicas // pipelines if input_context is not None else 1  # elements per step
+    rows = per_replica * local if input_context is not None else padded
+    first_row = pipeline_id * rows
+    samplers = _Samplers(run, source.sample_weight)
+    total = run.steps
+
+    def start():
+        step, key = run.position()
+        return np.int64(step), np.asarray(key, np.int64)
+
+    def indices_of(step, key):
+        indices, mask = samplers.batch(step, key)
+        if padded > indices.size:
+            indices = np.concatenate([indices, np.zeros(padded - indices.size, np.int64)])
+            mask = np.concatenate([mask, np.zeros(padded - mask.size, np.float32)])
+        return indices[first_row:first_row + rows], mask[first_row:first_row + rows]
+
+    def steps_from_position(_):
+        step, key = tf.py_function(start, [], (tf.int64, tf.int64))
+        step.set_shape([])
+        key.set_shape([2])
+        return tf.data.Dataset.range(step, total).map(lambda t: (t, key))
+
+    def gather(t, key):
+        idx, mask = tf.numpy_function(indices_of, [t, key], (tf.int64, tf.float32), stateful=False)
+        idx.set_shape([rows])
+        mask.set_shape([rows])
+        xb, yb = source.tf_gather(idx)
+        return xb, yb, mask, tf.fill([rows], t)
+
+    ds = tf.data.Dataset.from_tensors(np.int64(0)).flat_map(steps_from_position)
+    ds = ds.map(gather, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    if local > 1:  # one element per local replica: consecutive row blocks of the step
+        def split(xb, yb, mask, step):
+            def blocks(a):
+                return tf.reshape(a, [local, per_replica, *a.shape[1:]])
+
+            x_blocks, mask_blocks, step_blocks = tf.nest.map_structure(blocks, xb), blocks(mask), blocks(step)
+            if yb is None:
+                ds = tf.data.Dataset.from_tensor_slices((x_blocks, mask_blocks, step_blocks))
+                return ds.map(lambda a, m, s: (a, None, m, s))
+            return tf.data.Dataset.from_tensor_slices(
+                (x_blocks, tf.nest.map_structure(blocks, yb), mask_blocks, step_blocks)
+            )
+
+        ds = ds.flat_map(split)
+    ds = ds.prefetch(tf.data.AUTOTUNE)
+    ds._knc_run = run  # how a private model's fit finds the run (to bind its optimizer)
+    return ds

@@ -1,0 +1,365 @@
+"""``PrivateRun``: a private training run described once.
+
+A run is: n examples, expected batch size B, T steps (or epochs), the sampling
+(cyclic Poisson with b partitions, or fixed epochs), the mixing matrix C (its b and
+its sensitivity), the noise multiplier σ — given, or calibrated here from a target
+(ε, δ) — and a secret sampling key. Everything else takes the run:
+
+- ``run.optimizer(...)``: the ``NoiseCurveOptimizer`` with C, σ and B of the run; it
+  keeps the sampling key and its step counter as optimizer variables, so every
+  checkpoint holds the run's position and key;
+- ``run.dataset(x, y)``: the batches ``(x, y, mask, step)`` of the plan, starting at
+  the optimizer's step (so a resumed run continues the exact batch sequence) and
+  carrying each batch's step index, which the private model checks;
+- ``run.epsilon(step)``, ``run.budget(...)``: the privacy ledger and the
+  ``PrivacyBudget`` callback;
+- ``run.fingerprint()``: a hash of the public plan, compared across workers.
+
+This module imports TensorFlow only inside the methods that build TensorFlow objects.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import weakref
+from typing import Optional
+
+import numpy as np
+
+from keras_noisecurve._validation import check_choice, check_float, check_int
+from keras_noisecurve.privacy import accounting
+from keras_noisecurve.privacy.sampler import BatchSampler, check_key, key_from_seed, padded_size_for
+
+__all__ = ["PrivateRun"]
+
+
+def _resolve_mixing(mixing, steps: int):
+    from keras_noisecurve.mixing.matrix import MixingMatrix, load_mixing
+
+    if mixing is None or (isinstance(mixing, str) and mixing == "dpsgd"):
+        return MixingMatrix.identity(steps)
+    return load_mixing(mixing)
+
+
+class PrivateRun:
+    """One private training run: plan, noise, accounting and secret sampling key.
+
+    Args (keyword-only):
+      num_examples: n, the size of the private training set.
+      batch_size: B, the expected (cyclic Poisson) or fixed batch size; the optimizer
+        divides the noisy sum by B.
+      steps: T, the number of optimizer steps. Give ``steps`` or ``epochs``:
+        ``epochs`` = k sets T = k·⌈n/B⌉ (one pass is ⌈n/B⌉ steps).
+      mixing: the mixing matrix C (a ``MixingMatrix``, the path of a ``.npz``
+        artifact, its config dict) with at least T steps; ``None`` (or ``"dpsgd"``):
+        C = I for T steps, i.e. DP-SGD. b is C's number of bands.
+      noise_multiplier: σ > 0. Give ``noise_multiplier`` or ``epsilon``.
+      epsilon: a target ε > 0: σ is calibrated (the smallest σ whose run is
+        (ε, δ)-DP, :func:`keras_noisecurve.calibrate_noise_multiplier`).
+      delta: the accounting δ in (0, 1).
+      sampling: ``"cyclic_poisson"`` (default; amplified by sampling) or
+        ``"fixed_epochs"`` (one shuffled order repeated, no amplification).
+      accountant: ``"pld"`` (default) or ``"rdp"``, for calibration and the ledger.
+      max_batch_size / overflow_probability: the padded batch size P of cyclic
+        Poisson sampling (at most one; default: overflow probability 1e-12).
+      seed: ``None`` (default): a secret sampling key from OS entropy. An int gives a
+        reproducible key, for tests only: it makes the batches predictable.
+
+    Raises ``ValueError`` naming the argument for any inconsistent plan (b > T, q ≥ 1,
+    a C shorter than T, both or neither of ``steps``/``epochs`` or
+    ``noise_multiplier``/``epsilon``, …); all validation happens here, once.
+    """
+
+    def __init__(
+        self,
+        *,
+        num_examples: int,
+        batch_size: int,
+        steps: Optional[int] = None,
+        epochs: Optional[int] = None,
+        mixing=None,
+        noise_multiplier: Optional[float] = None,
+        epsilon: Optional[float] = None,
+        delta: float,
+        sampling: str = "cyclic_poisson",
+        accountant: str = "pld",
+        max_batch_size: Optional[int] = None,
+        overflow_probability: Optional[float] = None,
+        seed=None,
+    ):
+        n = check_int("num_examples", num_examples, minimum=1)
+        batch = check_int("batch_size", batch_size, minimum=1)
+        self._sampling = check_choice("sampling", sampling, accounting.SAMPLINGS)
+        per_pass = -(-n // batch)
+        if (steps is None) == (epochs is None):
+            raise ValueError(
+                f"give exactly one of steps (the number of optimizer steps T) and epochs (passes over the "
+                f"data, T = epochs * ceil(n/B)); got steps={steps!r}, epochs={epochs!r}."
+            )
+        if steps is None:
+            steps = check_int("epochs", epochs, minimum=1) * per_pass
+        steps = check_int("steps", steps, minimum=1)
+        self._mixing = _resolve_mixing(mixing, steps)
+        self._setup = accounting.accounting_setup(
+            num_examples=n, batch_size=batch, steps=steps, sampling=self._sampling,
+            epochs=-(-steps // per_pass) if self._sampling == "fixed_epochs" else None, mixing=self._mixing,
+        )
+        self._delta = check_float("delta", delta, open_unit=True)
+        self._accountant = check_choice("accountant", accountant, accounting.ACCOUNTANTS)
+        if (noise_multiplier is None) == (epsilon is None):
+            raise ValueError(
+                "give exactly one of noise_multiplier (sigma) and epsilon (a target, sigma is then "
+                f"calibrated); got noise_multiplier={noise_multiplier!r}, epsilon={epsilon!r}."
+            )
+        self._target_epsilon = None
+        if epsilon is not None:
+            self._target_epsilon = check_float("epsilon", epsilon, positive=True)
+            noise_multiplier = accounting.calibrate_noise_multiplier(
+                epsilon=self._target_epsilon, delta=self._delta, num_examples=n, batch_size=batch, steps=steps,
+                sampling=self._sampling, epochs=self._setup.epochs, mixing=self._mixing,
+                accountant=self._accountant,
+            )
+        self._sigma = check_float("noise_multiplier", noise_multiplier, positive=True)
+        self._padded, self._overflow = padded_size_for(
+            num_examples=n, batch_size=batch, bands=self.bands, steps=steps, sampling=self._sampling,
+            max_batch_size=max_batch_size, overflow_probability=overflow_probability,
+        )
+        self._max_batch_size = None if max_batch_size is None else self._padded
+        self._overflow_target = None if overflow_probability is None else float(overflow_probability)
+        self._key = key_from_seed(seed)
+        self._seeded = seed is not None
+        self._ledger = None
+        self._bound = None  # weakref to the optimizer whose variables hold position and key
+
+    # ------------------------------------------------------------------ plan
+    @property
+    def num_examples(self) -> int:
+        return self._setup.num_examples
+
+    @property
+    def batch_size(self) -> int:
+        """B, the expected batch size (the optimizer's divisor)."""
+        return self._setup.batch_size
+
+    @property
+    def steps(self) -> int:
+        """T, the number of optimizer steps of the plan."""
+        return self._setup.steps
+
+    @property
+    def bands(self) -> int:
+        """b, the number of bands of C (= the number of cyclic Poisson partitions)."""
+        return self._setup.bands
+
+    @property
+    def sampling(self) -> str:
+        return self._sampling
+
+    @property
+    def mixing(self):
+        """The mixing matrix C (a ``MixingMatrix``; ``MixingMatrix.identity(T)`` for DP-SGD)."""
+        return self._mixing
+
+    @property
+    def noise_multiplier(self) -> float:
+        """σ: the noise standard deviation divided by the clip norm."""
+        return self._sigma
+
+    @property
+    def delta(self) -> float:
+        return self._delta
+
+    @property
+    def target_epsilon(self) -> Optional[float]:
+        """The ε σ was calibrated for, or ``None`` when σ was given."""
+        return self._target_epsilon
+
+    @property
+    def accountant(self) -> str:
+        return self._accountant
+
+    @property
+    def setup(self):
+        """The validated ``AccountingSetup`` (q, compositions, sensitivity s of C)."""
+        return self._setup
+
+    @property
+    def padded_batch_size(self) -> int:
+        """P, the fixed number of rows of every batch (real examples + masked padding)."""
+        return self._padded
+
+    @property
+    def overflow_probability(self) -> float:
+        """Probability that some step draws more than P examples (0 for fixed epochs)."""
+        return self._overflow
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Steps per pass over the data, ⌈n/B⌉ (at most T): what ``fit`` calls an epoch."""
+        return min(self.steps, -(-self.num_examples // self.batch_size))
+
+    @property
+    def epochs(self) -> int:
+        """⌈T / steps_per_epoch⌉: the epochs ``fit`` runs for the whole plan."""
+        return -(-self.steps // self.steps_per_epoch)
+
+    # ------------------------------------------------------------- accounting
+    @property
+    def ledger(self):
+        """The ``EpsilonLedger`` of the plan (ε after every step), built on first use."""
+        if self._ledger is None:
+            from keras_noisecurve.privacy.ledger import EpsilonLedger
+
+            self._ledger = EpsilonLedger(
+                setup=self._setup, noise_multiplier=self._sigma, delta=self._delta, accountant=self._accountant
+            )
+        return self._ledger
+
+    def epsilon(self, step: Optional[int] = None) -> float:
+        """ε spent after ``step`` optimizer steps (default: the whole plan, T), at δ."""
+        step = self.steps if step is None else check_int("step", step, minimum=0, maximum=self.steps)
+        return float(self.ledger.epsilon(step))
+
+    def total_delta(self) -> float:
+        """δ of the whole run: the accounting δ plus the sampler's overflow term."""
+        return self._delta + accounting.overflow_delta(
+            epsilon=self.epsilon(), overflow_probability=self._overflow
+        )
+
+    def budget(self, *, target_epsilon: Optional[float] = None, log_every_step: bool = False, verbose: int = 1):
+        """A ``PrivacyBudget`` callback for this run (stops at T, or before ε passes
+        ``target_epsilon``), sharing the run's ledger."""
+        from keras_noisecurve.privacy.budget import PrivacyBudget
+
+        return PrivacyBudget(ledger=self.ledger, target_epsilon=target_epsilon, log_every_step=log_every_step,
+                             verbose=verbose)
+
+    # --------------------------------------------------------- config / hash
+    def get_config(self) -> dict:
+        """The public plan as JSON-able data (never the secret key)."""
+        return {
+            "num_examples": self.num_examples,
+            "batch_size": self.batch_size,
+            "steps": self.steps,
+            "mixing": {"band_values": self._mixing.band_values.tolist(), "metadata": self._mixing.metadata},
+            "noise_multiplier": self._sigma,
+            "delta": self._delta,
+            "sampling": self._sampling,
+            "accountant": self._accountant,
+            "max_batch_size": self._max_batch_size,
+            "overflow_probability": self._overflow_target,
+        }
+
+    @classmethod
+    def from_config(cls, config: dict) -> "PrivateRun":
+        """The run of ``get_config()``, with a NEW secret key: a restored optimizer's
+        variables supply the saved one."""
+        return cls(**config)
+
+    def fingerprint(self) -> int:
+        """A 63-bit hash of the public plan (n, B, T, C, σ, δ, sampling, P): equal on every
+        worker of one run, different for any other plan."""
+        public = self.get_config()
+        public["mixing"] = self._mixing.digest()
+        public["padded_batch_size"] = self._padded
+        digest = hashlib.sha256(json.dumps(public, sort_keys=True).encode()).digest()
+        return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+    def same_plan(self, other: "PrivateRun") -> bool:
+        return isinstance(other, PrivateRun) and other.fingerprint() == self.fingerprint()
+
+    def __repr__(self) -> str:
+        eps = f", epsilon={self._target_epsilon:g}" if self._target_epsilon is not None else ""
+        return (
+            f"PrivateRun(num_examples={self.num_examples}, batch_size={self.batch_size}, steps={self.steps}, "
+            f"bands={self.bands}, sampling={self._sampling!r}, noise_multiplier={self._sigma:.6g}{eps}, "
+            f"delta={self._delta:g})"
+        )
+
+    # ------------------------------------------------------ optimizer binding
+    def optimizer(self, **kwargs):
+        """``NoiseCurveOptimizer(run=self, **kwargs)``: C, σ and B come from the run;
+        give ``learning_rate`` or ``inner``, ``l2_norm_clip``, optionally ``seed`` (noise key)."""
+        from keras_noisecurve.training.optimizer import NoiseCurveOptimizer
+
+        return NoiseCurveOptimizer(run=self, **kwargs)
+
+    def bind(self, optimizer) -> None:
+        """Read the plan's position (``optimizer.iterations``) and secret sampling key
+        (``optimizer.sampling_key``) from ``optimizer`` from now on.
+
+        Done by ``run.optimizer(...)`` and by ``fit`` of a private model; needed by hand
+        only for a custom loop whose optimizer was created otherwise (e.g. loaded).
+        Refuses an optimizer made for another plan.
+        """
+        other = getattr(optimizer, "run", None)
+        if other is None:
+            raise ValueError(
+                f"{type(optimizer).__name__} was not created for a PrivateRun: it does not save the run's "
+                "sampling key and position, so a resumed run could not continue its batches. Create it with "
+                "run.optimizer(...) (or NoiseCurveOptimizer(run=run, ...))."
+            )
+        if not self.same_plan(other):
+            raise ValueError(
+                f"the optimizer was created for another plan ({other!r}) than this dataset's ({self!r}): "
+                "the batches and the noise would not belong to one run."
+            )
+        self._bound = weakref.ref(optimizer)
+
+    @property
+    def bound_optimizer(self):
+        return None if self._bound is None else self._bound()
+
+    def position(self) -> tuple[int, np.ndarray]:
+        """``(step, key)``: the next step to run and the sampling key (int64 (2,)), read
+        from the bound optimizer when it is built, else ``(0, this run's key)``."""
+        opt = self.bound_optimizer
+        if opt is not None and opt.built and getattr(opt, "_sampling_key", None) is not None:
+            step = int(_numpy(opt.iterations))
+            key = check_key(_numpy(opt._sampling_key))
+            return step, key
+        return 0, self._key
+
+    def initial_key(self) -> np.ndarray:
+        """The key a new optimizer's ``sampling_key`` variable starts from (secret)."""
+        return self._key.copy()
+
+    def sampler(self, key=None) -> BatchSampler:
+        """The random-access :class:`BatchSampler` of the plan for ``key`` (default: the
+        current key, :meth:`position`)."""
+        key = self.position()[1] if key is None else check_key(key)
+        return BatchSampler(num_examples=self.num_examples, batch_size=self.batch_size, bands=self.bands,
+                            steps=self.steps, padded_size=self._padded, sampling=self._sampling, key=key)
+
+    # ------------------------------------------------------------ the batches
+    def dataset(self, x, y=None, *, sample_weight=None, example_fn=None, input_context=None):
+        """The batches of the plan as a ``tf.data.Dataset``, from the optimizer's step on.
+
+        Args:
+          x, y, sample_weight, example_fn: the private examples, anything
+            :func:`keras_noisecurve.privacy.sources.as_source` accepts: numpy arrays
+            (or dicts/tuples of them), a ``tf.data.Dataset`` of examples, a
+            memory-mapped array, a random-access sequence (``__len__``/``__getitem__``,
+            e.g. ``tfds.data_source(...)``) or a ``keras.utils.PyDataset``; only the
+            examples of each batch are read. Must hold exactly ``num_examples`` examples.
+          input_context: a ``tf.distribute.InputContext`` (from
+            ``strategy.distribute_datasets_from_function``): the dataset then yields this
+            input pipeline's per-replica shares of every global batch.
+
+        Returns:
+          A dataset of ``(x, y, mask, step)``: x, y with leading dimension P' (the padded
+          size P, rounded up to a multiple of the replicas in sync, divided by them when
+          sharded by ``input_context``), ``mask`` float32 (P',) (1 = real example, times
+          ``sample_weight``), ``step`` int64 (P',) (every entry the step index t).
+          Iteration starts at the bound optimizer's step (0 for a new run) and ends at T.
+        """
+        from keras_noisecurve.privacy.pipeline import plan_dataset
+
+        return plan_dataset(self, x, y, sample_weight=sample_weight, example_fn=example_fn,
+                            input_context=input_context)
+
+
+def _numpy(value):
+    value = getattr(value, "value", value)  # a keras.Variable -> its tf.Variable
+    return value.numpy() if hasattr(value, "numpy") else np.asarray(value)
