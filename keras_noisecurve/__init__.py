@@ -31,6 +31,7 @@ _EXPORTS = {
     "dp_event": "keras_noisecurve.privacy",
     "compute_epsilon": "keras_noisecurve.privacy",
     "calibrate_noise_multiplier": "keras_noisecurve.privacy",
+    "PrivateRun": "keras_noisecurve.privacy.run",
     # TensorFlow / Keras parts
     "banded_poisson_dataset": "keras_noisecurve.privacy.sampler",
     "Spectrum": "keras_noisecurve.spectrum.artifact",

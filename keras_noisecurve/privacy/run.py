@@ -5,7 +5,7 @@ A run is: n examples, expected batch size B, T steps (or epochs), the sampling
 its sensitivity), the noise multiplier σ — given, or calibrated here from a target
 (ε, δ) — and a secret sampling key. Everything else takes the run:
 
-- ``run.optimizer(...)``: the ``NoiseCurveOptimizer`` with C, σ and B of the run; it
+- ``NoiseCurveOptimizer(run=run, ...)``: the optimizer with C, σ and B of the run; it
   keeps the sampling key and its step counter as optimizer variables, so every
   checkpoint holds the run's position and key;
 - ``run.dataset(x, y)``: the batches ``(x, y, mask, step)`` of the plan, starting at
@@ -278,18 +278,11 @@ class PrivateRun:
         )
 
     # ------------------------------------------------------ optimizer binding
-    def optimizer(self, **kwargs):
-        """``NoiseCurveOptimizer(run=self, **kwargs)``: C, σ and B come from the run;
-        give ``learning_rate`` or ``inner``, ``l2_norm_clip``, optionally ``seed`` (noise key)."""
-        from keras_noisecurve.training.optimizer import NoiseCurveOptimizer
-
-        return NoiseCurveOptimizer(run=self, **kwargs)
-
     def bind(self, optimizer) -> None:
         """Read the plan's position (``optimizer.iterations``) and secret sampling key
         (``optimizer.sampling_key``) from ``optimizer`` from now on.
 
-        Done by ``run.optimizer(...)`` and by ``fit`` of a private model; needed by hand
+        Done by ``NoiseCurveOptimizer(run=run, ...)`` and by ``fit`` of a private model; needed by hand
         only for a custom loop whose optimizer was created otherwise (e.g. loaded).
         Refuses an optimizer made for another plan.
         """
@@ -298,7 +291,7 @@ class PrivateRun:
             raise ValueError(
                 f"{type(optimizer).__name__} was not created for a PrivateRun: it does not save the run's "
                 "sampling key and position, so a resumed run could not continue its batches. Create it with "
-                "run.optimizer(...) (or NoiseCurveOptimizer(run=run, ...))."
+                "NoiseCurveOptimizer(run=run, ...)."
             )
         if not self.same_plan(other):
             raise ValueError(

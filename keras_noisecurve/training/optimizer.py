@@ -617,7 +617,7 @@ class NoiseCurveOptimizer(DPOptimizer):
         (the privacy plan is spent): the step fails with an error.
       learning_rate, l2_norm_clip, noise_multiplier, expected_batch_size, seed, name, inner:
         as ``DPOptimizer``.
-      run: a ``keras_noisecurve.PrivateRun`` (what ``run.optimizer(...)`` passes): C, σ
+      run: a ``keras_noisecurve.PrivateRun``: C, σ
         and B are then the run's (given ones must agree), the run's secret sampling key
         becomes the optimizer variable ``sampling_key`` (saved and restored with
         ``iterations`` and the noise state), and the run's dataset starts at this

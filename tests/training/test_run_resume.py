@@ -7,7 +7,7 @@ import pytest
 import tensorflow as tf
 
 from keras_noisecurve.privacy.run import PrivateRun
-from keras_noisecurve.training import make_private
+from keras_noisecurve.training import NoiseCurveOptimizer, make_private
 from tests.training.helpers import CrashAt, random_banded_c
 
 N, B, STEPS, BANDS = 48, 6, 10, 3
@@ -30,7 +30,7 @@ def _model(run, noise_seed=11):
     base = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(2)])
     model = make_private(base, clipping="vectorized")
     model.compile(
-        optimizer=run.optimizer(learning_rate=0.3, l2_norm_clip=0.5, seed=noise_seed),
+        optimizer=NoiseCurveOptimizer(run=run, learning_rate=0.3, l2_norm_clip=0.5, seed=noise_seed),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
     )
     return model
@@ -167,8 +167,6 @@ def test_fit_refuses_another_plan_and_a_complete_plan(data):
 
 
 def test_an_optimizer_without_the_run_is_refused(data):
-    from keras_noisecurve.training import NoiseCurveOptimizer
-
     run = _run()
     model = make_private(keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)]), clipping="vectorized")
     model.compile(
