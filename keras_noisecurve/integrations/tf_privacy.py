@@ -92,6 +92,21 @@ class BandedMatrixFactorizationQuery(_dp_query.SumAggregationDPQuery):
         self._structure, self._specs = _template_specs(template)
         self._key = key_from_seed(seed)
 
+    @classmethod
+    def from_run(cls, run, *, l2_norm_clip, template, seed=None) -> "BandedMatrixFactorizationQuery":
+        """The query of a ``keras_noisecurve.PrivateRun``: its C and σ (the run's ledger
+        then accounts for the query's T noisy sums, drawn with ``run.dataset`` batches).
+
+        Args:
+          run: the ``PrivateRun``.
+          l2_norm_clip, template, seed: as the constructor.
+        """
+        from keras_noisecurve.privacy.run import PrivateRun
+
+        if not isinstance(run, PrivateRun):
+            raise ValueError(f"run must be a keras_noisecurve.PrivateRun, got {type(run).__name__}.")
+        return cls(l2_norm_clip, run.noise_multiplier, run.mixing, template, seed=seed)
+
     @property
     def noise(self) -> BandedNoise:
         """The shared online noise generator."""

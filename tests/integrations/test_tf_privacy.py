@@ -86,6 +86,21 @@ def test_query_works_in_tf_function_and_validates():
         BandedMatrixFactorizationQuery(l2_norm_clip=1.0, noise_multiplier=1.0, mixing="/nope.npz", template=[(2,)])
 
 
+def test_query_from_a_run_uses_its_mixing_and_sigma():
+    from keras_noisecurve.privacy.run import PrivateRun
+
+    c = random_banded_c(6, 2, rng=np.random.default_rng(5))
+    run = PrivateRun(num_examples=60, batch_size=5, steps=6, mixing=c, noise_multiplier=SIGMA, delta=1e-5)
+    query = BandedMatrixFactorizationQuery.from_run(run, l2_norm_clip=CLIP, template=SHAPES, seed=SEED)
+    direct = BandedMatrixFactorizationQuery(l2_norm_clip=CLIP, noise_multiplier=SIGMA, mixing=c,
+                                            template=SHAPES, seed=SEED)
+    a, b = query.initial_global_state(), direct.initial_global_state()
+    assert float(a.stddev) == float(b.stddev)
+    np.testing.assert_array_equal(query.noise.row(3, tf.float64), direct.noise.row(3, tf.float64))
+    with pytest.raises(ValueError, match="must be a keras_noisecurve.PrivateRun"):
+        BandedMatrixFactorizationQuery.from_run(c, l2_norm_clip=CLIP, template=SHAPES)
+
+
 def test_lazy_top_level_export():
     import keras_noisecurve
 
