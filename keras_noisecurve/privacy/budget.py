@@ -4,9 +4,11 @@ Steps are counted by ``model.optimizer.iterations`` (saved with the optimizer, s
 the count survives checkpoint/resume). After k optimizer steps an example has
 participated at most ⌈k/b⌉ times (cyclic Poisson) or ⌈k/steps_per_epoch⌉ times
 (fixed epochs); the ε spent is that of the dominating event with that many
-participations (``keras_noisecurve.privacy.accounting``), cached per participation
-count. The reported ε is at the accounting δ; the run's total δ adds the sampler's
-overflow term (``keras_noisecurve.privacy.overflow_delta``).
+participations, read from an :class:`~keras_noisecurve.privacy.ledger.EpsilonLedger`
+(each participation count computed once, cheaply). ``on_train_begin`` builds the
+ledger's shared state and ε at the last allowed step, so no batch or epoch end pays for
+a PLD computation. The reported ε is at the accounting δ; the run's total δ adds the
+sampler's overflow term (``keras_noisecurve.privacy.overflow_delta``).
 """
 
 from __future__ import annotations
@@ -15,23 +17,34 @@ from typing import Optional
 
 import keras
 
-from keras_noisecurve._validation import check_choice, check_float, check_int
+from keras_noisecurve._validation import check_float, check_int
 from keras_noisecurve.privacy import accounting
+from keras_noisecurve.privacy.ledger import EpsilonLedger
+
+#: The run arguments: PrivacyBudget takes these or ``ledger=``, never both.
+_RUN_ARGS = ("noise_multiplier", "delta", "num_examples", "batch_size", "steps", "bands", "sampling", "epochs",
+             "accountant")
+_REQUIRED_RUN_ARGS = ("noise_multiplier", "delta", "num_examples", "batch_size", "steps")
 
 
 class PrivacyBudget(keras.callbacks.Callback):
     """Log ``logs["epsilon"]`` and stop training before the plan or ε budget runs out.
+
+    The run is given either as the separate run arguments or as ``ledger=``, never both.
 
     Args:
       noise_multiplier: σ of the optimizer (noise std / clip norm).
       delta: accounting δ in (0, 1).
       num_examples, batch_size, steps, bands, sampling, epochs: the run plan, as for
         :func:`keras_noisecurve.compute_epsilon`; ``steps`` = T is the number of
-        optimizer steps the plan (and C) covers.
+        optimizer steps the plan (and C) covers. Defaults: bands 1, sampling
+        ``"cyclic_poisson"``.
+      accountant: ``"pld"`` (default) or ``"rdp"`` (looser).
+      ledger: keyword-only alternative to all of the above: an
+        :class:`~keras_noisecurve.privacy.ledger.EpsilonLedger` of the run (e.g. a
+        ``PrivateRun``'s), shared rather than rebuilt.
       target_epsilon: optional ε budget (> 0). Training stops after the last step
         whose ε is ≤ target_epsilon.
-      accountant: ``"pld"`` (default; seconds per new participation count) or ``"rdp"``
-        (fast, looser). With ``log_every_step`` and b = 1 prefer ``"rdp"``.
       log_every_step: also put ε into the logs of every batch.
       verbose: 0 silent, 1 prints why training stopped.
 
@@ -41,65 +54,88 @@ class PrivacyBudget(keras.callbacks.Callback):
     raises ``RuntimeError`` if not even one more step is allowed (Keras runs at least
     one batch after ``on_train_begin``, so stopping there would overspend).
     ``logs["epsilon"]`` is set at every epoch end (History records it).
+
+    Cost: the ledger's shared state and ε at the last allowed step are computed in
+    ``on_train_begin`` (with PLD, about the time of one from-scratch ε); every other ε is
+    a few milliseconds, computed at most once per participation count (docs/privacy.md §6).
     """
 
     def __init__(
         self,
         *,
-        noise_multiplier: float,
-        delta: float,
-        num_examples: int,
-        batch_size: int,
-        steps: int,
-        bands: int = 1,
-        sampling: str = "cyclic_poisson",
+        noise_multiplier: Optional[float] = None,
+        delta: Optional[float] = None,
+        num_examples: Optional[int] = None,
+        batch_size: Optional[int] = None,
+        steps: Optional[int] = None,
+        bands: Optional[int] = None,
+        sampling: Optional[str] = None,
         epochs: Optional[int] = None,
         target_epsilon: Optional[float] = None,
-        accountant: str = "pld",
+        accountant: Optional[str] = None,
         log_every_step: bool = False,
         verbose: int = 1,
+        ledger: Optional[EpsilonLedger] = None,
     ):
         super().__init__()
-        self.noise_multiplier = check_float("noise_multiplier", noise_multiplier, positive=True)
-        self.delta = check_float("delta", delta, open_unit=True)
-        self.setup = accounting.accounting_setup(
-            num_examples=num_examples, batch_size=batch_size, steps=steps, bands=bands,
-            sampling=sampling, epochs=epochs,
-        )
+        run = dict(noise_multiplier=noise_multiplier, delta=delta, num_examples=num_examples, batch_size=batch_size,
+                   steps=steps, bands=bands, sampling=sampling, epochs=epochs, accountant=accountant)
+        given = {name: value for name, value in run.items() if value is not None}
+        self._from_ledger = ledger is not None
+        if ledger is not None:
+            if not isinstance(ledger, EpsilonLedger):
+                raise TypeError(
+                    "ledger must be a keras_noisecurve.privacy.ledger.EpsilonLedger, "
+                    f"got {type(ledger).__name__}."
+                )
+            if given:
+                raise ValueError(
+                    "PrivacyBudget takes the run either as ledger= or as the run arguments "
+                    f"({', '.join(_RUN_ARGS)}), not both; got ledger={ledger!r} and "
+                    + ", ".join(f"{name}={value!r}" for name, value in given.items()) + "."
+                )
+        else:
+            missing = [name for name in _REQUIRED_RUN_ARGS if run[name] is None]
+            if missing:
+                raise ValueError(
+                    "PrivacyBudget needs the run: either ledger= (an EpsilonLedger) or the run arguments "
+                    f"{', '.join(_REQUIRED_RUN_ARGS)} (and optionally bands, sampling, epochs, accountant); "
+                    f"missing {', '.join(missing)}"
+                    + (f" (got {', '.join(sorted(given))})." if given else " (got none of them).")
+                )
+            noise_multiplier = check_float("noise_multiplier", noise_multiplier, positive=True)
+            delta = check_float("delta", delta, open_unit=True)
+            setup = accounting.accounting_setup(
+                num_examples=num_examples, batch_size=batch_size, steps=steps, bands=bands,
+                sampling="cyclic_poisson" if sampling is None else sampling, epochs=epochs,
+            )
+            ledger = EpsilonLedger(setup=setup, noise_multiplier=noise_multiplier, delta=delta,
+                                   accountant="pld" if accountant is None else accountant)
+        self.ledger = ledger
+        self.setup = ledger.setup
+        self.noise_multiplier = ledger.noise_multiplier
+        self.delta = ledger.delta
+        self.accountant = ledger.accountant
         self.target_epsilon = None if target_epsilon is None else check_float(
             "target_epsilon", target_epsilon, positive=True
         )
-        self.accountant = check_choice("accountant", accountant, accounting.ACCOUNTANTS)
         self.log_every_step = bool(log_every_step)
         self.verbose = check_int("verbose", verbose, minimum=0)
-        self._eps_cache: dict[int, float] = {}
         self._allowed_steps: Optional[int] = None
         self.stop_reason: Optional[str] = None
         self.stopped_at_step: Optional[int] = None
 
     # ------------------------------------------------------------- accounting
-    def _participations(self, steps_done: int) -> int:
-        return self.setup.participations(steps_done) if steps_done > 0 else 0
-
-    def _epsilon_of_participations(self, k: int) -> float:
-        if k not in self._eps_cache:
-            self._eps_cache[k] = accounting.epsilon_for_setup(
-                self.setup, noise_multiplier=self.noise_multiplier, delta=self.delta,
-                accountant=self.accountant, participations=k,
-            )
-        return self._eps_cache[k]
-
     def epsilon_at(self, steps_done: int) -> float:
-        """ε spent after ``steps_done`` optimizer steps (0 → 0.0)."""
-        steps_done = check_int("steps_done", steps_done, minimum=0)
-        return self._epsilon_of_participations(self._participations(steps_done))
+        """ε spent after ``steps_done`` ∈ [0, T] optimizer steps (0 → 0.0), from the ledger."""
+        return self.ledger.epsilon(check_int("steps_done", steps_done, minimum=0))
 
     def allowed_steps(self) -> int:
         """Largest step count within both the plan T and ``target_epsilon``."""
         if self._allowed_steps is None:
-            total = self.setup.participations()
+            total = self.ledger.num_participations
             k_max = total
-            if self.target_epsilon is not None and self._epsilon_of_participations(total) > self.target_epsilon:
+            if self.target_epsilon is not None and self.ledger.epsilon_of_participations(total) > self.target_epsilon:
                 k_max = self._max_participations(total)
             stride = self.setup.bands if self.setup.sampling == "cyclic_poisson" else self.setup.steps_per_epoch
             # k participations cover the steps s with ceil(s / stride) <= k, i.e. s <= k * stride.
@@ -107,34 +143,18 @@ class PrivacyBudget(keras.callbacks.Callback):
         return self._allowed_steps
 
     def _max_participations(self, total: int) -> int:
-        """Largest k ≤ total with ε(k) ≤ target (ε non-decreasing in k; ε(total) > target).
+        """k with ε(k) ≤ target < ε(k + 1), by bisection on the ledger (ε(0) = 0 ≤ target < ε(total)).
 
-        Bisection with the fast coarse accountant, then a walk with the reporting
-        accountant until ε(k) ≤ target < ε(k + 1) holds exactly for it.
+        About log2(total) ledger queries of a few milliseconds each.
         """
-        target = self.target_epsilon
-
-        def coarse(k):
-            return accounting.coarse_epsilon_for_setup(
-                self.setup, noise_multiplier=self.noise_multiplier, delta=self.delta,
-                accountant=self.accountant, participations=k,
-            )
-
-        lo, hi = 0, total  # coarse ε(lo) ≤ target < coarse ε(hi)
-        if coarse(hi) <= target:
-            lo = hi
+        lo, hi = 0, total  # invariant: ε(lo) ≤ target < ε(hi)
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            if coarse(mid) <= target:
+            if self.ledger.epsilon_of_participations(mid) <= self.target_epsilon:
                 lo = mid
             else:
                 hi = mid
-        k = lo
-        while k > 0 and self._epsilon_of_participations(k) > target:
-            k -= 1
-        while k < total and self._epsilon_of_participations(k + 1) <= target:
-            k += 1
-        return k
+        return lo
 
     # --------------------------------------------------------------- keras
     def _steps_done(self) -> int:
@@ -145,6 +165,8 @@ class PrivacyBudget(keras.callbacks.Callback):
 
     def _why(self, done: int) -> str:
         allowed = self.allowed_steps()
+        if done > self.setup.steps:
+            return f"{done} steps already exceed the step plan of T = {self.setup.steps} steps"
         if allowed >= self.setup.steps:
             return f"the step plan of T = {self.setup.steps} steps is complete (epsilon = {self.epsilon_at(done):.4g})"
         nxt = min(allowed + 1, self.setup.steps)
@@ -155,10 +177,15 @@ class PrivacyBudget(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         done = self._steps_done()
-        if done + self._chunk() > self.allowed_steps():
+        allowed = self.allowed_steps()
+        if done + self._chunk() > allowed:
             raise RuntimeError(
                 f"PrivacyBudget: no further step is allowed after {done} optimizer steps: {self._why(done)}."
             )
+        # Up front, before the first step: the ledger's shared state (with PLD: the mechanism's
+        # privacy loss distribution) and ε after the last allowed step, which the last epoch end
+        # reports. Every later query is a few milliseconds.
+        self.ledger.epsilon(allowed)
 
     def on_train_batch_end(self, batch, logs=None):
         done = self._steps_done()
@@ -177,6 +204,15 @@ class PrivacyBudget(keras.callbacks.Callback):
 
     # -------------------------------------------------------------- config
     def get_config(self) -> dict:
+        """The constructor's arguments: the run arguments, or ``{"ledger": ledger.get_config(), ...}``
+        when built from a ledger (which may carry a sensitivity s ≠ 1 the run arguments cannot)."""
+        common = {
+            "target_epsilon": self.target_epsilon,
+            "log_every_step": self.log_every_step,
+            "verbose": self.verbose,
+        }
+        if self._from_ledger:
+            return {"ledger": self.ledger.get_config(), **common}
         s = self.setup
         return {
             "noise_multiplier": self.noise_multiplier,
@@ -187,12 +223,13 @@ class PrivacyBudget(keras.callbacks.Callback):
             "bands": s.bands,
             "sampling": s.sampling,
             "epochs": s.epochs,
-            "target_epsilon": self.target_epsilon,
             "accountant": self.accountant,
-            "log_every_step": self.log_every_step,
-            "verbose": self.verbose,
+            **common,
         }
 
     @classmethod
     def from_config(cls, config: dict) -> "PrivacyBudget":
+        config = dict(config)
+        if isinstance(config.get("ledger"), dict):
+            config["ledger"] = EpsilonLedger.from_config(config["ledger"])
         return cls(**config)

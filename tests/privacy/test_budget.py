@@ -6,6 +6,7 @@ import pytest
 
 from keras_noisecurve.callbacks import PrivacyBudget
 from keras_noisecurve.privacy import compute_epsilon
+from keras_noisecurve.privacy.ledger import PLD_RTOL
 from keras_noisecurve.privacy.sampler import banded_poisson_dataset
 
 N, B, BANDS, T, SIGMA, DELTA = 400, 20, 2, 40, 1.0, 1e-5
@@ -42,7 +43,8 @@ def test_stops_before_target_epsilon_and_logs_it(accountant, target, capsys):
     # eps is non-decreasing in the step count, so this pins done = max{k : eps(k) <= target}
     eps_done = _eps(done, accountant)
     assert eps_done <= target < _eps(done + 1, accountant)
-    assert history.history["epsilon"][-1] == pytest.approx(eps_done, rel=1e-12)
+    # the ledger's PLD epsilon equals the from-scratch one up to FFT round-off (PLD_RTOL)
+    assert history.history["epsilon"][-1] == pytest.approx(eps_done, rel=PLD_RTOL if accountant == "pld" else 1e-12)
     assert "target_epsilon" in capsys.readouterr().out
     # resuming the same model: no step is left, so fit refuses before overspending
     with pytest.raises(RuntimeError, match="no further step"):
@@ -80,3 +82,57 @@ def test_get_config_round_trip_and_validation():
     assert clone.epsilon_at(0) == 0.0
     with pytest.raises(ValueError, match="must be < 1"):
         PrivacyBudget(noise_multiplier=1.0, delta=1e-5, num_examples=100, batch_size=60, steps=10, bands=2)
+
+
+def test_budget_from_a_ledger():
+    from keras_noisecurve.privacy import accounting_setup
+    from keras_noisecurve.privacy.ledger import EpsilonLedger
+
+    setup = accounting_setup(num_examples=N, batch_size=B, steps=T, bands=BANDS)
+    ledger = EpsilonLedger(setup=setup, noise_multiplier=SIGMA, delta=DELTA, accountant="rdp")
+    cb = PrivacyBudget(ledger=ledger, target_epsilon=3.0, verbose=0)
+    assert cb.ledger is ledger and cb.setup == setup and cb.accountant == "rdp"
+    same = PrivacyBudget(noise_multiplier=SIGMA, delta=DELTA, num_examples=N, batch_size=B, steps=T, bands=BANDS,
+                         accountant="rdp", target_epsilon=3.0, verbose=0)
+    assert cb.allowed_steps() == same.allowed_steps() < T
+    assert cb.epsilon_at(7) == same.epsilon_at(7) == pytest.approx(_eps(7, "rdp"), rel=1e-12)
+    clone = PrivacyBudget.from_config(cb.get_config())
+    assert clone.get_config() == cb.get_config() and clone.allowed_steps() == cb.allowed_steps()
+
+    with pytest.raises(ValueError, match=r"not both; got ledger=EpsilonLedger\(.*\) and steps=40, bands=2\."):
+        PrivacyBudget(ledger=ledger, steps=T, bands=BANDS)
+    with pytest.raises(ValueError, match="missing delta, steps \\(got batch_size, noise_multiplier, num_examples\\)"):
+        PrivacyBudget(noise_multiplier=SIGMA, num_examples=N, batch_size=B)
+    with pytest.raises(ValueError, match="missing .*got none of them"):
+        PrivacyBudget()
+    with pytest.raises(TypeError, match="ledger must be .*EpsilonLedger, got dict"):
+        PrivacyBudget(ledger={"steps": T})
+
+
+class _Optimizer:
+    def __init__(self, iterations):
+        self.iterations = iterations
+
+
+class _Model:
+    def __init__(self, iterations):
+        self.optimizer = _Optimizer(iterations)
+        self.stop_training = False
+
+
+def test_no_epsilon_is_computed_after_train_begin_except_new_epoch_ends():
+    """The end of fit costs nothing: on_train_begin computed epsilon at the last allowed step."""
+    cb = PrivacyBudget(noise_multiplier=SIGMA, delta=DELTA, num_examples=N, batch_size=B, steps=T, bands=BANDS,
+                       verbose=0)
+    cb.set_model(_Model(np.int64(0)))
+    cb.on_train_begin()
+    ledger = cb.ledger
+    assert ledger.mechanism_builds == 1 and ledger.evaluations == 1
+    for step in range(1, T + 1):
+        cb.model.optimizer.iterations = np.int64(step)
+        cb.on_train_batch_end(step - 1, {})
+    assert cb.model.stop_training and "step plan" in cb.stop_reason
+    logs = {}
+    cb.on_epoch_end(0, logs)
+    assert ledger.evaluations == 1  # the final epsilon was already there
+    assert logs["epsilon"] == pytest.approx(_eps(T, "pld"), rel=1e-8)
