@@ -28,6 +28,7 @@ from keras_noisecurve.privacy.accounting import (
     padded_batch_size,
     sampling_probability,
 )
+from keras_noisecurve.privacy.ledger import EpsilonLedger
 
 __all__ = [
     "ACCOUNTANTS",
@@ -37,6 +38,7 @@ __all__ = [
     "SAMPLINGS",
     "AccountingSetup",
     "Calibration",
+    "EpsilonLedger",
     "accounting_setup",
     "calibrate",
     "calibrate_noise_multiplier",
