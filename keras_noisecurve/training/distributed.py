@@ -196,6 +196,28 @@ def _replica_spec(spec):
     return tf.nest.map_structure(one, spec)
 
 
+def _run_dataset_fn(model, run, x, y, sample_weight, example_fn, skip_done_steps, fingerprint):
+    """``(dataset_fn, fingerprint)`` of a ``PrivateRun``: ``run.dataset(..., input_context=ctx)``
+    and ``run.fingerprint()``; the model's optimizer is bound to the run."""
+    from keras_noisecurve.privacy.run import PrivateRun
+
+    if not isinstance(run, PrivateRun):
+        raise TypeError(f"run must be a keras_noisecurve.PrivateRun or None, got {run!r} ({type(run).__name__}).")
+    if skip_done_steps is not None:
+        raise ValueError(
+            f"skip_done_steps={skip_done_steps!r} does not apply with run=: run.dataset starts at the optimizer's "
+            "step by itself."
+        )
+    if fingerprint is not None:
+        raise ValueError(f"fingerprint={fingerprint!r} does not apply with run=: run.fingerprint() is compared.")
+    run.bind(model.optimizer)  # refuses an optimizer made without the run or for another plan
+
+    def dataset_fn(input_context):
+        return run.dataset(x, y, sample_weight=sample_weight, example_fn=example_fn, input_context=input_context)
+
+    return dataset_fn, run.fingerprint()
+
+
 def _needs_build(model) -> bool:
     metrics_unbuilt = model._compile_metrics is not None and not model._compile_metrics.built
     layers_unbuilt = not all(layer.built for layer in model._flatten_layers())
@@ -276,13 +298,17 @@ def _floats(logs):
 
 def fit_distributed(
     model,
-    dataset_fn,
+    data,
+    y=None,
     *,
+    run=None,
+    sample_weight=None,
+    example_fn=None,
     steps=None,
     strategy=None,
     callbacks=None,
     verbose=1,
-    skip_done_steps=True,
+    skip_done_steps=None,
     fingerprint=None,
 ) -> keras.callbacks.History:
     """Train ``model`` for ``steps`` optimizer steps under ``strategy``, without ``model.fit``.
@@ -294,23 +320,35 @@ def fit_distributed(
     SUM-all-reduces the clipped sums and adds the noise once, so all replicas take
     the same step.
 
+    Two ways to give the data:
+
+    - ``fit_distributed(model, x, y, run=run)``: the batches of a ``PrivateRun``,
+      ``run.dataset(x, y, sample_weight=..., example_fn=..., input_context=ctx)`` on
+      every worker (its share of each global batch). The model's optimizer must be
+      the run's (``NoiseCurveOptimizer(run=run, ...)``); the dataset starts at the
+      optimizer's step by itself, ``steps`` defaults to the plan's remaining steps
+      T − ``iterations``, and ``run.fingerprint()`` is compared across workers.
+    - ``fit_distributed(model, dataset_fn)``: ``dataset_fn(input_context) ->
+      tf.data.Dataset``, as ``strategy.distribute_datasets_from_function`` expects:
+      this worker's share of every global batch, as per-replica batches, one per
+      local replica and step (``input_context.input_pipeline_id`` is the worker,
+      ``input_context.get_per_replica_batch_size(P)`` the per-replica size of a
+      global batch of P rows). Element t is the batch of step t of the plan (counted
+      from 0), e.g. ``(x, y, mask)`` rows of ``banded_poisson_dataset``.
+
     Args:
       model: a private model (``make_private(...)`` or ``DPModel``) created and compiled
         with a ``DPOptimizer`` inside ``strategy.scope()``. It is built here (from the
         batch spec, as ``fit`` does) if it is not yet.
-      dataset_fn: ``dataset_fn(input_context) -> tf.data.Dataset``, as
-        ``strategy.distribute_datasets_from_function`` expects: this worker's share of
-        every global batch, as per-replica batches, one per local replica and step
-        (``input_context.input_pipeline_id`` is the worker,
-        ``input_context.get_per_replica_batch_size(P)`` the per-replica size of a
-        global batch of P rows). Element t is the batch of step t of the plan
-        (counted from 0), e.g. ``(x, y, mask)`` rows of ``banded_poisson_dataset``.
+      data: the examples x (with ``run``), else ``dataset_fn``.
+      y, sample_weight, example_fn: with ``run`` only, as ``PrivateRun.dataset``.
+      run: a ``keras_noisecurve.PrivateRun``, or ``None``.
       steps: the number of optimizer steps to run (≥ 0), from the optimizer's
         ``iterations`` at the start of training (read after the callbacks'
         ``on_train_begin``, so a restoring callback counts); ``None`` (default): to
-        the end of the privacy plan, T − ``iterations`` with T = ``mixing.steps`` of
-        the optimizer (required for ``mixing="dpsgd"``, which has no plan). With a
-        restoring callback (``BackupAndRestore``) leave it ``None``.
+        the end of the plan, T − ``iterations``, with T = ``run.steps``, else the
+        optimizer's ``mixing.steps`` (required for ``mixing="dpsgd"``, which has no
+        plan). With a restoring callback (``BackupAndRestore``) leave it ``None``.
       strategy: the ``tf.distribute.Strategy`` (default: the model's).
       callbacks: a list of ``keras.callbacks.Callback`` (``PrivacyBudget``,
         ``BackupAndRestore`` with :func:`worker_checkpoint_dir`, …), called as by
@@ -318,12 +356,12 @@ def fit_distributed(
         ``on_train_batch_begin/end(i, logs)`` with i counted from 0 in this call.
       verbose: 0 (silent), 1 (progress bar) or 2 (one line at the end); only the
         chief prints.
-      skip_done_steps: ``True`` (default): the dataset starts at step 0 of the plan and
-        the ``optimizer.iterations`` batches already used are skipped (``.skip``), so
-        a resumed run uses batch t at step t. ``False``: the dataset starts at the
-        current step.
-      fingerprint: an optional int64 fingerprint of the run plan (e.g.
-        ``PrivateRun.fingerprint()``), compared across workers with the rest.
+      skip_done_steps: for ``dataset_fn`` only. ``True`` (default): the dataset
+        starts at step 0 of the plan and the ``optimizer.iterations`` batches
+        already used are skipped (``.skip``), so a resumed run uses batch t at step
+        t. ``False``: the dataset starts at the current step.
+      fingerprint: for ``dataset_fn`` only: an optional int64 fingerprint of the run
+        plan, compared across workers with the rest (with ``run``: ``run.fingerprint()``).
 
     Returns:
       the ``keras.callbacks.History``: one entry per metric (e.g. ``loss``), the
@@ -331,28 +369,44 @@ def fit_distributed(
 
     Raises:
       ValueError: on every worker, before the first step, when the workers' plans
-        differ (optimizer configuration, variable shapes, start step, ``steps``,
-        ``fingerprint``); when the dataset runs out before ``steps`` steps.
+        differ (optimizer configuration, variable shapes, start step, ``steps``, run
+        plan fingerprint); ``steps`` beyond the run's plan; when the dataset runs out
+        before ``steps`` steps.
     """
     strategy = _validate_model(model, strategy)
+    if run is not None:
+        dataset_fn, fingerprint = _run_dataset_fn(model, run, data, y, sample_weight, example_fn, skip_done_steps,
+                                                  fingerprint)
+        skip_done_steps = False  # run.dataset starts at the optimizer's step
+    else:
+        for name, value in (("y", y), ("sample_weight", sample_weight), ("example_fn", example_fn)):
+            if value is not None:
+                raise ValueError(
+                    f"{name}= is for fit_distributed(model, x, y, run=run); without run= the second argument is "
+                    f"dataset_fn(input_context) and its dataset carries the labels and weights (got {name}={value!r})."
+                )
+        dataset_fn = data
+        if not callable(dataset_fn):
+            raise TypeError(
+                "without run=, the second argument must be a callable dataset_fn(input_context) -> tf.data.Dataset "
+                f"(as strategy.distribute_datasets_from_function expects), got {dataset_fn!r} "
+                f"({type(dataset_fn).__name__}); to train on arrays, pass run=keras_noisecurve.PrivateRun(...)."
+            )
+        skip_done_steps = True if skip_done_steps is None else skip_done_steps
+        if fingerprint is not None:
+            fingerprint = _check_int64("fingerprint", fingerprint)
+    plan_steps = run.steps if run is not None else model.optimizer.noise.steps
     if steps is not None:
         steps = check_int("steps", steps, minimum=0)
-    elif model.optimizer.noise.steps is None:
+    elif plan_steps is None:
         raise ValueError(
             "steps=None runs to the end of the optimizer's privacy plan, but its mixing is 'dpsgd' (C = I without "
             "a step plan): pass steps=<number of steps>, or use mixing=MixingMatrix.identity(T)."
-        )
-    if not callable(dataset_fn):
-        raise TypeError(
-            "dataset_fn must be a callable dataset_fn(input_context) -> tf.data.Dataset (as "
-            f"strategy.distribute_datasets_from_function expects), got {dataset_fn!r} ({type(dataset_fn).__name__})."
         )
     if verbose not in (0, 1, 2) or isinstance(verbose, bool):
         raise ValueError(f"verbose must be 0, 1 or 2, got {verbose!r}.")
     if not isinstance(skip_done_steps, bool):
         raise TypeError(f"skip_done_steps must be a bool, got {skip_done_steps!r} ({type(skip_done_steps).__name__}).")
-    if fingerprint is not None:
-        fingerprint = _check_int64("fingerprint", fingerprint)
     if callbacks is not None and not isinstance(callbacks, (list, tuple)):
         raise TypeError(f"callbacks must be a list of keras.callbacks.Callback or None, got {callbacks!r}.")
 
@@ -386,8 +440,13 @@ def fit_distributed(
     first = int(keras.ops.convert_to_numpy(optimizer.iterations))
     start["step"] = first
     if steps is None:  # to the end of the plan, from the (maybe restored) step
-        steps = max(0, optimizer.noise.steps - first)
+        steps = max(0, plan_steps - first)
         callback_list.set_params({**callback_list.params, "steps": steps})
+    elif run is not None and first + steps > run.steps:
+        raise ValueError(
+            f"steps={steps} from step {first} goes past the run's plan of T = {run.steps} steps: at most "
+            f"{max(0, run.steps - first)} steps are left (leave steps=None to run them all)."
+        )
     plan = {
         "the optimizer (its public configuration)": _optimizer_fingerprint(optimizer),
         "the trainable variables (shapes)": _hash64([list(v.shape) for v in model.trainable_variables]),

@@ -10,9 +10,11 @@ final weights (``w0``, ``w1``, …), the noise key (``key``), the step (``iterat
 variable created under the scope from this process's own random value (``probe``), and
 the logs (``loss``, ``accuracy``). With ``--secret`` it then trains a second model
 WITHOUT a seed, checkpointing after 2 steps (``DIR/ckpt``, the chief's), and writes
-``DIR/secret<I>.npz``. With ``--refuse N`` it then builds a third model whose noise
-multiplier differs between the workers and calls ``fit_distributed`` with the run-plan
-fingerprint N: the ``ValueError`` that refuses it ends the worker (exit code 1).
+``DIR/secret<I>.npz``. With ``--run`` it then trains with a ``PrivateRun`` (:func:`private_run`,
+:func:`examples`) and no seed at all, and writes ``DIR/run<I>.npz`` (with the sampling
+key). With ``--refuse`` it then builds a ``PrivateRun`` whose noise multiplier differs
+between the workers: the ``ValueError`` of ``fit_distributed`` that refuses it ends
+the worker (exit code 1).
 
 One launch runs all three parts: starting a worker (importing TensorFlow) is what
 costs time on a small machine.
@@ -30,6 +32,7 @@ import sys
 
 STEPS, P, B, FEATURES, CLASSES, BANDS = 4, 8, 6, 5, 3, 2
 SEED = 23
+N = 24  # examples of the PrivateRun part
 
 
 def global_batches():
@@ -43,6 +46,30 @@ def global_batches():
     return x, y, mask
 
 
+def examples():
+    """The N examples of the ``PrivateRun`` part: x (N, 5) float32, y (N,) int64."""
+    import numpy as np
+
+    rng = np.random.default_rng(2)
+    return rng.normal(size=(N, FEATURES)).astype("float32"), rng.integers(0, CLASSES, N).astype("int64")
+
+
+def mixing():
+    import numpy as np
+
+    from tests.training.helpers import random_banded_c
+
+    return random_banded_c(STEPS, BANDS, rng=np.random.default_rng(4), diag_scale=0.5)
+
+
+def private_run(*, seed=None, noise_multiplier=1.0):
+    """The ``PrivateRun`` of the run part (``seed=None``: a secret sampling key)."""
+    import keras_noisecurve as knc
+
+    return knc.PrivateRun(num_examples=N, batch_size=B, steps=STEPS, mixing=mixing(),
+                          noise_multiplier=noise_multiplier, delta=1e-5, seed=seed)
+
+
 def initial_weights():
     import numpy as np
 
@@ -51,15 +78,13 @@ def initial_weights():
     return [(0.5 * rng.normal(size=s)).astype("float32") for s in shapes]
 
 
-def build_model(*, seed=SEED, noise_multiplier=1.0):
-    """The private model, compiled (call it under ``strategy.scope()``)."""
+def build_model(*, seed=SEED, noise_multiplier=1.0, run=None):
+    """The private model, compiled (call it under ``strategy.scope()``); with ``run``,
+    its optimizer is the run's (C, σ and B of the run)."""
     import keras
-    import numpy as np
 
     import keras_noisecurve as knc
-    from tests.training.helpers import random_banded_c
 
-    mixing = random_banded_c(STEPS, BANDS, rng=np.random.default_rng(4), diag_scale=0.5)
     base = keras.Sequential(
         [keras.Input((FEATURES,)),
          keras.layers.Dense(4, activation="tanh", kernel_regularizer=keras.regularizers.L2(0.05)),
@@ -67,9 +92,13 @@ def build_model(*, seed=SEED, noise_multiplier=1.0):
     )
     base.set_weights(initial_weights())
     model = knc.make_private(base, clipping="vectorized")
+    if run is None:
+        optimizer = knc.NoiseCurveOptimizer(learning_rate=0.2, mixing=mixing(), l2_norm_clip=0.3,
+                                            noise_multiplier=noise_multiplier, expected_batch_size=B, seed=seed)
+    else:
+        optimizer = knc.NoiseCurveOptimizer(learning_rate=0.2, l2_norm_clip=0.3, seed=seed, run=run)
     model.compile(
-        optimizer=knc.NoiseCurveOptimizer(learning_rate=0.2, mixing=mixing, l2_norm_clip=0.3,
-                                          noise_multiplier=noise_multiplier, expected_batch_size=B, seed=seed),
+        optimizer=optimizer,
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=["accuracy"],
     )
@@ -111,9 +140,11 @@ def main(argv=None):
     parser.add_argument("--secret", action="store_true",
                         help="then also train a model without a seed (secret key), saving a checkpoint after "
                              "2 steps (the chief's in OUT/ckpt)")
-    parser.add_argument("--refuse", type=int, default=None, metavar="FINGERPRINT",
-                        help="last, train a model whose noise multiplier is 1 + task with this run-plan "
-                             "fingerprint: fit_distributed must refuse it (the worker exits with the ValueError)")
+    parser.add_argument("--run", action="store_true",
+                        help="then train with a PrivateRun and no seed at all (secret sampling and noise keys)")
+    parser.add_argument("--refuse", action="store_true",
+                        help="last, train with a PrivateRun whose noise multiplier is 1 + task: fit_distributed "
+                             "must refuse it (the worker exits with the ValueError)")
     args = parser.parse_args(argv)
     ports = args.ports.split(",")
     os.environ["TF_CONFIG"] = json.dumps(
@@ -149,10 +180,20 @@ def main(argv=None):
         _save(os.path.join(args.out, f"secret{args.task}.npz"), model, history)
     print(f"worker {args.task}: trained", flush=True)
 
-    if args.refuse is not None:
+    if args.run:
+        run = private_run()  # each process draws a sampling key; the chief's is broadcast
         with strategy.scope():
-            model = build_model(noise_multiplier=1.0 + args.task)  # another plan on every worker
-        fit_distributed(model, dataset_fn, strategy=strategy, verbose=0, fingerprint=args.refuse)  # raises
+            model = build_model(seed=None, run=run)
+        history = fit_distributed(model, *examples(), run=run, strategy=strategy, verbose=0)
+        _save(os.path.join(args.out, f"run{args.task}.npz"), model, history,
+              sampling_key=model.optimizer.sampling_key.numpy(), run_key=run.initial_key())
+        print(f"worker {args.task}: trained the run", flush=True)
+
+    if args.refuse:
+        run = private_run(noise_multiplier=1.0 + args.task)  # another plan on every worker
+        with strategy.scope():
+            model = build_model(run=run)
+        fit_distributed(model, *examples(), run=run, strategy=strategy, verbose=0)  # raises
         print(f"worker {args.task}: NOT refused", flush=True)
     return 0
 

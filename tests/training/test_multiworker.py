@@ -93,13 +93,13 @@ def _global_dataset():
 @pytest.fixture(scope="module")
 def two_workers(tmp_path_factory):
     """One launch of the two workers (importing TensorFlow is the slow part): the seeded
-    run, the secret-key run with a checkpoint, then a plan that differs between them
-    (run-plan fingerprints 1 and 2, noise multipliers 1 and 2), which must be refused."""
+    run, the secret-key run with a checkpoint, a PrivateRun without any seed, then a
+    PrivateRun that differs between them (noise multipliers 1 and 2), which must be refused."""
     out = tmp_path_factory.mktemp("two_workers")
-    codes, texts = _launch(out, "--secret", "--refuse", "1", worker1_args=("--refuse", "2"))
+    codes, texts = _launch(out, "--secret", "--run", "--refuse")
     assert None not in codes, f"a worker was still running at the {TIMEOUT} s deadline: {texts}"
     for task, text in enumerate(texts):
-        assert f"worker {task}: trained" in text, text
+        assert f"worker {task}: trained the run" in text, text
     return out, codes, texts
 
 
@@ -129,7 +129,6 @@ def test_a_worker_with_another_plan_is_refused_on_both_workers(two_workers):
     for text in texts:
         assert "ValueError: the workers do not run the same plan" in text, text
         assert "the optimizer (its public configuration)" in text and "the run plan (fingerprint)" in text
-        assert "[1, 2]" in text  # the run-plan fingerprints of the two replicas
         assert "NOT refused" not in text
 
 
@@ -157,6 +156,33 @@ def test_without_a_seed_workers_agree_and_the_checkpoint_resumes(two_workers):
     assert int(model.optimizer.iterations.numpy()) == mw.STEPS
     for a, ref in zip(model.get_weights(), _weights(r0)):
         np.testing.assert_allclose(a, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_a_private_run_without_seeds_agrees_and_equals_fit(two_workers):
+    """PrivateRun(seed=None) and an optimizer without seed: every worker draws its own
+    sampling and noise keys, the chief's are broadcast, so the workers gather the same
+    batches (each its rows) and add the same noise; with those keys, Keras's fit of
+    run.dataset in this process reaches the same weights."""
+    out, _, _ = two_workers
+    r0, r1 = _results(out, "run")
+    assert int(r0["iterations"]) == int(r1["iterations"]) == mw.STEPS
+    for name in ("sampling_key", "key"):
+        np.testing.assert_array_equal(r0[name], r1[name])
+    np.testing.assert_array_equal(r0["sampling_key"], r0["run_key"])  # the chief's own key ...
+    assert not np.array_equal(r1["sampling_key"], r1["run_key"])  # ... replaced worker 1's
+    for a, b in zip(_weights(r0), _weights(r1)):
+        np.testing.assert_array_equal(a, b)
+
+    run = mw.private_run(seed=0)
+    model = mw.build_model(seed=0, run=run)
+    model.optimizer.build(model.trainable_variables)
+    model.optimizer.sampling_key.assign(r0["sampling_key"])  # the dataset reads the key from here
+    model.optimizer._noise_key.assign(r0["key"])
+    history = model.fit(run.dataset(*mw.examples()), verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == mw.STEPS
+    for a, ref in zip(_weights(r0), model.get_weights()):
+        np.testing.assert_allclose(a, ref, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(r0["loss"], history.history["loss"][-1:], rtol=1e-5)
 
 
 # -------------------------------------------------------------------- in process
@@ -266,8 +292,18 @@ def test_arguments_are_checked():
         fit_distributed(model, dataset_fn, steps=-1)
     with pytest.raises(ValueError, match="verbose must be 0, 1 or 2, got 3"):
         fit_distributed(model, dataset_fn, verbose=3)
-    with pytest.raises(TypeError, match="dataset_fn must be a callable"):
+    with pytest.raises(TypeError, match="must be a callable dataset_fn"):
         fit_distributed(model, [1, 2], steps=1)
+    with pytest.raises(ValueError, match="y= is for fit_distributed"):
+        fit_distributed(model, dataset_fn, np.zeros(3))
+    run = mw.private_run(seed=0)
+    with pytest.raises(ValueError, match="was not created for a PrivateRun"):
+        fit_distributed(model, *mw.examples(), run=run)
+    run_model = mw.build_model(run=run)
+    with pytest.raises(ValueError, match="skip_done_steps=True does not apply with run="):
+        fit_distributed(run_model, *mw.examples(), run=run, skip_done_steps=True)
+    with pytest.raises(ValueError, match="goes past the run's plan of T = 4 steps: at most 4"):
+        fit_distributed(run_model, *mw.examples(), run=run, steps=5, verbose=0)
     with pytest.raises(TypeError, match="model must be a private model"):
         fit_distributed(keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]), dataset_fn, steps=1)
     with pytest.raises(ValueError, match="ran out after fewer than 3 steps"):
