@@ -13,6 +13,7 @@
 """
 
 from keras_noisecurve.training.clipping import ClippedSum, get_engine, vectorized_clipped_sum
+from keras_noisecurve.training.distributed import fit_distributed  # noqa: F401 (multi-worker training, docs/run.md)
 from keras_noisecurve.training.dp_model import DPModel, PrivateModel, make_private
 from keras_noisecurve.training.noise import BandedNoise
 from keras_noisecurve.training.optimizer import DPOptimizer, NoiseCurveOptimizer
