@@ -106,19 +106,18 @@ def main(argv=None) -> int:
     for name, mixing in mixings.items():
         start = time.perf_counter()
         b = mixing.bands
-        sigma = knc.calibrate_noise_multiplier(epsilon=args.epsilon, delta=args.delta, num_examples=n,
-                                               batch_size=args.batch_size, steps=args.steps, bands=b)
+        # the run, described once: sigma calibrated for (epsilon, delta) with C's b bands
+        run = knc.PrivateRun(num_examples=n, batch_size=args.batch_size, steps=args.steps, mixing=mixing,
+                             epsilon=args.epsilon, delta=args.delta)
+        sigma = run.noise_multiplier
         model = softmax_regression((args.pca_dim,), 10)
         private = knc.make_private(model)
         private.compile(optimizer=knc.NoiseCurveOptimizer(
-            learning_rate=args.learning_rate, mixing=mixing, l2_norm_clip=args.clip, noise_multiplier=sigma,
-            expected_batch_size=args.batch_size), loss=loss)
-        ds = knc.banded_poisson_dataset(f_train, y_train, batch_size=args.batch_size, bands=b, steps=args.steps)
-        budget = knc.callbacks.PrivacyBudget(noise_multiplier=sigma, delta=args.delta, num_examples=n,
-                                             batch_size=args.batch_size, steps=args.steps, bands=b, verbose=0)
+            run=run, learning_rate=args.learning_rate, l2_norm_clip=args.clip), loss=loss)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            history = private.fit(ds, epochs=1, steps_per_epoch=args.steps, verbose=0, callbacks=[budget])
+            history = private.fit(run.dataset(f_train, y_train), epochs=1, steps_per_epoch=args.steps, verbose=0,
+                                  callbacks=[run.budget(verbose=0)])
         acc = float(np.mean(np.argmax(model.predict(f_test, verbose=0), axis=1) == y_test))
         spent = history.history.get("epsilon", [float("nan")])[-1]
         print(f"| {name} | {b} | {sigma:.3f} | {spent:.3f} | {100 * acc:.2f} % | {time.perf_counter() - start:.1f} |",

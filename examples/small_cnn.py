@@ -137,18 +137,17 @@ def main(argv=None) -> int:
     print("|---|---|---|---|---|")
     for name, mixing in mixings.items():
         start = time.perf_counter()
-        sigma = knc.calibrate_noise_multiplier(epsilon=args.epsilon, delta=args.delta, num_examples=n,
-                                               batch_size=args.batch_size, steps=steps, bands=mixing.bands)
+        run = knc.PrivateRun(num_examples=n, batch_size=args.batch_size, steps=steps, mixing=mixing,
+                             epsilon=args.epsilon, delta=args.delta)
+        sigma = run.noise_multiplier
         model = small_groupnorm_cnn(shape, 10, dense_size=32)
         model.set_weights(init)
         private = knc.make_private(model)
         private.compile(optimizer=knc.NoiseCurveOptimizer(
-            learning_rate=args.learning_rate, mixing=mixing, l2_norm_clip=args.clip, noise_multiplier=sigma,
-            expected_batch_size=args.batch_size), loss=loss)
-        ds = knc.banded_poisson_dataset(x_train, y_train, batch_size=args.batch_size, bands=mixing.bands, steps=steps)
+            run=run, learning_rate=args.learning_rate, l2_norm_clip=args.clip), loss=loss)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            private.fit(ds, epochs=1, steps_per_epoch=steps, verbose=0)
+            private.fit(run.dataset(x_train, y_train), epochs=1, steps_per_epoch=steps, verbose=0)
         acc = float(np.mean(np.argmax(model.predict(x_test, batch_size=500, verbose=0), axis=1) == y_test))
         print(f"| {name} | {mixing.bands} | {sigma:.3f} | {100 * acc:.2f} % | {time.perf_counter() - start:.0f} |",
               flush=True)

@@ -382,15 +382,17 @@ def _run(args, cfg) -> int:
             t0 = time.perf_counter()
             label = name if len(seeds) == 1 else f"{name} seed {seed}"
             _log(f"training {label} ({r * len(METHODS) + i + 1}/{total}): b={b}, sigma={sigmas[b]:.3f} ...")
-            model, private = _private_cnn(mixing=mixings[name], config=m, sigma=sigmas[b], batch=batch, seed=seed,
+            run = knc.PrivateRun(num_examples=n, batch_size=batch, steps=steps, mixing=mixings[name],
+                                 noise_multiplier=sigmas[b], delta=args.delta,
+                                 seed=(seed + 1) if args.deterministic else None)
+            model, private = _private_cnn(run=run, config=m, seed=seed,
                                           noise_seed=(seed + 1) if args.deterministic else None)
             model.set_weights(initial_weights[seed])
-            dataset = knc.banded_poisson_dataset(x_train, y_train, batch_size=batch, bands=b, steps=steps,
-                                                 seed=(seed + 1) if args.deterministic else None)
             curve = _epoch_accuracy_callback(model, x_test, y_test, steps_per_epoch, label)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                private.fit(dataset, epochs=1, steps_per_epoch=steps, verbose=0, callbacks=[curve])
+                private.fit(run.dataset(x_train, y_train), epochs=1, steps_per_epoch=steps, verbose=0,
+                            callbacks=[curve, run.budget(verbose=0)])
             acc = _accuracy(model, x_test, y_test)
             runs[name].append({"seed": seed, "test_accuracy": acc, "seconds": time.perf_counter() - t0,
                                "accuracy_per_epoch": curve.history})
@@ -470,9 +472,10 @@ def _paired_lines(paired) -> list:
         f"{k} {100 * d['mean']:+.2f} ± {100 * d['std']:.2f} pp" for k, d in paired.items())]
 
 
-def _private_cnn(*, mixing, config, sigma, batch, seed, noise_seed):
-    """The demo's private model: the small GroupNorm CNN, per-example clipping, correlated noise,
-    trained with ``config``'s learning rate (and schedule over C's T steps), clip norm and momentum."""
+def _private_cnn(*, run, config, seed, noise_seed):
+    """The demo's private model: the small GroupNorm CNN, per-example clipping, the correlated
+    noise of ``run`` (a ``PrivateRun``), trained with ``config``'s learning rate (and schedule
+    over C's T steps), clip norm and momentum."""
     import keras
 
     import keras_noisecurve as knc
@@ -480,11 +483,10 @@ def _private_cnn(*, mixing, config, sigma, batch, seed, noise_seed):
 
     model = small_groupnorm_cnn((28, 28, 1), num_classes=10, dense_size=32, seed=seed)
     private = knc.make_private(model)
-    common = dict(mixing=mixing, l2_norm_clip=config["clip"], noise_multiplier=sigma, expected_batch_size=batch,
-                  seed=noise_seed)
+    common = dict(run=run, l2_norm_clip=config["clip"], seed=noise_seed)
     # eta for a constant schedule, else a Keras schedule with eta*s_t over C's T steps
     learning_rate = knc.learning_rate_schedule(_update_rule(config), learning_rate=config["learning_rate"],
-                                               steps=mixing.steps)
+                                               steps=run.mixing.steps)
     if config["momentum"] > 0:
         optimizer = knc.NoiseCurveOptimizer(
             inner=keras.optimizers.SGD(learning_rate, momentum=config["momentum"]), **common
@@ -519,11 +521,12 @@ def _check_training_steps(x, y, *, batch, configs, seed) -> None:
         b = m["bands"]
         mixing = (knc.MixingMatrix.identity(2) if b == 1
                   else _solve(steps=2 * b, bands=b, objective="bandmf", m=m))
-        _, private = _private_cnn(mixing=mixing, config=m, sigma=1.0, batch=batch, seed=seed, noise_seed=0)
-        dataset = knc.banded_poisson_dataset(x, y, batch_size=batch, bands=b, steps=mixing.steps, seed=0)
+        run = knc.PrivateRun(num_examples=len(y), batch_size=batch, steps=mixing.steps, mixing=mixing,
+                             noise_multiplier=1.0, delta=1e-5, seed=0)
+        _, private = _private_cnn(run=run, config=m, seed=seed, noise_seed=0)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            private.fit(dataset, epochs=1, steps_per_epoch=1, verbose=0)
+            private.fit(run.dataset(x, y), epochs=1, steps_per_epoch=1, verbose=0)
     _log(f"training steps run ({time.perf_counter() - t0:.0f}s)")
 
 

@@ -39,7 +39,7 @@ def test_the_check_runs_each_band_configuration_once(tmp_path, monkeypatch):
     real = demo._private_cnn
 
     def counting(**kwargs):
-        calls.append(kwargs["mixing"].bands)
+        calls.append(kwargs["run"].mixing.bands)
         return real(**kwargs)
 
     monkeypatch.setattr(demo, "_private_cnn", counting)
@@ -78,10 +78,10 @@ def _tiny_data():
 def _assert_c_follows_its_rule(built, momentum, schedule, recwarn):
     import keras_noisecurve as knc
 
-    assert sorted(kwargs["mixing"].bands for kwargs, _ in built) == [1, 3]
+    assert sorted(kwargs["run"].mixing.bands for kwargs, _ in built) == [1, 3]
     for kwargs, _ in built:
-        if kwargs["mixing"].bands > 1:
-            rule = knc.UpdateRule.from_metadata(kwargs["mixing"].metadata.get("update_rule"))
+        if kwargs["run"].mixing.bands > 1:
+            rule = knc.UpdateRule.from_metadata(kwargs["run"].mixing.metadata.get("update_rule"))
             assert rule == knc.UpdateRule(momentum=momentum, schedule=schedule)
     # the optimizer runs the update rule C was solved for: no mismatch warning
     assert not [w for w in recwarn if "optimised for" in str(w.message)]
@@ -98,7 +98,7 @@ def test_a_schedule_trains_with_c_solved_for_it(monkeypatch, recwarn):
     for kwargs, private in built:  # the learning rate followed the cosine multipliers for one step
         import keras_noisecurve as knc
 
-        steps = kwargs["mixing"].steps
+        steps = kwargs["run"].mixing.steps
         expected = 0.5 * knc.UpdateRule(schedule="cosine").multipliers(steps)[1]
         assert float(private.optimizer.learning_rate) == pytest.approx(expected, rel=1e-6)
 
