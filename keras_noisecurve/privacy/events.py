@@ -58,7 +58,6 @@ __all__ = [
     "SAMPLINGS",
     "AccountingSetup",
     "accounting_setup",
-    "coarse_epsilon_for_setup",
     "compute_epsilon",
     "dp_event",
     "epsilon_for_setup",
@@ -259,23 +258,6 @@ def make_accountant(accountant: str):
 
 def epsilon_of_event(event, delta: float, accountant: str) -> float:
     return float(make_accountant(accountant).compose(event).get_epsilon(delta))
-
-
-def coarse_epsilon_for_setup(setup: AccountingSetup, *, noise_multiplier: float, delta: float,
-                             accountant: str = "pld", participations: Optional[int] = None) -> float:
-    """Like :func:`epsilon_for_setup` but PLD on a 10× coarser grid (1e-3): ~10× faster.
-
-    For searches only (e.g. the callback's budget bisection); every reported ε uses
-    :func:`epsilon_for_setup`.
-    """
-    k = setup.participations() if participations is None else participations
-    if k == 0:
-        return 0.0
-    event = event_for_setup(setup, noise_multiplier, k)
-    if accountant == "pld":
-        a = _pld.PLDAccountant(value_discretization_interval=10 * PLD_VALUE_DISCRETIZATION)
-        return float(a.compose(event).get_epsilon(delta))
-    return epsilon_of_event(event, delta, accountant)
 
 
 def dp_event(
