@@ -14,19 +14,34 @@ Accepted inputs (``kind``) and what each costs:
 
 - ``"memory"`` — numpy arrays (n, ...), or a dict / tuple / list of them (and
   anything ``np.asarray`` turns into one: tensors, DataFrames). ``tf.gather`` on
-  constant tensors: the fastest path; the data must fit in memory.
+  constant tensors captured by the map function: the fastest path; the data must
+  fit in memory. (With tf.data's default static optimizations, creating an
+  iterator copies the captured tensors once, transiently: measured, a 1 GiB
+  array raised the peak memory by 1 GiB; none with
+  ``experimental_optimization.apply_default_optimizations=False``.)
 - ``"memory"`` from a ``tf.data.Dataset`` of examples ``x``, ``(x,)``, ``(x, y)``
   or ``(x, y, sample_weight)`` (a batched dataset — every component with an
   unknown leading dimension — is unbatched): read once and stacked into numpy;
   more than :data:`MAX_MATERIALIZED_BYTES` (2 GiB) is refused.
 - ``"memmap"`` — a ``np.memmap`` (``np.load(path, mmap_mode="r")``) or any array
   whose buffer is a memory map, alone or in a dict / tuple with in-memory arrays
-  (e.g. memmap features, in-memory labels). Nothing is loaded: each batch reads
-  its rows by numpy fancy indexing (indices sorted and de-duplicated for
-  locality, then put back in order) inside ONE ``tf.numpy_function`` per batch.
-  Memory: the batches in flight, plus the file pages the kernel keeps cached
-  (reclaimable page cache; the source advises the kernel of random access,
-  ``MADV_RANDOM``, so a page fault reads one page, not a read-ahead window).
+  (e.g. memmap features, in-memory labels). Nothing is loaded and nothing is
+  captured by the graph: each batch reads its rows with one ``np.take`` per array
+  (rows in the order of the indices) inside ONE ``tf.numpy_function`` per batch.
+  The source reads through its own read-only map of the file, advised
+  ``MADV_RANDOM`` (a page fault reads one page, not a read-ahead window; the
+  user's map is left as it is). Memory: the batches in flight, plus the pages of
+  the file touched so far, mapped from the kernel's page cache (reclaimable; they
+  count in the process's RSS while mapped — about 10 KiB per distinct row read on
+  the 4 GiB test file, tests/privacy/test_sources_big.py). Throughput on the
+  bundled MNIST split, P = 256 (benchmarks/bench_data.py): see that script; about
+  1.3–1.6× the in-memory time per batch on a busy 2-core machine, the extra being
+  the Python call and the copy made under the GIL-free ``np.take``. Measured and
+  NOT kept: reading the rows in sorted index order and un-sorting them (no gain
+  on a cold 2 GiB file, one more copy per batch); writing into a 64-byte aligned
+  buffer that ``numpy_function`` passes on uncopied (slower: TensorFlow frees it
+  late, so every batch faults in fresh pages); a zero-copy tensor over the map
+  (DLPack; tf.data's optimizations then copy the whole file into memory).
 - ``"sequence"`` — any random-access sequence with ``__len__`` and
   ``__getitem__(i)`` returning ONE example: ``x``, ``(x,)`` or ``(x, y)`` (a dict
   needs ``example_fn``: it maps one raw example to ``(x, y)`` or ``x``).
@@ -140,6 +155,39 @@ def _mapping_of(array) -> Optional[mmap.mmap]:
     return None
 
 
+def _random_access_map(array) -> np.ndarray:
+    """A read-only map of a memory-mapped array's file, advised for random access.
+
+    The source reads through its OWN map (``np.memmap(mode="r")`` of the same file
+    and bytes), so the user's map keeps its advice, and advises it ``MADV_RANDOM``:
+    a page fault then reads one page, not a read-ahead window (on a file larger
+    than memory, read-ahead multiplies the bytes read and maps them into the
+    process). Falls back to ``np.asarray(array)`` (the user's map, default advice)
+    for a copy-on-write map (``mode="c"``: its changes are not in the file), a
+    non-contiguous view, a map without a file name, or where madvise is missing.
+    """
+    view = np.asarray(array)
+    root = array
+    while root is not None and not (isinstance(root, np.memmap) and isinstance(root.base, mmap.mmap)):
+        root = getattr(root, "base", None)
+    if (
+        root is None
+        or not hasattr(mmap, "MADV_RANDOM")
+        or getattr(root, "filename", None) is None
+        or getattr(root, "mode", "c") not in ("r", "r+", "w+")
+        or not view.flags.c_contiguous
+        or view.size == 0
+    ):
+        return view
+    offset = int(root.offset) + (view.ctypes.data - root.ctypes.data)
+    try:
+        own = np.memmap(root.filename, dtype=view.dtype, mode="r", offset=offset, shape=view.shape)
+        own.base.madvise(mmap.MADV_RANDOM)
+    except (OSError, ValueError):  # the file is gone or cannot be mapped again: read the user's map
+        return view
+    return np.asarray(own)
+
+
 def _native(dtype: np.dtype) -> np.dtype:
     dtype = np.dtype(dtype)
     return dtype if dtype.kind in "USO" else dtype.newbyteorder("=")
@@ -164,29 +212,18 @@ def _describe(obj) -> str:
     return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
 
-def _take(array, indices: np.ndarray) -> np.ndarray:
-    """Rows ``array[indices]`` of a (memory-mapped) array, read in sorted order.
-
-    The unique indices are read in increasing order (locality on disk), then the
-    rows are put back in the order of ``indices`` (repeats included).
-    """
-    unique, inverse = np.unique(indices, return_inverse=True)
-    rows = np.asarray(array[unique])
-    return rows if unique.size == indices.size and np.array_equal(unique, indices) else rows[inverse]
-
-
 def _is_tuple(obj) -> bool:
     return isinstance(obj, tuple) and not hasattr(obj, "_fields")  # a namedtuple is one structure
 
 
-def _split(element, *, what: str, allow_weights: bool = False):
+def _split(element, *, what: str):
     """``x`` / ``(x,)`` / ``(x, y)`` -> (x, y or None); ``(x, y, w)`` refused."""
     if _is_tuple(element):
         if len(element) == 1:
             return element[0], None
         if len(element) == 2:
             return element[0], element[1]
-        if len(element) == 3 and not allow_weights:
+        if len(element) == 3:
             raise ValueError(
                 f"{what} is a 3-tuple (x, y, sample_weight); weights inside a streamed source are not read "
                 "(they are needed for every example up front): pass them as as_source(..., sample_weight=) "
@@ -220,15 +257,27 @@ class ExampleSource:
         return self.num_examples
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(kind={self.kind!r}, num_examples={self.num_examples}, has_labels={self.has_labels})"
+        return (f"{type(self).__name__}(kind={self.kind!r}, num_examples={self.num_examples}, "
+                f"has_labels={self.has_labels})")
 
-    # --- subclasses implement gather (numpy); tf_gather wraps it by default
+    # --- subclasses implement _flat_gather (numpy, any thread); gather and tf_gather wrap it
+    def _flat_gather(self, indices: np.ndarray) -> list:
+        """The leaves of x then of y (``tf.nest.flatten`` order) for int64 indices (P,)."""
+        raise NotImplementedError
+
     def gather(self, indices) -> tuple:
         """``(x_batch, y_batch or None)`` numpy structures for int indices (P,).
 
-        Any thread may call it. Leaves have shape (P, *spec.shape) and the spec's dtype.
+        Any thread may call it. Leaves have shape (P, *spec.shape) and the spec's
+        dtype (strings as bytes objects).
         """
-        raise NotImplementedError
+        import tensorflow as tf
+
+        flat = self._flat_gather(np.asarray(indices, dtype=np.int64))
+        x_spec, y_spec = self.element_spec
+        num_x = len(tf.nest.flatten(x_spec))
+        xb = tf.nest.pack_sequence_as(x_spec, flat[:num_x])
+        return xb, (None if y_spec is None else tf.nest.pack_sequence_as(y_spec, flat[num_x:]))
 
     def tf_gather(self, indices) -> tuple:
         """``(x_batch, y_batch or None)`` tensors for an int64 tensor ``indices`` (P,).
@@ -244,16 +293,9 @@ class ExampleSource:
             indices = tf.cast(indices, tf.int64)
         x_spec, y_spec = self.element_spec
         specs = tf.nest.flatten(x_spec) + ([] if y_spec is None else tf.nest.flatten(y_spec))
-        dtypes = [s.dtype.as_numpy_dtype if s.dtype != tf.string else object for s in specs]
         num_x = len(tf.nest.flatten(x_spec))
-
-        def flat_gather(idx):
-            xb, yb = self.gather(idx)
-            leaves = tf.nest.flatten(xb) + ([] if yb is None else tf.nest.flatten(yb))
-            return [np.asarray(a, dtype=d) for a, d in zip(leaves, dtypes)]
-
         flat = tf.numpy_function(
-            flat_gather, [indices], [s.dtype for s in specs], stateful=False, name=f"gather_{self.kind}"
+            self._flat_gather, [indices], [s.dtype for s in specs], stateful=False, name=f"gather_{self.kind}"
         )
         lead = indices.shape[:1]
         for tensor, spec in zip(flat, specs):
@@ -283,6 +325,7 @@ class _ArraySource(ExampleSource):
         import tensorflow as tf
 
         self._x, self._y = x, y
+        self._leaves = tf.nest.flatten(x) + ([] if y is None else tf.nest.flatten(y))
         spec = lambda a: _spec(a.shape[1:], a.dtype)  # noqa: E731
         super().__init__(
             tf.nest.map_structure(spec, x), None if y is None else tf.nest.map_structure(spec, y), n, sample_weight
@@ -303,12 +346,8 @@ class _ArraySource(ExampleSource):
                     )
             return self._tensors
 
-    def gather(self, indices):
-        import tensorflow as tf
-
-        idx = np.asarray(indices, dtype=np.int64)
-        take = lambda a: np.take(a, idx, axis=0)  # noqa: E731
-        return tf.nest.map_structure(take, self._x), (None if self._y is None else tf.nest.map_structure(take, self._y))
+    def _flat_gather(self, indices):
+        return [np.take(a, indices, axis=0) for a in self._leaves]
 
     def tf_gather(self, indices):
         import tensorflow as tf
@@ -316,6 +355,15 @@ class _ArraySource(ExampleSource):
         x_t, y_t = self._constants()
         take = lambda a: tf.gather(a, indices)  # noqa: E731
         return tf.nest.map_structure(take, x_t), (None if y_t is None else tf.nest.map_structure(take, y_t))
+
+
+def _for_tf(array: np.ndarray) -> np.ndarray:
+    """An array ``tf.numpy_function`` accepts for its spec: native byte order, text as bytes."""
+    if array.dtype.kind == "U":
+        return np.char.encode(array, "utf-8")
+    if array.dtype.kind in "SO" or array.dtype.isnative:
+        return array
+    return array.astype(array.dtype.newbyteorder("="))
 
 
 class _MemmapSource(ExampleSource):
@@ -326,29 +374,22 @@ class _MemmapSource(ExampleSource):
     def __init__(self, x, y, n, sample_weight):
         import tensorflow as tf
 
-        self._x, self._y = x, y
         spec = lambda a: _spec(a.shape[1:], a.dtype)  # noqa: E731
         super().__init__(
             tf.nest.map_structure(spec, x), None if y is None else tf.nest.map_structure(spec, y), n, sample_weight
         )
-        for leaf in tf.nest.flatten((x, y)):
-            mapping = _mapping_of(leaf) if leaf is not None else None
-            if mapping is not None and hasattr(mapping, "madvise") and hasattr(mmap, "MADV_RANDOM"):
-                try:
-                    mapping.madvise(mmap.MADV_RANDOM)
-                except (OSError, ValueError):  # closed or not supported here: only a hint
-                    pass
+        # plain ndarrays (no np.memmap subclass hooks on every take); maps re-opened for random access
+        self._leaves = [
+            _random_access_map(a) if _mapping_of(a) is not None else np.asarray(a)
+            for a in tf.nest.flatten(x) + ([] if y is None else tf.nest.flatten(y))
+        ]
 
-    def gather(self, indices):
-        import tensorflow as tf
-
-        idx = np.asarray(indices, dtype=np.int64)
-
-        def take(a):
-            rows = _take(a, idx) if _mapping_of(a) is not None else np.take(a, idx, axis=0)
-            return rows.astype(_native(rows.dtype), copy=False)
-
-        return tf.nest.map_structure(take, self._x), (None if self._y is None else tf.nest.map_structure(take, self._y))
+    def _flat_gather(self, indices):
+        # One np.take per leaf, rows in the order of `indices` (the take releases the GIL while it copies).
+        # (Writing into a 64-byte aligned buffer, which numpy_function would pass on without
+        # a copy, was measured slower: TensorFlow frees it late, so every batch faults in
+        # fresh pages; the copy lands in TensorFlow's reused buffers.)
+        return [_for_tf(np.take(a, indices, axis=0)) for a in self._leaves]
 
 
 class _SequenceSource(ExampleSource):
@@ -371,11 +412,6 @@ class _SequenceSource(ExampleSource):
                 "the sequence's examples already hold labels (x, y); y must then be None, got "
                 f"{_describe(y)}."
             )
-        self._y = y
-        self._x_structure = x0
-        self._y_structure = y0
-        self._x_flat = [np.asarray(a) for a in tf.nest.flatten(x0)]
-        self._y_flat = None if y0 is None else [np.asarray(a) for a in tf.nest.flatten(y0)]
         spec = lambda a: _spec(np.shape(a), np.asarray(a).dtype)  # noqa: E731
         x_spec = tf.nest.map_structure(spec, x0)
         if y is not None:
@@ -383,6 +419,8 @@ class _SequenceSource(ExampleSource):
         else:
             y_spec = None if y0 is None else tf.nest.map_structure(spec, y0)
         super().__init__(x_spec, y_spec, n, sample_weight)
+        self._in_example = tf.nest.flatten(x_spec) + ([] if y0 is None else tf.nest.flatten(y_spec))
+        self._y_arrays = [] if y is None else [np.asarray(a) for a in tf.nest.flatten(y)]
 
     def _example(self, raw, i):
         example = self._example_fn(raw) if self._example_fn is not None else raw
@@ -394,66 +432,67 @@ class _SequenceSource(ExampleSource):
             )
         return _split(example, what=f"example {i} of the sequence" + (" after example_fn" if self._example_fn else ""))
 
-    def _raw(self, keys: list) -> list:
-        if self._getitems is not None:
-            return list(self._getitems(keys))
-        return [self._sequence[k] for k in keys]
-
-    def _stack(self, examples, keys):
-        """Stack per leaf the (x, y) examples read for ``keys``; check shapes/dtypes."""
+    def _read(self, keys: list) -> list:
+        """The flat leaves (x then y) of the examples ``keys``, one list per example."""
         import tensorflow as tf
 
-        x_spec, y_spec = self.element_spec
-        x_leaves = [[] for _ in self._x_flat]
-        y_leaves = None if self._y_flat is None else [[] for _ in self._y_flat]
-        for key, (xe, ye) in zip(keys, examples):
-            for column, leaf in zip(x_leaves, tf.nest.flatten(xe)):
-                column.append(leaf)
-            if y_leaves is not None:
-                for column, leaf in zip(y_leaves, tf.nest.flatten(ye)):
-                    column.append(leaf)
+        raws = list(self._getitems(keys)) if self._getitems is not None else [self._sequence[k] for k in keys]
+        if len(raws) != len(keys):
+            raise ValueError(f"the sequence returned {len(raws)} examples for {len(keys)} keys.")
         out = []
-        flat_specs = tf.nest.flatten(x_spec) + ([] if y_leaves is None else tf.nest.flatten(y_spec))
-        for column, spec in zip(x_leaves + (y_leaves or []), flat_specs):
-            try:
-                stacked = np.stack(column)
-            except ValueError:
-                shapes = {np.shape(a) for a in column}
-                raise ValueError(
-                    f"the examples of the sequence differ in shape ({sorted(shapes)}); every example must have "
-                    f"the shape of example 0, {tuple(spec.shape)}."
-                ) from None
-            if stacked.shape[1:] != tuple(spec.shape):
-                raise ValueError(
-                    f"an example has shape {stacked.shape[1:]}, example 0 has {tuple(spec.shape)}; every example "
-                    "must have the shape (and dtype) of example 0."
-                )
-            out.append(stacked)
+        for key, raw in zip(keys, raws):
+            xe, ye = self._example(raw, key)
+            out.append(tf.nest.flatten(xe) + ([] if ye is None else tf.nest.flatten(ye)))
         return out
 
-    def _examples(self, keys: list) -> list:
-        return [self._example(raw, k) for k, raw in zip(keys, self._raw(keys))]
-
-    def gather(self, indices):
-        import tensorflow as tf
-
-        idx = np.asarray(indices, dtype=np.int64)
-        unique, inverse = np.unique(idx, return_inverse=True)
-        keys = unique.tolist()
-        columns = [c[inverse] for c in self._stack(self._examples(keys), keys)]
-        x_spec, y_spec = self.element_spec
-        num_x = len(self._x_flat)
-        xb = tf.nest.pack_sequence_as(self._x_structure, columns[:num_x])
-        if self._y is not None:
-            yb = tf.nest.map_structure(lambda a: np.take(a, idx, axis=0), self._y)
-        elif y_spec is None:
-            yb = None
-        else:
-            yb = tf.nest.pack_sequence_as(self._y_structure, columns[num_x:])
-        return xb, yb
+    def _flat_gather(self, indices):
+        unique, inverse = np.unique(indices, return_inverse=True)
+        examples = self._read(unique.tolist())
+        columns = []
+        for j, spec in enumerate(self._in_example):
+            columns.append(_stack([leaves[j] for leaves in examples], spec, "the sequence")[inverse])
+        for a in self._y_arrays:
+            columns.append(_for_tf(np.take(a, indices, axis=0)))
+        return columns
 
 
-class _PyDatasetSource(_SequenceSource):
+def _stack(column: list, spec, what: str) -> np.ndarray:
+    """Stack one leaf of several examples; every example must have the spec's shape and dtype kind."""
+    try:
+        stacked = np.stack([np.asarray(a) for a in column])
+    except ValueError:
+        shapes = sorted({np.shape(a) for a in column})
+        raise ValueError(
+            f"the examples of {what} differ in shape ({shapes}); every example must have the shape of "
+            f"example 0, {tuple(spec.shape)}."
+        ) from None
+    return _conform(stacked, spec, what)
+
+
+def _conform(stacked: np.ndarray, spec, what: str) -> np.ndarray:
+    """Check a batch (P, ...) against the per-example spec; cast to its dtype (same kind only)."""
+    import tensorflow as tf
+
+    shape = tuple(spec.shape)
+    if stacked.shape[1:] != shape:
+        raise ValueError(
+            f"an example of {what} has shape {stacked.shape[1:]}; every example must have the shape of "
+            f"example 0, {shape}."
+        )
+    if spec.dtype == tf.string:
+        return _for_tf(stacked)
+    want = np.dtype(spec.dtype.as_numpy_dtype)
+    if stacked.dtype != want:
+        if not np.can_cast(stacked.dtype, want, casting="same_kind"):
+            raise ValueError(
+                f"an example of {what} has dtype {stacked.dtype}; every example must have the dtype of "
+                f"example 0, {want}."
+            )
+        stacked = stacked.astype(want)
+    return stacked
+
+
+class _PyDatasetSource(ExampleSource):
     """A ``keras.utils.PyDataset``: example i is row i % k of batch i // k."""
 
     kind = "py_dataset"
@@ -475,44 +514,33 @@ class _PyDatasetSource(_SequenceSource):
             raise ValueError(f"the PyDataset {_describe(dataset)} has no batches.")
         self._dataset = dataset
         self._num_batches = num_batches
-        first = self._batch(0, check=False)
+        first = self._batch(0)
         self._k = self._rows(first, 0)
-        last = first if num_batches == 1 else self._batch(num_batches - 1, check=False)
+        last = first if num_batches == 1 else self._batch(num_batches - 1)
         last_rows = self._rows(last, num_batches - 1)
         if last_rows > self._k:
             raise ValueError(
                 f"the last batch of the PyDataset has {last_rows} rows, more than batch 0 ({self._k}); every "
                 "batch but the last must have the rows of batch 0 and the last at most that many."
             )
-        n = (num_batches - 1) * self._k + last_rows
         x0, y0 = first
-        self._x_structure, self._y_structure, self._y = x0, y0, None
         row_spec = lambda a: _spec(np.shape(a)[1:], np.asarray(a).dtype)  # noqa: E731
-        self._x_flat = tf.nest.flatten(x0)
-        self._y_flat = None if y0 is None else tf.nest.flatten(y0)
-        ExampleSource.__init__(
-            self,
+        super().__init__(
             tf.nest.map_structure(row_spec, x0),
             None if y0 is None else tf.nest.map_structure(row_spec, y0),
-            n,
+            (num_batches - 1) * self._k + last_rows,
             sample_weight,
         )
+        self._specs = tf.nest.flatten(self.element_spec[0]) + (
+            [] if y0 is None else tf.nest.flatten(self.element_spec[1])
+        )
 
-    def _batch(self, b: int, *, check: bool = True):
+    def _batch(self, b: int):
         import tensorflow as tf
 
         x, y = _split(self._dataset[b], what=f"batch {b} of the PyDataset")
         x = tf.nest.map_structure(np.asarray, x)
         y = None if y is None else tf.nest.map_structure(np.asarray, y)
-        if check:
-            rows = self._rows((x, y), b)
-            expected = self._k if b < self._num_batches - 1 else self.num_examples - b * self._k
-            if rows != expected:
-                raise ValueError(
-                    f"batch {b} of the PyDataset has {rows} rows; every batch but the last must have the "
-                    f"{self._k} rows of batch 0 (and the last {expected}): example i is row i % {self._k} "
-                    f"of batch i // {self._k}."
-                )
         return x, y
 
     def _rows(self, batch, b: int) -> int:
@@ -524,24 +552,28 @@ class _PyDatasetSource(_SequenceSource):
             raise ValueError(f"batch {b} of the PyDataset is empty.")
         return n
 
-    def gather(self, indices):
+    def _flat_gather(self, indices):
         import tensorflow as tf
 
-        idx = np.asarray(indices, dtype=np.int64)
-        unique, inverse = np.unique(idx, return_inverse=True)
+        unique, inverse = np.unique(indices, return_inverse=True)
         batch_ids, rows = np.divmod(unique, self._k)
-        columns = None
         parts = []
         for b in np.unique(batch_ids).tolist():
-            xb, yb = self._batch(b)
-            select = rows[batch_ids == b]
+            xb, yb = batch = self._batch(b)
+            size = self._rows(batch, b)
+            expected = self._k if b < self._num_batches - 1 else self.num_examples - b * self._k
+            if size != expected:
+                raise ValueError(
+                    f"batch {b} of the PyDataset has {size} rows; every batch but the last must have the "
+                    f"{self._k} rows of batch 0 (and the last {expected}): example i is row i % {self._k} "
+                    f"of batch i // {self._k}."
+                )
             leaves = tf.nest.flatten(xb) + ([] if yb is None else tf.nest.flatten(yb))
-            parts.append([np.take(a, select, axis=0) for a in leaves])
-        columns = [np.concatenate(column)[inverse] for column in zip(*parts)]
-        num_x = len(self._x_flat)
-        xo = tf.nest.pack_sequence_as(self._x_structure, columns[:num_x])
-        yo = None if self._y_structure is None else tf.nest.pack_sequence_as(self._y_structure, columns[num_x:])
-        return xo, yo
+            parts.append([np.take(a, rows[batch_ids == b], axis=0) for a in leaves])
+        return [
+            _conform(np.concatenate(column)[inverse], spec, "the PyDataset")
+            for column, spec in zip(zip(*parts), self._specs)
+        ]
 
 
 # ------------------------------------------------------------------ entry point
@@ -565,7 +597,8 @@ def _arrays(name: str, structure):
     def leaf(a):
         if isinstance(a, np.ndarray):
             return a
-        if not hasattr(a, "__array__") and hasattr(a, "__getitem__") and hasattr(a, "__len__") and not isinstance(a, str):
+        indexable = hasattr(a, "__getitem__") and hasattr(a, "__len__")
+        if indexable and not hasattr(a, "__array__") and not isinstance(a, (str, bytes)):
             raise ValueError(
                 f"{name} holds a {_describe(a)}, a sequence inside a dict/tuple; pass the sequence itself as x "
                 "(with example_fn to build the dict of each example)."

@@ -135,6 +135,21 @@ def test_memmap_is_streamed_not_converted(tmp_path):
     _check(as_source(xm[5:], y[5:]), x[5:], y[5:], kind="memmap", n=N - 5)  # a view of a map is still a map
 
 
+def test_memmap_reads_its_own_map_or_falls_back_to_the_users(tmp_path):
+    x, _, y = _data()
+    np.save(tmp_path / "x.npy", x)
+    xm = np.load(tmp_path / "x.npy", mmap_mode="r")
+    own = as_source(xm[5:], y[5:])._leaves[0]
+    assert not np.shares_memory(own, xm)  # a separate read-only map of the same bytes ...
+    np.testing.assert_array_equal(own, x[5:])  # ... at the view's offset
+    copy_on_write = np.load(tmp_path / "x.npy", mmap_mode="c")
+    copy_on_write[3] = -1.0  # in this process only: not in the file
+    changed = x.copy()
+    changed[3] = -1.0
+    _check(as_source(copy_on_write, y), changed, y, kind="memmap")
+    _check(as_source(xm[:, ::2]), x[:, ::2], None, kind="memmap")  # not contiguous: the user's map
+
+
 # ------------------------------------------------------------------ sequences
 class _Examples:
     """A random-access sequence of (x, y) examples; counts the calls it gets."""
