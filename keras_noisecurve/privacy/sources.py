@@ -424,7 +424,7 @@ class _SequenceSource(ExampleSource):
 
     def _example(self, raw, i):
         example = self._example_fn(raw) if self._example_fn is not None else raw
-        if self._example_fn is None and isinstance(example, collections.abc.Mapping):
+        if self._example_fn is None and not isinstance(example, tuple) and isinstance(example, collections.abc.Mapping):
             raise ValueError(
                 f"example {i} of the sequence is a dict with keys {sorted(example)}; pass example_fn to say "
                 "which parts are features and labels, e.g. example_fn=lambda ex: (ex['image'], ex['label']), "
@@ -434,15 +434,13 @@ class _SequenceSource(ExampleSource):
 
     def _read(self, keys: list) -> list:
         """The flat leaves (x then y) of the examples ``keys``, one list per example."""
-        import tensorflow as tf
-
         raws = list(self._getitems(keys)) if self._getitems is not None else [self._sequence[k] for k in keys]
         if len(raws) != len(keys):
             raise ValueError(f"the sequence returned {len(raws)} examples for {len(keys)} keys.")
         out = []
         for key, raw in zip(keys, raws):
             xe, ye = self._example(raw, key)
-            out.append(tf.nest.flatten(xe) + ([] if ye is None else tf.nest.flatten(ye)))
+            out.append(_flatten(xe) + ([] if ye is None else _flatten(ye)))
         return out
 
     def _flat_gather(self, indices):
@@ -454,6 +452,17 @@ class _SequenceSource(ExampleSource):
         for a in self._y_arrays:
             columns.append(_for_tf(np.take(a, indices, axis=0)))
         return columns
+
+
+def _flatten(structure) -> list:
+    """``tf.nest.flatten``, with a fast path for one array or scalar (no structure)."""
+    if isinstance(structure, (np.ndarray, np.generic, int, float, bytes, str)):
+        return [structure]
+    if isinstance(structure, (collections.abc.Mapping, list, tuple)) or hasattr(structure, "__attrs_attrs__"):
+        import tensorflow as tf
+
+        return tf.nest.flatten(structure)
+    return [structure]
 
 
 def _stack(column: list, spec, what: str) -> np.ndarray:
