@@ -15,6 +15,9 @@ What every worker must agree on, and how it does:
   under ``strategy.scope()``, where ``MultiWorkerMirroredStrategy`` broadcasts the
   CHIEF's initial value to every worker, so a secret key drawn from OS entropy
   (``seed=None``) is the same everywhere without ever being written down;
+- the batches (``run=``): the run's secret sampling key is an optimizer variable,
+  broadcast like the others; every worker computes the same global batch of each
+  step from it and gathers only its own rows (``run.dataset(..., input_context=)``);
 - the noise: ``DPOptimizer`` SUM-all-reduces the replicas' clipped sums, then adds
   the noise once, from (key, step, variable index); every replica computes the same
   update, so the replicas stay identical;
@@ -25,6 +28,11 @@ What every worker must agree on, and how it does:
   differ (no worker is left waiting in a collective);
 - ``model.stop_training``: OR-ed across workers after every execution, so a callback
   that stops one worker stops them all.
+
+Two Keras internals are used, as ``fit`` uses them: ``Trainer._symbolic_build`` (to
+create the variables before the loop, from the batch spec) and
+``Trainer.get_metrics_result``; the traced step functions are kept in the model's
+``__dict__`` (outside Keras's attribute tracking), as ``fit`` keeps ``train_function``.
 """
 
 from __future__ import annotations
@@ -132,26 +140,46 @@ def _assert_same(strategy, fingerprints: dict) -> None:
     differ = [i for i in range(len(names)) if table[:, i].min() != table[:, i].max()]
     if differ:
         details = "; ".join(f"{names[i]}: {table[:, i].tolist()}" for i in differ)
+        verb = "differs" if len(differ) == 1 else "differ"
+        worker = "the chief" if is_chief(strategy) else "not the chief"
         raise ValueError(
-            f"the workers do not run the same plan: {', '.join(names[i] for i in differ)} "
-            f"{'differs' if len(differ) == 1 else 'differ'} between the {table.shape[0]} replicas (fingerprint of each replica, in replica order — {details}). Every "
-            "worker must run the same program with the same plan; this worker ("
-            f"{'chief' if is_chief(strategy) else 'not the chief'}) stops before the first step, and so do the others."
+            f"the workers do not run the same plan: {', '.join(names[i] for i in differ)} {verb} between the "
+            f"{table.shape[0]} replicas (fingerprint of each replica, in replica order — {details}). Every worker "
+            f"must run the same program with the same plan; this worker ({worker}) stops before the first step, "
+            "and so do the others."
         )
+
+
+def _stable(obj):
+    """``obj`` for JSON, the same in every process: numpy values as Python ones, any
+    other object by its type name (a ``repr`` may hold a memory address)."""
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    if isinstance(obj, np.generic):
+        return obj.item()
+    return type(obj).__name__
 
 
 def _hash64(obj) -> int:
     """A signed 64-bit hash of a JSON-able object (the same in every process, unlike ``hash``)."""
-    digest = hashlib.sha256(json.dumps(obj, sort_keys=True, default=repr).encode()).digest()
+    digest = hashlib.sha256(json.dumps(obj, sort_keys=True, default=_stable).encode()).digest()
     return int.from_bytes(digest[:8], "little", signed=True)
+
+
+def _without(config, keys):
+    """``config`` (nested dicts/lists) without the entries named in ``keys``, at any depth."""
+    if isinstance(config, dict):
+        return {k: _without(v, keys) for k, v in config.items() if k not in keys}
+    if isinstance(config, (list, tuple)):
+        return [_without(v, keys) for v in config]
+    return config
 
 
 def _optimizer_fingerprint(optimizer) -> int:
     """The optimizer's public configuration (clip, σ, B, learning rate, C's band
-    values and metadata, inner optimizer); not its seed (the key is the chief's)."""
-    config = optimizer.get_config()
-    config.pop("seed", None)
-    config.pop("name", None)
+    values and metadata, inner optimizer, run plan); not its seed (the key is the
+    chief's) nor any name (Keras numbers the names of unnamed objects per process)."""
+    config = _without(optimizer.get_config(), {"seed", "name"})
     mixing = optimizer.mixing
     if mixing != "dpsgd":
         config["mixing"] = hashlib.sha256(np.ascontiguousarray(mixing.band_values, np.float64).tobytes()).hexdigest()
@@ -176,7 +204,9 @@ def _validate_model(model, strategy):
     if strategy is None:
         strategy = model.distribute_strategy
     if not isinstance(strategy, tf.distribute.Strategy):
-        raise TypeError(f"strategy must be a tf.distribute.Strategy or None, got {strategy!r} ({type(strategy).__name__}).")
+        raise TypeError(
+            f"strategy must be a tf.distribute.Strategy or None, got {strategy!r} ({type(strategy).__name__})."
+        )
     if optimizer._distribution_strategy is not strategy:
         raise ValueError(
             f"the optimizer was created under another strategy ({type(optimizer._distribution_strategy).__name__}) "
@@ -419,7 +449,8 @@ def fit_distributed(
             raise TypeError(f"dataset_fn must return a tf.data.Dataset, got {dataset!r} ({type(dataset).__name__}).")
         if skip_done_steps and start["step"]:
             # one element per local replica and step
-            dataset = dataset.skip(start["step"] * input_context.num_replicas_in_sync // input_context.num_input_pipelines)
+            local = input_context.num_replicas_in_sync // input_context.num_input_pipelines
+            dataset = dataset.skip(start["step"] * local)
         return dataset
 
     if _needs_build(model):  # from the spec of the dataset (before any restore: no skip)

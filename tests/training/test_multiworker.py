@@ -240,6 +240,23 @@ def test_arguments_are_checked():
     assert_same_on_all_workers(tf.distribute.get_strategy(), 7, "the plan")  # one replica: nothing to compare
 
 
+def test_the_optimizer_fingerprint_ignores_seeds_and_names():
+    """Workers compare the optimizer's public configuration: the seed (the chief's key is
+    used) and Keras's per-process numbered names (sgd, sgd_1, …) are left out."""
+    import keras_noisecurve as knc
+    from keras_noisecurve.training.distributed import _optimizer_fingerprint
+
+    def optimizer(**kwargs):
+        kwargs.setdefault("noise_multiplier", 1.0)
+        return knc.NoiseCurveOptimizer(inner=keras.optimizers.SGD(0.1), mixing=mw.mixing(), l2_norm_clip=0.3,
+                                       expected_batch_size=mw.B, **kwargs)
+
+    first, second = optimizer(seed=1), optimizer(seed=None)
+    assert first.inner.name != second.inner.name
+    assert _optimizer_fingerprint(first) == _optimizer_fingerprint(second)
+    assert _optimizer_fingerprint(optimizer(noise_multiplier=1.5)) != _optimizer_fingerprint(first)
+
+
 # ------------------------------------------------------------------- two workers
 @pytest.fixture(scope="module", autouse=True)
 def _started_workers(request, tmp_path_factory):
