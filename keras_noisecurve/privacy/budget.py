@@ -195,7 +195,7 @@ class PrivacyBudget(keras.callbacks.Callback):
             self.model.stop_training = True
             self.stopped_at_step = done
             self.stop_reason = self._why(done)
-            if self.verbose:
+            if self.verbose and _is_chief(self.model):
                 print(f"\nPrivacyBudget: stopping after {done} steps: {self.stop_reason}.")
 
     def on_epoch_end(self, epoch, logs=None):
@@ -233,3 +233,10 @@ class PrivacyBudget(keras.callbacks.Callback):
         if isinstance(config.get("ledger"), dict):
             config["ledger"] = EpsilonLedger.from_config(config["ledger"])
         return cls(**config)
+
+
+def _is_chief(model) -> bool:
+    """Whether this process prints: the chief of a multi-worker strategy (worker 0),
+    always in a single process."""
+    strategy = getattr(model, "distribute_strategy", None)
+    return bool(getattr(getattr(strategy, "extended", None), "should_checkpoint", True))

@@ -7,13 +7,15 @@
   (``dp_model.py``) through a clipping engine: ``clipping.py`` (vectorized engine and
   the registry), ``ghost.py`` (ghost norms, rules in ``ghost_layers.py``), both
   returning the ``ClippedSum`` of ``clipped_sum.py``.
+- :func:`fit_distributed` (``distributed.py``): the training loop for
+  ``MultiWorkerMirroredStrategy``, where Keras 3's ``fit`` does not run.
 - :func:`learning_rate_schedule`, :class:`LinearCooldown`, :class:`MultiplierSchedule`
   (``schedules.py``): the Keras learning rate of an ``UpdateRule``'s schedule, for an
   ``inner=keras.optimizers.SGD(...)`` that runs the update a mixing matrix was solved for.
 """
 
 from keras_noisecurve.training.clipping import ClippedSum, get_engine, vectorized_clipped_sum
-from keras_noisecurve.training.distributed import fit_distributed  # noqa: F401 (multi-worker training, docs/run.md)
+from keras_noisecurve.training.distributed import fit_distributed
 from keras_noisecurve.training.dp_model import DPModel, PrivateModel, make_private
 from keras_noisecurve.training.noise import BandedNoise
 from keras_noisecurve.training.optimizer import DPOptimizer, NoiseCurveOptimizer
@@ -28,6 +30,7 @@ __all__ = [
     "MultiplierSchedule",
     "NoiseCurveOptimizer",
     "PrivateModel",
+    "fit_distributed",
     "get_engine",
     "learning_rate_schedule",
     "make_private",

@@ -78,3 +78,16 @@ def test_hook_builds_the_step_noise_once_per_step_before_every_variable_update(m
         copies = [c.numpy() for c in getattr(v.value, "values", [v.value])]
         assert all(np.array_equal(copies[0], c) for c in copies[1:])
         assert np.any(copies[0] != 0)
+
+
+def test_keras_still_builds_through_symbolic_build_with_the_signature_we_override():
+    """The private model strips a PrivateRun batch's step index in ``_symbolic_build``
+    (Keras builds a model under a strategy from one (x, y, sample_weight) batch there),
+    and ``fit_distributed`` calls it to build before its loop."""
+    from keras_noisecurve.training import dp_model
+
+    keras_hook = getattr(keras.Model, "_symbolic_build", None)
+    assert keras_hook is not None, f"keras {keras.__version__} has no Model._symbolic_build"
+    expected = ["self", "iterator", "data_batch"]
+    assert list(inspect.signature(keras_hook).parameters) == expected
+    assert list(inspect.signature(dp_model._PrivateTraining._symbolic_build).parameters) == expected
