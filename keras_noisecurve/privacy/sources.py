@@ -31,17 +31,18 @@ Accepted inputs (``kind``) and what each costs:
   The source reads through its own read-only map of the file, advised
   ``MADV_RANDOM`` (a page fault reads one page, not a read-ahead window; the
   user's map is left as it is). Memory: the batches in flight, plus the pages of
-  the file touched so far, mapped from the kernel's page cache (reclaimable; they
-  count in the process's RSS while mapped — about 10 KiB per distinct row read on
-  the 4 GiB test file, tests/privacy/test_sources_big.py). Throughput on the
-  bundled MNIST split, P = 256 (benchmarks/bench_data.py): see that script; about
-  1.3–1.6× the in-memory time per batch on a busy 2-core machine, the extra being
-  the Python call and the copy made under the GIL-free ``np.take``. Measured and
-  NOT kept: reading the rows in sorted index order and un-sorting them (no gain
-  on a cold 2 GiB file, one more copy per batch); writing into a 64-byte aligned
-  buffer that ``numpy_function`` passes on uncopied (slower: TensorFlow frees it
-  late, so every batch faults in fresh pages); a zero-copy tensor over the map
-  (DLPack; tf.data's optimizations then copy the whole file into memory).
+  the file touched so far, mapped from the kernel's page cache (reclaimable, but
+  counted in the process's RSS while mapped: about one page per distinct row read;
+  tests/privacy/test_sources_big.py streams a 4.3 GiB file with a peak RSS growth
+  near 100 MiB). Throughput on the bundled MNIST split, P = 256
+  (benchmarks/bench_data.py, a busy 2-core machine): 1.4–1.6× the in-memory time
+  per batch; the extra is the Python call and the copy of the rows by
+  ``np.take``. Measured and NOT kept: reading the rows in
+  sorted index order and un-sorting them (no gain on a cold 2 GiB file, one more
+  copy per batch); writing into a 64-byte aligned buffer that ``numpy_function``
+  passes on uncopied (slower: TensorFlow frees it late, so every batch faults in
+  fresh pages); a zero-copy tensor over the map (DLPack: creating the iterator
+  copied the whole file into memory once, as tf.data does with captured tensors).
 - ``"sequence"`` — any random-access sequence with ``__len__`` and
   ``__getitem__(i)`` returning ONE example: ``x``, ``(x,)`` or ``(x, y)`` (a dict
   needs ``example_fn``: it maps one raw example to ``(x, y)`` or ``x``).
@@ -50,7 +51,8 @@ Accepted inputs (``kind``) and what each costs:
   ``{"image": ..., "label": ...}``). Shapes and dtypes are those of example 0
   (after ``example_fn``); every example must match them. Cost: one Python call
   per example (or per batch with ``__getitems__``) plus a ``np.stack``, in one
-  ``tf.numpy_function`` per batch.
+  ``tf.numpy_function`` per batch: about 1.4 ms per batch of 256 MNIST examples,
+  6–8× the in-memory time (benchmarks/bench_data.py).
 - ``"py_dataset"`` — a ``keras.utils.PyDataset`` (whose ``__getitem__`` returns a
   BATCH ``x``, ``(x,)`` or ``(x, y)``): example i is row ``i % k`` of batch
   ``i // k``, k = the size of batch 0; every batch but the last must have k rows
