@@ -30,7 +30,11 @@ Accepted inputs (``kind``) and what each costs:
   (rows in the order of the indices) inside ONE ``tf.numpy_function`` per batch.
   The source reads through its own read-only map of the file, advised
   ``MADV_RANDOM`` (a page fault reads one page, not a read-ahead window; the
-  user's map is left as it is). Memory: the batches in flight, plus the pages of
+  user's map is left as it is). The trade: on a cold file that fits in memory,
+  read-ahead warms the cache faster (measured: first reads 3× faster on a 1.3 GiB
+  file; no difference once cached), but on a file larger than memory it reads and
+  maps ~32× the bytes used (measured: 2.9 GiB mapped for 77k random rows of
+  1 KiB). Data that fits in memory is fastest as in-memory arrays anyway. Memory: the batches in flight, plus the pages of
   the file touched so far, mapped from the kernel's page cache (reclaimable, but
   counted in the process's RSS while mapped: about one page per distinct row read;
   tests/privacy/test_sources_big.py streams a 4.3 GiB file with a peak RSS growth
