@@ -34,8 +34,8 @@ Accepted inputs (``kind``) and what each costs:
   read-ahead warms the cache faster (measured: first reads 3× faster on a 1.3 GiB
   file; no difference once cached), but on a file larger than memory it reads and
   maps ~32× the bytes used (measured: 2.9 GiB mapped for 77k random rows of
-  1 KiB). Data that fits in memory is fastest as in-memory arrays anyway. Memory: the batches in flight, plus the pages of
-  the file touched so far, mapped from the kernel's page cache (reclaimable, but
+  1 KiB). Data that fits in memory is fastest as in-memory arrays anyway.
+  Memory: the batches in flight, plus the pages of the file touched so far, mapped from the kernel's page cache (reclaimable, but
   counted in the process's RSS while mapped: about one page per distinct row read;
   tests/privacy/test_sources_big.py streams a 4.3 GiB file with a peak RSS growth
   near 100 MiB). Throughput on the bundled MNIST split, P = 256
