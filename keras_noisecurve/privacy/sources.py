@@ -35,8 +35,9 @@ Accepted inputs (``kind``) and what each costs:
   file; no difference once cached), but on a file larger than memory it reads and
   maps ~32× the bytes used (measured: 2.9 GiB mapped for 77k random rows of
   1 KiB). Data that fits in memory is fastest as in-memory arrays anyway.
-  Memory: the batches in flight, plus the pages of the file touched so far, mapped from the kernel's page cache (reclaimable, but
-  counted in the process's RSS while mapped: about one page per distinct row read;
+  Memory: the batches in flight, plus the pages of the file touched so far,
+  mapped from the kernel's page cache (reclaimable, but counted in the
+  process's RSS while mapped: about one page per distinct row read;
   tests/privacy/test_sources_big.py streams a 4.3 GiB file with a peak RSS growth
   near 100 MiB). Throughput on the bundled MNIST split, P = 256
   (benchmarks/bench_data.py, a busy 2-core machine): 1.4–1.6× the in-memory time
