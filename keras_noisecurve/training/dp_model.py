@@ -155,6 +155,12 @@ class _PrivateTraining:
             optimizer = self.optimizer
             if not isinstance(optimizer, DPOptimizer):
                 raise ValueError(f"a private model needs a DPOptimizer, got {type(optimizer).__name__}.")
+            if self.jit_compile:
+                raise ValueError(
+                    "this model was compiled with jit_compile=True: XLA drops the check that every batch "
+                    "of a PrivateRun belongs to the optimizer's step, so a dataset out of step would train "
+                    "silently. Compile with jit_compile=False (the default of private models)."
+                )
             run.bind(optimizer)
             kwargs.setdefault("steps_per_epoch", run.steps_per_epoch)
             kwargs.setdefault("epochs", run.epochs)
