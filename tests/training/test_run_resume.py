@@ -90,6 +90,14 @@ def test_the_dataset_carries_step_indices_and_the_plan(data):
         np.testing.assert_array_equal(xb, data[0][indices])
 
 
+def test_steps_per_execution_runs_the_same_batches(data, uninterrupted):
+    run = _run()
+    model = _model(run)
+    model.compile(optimizer=model.optimizer, loss=model.loss, steps_per_execution=3)
+    model.fit(run.dataset(*data), verbose=0)
+    _assert_identical(_state(model), uninterrupted[0])
+
+
 def test_backup_and_restore_after_a_crash_is_bit_for_bit(tmp_path, data, uninterrupted):
     backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"), save_freq=1)
     model = _model(_run())
