@@ -40,7 +40,7 @@ Accepted inputs (``kind``) and what each costs:
   process's RSS while mapped: about one page per distinct row read;
   tests/privacy/test_sources_big.py streams a 4.3 GiB file with a peak RSS growth
   near 100 MiB). Throughput on the bundled MNIST split, P = 256
-  (benchmarks/bench_data.py, a busy 2-core machine): 1.4–1.6× the in-memory time
+  (benchmarks/bench_data.py, a 2-core machine): 1.56×, 1.64× and 1.78× the in-memory time
   per batch; the extra is the Python call and the copy of the rows by
   ``np.take``. Measured and NOT kept: reading the rows in
   sorted index order and un-sorting them (no gain on a cold 2 GiB file, one more
