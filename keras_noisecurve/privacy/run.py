@@ -267,6 +267,7 @@ class PrivateRun:
         return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
     def same_plan(self, other: "PrivateRun") -> bool:
+        """Whether ``other`` is a ``PrivateRun`` of the same public plan (equal fingerprints)."""
         return isinstance(other, PrivateRun) and other.fingerprint() == self.fingerprint()
 
     def __repr__(self) -> str:
@@ -302,6 +303,7 @@ class PrivateRun:
 
     @property
     def bound_optimizer(self):
+        """The optimizer the run reads its position and key from (``None`` if unbound or deleted)."""
         return None if self._bound is None else self._bound()
 
     def position(self) -> tuple[int, np.ndarray]:
