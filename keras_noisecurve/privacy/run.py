@@ -128,7 +128,6 @@ class PrivateRun:
         self._max_batch_size = None if max_batch_size is None else self._padded
         self._overflow_target = None if overflow_probability is None else float(overflow_probability)
         self._key = key_from_seed(seed)
-        self._seeded = seed is not None
         self._ledger = None
         self._bound = None  # weakref to the optimizer whose variables hold position and key
 
