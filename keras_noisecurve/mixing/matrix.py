@@ -109,6 +109,11 @@ class MixingMatrix:
         # Fail early, not at save time, if the metadata cannot be stored.
         json.dumps(self._metadata)
 
+    #: The strategy kind (``keras_noisecurve.mixing.strategies.STRATEGIES``).
+    kind = "banded"
+    #: C is b-banded: participations at least b steps apart touch disjoint rows.
+    banded = True
+
     # ------------------------------------------------------------------ basics
     @property
     def steps(self) -> int:
@@ -175,6 +180,34 @@ class MixingMatrix:
                 acc -= bv[t, j] * out[t - j]
             out[t] = acc / bv[t, 0]
         return out
+
+    def stream(self):
+        """The online recurrence (``keras_noisecurve.mixing.stream``, kind ``"banded"``)."""
+        from keras_noisecurve.mixing.stream import NoiseStream
+
+        return NoiseStream("banded", self.steps, self._band_values)
+
+    @property
+    def buffers(self) -> int:
+        """Noise-state arrays the size of the model that the optimizer keeps: b − 1."""
+        return self.bands - 1
+
+    def sensitivity(self, *, participations: int = 1, separation: int | None = None) -> float:
+        """L2 sensitivity of k = ``participations`` participations ``separation`` ≥ b steps
+        apart: √k × the largest column norm (the columns they touch do not overlap)."""
+        k = check_int("participations", participations, minimum=1)
+        if k > 1:
+            s = check_int("separation", separation, minimum=1)
+            if s < self.bands:
+                raise ValueError(
+                    f"participations {s} steps apart overlap in a C with {self.bands} bands; the separation "
+                    f"must be at least b = {self.bands}."
+                )
+        return float(np.sqrt(k)) * self.max_column_norm()
+
+    def to_config(self) -> dict:
+        """A JSON-serialisable dict that ``load_mixing`` turns back into this matrix."""
+        return {"band_values": self._band_values.tolist(), "metadata": self.metadata}
 
     def digest(self) -> str:
         """SHA-256 of the band values (shape + float64 bytes), hex."""
@@ -275,6 +308,15 @@ class MixingMatrix:
     __hash__ = None
 
 
+def _file_format(path) -> str:
+    """The ``format`` field of an ``.npz`` file ('' when there is none or it is unreadable)."""
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            return str(data["format"]) if "format" in data.files else ""
+    except (OSError, ValueError):
+        return ""
+
+
 def load_mixing(mixing):
     """Resolve a ``mixing=`` argument to a ``MixingMatrix`` (or the string ``"dpsgd"``).
 
@@ -285,17 +327,20 @@ def load_mixing(mixing):
     Args:
       mixing: one of
 
-        - a ``MixingMatrix``: returned as it is;
+        - a ``MixingMatrix`` or a Toeplitz-family strategy (``ToeplitzMixing``,
+          ``BLTMixing``, ``BISRMixing``): returned as it is;
         - the string ``"dpsgd"``: returned as it is. It means independent noise (C = I)
           with no step limit; ``MixingMatrix.identity(T)`` is the same noise for T steps;
         - a path (``str`` or ``os.PathLike``) of a ``.npz`` artifact written by
           ``MixingMatrix.save`` or ``noisecurve solve``: loaded and re-validated by
           ``MixingMatrix.load``;
         - a dict ``{"band_values": (T, b) array-like, "metadata": dict}`` (the form
-          ``NoiseCurveOptimizer.get_config()`` stores; ``metadata`` may be missing).
+          ``NoiseCurveOptimizer.get_config()`` stores; ``metadata`` may be missing);
+          ``{"kind": "toeplitz" | "blt" | "bisr", "steps": T, <parameters>, "metadata": …}``
+          for the other strategies (their ``to_config()``).
 
     Returns:
-      The ``MixingMatrix``, or the string ``"dpsgd"``.
+      The strategy (``MixingMatrix`` for a banded C), or the string ``"dpsgd"``.
 
     Raises:
       ValueError: a path that is not a file or not a valid artifact, a dict without
@@ -305,10 +350,18 @@ def load_mixing(mixing):
         Band values that break a constraint of C raise ``InvalidMixingMatrixError``, a
         ``ValueError``.
     """
-    if isinstance(mixing, MixingMatrix):
+    from keras_noisecurve.mixing import strategies
+
+    if isinstance(mixing, (MixingMatrix, strategies._ToeplitzFamily)):
         return mixing
     if isinstance(mixing, str) and mixing == "dpsgd":
         return "dpsgd"
+    if isinstance(mixing, dict) and mixing.get("kind", "banded") != "banded":
+        params = {k: v for k, v in mixing.items() if k not in ("kind", "steps", "metadata")}
+        if "steps" not in mixing:
+            raise ValueError(f"a {mixing['kind']!r} mixing dict needs 'steps'; got keys {sorted(mixing)}.")
+        return strategies.strategy_from_fields(mixing["kind"], steps=mixing["steps"], params=params,
+                                               metadata=mixing.get("metadata") or {})
     if isinstance(mixing, dict):
         if "band_values" not in mixing:
             raise ValueError(f"mixing dict must have 'band_values' (and 'metadata'), got keys {sorted(mixing)}.")
@@ -320,6 +373,10 @@ def load_mixing(mixing):
                 "written by MixingMatrix.save / `noisecurve solve`, or 'dpsgd'."
             )
         try:
+            if _file_format(mixing) == "keras-noisecurve/mixing-strategy":
+                from keras_noisecurve.mixing.strategies import load_strategy
+
+                return load_strategy(mixing)
             return MixingMatrix.load(mixing)
         except InvalidMixingMatrixError as exc:
             raise ValueError(f"mixing={str(mixing)!r} is not a valid mixing-matrix artifact: {exc}") from exc
