@@ -22,16 +22,12 @@ from typing import Any, Mapping
 import numpy as np
 
 from keras_noisecurve._validation import check_int
+from keras_noisecurve.mixing.errors import COLUMN_NORM_TOLERANCE, InvalidMixingMatrixError
 
-#: Largest allowed deviation of a column norm from 1.
-COLUMN_NORM_TOLERANCE = 1e-9
+__all__ = ["COLUMN_NORM_TOLERANCE", "InvalidMixingMatrixError", "MixingMatrix", "load_mixing"]
 
 _FORMAT = "keras-noisecurve/mixing-matrix"
 _FORMAT_VERSION = 1
-
-
-class InvalidMixingMatrixError(ValueError):
-    """Raised when band values break a constraint the privacy guarantee relies on."""
 
 
 def _column_norms(band_values: np.ndarray) -> np.ndarray:

@@ -37,7 +37,7 @@ import numpy as np
 import scipy.signal
 
 from keras_noisecurve._validation import check_int
-from keras_noisecurve.mixing.matrix import COLUMN_NORM_TOLERANCE, InvalidMixingMatrixError
+from keras_noisecurve.mixing.errors import COLUMN_NORM_TOLERANCE, InvalidMixingMatrixError
 from keras_noisecurve.mixing.stream import NoiseStream, stream_apply
 
 __all__ = [
