@@ -28,7 +28,12 @@ Two sampling schemes (docs/design.md#privacy-model):
   and consecutive participations are ``steps_per_epoch ≥ b`` steps apart. Then
   ``X = CᵀC`` has zero entries between participations and the L2 sensitivity of
   the whole run is ``s·√k`` (k = epochs), i.e. a single Gaussian mechanism with
-  noise multiplier ``σ / (s·√k)``.
+  noise multiplier ``σ / (s·√k)``. A C that is not banded (BLT, BISR:
+  ``keras_noisecurve.mixing.strategies``) has overlapping columns; its sensitivity
+  Δ_k = ‖Σ_{i<k} C[:, i·steps_per_epoch]‖ is computed from C (its coefficients are
+  non-negative, so the first start is the worst) and the run is one Gaussian
+  mechanism with noise multiplier ``σ / Δ_k``. Cyclic Poisson sampling is refused for
+  them: its amplification argument needs a banded C.
 
 Noise multipliers are relative to the clip norm ζ: the optimizer adds ``ζ·σ·z̃_t``
 to the clipped gradient sum.
@@ -96,6 +101,11 @@ class AccountingSetup:
         1 for ``fixed_epochs`` (one Gaussian mechanism of sensitivity s·√k).
       sensitivity: s, the largest column norm of C's leading T×T block (1.0 when no
         mixing matrix is given, i.e. a valid artifact is assumed only if none is given).
+      strategy: the kind of C (``"banded"``, ``"toeplitz"``, ``"blt"``, ``"bisr"``).
+      participation_sensitivities: for a C that is not banded (BLT, BISR; ``fixed_epochs``
+        only), the L2 sensitivity of k = 1 … epochs participations ``steps_per_epoch``
+        steps apart, computed from C (its columns overlap, so √k·s does not hold);
+        ``None`` for banded kinds.
     """
 
     sampling: str
@@ -108,6 +118,15 @@ class AccountingSetup:
     sampling_probability: Optional[float]
     compositions: int
     sensitivity: float
+    strategy: str = "banded"
+    participation_sensitivities: Optional[tuple] = None
+
+    def fixed_epoch_sensitivity(self, k: int) -> float:
+        """L2 sensitivity of k ≥ 1 fixed-epoch participations: s·√k for a banded C (its
+        participations touch disjoint rows), the computed value for BLT and BISR."""
+        if self.participation_sensitivities is not None:
+            return float(self.participation_sensitivities[k - 1])
+        return self.sensitivity * math.sqrt(k)
 
     def participations(self, steps: Optional[int] = None) -> int:
         """Number of times one example can participate in the first ``steps`` steps."""
@@ -141,12 +160,30 @@ def sampling_probability(*, num_examples: int, batch_size: int, bands: int = 1) 
     return q
 
 
-def _mixing_sensitivity(mixing, steps: int, bands: Optional[int]) -> tuple[int, float]:
-    """(bands, max column norm of C[:steps, :steps]) from a MixingMatrix."""
-    from keras_noisecurve.mixing.matrix import MixingMatrix
+def _strategy_sensitivity(mixing, steps: int, bands: Optional[int]) -> tuple[int, float]:
+    """(1, ‖C[:steps, 0]‖) for a non-banded Toeplitz-family C (BLT, BISR)."""
+    if bands is not None and bands != 1:
+        raise ValueError(
+            f"bands={bands} does not apply to a {mixing.kind} mixing strategy: its C is not banded, so there are "
+            "no partitions; leave bands unset."
+        )
+    if steps > mixing.steps:
+        raise ValueError(
+            f"steps={steps} exceeds the mixing strategy's {mixing.steps} steps: C defines the noise of "
+            f"{mixing.steps} steps only."
+        )
+    return 1, float(np.linalg.norm(mixing.first_column()[:steps]))
 
-    if not isinstance(mixing, MixingMatrix):
-        raise TypeError(f"mixing must be a keras_noisecurve.MixingMatrix, got {type(mixing).__name__}.")
+
+def _mixing_sensitivity(mixing, steps: int, bands: Optional[int]) -> tuple[int, float]:
+    """(bands, max column norm of C[:steps, :steps]) from a banded strategy."""
+    from keras_noisecurve.mixing.matrix import MixingMatrix
+    from keras_noisecurve.mixing.strategies import ToeplitzMixing
+
+    if not isinstance(mixing, (MixingMatrix, ToeplitzMixing)):
+        raise TypeError(
+            f"mixing must be a keras_noisecurve.MixingMatrix or a mixing strategy, got {type(mixing).__name__}."
+        )
     if bands is not None and bands != mixing.bands:
         raise ValueError(f"bands={bands} does not match the mixing matrix, which has {mixing.bands} bands.")
     if steps > mixing.steps:
@@ -154,12 +191,15 @@ def _mixing_sensitivity(mixing, steps: int, bands: Optional[int]) -> tuple[int, 
             f"steps={steps} exceeds the mixing matrix's {mixing.steps} steps: C defines the noise of "
             f"{mixing.steps} steps only."
         )
-    values = np.asarray(mixing.band_values)[:steps]
-    sq = np.zeros(steps)
-    for j in range(values.shape[1]):
-        # C[t, t-j] = values[t, j] lies in column t-j; keep rows t < steps.
-        sq[: max(steps - j, 0)] += values[j:steps, j] ** 2
-    sensitivity = float(np.sqrt(sq.max()))
+    if isinstance(mixing, ToeplitzMixing):  # column 0 of the leading block is the longest
+        sensitivity = float(np.linalg.norm(mixing.coefficients[:steps]))
+    else:
+        values = np.asarray(mixing.band_values)[:steps]
+        sq = np.zeros(steps)
+        for j in range(values.shape[1]):
+            # C[t, t-j] = values[t, j] lies in column t-j; keep rows t < steps.
+            sq[: max(steps - j, 0)] += values[j:steps, j] ** 2
+        sensitivity = float(np.sqrt(sq.max()))
     if not sensitivity > 0 or not math.isfinite(sensitivity):
         raise ValueError(f"the mixing matrix has an invalid column norm {sensitivity!r}.")
     return mixing.bands, sensitivity
@@ -197,7 +237,10 @@ def accounting_setup(
     steps = check_int("steps", steps, minimum=1)
     if bands is not None:
         bands = check_int("bands", bands, minimum=1)
-    if mixing is not None:
+    strategy = "banded" if mixing is None else getattr(mixing, "kind", "banded")
+    if mixing is not None and not getattr(mixing, "banded", True):
+        bands, sensitivity = _strategy_sensitivity(mixing, steps, bands)
+    elif mixing is not None:
         bands, sensitivity = _mixing_sensitivity(mixing, steps, bands)
     else:
         bands = 1 if bands is None else bands
@@ -209,6 +252,13 @@ def accounting_setup(
     if batch > n:
         raise ValueError(f"batch_size={batch} cannot exceed num_examples={n}.")
 
+    if sampling == "cyclic_poisson" and strategy in ("blt", "bisr"):
+        raise ValueError(
+            f"sampling='cyclic_poisson' needs a banded C (its amplification assumes participations at least b "
+            f"steps apart touch disjoint rows of C); a {strategy} C is not banded. Use sampling='fixed_epochs' "
+            "(no amplification: one Gaussian mechanism with the sensitivity of all epochs), or a banded or "
+            "toeplitz strategy."
+        )
     if sampling == "cyclic_poisson":
         if epochs is not None:
             raise ValueError(
@@ -216,7 +266,7 @@ def accounting_setup(
             )
         q = sampling_probability(num_examples=n, batch_size=batch, bands=bands)
         return AccountingSetup(
-            sampling, n, batch, steps, bands, None, None, q, -(-steps // bands), sensitivity
+            sampling, n, batch, steps, bands, None, None, q, -(-steps // bands), sensitivity, strategy
         )
 
     if epochs is None:
@@ -236,7 +286,12 @@ def accounting_setup(
             f"(ceil({n}/{batch})), {steps} steps touch ceil({steps}/{per_epoch}) = {touched} epochs. "
             f"Require (epochs-1)*{per_epoch} < steps <= epochs*{per_epoch}; e.g. steps={epochs * per_epoch}."
         )
-    return AccountingSetup(sampling, n, batch, steps, bands, epochs, per_epoch, None, 1, sensitivity)
+    multi = None
+    if strategy in ("blt", "bisr"):
+        multi = tuple(mixing.sensitivity(participations=k, separation=per_epoch) if k > 1 else sensitivity
+                      for k in range(1, epochs + 1))
+    return AccountingSetup(sampling, n, batch, steps, bands, epochs, per_epoch, None, 1, sensitivity, strategy,
+                           multi)
 
 
 def event_for_setup(setup: AccountingSetup, noise_multiplier: float, participations: Optional[int] = None):
@@ -247,7 +302,7 @@ def event_for_setup(setup: AccountingSetup, noise_multiplier: float, participati
             setup.sampling_probability, dp_accounting.GaussianDpEvent(noise_multiplier / setup.sensitivity)
         )
         return dp_accounting.SelfComposedDpEvent(inner, k)
-    return dp_accounting.GaussianDpEvent(noise_multiplier / (setup.sensitivity * math.sqrt(k)))
+    return dp_accounting.GaussianDpEvent(noise_multiplier / setup.fixed_epoch_sensitivity(k))
 
 
 def make_accountant(accountant: str):
@@ -275,7 +330,9 @@ def dp_event(
 
     - ``cyclic_poisson``: ``SelfComposedDpEvent(PoissonSampledDpEvent(q,
       GaussianDpEvent(σ/s)), ⌈T/b⌉)`` with ``q = B·b/n`` (BandMF amplification).
-    - ``fixed_epochs``: ``GaussianDpEvent(σ / (s·√k))``, k = epochs.
+    - ``fixed_epochs``: ``GaussianDpEvent(σ / (s·√k))``, k = epochs; for a C that is
+      not banded (BLT, BISR) ``GaussianDpEvent(σ / Δ_k)`` with Δ_k the sensitivity of
+      k participations ``steps_per_epoch`` apart computed from C.
 
     s is the largest column norm of ``mixing`` (1 without one). Neighbouring relation:
     add-or-remove-one example.

@@ -164,6 +164,8 @@ class EpsilonLedger:
             "num_examples": s.num_examples, "batch_size": s.batch_size, "steps": s.steps, "bands": s.bands,
             "sampling": s.sampling, "epochs": s.epochs, "sensitivity": s.sensitivity,
             "noise_multiplier": self.noise_multiplier, "delta": self.delta, "accountant": self.accountant,
+            **({"strategy": s.strategy, "participation_sensitivities": list(s.participation_sensitivities)}
+               if s.participation_sensitivities is not None else {}),
         }
 
     @classmethod
@@ -173,8 +175,13 @@ class EpsilonLedger:
         run = {k: config.pop(k) for k in ("num_examples", "batch_size", "steps", "bands", "sampling", "epochs")
                if k in config}
         setup = events.accounting_setup(**run)
+        strategy = config.pop("strategy", "banded")
+        multi = config.pop("participation_sensitivities", None)
         if sensitivity != 1.0:  # from a mixing matrix: accounting_setup(mixing=...) derived it
             setup = dataclasses.replace(setup, sensitivity=sensitivity)
+        if multi is not None:  # a BLT or BISR C: the sensitivity of k epochs was computed from C
+            setup = dataclasses.replace(setup, strategy=strategy, participation_sensitivities=tuple(
+                check_float("participation_sensitivities", v, positive=True) for v in multi))
         return cls(setup=setup, **config)
 
     # -------------------------------------------------------------- internals
@@ -187,7 +194,7 @@ class EpsilonLedger:
             elif s.sampling == "cyclic_poisson":
                 self._core = _RdpTable(sigma, s.sampling_probability, self.delta, self.num_participations)
             else:
-                self._core = _FixedEpochs(self.noise_multiplier, s.sensitivity, self.delta, self.accountant)
+                self._core = _FixedEpochs(self.noise_multiplier, s, self.delta, self.accountant)
             self.mechanism_builds += 1
         return self._core
 
@@ -377,13 +384,13 @@ def _rdp_epsilon(orders: np.ndarray, rdp: np.ndarray, delta: float) -> np.ndarra
 
 # ------------------------------------------------------------ fixed epochs
 class _FixedEpochs:
-    """One Gaussian mechanism of noise multiplier σ/(s·√k) after k epochs."""
+    """One Gaussian mechanism of noise multiplier σ/Δ_k after k epochs (Δ_k = s·√k for a banded C)."""
 
-    def __init__(self, noise_multiplier: float, sensitivity: float, delta: float, accountant: str):
-        self.sigma, self.sensitivity, self.delta, self.accountant = noise_multiplier, sensitivity, delta, accountant
+    def __init__(self, noise_multiplier: float, setup, delta: float, accountant: str):
+        self.sigma, self.setup, self.delta, self.accountant = noise_multiplier, setup, delta, accountant
 
     def epsilon(self, k: int) -> float:
-        sigma_k = self.sigma / (self.sensitivity * math.sqrt(k))  # as events.event_for_setup
+        sigma_k = self.sigma / self.setup.fixed_epoch_sensitivity(k)  # as events.event_for_setup
         if self.accountant == "rdp":
             return events.epsilon_of_event(dp_accounting.GaussianDpEvent(sigma_k), self.delta, "rdp")
         return _gaussian_epsilon(1.0 / sigma_k, self.delta)

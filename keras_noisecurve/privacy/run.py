@@ -51,9 +51,11 @@ class PrivateRun:
         divides the noisy sum by B.
       steps: T, the number of optimizer steps. Give ``steps`` or ``epochs``:
         ``epochs`` = k sets T = k·⌈n/B⌉ (one pass is ⌈n/B⌉ steps).
-      mixing: the mixing matrix C (a ``MixingMatrix``, the path of a ``.npz``
-        artifact, its config dict) with at least T steps; ``None`` (or ``"dpsgd"``):
-        C = I for T steps, i.e. DP-SGD. b is C's number of bands.
+      mixing: the mixing matrix C (a ``MixingMatrix`` or another strategy of
+        ``keras_noisecurve.mixing.strategies``, the path of a ``.npz`` file, its config
+        dict) with at least T steps; ``None`` (or ``"dpsgd"``): C = I for T steps, i.e.
+        DP-SGD. b is C's number of bands. BLT and BISR (not banded) need
+        ``sampling="fixed_epochs"``: their sensitivity over all epochs is computed from C.
       noise_multiplier: σ > 0. Give ``noise_multiplier`` or ``epsilon``.
       epsilon: a target ε > 0: σ is calibrated (the smallest σ whose run is
         (ε, δ)-DP, :func:`keras_noisecurve.calibrate_noise_multiplier`).
@@ -241,7 +243,7 @@ class PrivateRun:
             "num_examples": self.num_examples,
             "batch_size": self.batch_size,
             "steps": self.steps,
-            "mixing": {"band_values": self._mixing.band_values.tolist(), "metadata": self._mixing.metadata},
+            "mixing": self._mixing.to_config(),
             "noise_multiplier": self._sigma,
             "delta": self._delta,
             "sampling": self._sampling,
