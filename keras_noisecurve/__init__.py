@@ -16,6 +16,10 @@ __version__ = "0.1.0"
 _EXPORTS = {
     # mixing matrices (numpy/scipy)
     "MixingMatrix": "keras_noisecurve.mixing",
+    "ToeplitzMixing": "keras_noisecurve.mixing",
+    "BLTMixing": "keras_noisecurve.mixing",
+    "BISRMixing": "keras_noisecurve.mixing",
+    "STRATEGIES": "keras_noisecurve.mixing",
     "UpdateRule": "keras_noisecurve.mixing",
     "InvalidMixingMatrixError": "keras_noisecurve.mixing",
     "load_mixing": "keras_noisecurve.mixing",

@@ -1,4 +1,5 @@
-"""Mixing matrices C: workloads, the banded solver and the ``MixingMatrix`` artifact.
+"""Mixing strategies C: workloads, the solvers and the files (banded ``MixingMatrix``,
+``ToeplitzMixing``, ``BLTMixing``, ``BISRMixing``).
 
 numpy/scipy only: nothing here imports TensorFlow.
 """
@@ -9,14 +10,10 @@ from keras_noisecurve.mixing.matrix import (
     MixingMatrix,
     load_mixing,
 )
-from keras_noisecurve.mixing.solver import (
-    AUTO_BLEND_FACTOR,
-    RIDGE_RELATIVE,
-    TRUNCATION_RELATIVE,
-    objective_value,
-    prefix_noise_std,
-    solve_mixing_matrix,
-)
+from keras_noisecurve.mixing.api import TOEPLITZ_OBJECTIVES, objective_value, solve_mixing_matrix
+from keras_noisecurve.mixing.solver import AUTO_BLEND_FACTOR, RIDGE_RELATIVE, TRUNCATION_RELATIVE, prefix_noise_std
+from keras_noisecurve.mixing.stream import NoiseStream, stream_apply
+from keras_noisecurve.mixing.strategies import STRATEGIES, BISRMixing, BLTMixing, ToeplitzMixing
 from keras_noisecurve.mixing.update_rule import SCHEDULES, UpdateRule
 from keras_noisecurve.mixing.workloads import (
     AUTO_BLEND_GRID,
@@ -28,6 +25,13 @@ from keras_noisecurve.mixing.workloads import (
 
 __all__ = [
     "AUTO_BLEND_FACTOR",
+    "BISRMixing",
+    "BLTMixing",
+    "NoiseStream",
+    "STRATEGIES",
+    "TOEPLITZ_OBJECTIVES",
+    "ToeplitzMixing",
+    "stream_apply",
     "AUTO_BLEND_GRID",
     "COLUMN_NORM_TOLERANCE",
     "CURVATURE_OBJECTIVES",
