@@ -172,3 +172,103 @@ def test_sensitivity_matches_dense_columns_and_strategies(k, sep):
         assert fd == pytest.approx(float(grad @ direction), rel=1e-6)
     with pytest.raises(TypeError, match="separation"):
         participation_sensitivity(np.ones(5), participations=2)
+
+
+# ------------------------------------------------------------------ the solver
+from keras_noisecurve.mixing import load_mixing, solve_mixing_matrix  # noqa: E402
+from keras_noisecurve.mixing.solve_toeplitz import solve_toeplitz, sqrt_prefix_coefficients  # noqa: E402
+
+
+def _normalised_loss(coefficients, workload):
+    column = np.zeros(workload.steps)
+    column[: coefficients.shape[0]] = coefficients / np.linalg.norm(coefficients)
+    return toeplitz_loss(column, workload, gradient=False)[0]
+
+
+@pytest.fixture(scope="module")
+def bandmf_300_8():
+    return solve_toeplitz(steps=300, bands=8)
+
+
+def test_solve_beats_start_and_perturbations(bandmf_300_8):
+    mixing = bandmf_300_8
+    meta = mixing.metadata
+    workload = ToeplitzWorkload.from_objective(objective="bandmf", steps=300)
+    c = np.asarray(mixing.coefficients)
+    loss = _normalised_loss(c, workload)
+    assert meta["solver"]["converged"] and meta["solver"]["relative_optimality"] <= 1e-6
+    assert meta["loss"] == pytest.approx(loss, rel=1e-12)
+    assert meta["loss"] == pytest.approx(_dense_loss(mixing.first_column(), workload.dense()), rel=1e-10)
+    assert loss < _normalised_loss(sqrt_prefix_coefficients(8), workload) * (1 - 1e-4)
+    for j in range(8):
+        for sign in (1.0, -1.0):
+            bumped = c.copy()
+            bumped[j] += sign * 1e-3
+            assert _normalised_loss(bumped, workload) > loss, (j, sign)
+    assert meta["baseline_losses"] == {"dpsgd": pytest.approx(300 * 301 / 2), "bandmf": pytest.approx(loss)}
+
+
+def test_toeplitz_is_within_a_few_percent_of_banded(bandmf_300_8):
+    banded = solve_mixing_matrix(steps=300, bands=8).metadata["loss"]
+    toeplitz = bandmf_300_8.metadata["loss"]
+    # the banded C is a superset of the Toeplitz ones; measured ratio 1.0149
+    assert banded * (1 - 1e-9) <= toeplitz <= 1.03 * banded
+
+
+def test_metadata_round_trip(bandmf_300_8, tmp_path):
+    path = tmp_path / "toeplitz.npz"
+    bandmf_300_8.save(path)
+    loaded = load_mixing(path)
+    assert loaded == bandmf_300_8 and loaded.metadata == bandmf_300_8.metadata
+    meta = loaded.metadata
+    assert meta["strategy"] == "toeplitz" and meta["objective"] == "bandmf" and meta["bands"] == 8
+    assert meta["spectrum_digest"] is None and meta["learning_rate"] is None and meta["blend_weight"] is None
+    assert set(meta["solver"]) >= {"iterations", "function_evaluations", "seconds", "converged",
+                                   "relative_optimality", "message"}
+    assert isinstance(meta["version"], str)
+
+
+@pytest.mark.parametrize("objective", ["noisecurve", "noisecurve-blend"])
+def test_curvature_solve_improves_on_bandmf_start(objective):
+    kw = OBJECTIVES[objective]
+    mixing = solve_toeplitz(steps=120, bands=6, objective=objective, **kw)
+    meta = mixing.metadata
+    dense_w = workload_matrix(objective=objective, steps=120, **kw)
+    assert meta["loss"] == pytest.approx(_dense_loss(mixing.first_column(), dense_w), rel=1e-10)
+    assert meta["loss"] < meta["baseline_losses"]["bandmf"]
+    assert meta["baseline_losses"]["dpsgd"] == pytest.approx(np.trace(dense_w), rel=1e-12)
+    assert meta["spectrum_digest"] == SPEC.digest() and meta["learning_rate"] == ETA
+    assert meta["solver"]["converged"] and "bandmf_solver" in meta["solver"]
+
+
+def test_blend_endpoint_and_trivial_band():
+    kw = dict(spectrum=SPEC, learning_rate=ETA, blend_weight=1.0)
+    blend = solve_toeplitz(steps=60, bands=4, objective="noisecurve-blend", **kw)
+    np.testing.assert_allclose(blend.coefficients, solve_toeplitz(steps=60, bands=4).coefficients)
+    identity = solve_toeplitz(steps=60, bands=1)
+    np.testing.assert_array_equal(identity.coefficients, [1.0])
+    assert identity.metadata["loss"] == pytest.approx(60 * 61 / 2)
+
+
+def test_solver_validation(capsys, monkeypatch):
+    with pytest.raises(ValueError, match="bands must be <= steps"):
+        solve_toeplitz(steps=5, bands=6)
+    with pytest.raises(ValueError, match="not supported for Toeplitz strategies"):
+        solve_toeplitz(steps=5, bands=2, objective="noisecurve-convergence", spectrum=SPEC, learning_rate=ETA)
+    with pytest.raises(ValueError, match="objective must be one of"):
+        solve_toeplitz(steps=5, bands=2, objective="banded")
+    with pytest.raises(ValueError, match="tol must be > 0"):
+        solve_toeplitz(steps=5, bands=2, tol=0.0)
+    with pytest.raises(ValueError, match="max_iterations must be >= 0"):
+        solve_toeplitz(steps=5, bands=2, max_iterations=-1)
+    with pytest.raises(TypeError, match="bands must be an integer"):
+        solve_toeplitz(steps=5, bands=2.0)
+    with pytest.raises(TypeError, match="verbose"):
+        solve_toeplitz(steps=5, bands=2, verbose="yes")
+    stuck = solve_toeplitz(steps=50, bands=4, max_iterations=0, tol=1e-12)
+    assert not stuck.metadata["solver"]["converged"]
+    from keras_noisecurve.mixing import solve_toeplitz as module
+
+    monkeypatch.setattr(module, "_PROGRESS_EVERY", 2)
+    solve_toeplitz(steps=77, bands=5, verbose=True)
+    assert "[solve_toeplitz bandmf] iteration 2: f = " in capsys.readouterr().out
