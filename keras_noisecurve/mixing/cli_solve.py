@@ -1,12 +1,30 @@
-"""``noisecurve solve``: solve for a banded mixing matrix C and save it as ``.npz``.
+"""``noisecurve solve``: solve for a mixing strategy C and save it as ``.npz``.
 
 Usage::
 
-    noisecurve solve --steps T --bands b --objective NAME [--spectrum FILE]
-                     [--learning-rate ETA] [--blend-weight LAMBDA|auto]
+    noisecurve solve --steps T --objective NAME [--strategy {banded,toeplitz,blt,bisr}]
+                     [--bands b] [--buffers d] [--participations k --separation s]
+                     [--spectrum FILE] [--learning-rate ETA] [--blend-weight LAMBDA|auto]
                      [--momentum BETA] [--schedule {constant,cosine,linear-cooldown}]
                      [--cooldown-fraction F] [--tol TOL] [--max-iterations N]
                      [--out FILE] [--quiet]
+
+``--strategy`` picks the family of C (``keras_noisecurve.mixing.strategies``; default
+``banded``) and the solve goes through ``keras_noisecurve.mixing.api.solve_mixing_matrix``:
+
+==========  ===================  ==============================================================
+strategy    size                 options only it takes
+==========  ===================  ==============================================================
+banded      ``--bands b``        ``--momentum``, ``--schedule``, ``--cooldown-fraction``,
+                                 ``--blend-weight auto``, every objective
+toeplitz    ``--bands b``        (objectives ``TOEPLITZ_OBJECTIVES`` only)
+blt         ``--buffers d``      ``--participations k``, ``--separation s``
+bisr        ``--bands p``        (closed form: no ``--tol``/``--max-iterations``)
+==========  ===================  ==============================================================
+
+An option that does not apply to the chosen strategy is a one-line error before any
+solve work. The file is what the strategy's ``save`` writes (``MixingMatrix`` for
+banded, the strategy format for the others; ``load_mixing`` reads both).
 
 ``--momentum``/``--schedule``/``--cooldown-fraction`` give the update rule training will
 run (``keras_noisecurve.mixing.UpdateRule``: Keras's SGD with heavy-ball momentum and a
@@ -14,9 +32,13 @@ learning-rate schedule; default plain SGD with a constant rate); C is solved for
 records it in ``metadata["update_rule"]``.
 
 Prints a summary: the objective value Tr(W X⁻¹), the DP-SGD and DP-BandMF baselines
-under the same W and the ratios to them, the update rule, solver statistics, and the
-headline noise diagnostics (:mod:`keras_noisecurve.mixing.diagnostics`). Bad input gives a one-line
-error on stderr and exit status 2, never a traceback.
+under the same W and the ratios to them, the noise state (model-sized buffers), the
+update rule, solver statistics, and the headline noise diagnostics
+(:mod:`keras_noisecurve.mixing.diagnostics`; banded only). For the other strategies: the
+strategy and its size, the loss (for blt: sensitivity² × Tr(W X⁻¹) for the participation
+pattern it was optimised for), the baselines stored by the solver, the noise state and
+the solver statistics. Bad input gives a one-line error on stderr and exit status 2,
+never a traceback.
 
 numpy/scipy only: this module does not import TensorFlow.
 """
@@ -24,12 +46,15 @@ numpy/scipy only: this module does not import TensorFlow.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import os
 import sys
 import time
 import warnings
 
+from keras_noisecurve.mixing.api import TOEPLITZ_OBJECTIVES
+from keras_noisecurve.mixing.strategies import STRATEGIES
 from keras_noisecurve.mixing.update_rule import SCHEDULES, UpdateRule
 from keras_noisecurve.mixing.workloads import CURVATURE_OBJECTIVES, OBJECTIVES
 
@@ -85,14 +110,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``noisecurve solve``."""
     parser.add_argument("--steps", type=int, required=True, metavar="T", help="number of training steps T (>= 1)")
     parser.add_argument(
-        "--bands", type=int, required=True, metavar="b", help="band width b, 1 <= b <= T (b = 1 is DP-SGD)"
+        "--strategy",
+        choices=STRATEGIES,
+        default="banded",
+        help="family of C: %(choices)s (default banded; docs/mixing.md, 'Command line: the other strategies')",
+    )
+    parser.add_argument(
+        "--bands",
+        type=int,
+        metavar="b",
+        help="banded/toeplitz: band width b, 1 <= b <= T (b = 1 is DP-SGD); bisr: the bands p of C^-1. "
+        "Required by those strategies; not used by blt",
+    )
+    parser.add_argument(
+        "--buffers", type=int, metavar="d", help="blt only (required there): d noise buffers, 1 <= d < T"
+    )
+    parser.add_argument(
+        "--participations",
+        type=int,
+        metavar="k",
+        help="blt only: optimise for k participations per example (fixed epochs; default 1, one pass)",
+    )
+    parser.add_argument(
+        "--separation",
+        type=int,
+        metavar="s",
+        help="blt only, with --participations k >= 2: the steps between two participations, (k - 1) s < T",
     )
     parser.add_argument(
         "--objective",
         required=True,
         choices=OBJECTIVES,
         metavar="NAME",
-        help="workload W of the objective Tr(W X^-1): %(choices)s",
+        help="workload W of the objective Tr(W X^-1): %(choices)s (toeplitz, blt, bisr: "
+        + ", ".join(TOEPLITZ_OBJECTIVES) + ")",
     )
     parser.add_argument(
         "--spectrum", metavar="FILE", help="Spectrum .npz (from 'noisecurve spectrum'); needed by curvature objectives"
@@ -104,43 +155,137 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--blend-weight",
         type=blend_weight_arg,
         metavar="LAMBDA",
-        help="noisecurve-blend only: weight in [0, 1] of the prefix-sum workload, or 'auto'",
+        help="noisecurve-blend only: weight in [0, 1] of the prefix-sum workload, or 'auto' (banded only)",
     )
     parser.add_argument(
         "--momentum",
         type=float,
-        default=0.0,
         metavar="BETA",
-        help="heavy-ball momentum beta in [0, 1) of the SGD training will run (default 0)",
+        help="banded only: heavy-ball momentum beta in [0, 1) of the SGD training will run (default 0)",
     )
     parser.add_argument(
         "--schedule",
         choices=SCHEDULES[:-1],
-        default="constant",
-        help="learning-rate schedule of that SGD: %(choices)s (default constant)",
+        help="banded only: learning-rate schedule of that SGD: %(choices)s (default constant)",
     )
     parser.add_argument(
         "--cooldown-fraction",
         type=float,
         metavar="F",
-        help="linear-cooldown only: share of the steps in (0, 1] spent cooling down (default 0.25)",
+        help="banded, linear-cooldown only: share of the steps in (0, 1] spent cooling down (default 0.25)",
     )
-    parser.add_argument("--tol", type=float, default=1e-6, help="relative optimality tolerance (default 1e-6)")
     parser.add_argument(
-        "--max-iterations", type=int, default=10_000, metavar="N", help="solver iteration limit (default 10000)"
+        "--tol", type=float, help="relative optimality tolerance (default 1e-6; not for bisr, a closed form)"
+    )
+    parser.add_argument(
+        "--max-iterations",
+        type=int,
+        metavar="N",
+        help="solver iteration limit (default 10000 for banded, the solver's own for toeplitz and blt; "
+        "not for bisr)",
     )
     parser.add_argument("--out", default="mixing.npz", metavar="FILE", help="output .npz file (default mixing.npz)")
     parser.add_argument("--quiet", action="store_true", help="print nothing but warnings and errors")
 
 
+#: Options that only some strategies take: option -> (attribute, strategies that take it).
+_ONLY_FOR = {
+    "--bands": ("bands", ("banded", "toeplitz", "bisr")),
+    "--buffers": ("buffers", ("blt",)),
+    "--participations": ("participations", ("blt",)),
+    "--separation": ("separation", ("blt",)),
+    "--momentum": ("momentum", ("banded",)),
+    "--schedule": ("schedule", ("banded",)),
+    "--cooldown-fraction": ("cooldown_fraction", ("banded",)),
+    "--tol": ("tol", ("banded", "toeplitz", "blt")),
+    "--max-iterations": ("max_iterations", ("banded", "toeplitz", "blt")),
+}
+
+_WHY_NOT = {
+    "--momentum": "the toeplitz, blt and bisr strategies are solved for plain SGD with a constant learning rate",
+    "--schedule": "the toeplitz, blt and bisr strategies are solved for plain SGD with a constant learning rate",
+    "--cooldown-fraction": "the toeplitz, blt and bisr strategies are solved for plain SGD with a constant "
+    "learning rate",
+    "--tol": "bisr is a closed form, nothing is optimised",
+    "--max-iterations": "bisr is a closed form, nothing is optimised",
+    "--bands": "a blt C is sized by --buffers d",
+    "--buffers": "only a blt C is sized by buffers; the others by --bands",
+    "--participations": "the banded kinds need none: participations >= b steps apart do not overlap, so k only "
+    "scales the loss",
+    "--separation": "the banded kinds need none: participations >= b steps apart do not overlap, so k only "
+    "scales the loss",
+}
+
+
+def _check_strategy(args) -> None:
+    """Refuse options the strategy does not take; sizes and blt's participation pattern."""
+    strategy = args.strategy
+    for option, (attr, allowed) in _ONLY_FOR.items():
+        if getattr(args, attr) is not None and strategy not in allowed:
+            raise CommandError(
+                f"{option} does not apply to --strategy {strategy} ({_WHY_NOT[option]}); it is used by "
+                f"--strategy {'/'.join(allowed)} only."
+            )
+    if strategy != "banded":
+        if args.objective not in TOEPLITZ_OBJECTIVES:
+            raise CommandError(
+                f"--strategy {strategy} supports --objective {', '.join(TOEPLITZ_OBJECTIVES)}; got "
+                f"{args.objective!r}. Use --strategy banded for the others."
+            )
+        if args.blend_weight == "auto":
+            raise CommandError(
+                f"--blend-weight auto is only supported by --strategy banded; give --strategy {strategy} "
+                "a number in [0, 1]."
+            )
+    if strategy in ("banded", "toeplitz", "bisr"):
+        if args.bands is None:
+            what = "p (the bands of C^-1), 1 <= p" if strategy == "bisr" else "b, 1 <= b"
+            raise CommandError(f"--strategy {strategy} needs --bands {what} <= steps ({args.steps}).")
+        if not 1 <= args.bands <= args.steps:
+            raise CommandError(f"--bands must satisfy 1 <= b <= steps ({args.steps}), got {args.bands}.")
+        return
+    # blt
+    if args.steps < 2:
+        raise CommandError(f"--strategy blt needs --steps >= 2, got {args.steps}.")
+    if args.buffers is None:
+        raise CommandError("--strategy blt needs --buffers d (the optimizer keeps d noise buffers), 1 <= d < steps.")
+    max_buffers = _blt_max_buffers()
+    if not 1 <= args.buffers < args.steps or args.buffers > max_buffers:
+        raise CommandError(
+            f"--buffers must satisfy 1 <= d <= {max_buffers} and d < steps ({args.steps}), got {args.buffers}."
+        )
+    k, s = args.participations, args.separation
+    if k is not None and k < 1:
+        raise CommandError(f"--participations must be >= 1, got {k}.")
+    if k is not None and k > 1:
+        if s is None:
+            raise CommandError(f"--participations {k} needs --separation s (the steps between participations).")
+        if s < 1:
+            raise CommandError(f"--separation must be >= 1, got {s}.")
+        if (k - 1) * s >= args.steps:
+            raise CommandError(
+                f"--participations {k} at --separation {s} needs (k - 1) * s < steps ({args.steps}); "
+                f"got {(k - 1) * s}."
+            )
+    elif s is not None:
+        raise CommandError("--separation is only used with --participations k >= 2.")
+
+
+def _blt_max_buffers() -> int:
+    try:
+        from keras_noisecurve.mixing.solve_blt import MAX_BUFFERS
+    except ImportError:  # solver not installed: the solve reports it
+        return 10**9
+    return int(MAX_BUFFERS)
+
+
 def _check_args(args) -> None:
     if args.steps < 1:
         raise CommandError(f"--steps must be >= 1, got {args.steps}.")
-    if not 1 <= args.bands <= args.steps:
-        raise CommandError(f"--bands must satisfy 1 <= b <= steps ({args.steps}), got {args.bands}.")
-    if not (math.isfinite(args.tol) and args.tol > 0):
+    _check_strategy(args)
+    if args.tol is not None and not (math.isfinite(args.tol) and args.tol > 0):
         raise CommandError(f"--tol must be a finite number > 0, got {args.tol}.")
-    if args.max_iterations < 1:
+    if args.max_iterations is not None and args.max_iterations < 1:
         raise CommandError(f"--max-iterations must be >= 1, got {args.max_iterations}.")
     curvature = args.objective in CURVATURE_OBJECTIVES
     if curvature and args.spectrum is None:
@@ -150,17 +295,21 @@ def _check_args(args) -> None:
     if not curvature and args.spectrum is not None:
         raise CommandError(f"--spectrum is only used by the curvature objectives {CURVATURE_OBJECTIVES}, "
                            f"not by {args.objective!r}.")
+    if not curvature and args.learning_rate is not None and args.strategy != "banded":
+        raise CommandError(f"--learning-rate is only used by the curvature objectives {CURVATURE_OBJECTIVES}, "
+                           f"not by {args.objective!r}.")
     if args.learning_rate is not None and not (math.isfinite(args.learning_rate) and args.learning_rate > 0):
         raise CommandError(f"--learning-rate must be a finite number > 0, got {args.learning_rate}.")
     if args.objective == "noisecurve-blend" and args.blend_weight is None:
         raise CommandError("objective 'noisecurve-blend' needs --blend-weight LAMBDA (in [0, 1]) or 'auto'.")
     if args.objective != "noisecurve-blend" and args.blend_weight is not None:
         raise CommandError(f"--blend-weight is only used by objective 'noisecurve-blend', not {args.objective!r}.")
-    if not (math.isfinite(args.momentum) and 0.0 <= args.momentum < 1.0):
+    if args.momentum is not None and not (math.isfinite(args.momentum) and 0.0 <= args.momentum < 1.0):
         raise CommandError(f"--momentum must lie in [0, 1), got {args.momentum}.")
     if args.cooldown_fraction is not None:
         if args.schedule != "linear-cooldown":
-            raise CommandError(f"--cooldown-fraction is only used by --schedule linear-cooldown, not {args.schedule!r}.")
+            schedule = args.schedule or "constant"
+            raise CommandError(f"--cooldown-fraction is only used by --schedule linear-cooldown, not {schedule!r}.")
         if not (math.isfinite(args.cooldown_fraction) and 0.0 < args.cooldown_fraction <= 1.0):
             raise CommandError(f"--cooldown-fraction must lie in (0, 1], got {args.cooldown_fraction}.")
     out_dir = os.path.dirname(os.path.abspath(args.out))
@@ -168,6 +317,10 @@ def _check_args(args) -> None:
         raise CommandError(f"the directory of --out {args.out!r} does not exist.")
     if os.path.isdir(args.out):
         raise CommandError(f"--out {args.out!r} is a directory; give a file name.")
+    if args.strategy in ("toeplitz", "blt"):
+        module = f"keras_noisecurve.mixing.solve_{args.strategy}"
+        if importlib.util.find_spec(module) is None:
+            raise CommandError(f"--strategy {args.strategy} is not available: its solver ({module}) is not installed.")
 
 
 def _fmt(value) -> str:
@@ -259,37 +412,142 @@ def diagnostics_lines(diag, *, steps: int, reference=None) -> list[str]:
     return lines
 
 
+def noise_state_text(mixing) -> str:
+    """``N buffers x model size``: the noise state the optimizer keeps for C."""
+    n = mixing.buffers
+    if n == 0:
+        return "0 buffers (independent noise at every step, as DP-SGD)"
+    return f"{n} buffer{'' if n == 1 else 's'} x model size (the optimizer keeps {n} model-sized noise array" \
+           f"{'' if n == 1 else 's'})"
+
+
+def size_text(mixing) -> str:
+    """The size of a strategy: ``bands b = …``, ``buffers d = …`` or ``C^-1 bands p = …``."""
+    kind = getattr(mixing, "kind", "banded")
+    if kind == "blt":
+        return f"buffers d = {mixing.buffers}"
+    if kind == "bisr":
+        return f"C^-1 bands p = {mixing.inverse_bands}"
+    return f"bands b = {mixing.bands}"
+
+
+def participation_text(participations, separation) -> str:
+    k = 1 if participations is None else int(participations)
+    if k == 1:
+        return "a single participation (one pass)"
+    return f"{k} participations {separation} steps apart (fixed epoch order)"
+
+
+def scored_objective(meta):
+    """The objective a strategy's loss is under (BISR stores it as ``objective_scored``)."""
+    return meta.get("objective_scored", meta.get("objective"))
+
+
+def strategy_summary_lines(mixing, *, seconds: float | None = None) -> list[str]:
+    """Human-readable summary of a solved Toeplitz-family strategy from its metadata."""
+    meta = mixing.metadata
+    objective = scored_objective(meta)
+    loss = meta.get("loss")
+    lines = [f"noise state: {noise_state_text(mixing)}"]
+    baselines = dict(meta.get("baseline_losses") or {})
+    if mixing.kind == "blt":
+        k, s = meta.get("participations") or 1, meta.get("separation")
+        sens = mixing.sensitivity(participations=k, separation=s) if k > 1 else mixing.max_column_norm()
+        one = "" if k == 1 else f" (one participation {mixing.max_column_norm():.6g})"
+        lines.append(f"optimised for {participation_text(k, s)}: sensitivity {sens:.6g}{one}")
+        if k > 1:
+            parts = meta.get("loss_components") or {}
+            detail = ""
+            if "sensitivity_squared" in parts and "trace" in parts:
+                detail = (f" (sensitivity^2 {_fmt(parts['sensitivity_squared'])} x Tr(W X^-1) "
+                          f"{_fmt(parts['trace'])})")
+            lines.append(f"objective {objective!r}: sensitivity^2 x Tr(W X^-1) = {_fmt(loss)}{detail}")
+        else:
+            lines.append(f"objective {objective!r}: Tr(W X^-1) = {_fmt(loss)}")
+    else:
+        how = " (closed form, scored under the objective; nothing optimised)" if mixing.kind == "bisr" else ""
+        lines.append(f"objective {objective!r}: Tr(W X^-1) = {_fmt(loss)}{how}")
+    labels = (("dpsgd", "DP-SGD (C = I)"), ("bandmf", f"Toeplitz DP-BandMF (b = {getattr(mixing, 'bands', '?')})"))
+    for name, label in labels:
+        base = baselines.get(name)
+        if base is None:
+            continue
+        ratio = f"{loss / base:.4f}" if isinstance(loss, (int, float)) and base else "n/a"
+        lines.append(f"  {label:<26} {_fmt(base):>12}   this C / baseline = {ratio}")
+    if meta.get("loss_scale"):
+        lines.append(f"  ({meta['loss_scale']})")
+    lines.append(f"update rule: {UpdateRule().describe()} (the {mixing.kind} strategy is solved for plain SGD)")
+    lines.extend(solver_lines(meta.get("solver")))
+    if seconds is not None:
+        lines.append(f"wall time: {seconds:.2f} s")
+    if meta.get("blend_weight") is not None:
+        lines.append(f"blend weight: {_fmt(meta['blend_weight'])}")
+    return lines
+
+
+def _solve_kwargs(args, spectrum, rule) -> dict:
+    kwargs = dict(steps=args.steps, strategy=args.strategy, objective=args.objective, spectrum=spectrum,
+                  learning_rate=args.learning_rate, blend_weight=args.blend_weight, verbose=not args.quiet)
+    if args.strategy == "banded":
+        kwargs.update(bands=args.bands, tol=1e-6 if args.tol is None else args.tol,
+                      max_iterations=10_000 if args.max_iterations is None else args.max_iterations,
+                      update_rule=rule)
+    elif args.strategy == "toeplitz":
+        kwargs.update(bands=args.bands, max_iterations=args.max_iterations)
+    elif args.strategy == "blt":
+        kwargs.update(buffers=args.buffers, participations=args.participations, separation=args.separation,
+                      max_iterations=args.max_iterations)
+    else:
+        kwargs.update(bands=args.bands)
+    if args.strategy in ("toeplitz", "blt") and args.tol is not None:
+        kwargs.update(tol=args.tol)
+    return kwargs
+
+
+def _complete_metadata(mixing, args, spectrum):
+    """BISR: record what the scoring used (the closed form does not), so ``inspect`` can
+    re-evaluate it, and the DP-SGD baseline under the same workload."""
+    if args.strategy != "bisr":
+        return mixing
+    from keras_noisecurve.mixing.api import objective_value
+    from keras_noisecurve.mixing.strategies import ToeplitzMixing
+    from keras_noisecurve.mixing.workloads import LOSS_SCALES
+
+    meta = mixing.metadata
+    extra = {"learning_rate": args.learning_rate, "blend_weight": args.blend_weight,
+             "spectrum_digest": spectrum.digest() if spectrum is not None else None,
+             "loss_scale": LOSS_SCALES.get(args.objective)}
+    if "baseline_losses" not in meta:
+        identity = ToeplitzMixing([1.0], steps=args.steps)
+        extra["baseline_losses"] = {"dpsgd": objective_value(
+            identity, objective=args.objective, spectrum=spectrum, learning_rate=args.learning_rate,
+            blend_weight=args.blend_weight)}
+    return mixing.with_metadata(**{k: v for k, v in extra.items() if k not in meta})
+
+
 def run(args) -> int:
     """Solve, save, print the summary. Returns 0, or 2 on a user error."""
     try:
         _check_args(args)
         spectrum = load_spectrum(args.spectrum) if args.spectrum is not None else None
-        try:
-            rule = UpdateRule(momentum=args.momentum, schedule=args.schedule,
-                              cooldown_fraction=args.cooldown_fraction)
-        except (ValueError, TypeError) as exc:
-            raise CommandError(str(exc)) from None
+        rule = None
+        if args.strategy == "banded":
+            try:
+                rule = UpdateRule(momentum=0.0 if args.momentum is None else args.momentum,
+                                  schedule=args.schedule or "constant", cooldown_fraction=args.cooldown_fraction)
+            except (ValueError, TypeError) as exc:
+                raise CommandError(str(exc)) from None
     except CommandError as exc:
         return fail(PROG, str(exc))
 
-    from keras_noisecurve.mixing import solve_mixing_matrix
+    from keras_noisecurve.mixing.api import solve_mixing_matrix
 
     start = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            mixing = solve_mixing_matrix(
-                steps=args.steps,
-                bands=args.bands,
-                objective=args.objective,
-                spectrum=spectrum,
-                learning_rate=args.learning_rate,
-                blend_weight=args.blend_weight,
-                tol=args.tol,
-                max_iterations=args.max_iterations,
-                verbose=not args.quiet,
-                update_rule=rule,
-            )
+            mixing = solve_mixing_matrix(**_solve_kwargs(args, spectrum, rule))
+            mixing = _complete_metadata(mixing, args, spectrum)
         except (ValueError, TypeError) as exc:
             report_warnings(PROG, caught)
             return fail(PROG, str(exc))
@@ -300,8 +558,14 @@ def run(args) -> int:
     except OSError as exc:
         return fail(PROG, f"cannot write {args.out!r}: {exc}")
     if not args.quiet:
-        print(f"saved {args.out}: steps T = {mixing.steps}, bands b = {mixing.bands}")
-        for line in summary_lines(mixing, seconds=seconds):
+        if args.strategy == "banded":
+            print(f"saved {args.out}: steps T = {mixing.steps}, bands b = {mixing.bands}")
+            print(f"noise state: {noise_state_text(mixing)}")
+            lines = summary_lines(mixing, seconds=seconds)
+        else:
+            print(f"saved {args.out}: strategy {mixing.kind!r}, steps T = {mixing.steps}, {size_text(mixing)}")
+            lines = strategy_summary_lines(mixing, seconds=seconds)
+        for line in lines:
             print(line)
         if seen:
             print(f"{len(seen)} warning(s) on stderr")
