@@ -18,7 +18,7 @@ from keras_noisecurve import __version__
 # name -> (module, one-line help)
 SUBCOMMANDS = {
     "spectrum": ("keras_noisecurve.spectrum.cli", "estimate a Hessian-upper-bound spectrum from public data"),
-    "solve": ("keras_noisecurve.mixing.cli_solve", "solve for a banded mixing matrix C and save it"),
+    "solve": ("keras_noisecurve.mixing.cli_solve", "solve a mixing strategy C (banded, toeplitz, blt, bisr) and save it"),
     "calibrate": ("keras_noisecurve.privacy.cli", "calibrate the noise multiplier for a target (epsilon, delta)"),
     "inspect": ("keras_noisecurve.mixing.cli_inspect", "show a mixing-matrix file: metadata, norms, expected error"),
     "demo": ("keras_noisecurve.demo", "run the whole pipeline end to end on bundled MNIST data"),

@@ -439,8 +439,8 @@ def participation_text(participations, separation) -> str:
 
 
 def scored_objective(meta):
-    """The objective a strategy's loss is under (BISR stores it as ``objective_scored``)."""
-    return meta.get("objective_scored", meta.get("objective"))
+    """The objective a strategy's loss is under (``metadata["objective"]``)."""
+    return meta.get("objective")
 
 
 def strategy_summary_lines(mixing, *, seconds: float | None = None) -> list[str]:

@@ -232,7 +232,7 @@ def test_inspect_shows_every_kind(solved, name):
             assert f"stored loss                    {mixing.metadata['loss']:.6g}" in out
     else:
         assert f"C^-1 bands p = {BANDS}" in out and f"p = {BANDS}: C^-1 is p-banded Toeplitz" in out
-        assert "objective_scored: bandmf" in out
+        assert "  objective: bandmf" in out
 
 
 @pytest.mark.parametrize("name", ["toeplitz", "blt-k3", "bisr"])
