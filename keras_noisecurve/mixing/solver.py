@@ -34,55 +34,25 @@ import time
 
 import numpy as np
 
-from keras_noisecurve._validation import check_choice, check_float, check_int
+from keras_noisecurve._validation import check_float, check_int
 from keras_noisecurve.mixing.banded import ab_to_band_values, band_values_to_ab, prefix_noise_std, valid_mask
 from keras_noisecurve.mixing.matrix import MixingMatrix
+from keras_noisecurve.mixing.objectives import get_objective
 from keras_noisecurve.mixing.optimize import minimize_band_values, normalise_columns, relative_optimality
-from keras_noisecurve.mixing.rule_workloads import (
-    PrefixMap,
-    check_rule_objective,
-    is_identity_rule,
-    resolve_update_rule,
-)
+from keras_noisecurve.mixing.rule_workloads import PrefixMap, is_identity_rule, resolve_update_rule
 from keras_noisecurve.mixing.surrogate import (
     RIDGE_RELATIVE,
     TRUNCATION_RELATIVE,
     Problem,
-    exact_loss,
     pivoted_cholesky,
 )
 from keras_noisecurve.mixing.workloads import (
     AUTO_BLEND_GRID,
-    CURVATURE_OBJECTIVES,
     DEFAULT_OBJECTIVE,
-    LOSS_SCALES,
-    OBJECTIVES,
     check_blend_weight,
     check_curvature_inputs,
-    check_unused_inputs,
-    dense_workload,
     prefix_workload,
 )
-
-# Still importable from here, where they lived before the solver was split into
-# banded / surrogate / optimize (setting one here does not change the solver).
-from keras_noisecurve.mixing.banded import (  # noqa: F401
-    inverse_frobenius_term,
-    lowrank_term,
-    prefix_factor,
-    prefix_factor_pullback,
-    solve_lower,
-    trace_w_xinv,
-)
-from keras_noisecurve.mixing.optimize import (  # noqa: F401
-    LBFGS_MEMORY,
-    NO_PROGRESS_RELATIVE,
-    NO_PROGRESS_WINDOW,
-    PRECONDITION,
-    PRECONDITION_REFRESH,
-    PROBE_COLOURS,
-)
-from keras_noisecurve.mixing.workloads import blend_workload, curvature_workload  # noqa: F401
 
 #: ``blend_weight="auto"`` keeps the peak running-noise-sum std within this × DP-BandMF's.
 AUTO_BLEND_FACTOR = 1.5
@@ -102,10 +72,6 @@ def _bandmf_initial(steps: int, bands: int) -> np.ndarray:
 
 
 _BANDMF_CACHE: dict = {}
-
-#: ``metadata["loss_scale"]`` of ``bandmf`` for a rule other than plain SGD (W = A_ruleᵀA_rule).
-_RULE_PREFIX_SCALE = ("total variance of the iterate noise, sum_t E||w~_{t+1} - w_{t+1}||^2 per coordinate "
-                      "with a zero Hessian (sigma = 1, eta = 1)")
 
 
 def _bandmf_key(steps, bands, tol, max_iterations, rule):
@@ -136,12 +102,12 @@ def _solve_bandmf(steps, bands, *, tol, max_iterations, verbose, update_rule=Non
 
 
 def _check_common(objective, steps, bands):
-    check_choice("objective", objective, OBJECTIVES)
+    spec = get_objective(objective)
     steps = check_int("steps", steps, minimum=1)
     bands = check_int("bands", bands, minimum=1)
     if bands > steps:
         raise ValueError(f"bands must be <= steps ({steps}); got bands={bands}.")
-    return steps, bands
+    return spec, steps, bands
 
 
 def _version() -> str:
@@ -210,23 +176,19 @@ def solve_mixing_matrix(*, steps, bands, objective=DEFAULT_OBJECTIVE, spectrum=N
       ValueError: invalid arguments (each message names the value received).
       TypeError: ``update_rule`` is not an ``UpdateRule`` or None.
     """
-    steps, bands = _check_common(objective, steps, bands)
-    check_unused_inputs(objective, spectrum=spectrum, learning_rate=learning_rate, blend_weight=blend_weight)
+    spec, steps, bands = _check_common(objective, steps, bands)
+    spec.check_unused(spectrum=spectrum, learning_rate=learning_rate, blend_weight=blend_weight)
     rule = resolve_update_rule(update_rule, steps)
-    check_rule_objective(objective, rule)
+    spec.check_rule(rule)
     tol = check_float("tol", tol, positive=True)
     max_iterations = check_int("max_iterations", max_iterations, minimum=0)
-    if objective == "dpsgd" and bands != 1:
-        raise ValueError(
-            f"objective='dpsgd' means C = I, which has bands=1; got bands={bands}. Use bands=1 "
-            "(or objective='bandmf' for a banded C)."
-        )
+    spec.check_bands(bands)
     inputs = None
     lam = None
-    if objective in CURVATURE_OBJECTIVES:
+    if spec.curvature:
         inputs = check_curvature_inputs(objective=objective, spectrum=spectrum, learning_rate=learning_rate,
                                         update_rule=rule, steps=steps)
-    if objective == "noisecurve-blend":
+    if spec.blend:
         lam = check_blend_weight(blend_weight, allow_auto=True)
     start_ab = None
     if initial is not None:
@@ -283,14 +245,13 @@ def solve_mixing_matrix(*, steps, bands, objective=DEFAULT_OBJECTIVE, spectrum=N
         "ridge": float(problem.ridge),
         "ridge_relative": RIDGE_RELATIVE if problem.ridge else 0.0,
         "workload_rank": int(problem.rank),
-        "loss_scale": _RULE_PREFIX_SCALE if objective == "bandmf" and problem.prefix_map is not None
-        else LOSS_SCALES[objective],
+        "loss_scale": spec.loss_scale_for(plain_sgd=problem.prefix_map is None),
         "version": _version(),
     }
     if auto_record is not None:
         meta["blend_rule"] = auto_record
     band_values = ab_to_band_values(ab)
-    _attach_diagnostics(meta, band_values, reference_ab=bandmf_ab if objective in CURVATURE_OBJECTIVES else None)
+    _attach_diagnostics(meta, band_values, reference_ab=bandmf_ab if spec.curvature else None)
     return MixingMatrix(band_values, meta)
 
 
@@ -303,9 +264,7 @@ def _solve_problem(problem, bands, start_ab, bandmf_ab, tol, max_iterations, ver
                     "relative_optimality": rel, "tolerance": tol,
                     "surrogate_loss": float(problem.surrogate(ab, gradient=False)[0]),
                     "message": "bands=1: C = I is the only unit-column diagonal C"}
-    if problem.objective == "bandmf" and start_ab is None:
-        return bandmf_ab.copy(), _cached_bandmf_stats(steps, bands, tol, max_iterations, problem.update_rule)
-    if problem.objective == "noisecurve-blend" and problem.blend_weight == 1.0 and start_ab is None:
+    if problem.spec.reduces_to_bandmf(problem.blend_weight) and start_ab is None:
         return bandmf_ab.copy(), _cached_bandmf_stats(steps, bands, tol, max_iterations, problem.update_rule)
     ab0 = start_ab if start_ab is not None else bandmf_ab
     return minimize_band_values(problem.surrogate, ab0, tol=tol, max_iterations=max_iterations,
@@ -337,21 +296,22 @@ def objective_value(mixing, *, objective, spectrum=None, learning_rate=None, ble
     """
     if not isinstance(mixing, MixingMatrix):
         raise ValueError(f"mixing must be a MixingMatrix; got {type(mixing).__name__}.")
-    check_choice("objective", objective, OBJECTIVES)
-    check_unused_inputs(objective, spectrum=spectrum, learning_rate=learning_rate, blend_weight=blend_weight)
+    spec = get_objective(objective)
+    spec.check_unused(spectrum=spectrum, learning_rate=learning_rate, blend_weight=blend_weight)
     rule = resolve_update_rule(update_rule, mixing.steps)
-    check_rule_objective(objective, rule)
-    identity = is_identity_rule(rule, mixing.steps)
+    spec.check_rule(rule)
+    steps = mixing.steps
+    workload_rule = None if is_identity_rule(rule, steps) else rule  # None: plain SGD
     ab = band_values_to_ab(np.asarray(mixing.band_values))
-    workload = None
-    if objective in CURVATURE_OBJECTIVES:
+    inputs = lam = None
+    if spec.curvature:
         inputs = check_curvature_inputs(objective=objective, spectrum=spectrum, learning_rate=learning_rate,
-                                        update_rule=rule, steps=mixing.steps)
-        lam = check_blend_weight(blend_weight, allow_auto=False) if objective == "noisecurve-blend" else None
-        workload = dense_workload(objective=objective, steps=mixing.steps, inputs=inputs, blend_weight=lam,
-                                  update_rule=None if identity else rule)
-    prefix_map = None if identity or objective != "bandmf" else PrefixMap(mixing.steps, rule)
-    return exact_loss(ab, objective=objective, workload=workload, prefix_map=prefix_map)
+                                        update_rule=rule, steps=steps)
+    if spec.blend:
+        lam = check_blend_weight(blend_weight, allow_auto=False)
+    workload = spec.exact_workload(steps, inputs, lam, workload_rule)
+    prefix_map = None if workload_rule is None else PrefixMap(steps, workload_rule)
+    return spec.exact_loss(ab, workload=workload, prefix_map=prefix_map)
 
 
 __all__ = ["solve_mixing_matrix", "objective_value", "prefix_noise_std", "pivoted_cholesky",

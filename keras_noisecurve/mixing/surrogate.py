@@ -38,10 +38,9 @@ from keras_noisecurve.mixing.banded import (
     lowrank_term,
     prefix_factor,
     prefix_factor_pullback,
-    trace_w_xinv,
 )
+from keras_noisecurve.mixing.objectives import get_objective
 from keras_noisecurve.mixing.rule_workloads import PrefixMap, is_identity_rule
-from keras_noisecurve.mixing.workloads import blend_workload, curvature_workload, rule_curvature_workload
 
 __all__ = [
     "RIDGE_RELATIVE",
@@ -68,13 +67,7 @@ def exact_loss(ab: np.ndarray, *, objective: str, workload: np.ndarray | None = 
     recursion and need no ``workload``; every other objective needs its dense (T, T)
     ``workload`` and costs O(T²·b).
     """
-    if objective == "dpsgd":
-        return inverse_frobenius_term(ab, gradient=False)[0]
-    if objective == "bandmf" and prefix_map is not None:
-        return inverse_frobenius_term(prefix_map.factor(ab), gradient=False)[0]
-    if objective == "bandmf":
-        return inverse_frobenius_term(prefix_factor(ab), gradient=False)[0]
-    return trace_w_xinv(ab, workload)
+    return get_objective(objective).exact_loss(ab, workload=workload, prefix_map=prefix_map)
 
 
 class Surrogate:
@@ -190,14 +183,20 @@ class Problem:
       update_rule: a validated ``UpdateRule`` (None: plain SGD; a rule with β = 0 and
         every s_t = 1 is the same problem, bit for bit).
 
-    Attributes: ``surrogate`` (a ``Surrogate``), ``workload`` (dense W of the curvature
-    objectives, for exact reporting; None otherwise), ``ridge`` (ε, 0.0 if none),
+    The objective's ``surrogate_terms`` (``keras_noisecurve.mixing.objectives``) say how W
+    splits; a ridge is added when the factored part is rank-deficient and no prefix term
+    makes the sum full rank.
+
+    Attributes: ``spec`` (the ``Objective``), ``surrogate`` (a ``Surrogate``), ``workload``
+    (dense W of the curvature objectives, for exact reporting; None otherwise), ``ridge``
+    (ε, 0.0 if none),
     ``rank`` (columns of R kept; T for full-rank workloads) and ``prefix_map`` (the
     rule's ``PrefixMap``; None for plain SGD).
     """
 
     def __init__(self, *, objective, steps, inputs=None, blend_weight=None, update_rule=None):
         self.objective = objective
+        self.spec = get_objective(objective)
         self.steps = steps
         self.blend_weight = blend_weight
         self.update_rule = update_rule
@@ -206,51 +205,24 @@ class Problem:
         self.rank = steps
         rule = None if update_rule is None or is_identity_rule(update_rule, steps) else update_rule
         self.prefix_map = None if rule is None else PrefixMap(steps, rule)
-        if objective == "dpsgd":
-            self.surrogate = Surrogate(identity_weight=1.0)
-            return
-        if objective == "bandmf":
-            self.surrogate = Surrogate(prefix_weight=1.0, prefix_map=self.prefix_map)
-            return
-        if objective == "noisecurve-blend":
-            lam = float(blend_weight)
-            if rule is None:
-                w_curv = curvature_workload(objective="noisecurve", steps=steps, inputs=inputs)
-            else:
-                w_curv = rule_curvature_workload(objective="noisecurve", steps=steps, inputs=inputs, rule=rule)
-            self.workload = blend_workload(curvature=w_curv, blend_weight=lam, prefix=self.prefix_map)
-            factor, full = (None, True)
-            if lam < 1.0:
-                factor, full = factor_workload(w_curv)
-                factor = factor * math.sqrt((1.0 - lam) / float(np.trace(w_curv)))
-                self.rank = factor.shape[1]
-            prefix_trace = steps * (steps + 1) / 2.0 if rule is None else self.prefix_map.trace()
-            prefix_weight = lam / prefix_trace
-            if lam == 0.0 and not full:
-                self.ridge = RIDGE_RELATIVE * float(np.trace(self.workload)) / steps
-            self.surrogate = Surrogate(factor=factor, prefix_weight=prefix_weight, identity_weight=self.ridge,
-                                       prefix_map=self.prefix_map)
-            return
-        if rule is None:
-            self.workload = curvature_workload(objective=objective, steps=steps, inputs=inputs)
-        else:
-            self.workload = rule_curvature_workload(objective=objective, steps=steps, inputs=inputs, rule=rule)
-        factor, full = factor_workload(self.workload)
-        self.rank = factor.shape[1]
-        if not full:
+        terms = self.spec.surrogate_terms(steps=steps, inputs=inputs, blend_weight=blend_weight, rule=rule,
+                                          prefix_map=self.prefix_map)
+        self.workload = terms.workload
+        factor, full = None, True
+        if terms.lowrank is not None:
+            factor, full = factor_workload(terms.lowrank)
+            if terms.lowrank_scale is not None:
+                factor = factor * math.sqrt(terms.lowrank_scale)
+            self.rank = factor.shape[1]
+        if not full and not terms.prefix_weight:  # rank-deficient, and no full-rank prefix term
             self.ridge = RIDGE_RELATIVE * float(np.trace(self.workload)) / steps
-        self.surrogate = Surrogate(factor=factor, identity_weight=self.ridge)
+        self.surrogate = Surrogate(factor=factor, prefix_weight=terms.prefix_weight,
+                                   identity_weight=terms.identity_weight + self.ridge, prefix_map=self.prefix_map)
 
     def exact_loss(self, ab) -> float:
         """``Tr(W X⁻¹)`` without ridge or truncation."""
-        return exact_loss(ab, objective=self.objective, workload=self.workload, prefix_map=self.prefix_map)
+        return self.spec.exact_loss(ab, workload=self.workload, prefix_map=self.prefix_map)
 
     def identity_loss(self) -> float:
         """Loss of C = I, i.e. Tr(W)."""
-        if self.objective == "dpsgd":
-            return float(self.steps)
-        if self.objective == "bandmf":
-            if self.prefix_map is not None:
-                return self.prefix_map.trace()
-            return self.steps * (self.steps + 1) / 2.0
-        return float(np.trace(self.workload))
+        return self.spec.identity_loss(steps=self.steps, workload=self.workload, prefix_map=self.prefix_map)

@@ -3,7 +3,8 @@ r"""Workload matrices W for the mixing-matrix objectives ``Tr(W X⁻¹)``, ``X =
 numpy only (no TensorFlow). Conventions (docs/design.md#notation): steps t = 0 … T−1, the
 correlated noise is ``z̃ = C⁻¹z`` so ``Cov(z̃) = C⁻¹C⁻ᵀ = X⁻¹`` (per unit of σ²).
 
-Objectives (``OBJECTIVES``):
+Objectives (``OBJECTIVES``; each is an object of ``keras_noisecurve.mixing.objectives``,
+which says what it needs and builds its W from the kernels here):
 
 ``dpsgd``
     W = I: the sum of the per-step noise variances. Only C = I (b = 1) is "solved" for it.
@@ -78,42 +79,25 @@ import warnings
 
 import numpy as np
 
-from keras_noisecurve._validation import check_choice, check_float, check_int
+from keras_noisecurve._validation import check_float, check_int
+from keras_noisecurve.mixing.objectives import REGISTRY, get_objective
 from keras_noisecurve.mixing.rule_workloads import (
-    PrefixMap,
-    check_rule_objective,
     check_rule_stability,
-    final_loss_workload,
     is_identity_rule,
     resolve_update_rule,
 )
 
 #: Names of the objectives: the two baselines, then the curvature objectives (eq. 1, eq. 2,
-#: and the two variants that score the whole trajectory).
-OBJECTIVES = (
-    "dpsgd",
-    "bandmf",
-    "noisecurve",
-    "noisecurve-convergence",
-    "noisecurve-all-iterates",
-    "noisecurve-blend",
-)
+#: and the two variants that score the whole trajectory). Each is an object in
+#: ``keras_noisecurve.mixing.objectives`` (``get_objective(name)``); these tables are read off it.
+OBJECTIVES = tuple(REGISTRY)
 
 #: Objectives whose workload depends on a Hessian spectrum and a learning rate.
-CURVATURE_OBJECTIVES = OBJECTIVES[2:]
+CURVATURE_OBJECTIVES = tuple(name for name, objective in REGISTRY.items() if objective.curvature)
 
-_LOSS_GAP = "E[loss gap] = (eta^2 sigma^2 / 2) * loss for a quadratic model (blend: of the normalised mix)"
 #: What the objective value ``Tr(W X⁻¹)`` measures, per objective (the solver stores it
 #: as ``metadata["loss_scale"]``).
-LOSS_SCALES = {
-    "dpsgd": "total per-step noise variance (sigma = 1)",
-    "bandmf": "total variance of the running noise sum (sigma = 1)",
-    "noisecurve": _LOSS_GAP,
-    "noisecurve-convergence": "mean squared gradient norm = k* + eta^2 sigma^2 * loss for a quadratic model",
-    "noisecurve-all-iterates": _LOSS_GAP,
-    "noisecurve-blend": _LOSS_GAP,
-}
-assert tuple(LOSS_SCALES) == OBJECTIVES
+LOSS_SCALES = {name: objective.loss_scale for name, objective in REGISTRY.items()}
 
 #: Default objective of ``solve_mixing_matrix``. Evidence decides it: in the
 #: validation-tuned accuracy benchmark (docs/results.md; softmax regression and an MLP
@@ -301,33 +285,14 @@ def prefix_workload(steps: int) -> np.ndarray:
 def curvature_workload(*, objective: str, steps: int, inputs: CurvatureInputs, rows=None) -> np.ndarray:
     """Dense workload of one of ``noisecurve``, ``noisecurve-convergence``,
     ``noisecurve-all-iterates`` (validated inputs). Shape (T, T), symmetric PSD;
-    with ``rows`` only those rows, shape (len(rows), T)."""
-    mu, m, eta = inputs.eigenvalues, inputs.multiplicities, inputs.learning_rate
-    eta_mu = eta * mu
-    if objective == "noisecurve":
-        h = power_sums(weights=m * mu, eta_mu=eta_mu, max_power=2 * steps - 2)
-        return _hankel_from_powers(h, steps, rows)
-    if objective == "noisecurve-all-iterates":
-        h = power_sums(weights=m * mu, eta_mu=eta_mu, max_power=2 * steps)
-        return _all_iterates_from_powers(h, steps, rows)
-    if objective == "noisecurve-convergence":
-        h = power_sums(weights=m * mu * mu, eta_mu=eta_mu, max_power=2 * steps)
-        return _all_iterates_from_powers(h, steps, rows)
-    raise ValueError(f"{objective!r} is not a curvature objective; choose one of {CURVATURE_OBJECTIVES}.")
+    with ``rows`` only those rows, shape (len(rows), T). (``Objective.kernel``.)"""
+    return get_objective(objective).kernel(steps, inputs, rows)
 
 
 def check_unused_inputs(objective, *, spectrum, learning_rate, blend_weight) -> None:
     """Refuse inputs that ``objective`` does not use (they would be silently ignored)."""
-    if objective not in CURVATURE_OBJECTIVES and (spectrum is not None or learning_rate is not None):
-        raise ValueError(
-            f"objective={objective!r} does not use a spectrum or a learning rate; got "
-            f"spectrum={'given' if spectrum is not None else None}, learning_rate={learning_rate!r}."
-        )
-    if objective != "noisecurve-blend" and blend_weight is not None:
-        raise ValueError(
-            f"blend_weight is only used by objective='noisecurve-blend'; got blend_weight={blend_weight!r} "
-            f"with objective={objective!r}."
-        )
+    get_objective(objective).check_unused(spectrum=spectrum, learning_rate=learning_rate,
+                                          blend_weight=blend_weight)
 
 
 def workload_matrix(*, objective, steps, spectrum=None, learning_rate=None, blend_weight=None,
@@ -366,18 +331,18 @@ def workload_matrix(*, objective, steps, spectrum=None, learning_rate=None, blen
         that does not use it, or a rule the objective is not derived for.
       TypeError: ``update_rule`` is not an ``UpdateRule`` or None.
     """
-    check_choice("objective", objective, OBJECTIVES)
+    spec = get_objective(objective)
     steps = check_int("steps", steps, minimum=1)
-    check_unused_inputs(objective, spectrum=spectrum, learning_rate=learning_rate, blend_weight=blend_weight)
+    spec.check_unused(spectrum=spectrum, learning_rate=learning_rate, blend_weight=blend_weight)
     rule = resolve_update_rule(update_rule, steps)
-    check_rule_objective(objective, rule)
+    spec.check_rule(rule)
     inputs = lam = None
-    if objective in CURVATURE_OBJECTIVES:
+    if spec.curvature:
         inputs = check_curvature_inputs(objective=objective, spectrum=spectrum, learning_rate=learning_rate,
                                         update_rule=rule, steps=steps)
-    if objective == "noisecurve-blend":
+    if spec.blend:
         lam = check_blend_weight(blend_weight, allow_auto=False)
-    return dense_workload(objective=objective, steps=steps, inputs=inputs, blend_weight=lam, update_rule=rule)
+    return spec.workload(steps=steps, inputs=inputs, blend_weight=lam, update_rule=rule)
 
 
 def dense_workload(*, objective: str, steps: int, inputs: CurvatureInputs | None = None,
@@ -389,17 +354,8 @@ def dense_workload(*, objective: str, steps: int, inputs: CurvatureInputs | None
     ``UpdateRule`` or None (plain SGD; the same workloads as a rule with β = 0 and every
     s_t = 1); see ``workload_matrix`` for the validated public entry point.
     """
-    if update_rule is not None and not is_identity_rule(update_rule, steps):
-        return _rule_workload(objective=objective, steps=steps, inputs=inputs, blend_weight=blend_weight,
-                              rule=update_rule)
-    if objective == "dpsgd":
-        return np.eye(steps)
-    if objective == "bandmf":
-        return prefix_workload(steps)
-    if objective == "noisecurve-blend":
-        return blend_workload(curvature=curvature_workload(objective="noisecurve", steps=steps, inputs=inputs),
-                              blend_weight=blend_weight)
-    return curvature_workload(objective=objective, steps=steps, inputs=inputs)
+    return get_objective(objective).workload(steps=steps, inputs=inputs, blend_weight=blend_weight,
+                                             update_rule=update_rule)
 
 
 def rule_curvature_workload(*, objective: str, steps: int, inputs: CurvatureInputs, rule) -> np.ndarray:
@@ -410,26 +366,7 @@ def rule_curvature_workload(*, objective: str, steps: int, inputs: CurvatureInpu
     (``rule.is_plain``), where SGD at rate η·c gives ``c²·W(η·c)``; any other rule
     raises ``ValueError`` (``check_rule_objective``).
     """
-    if objective == "noisecurve":
-        return final_loss_workload(steps=steps, eigenvalues=inputs.eigenvalues,
-                                   multiplicities=inputs.multiplicities, learning_rate=inputs.learning_rate,
-                                   rule=rule)
-    check_rule_objective(objective, rule)
-    c = float(rule.multipliers(steps)[0])
-    scaled = CurvatureInputs(inputs.eigenvalues, inputs.multiplicities, inputs.learning_rate * c, inputs.digest)
-    return c * c * curvature_workload(objective=objective, steps=steps, inputs=scaled)
-
-
-def _rule_workload(*, objective, steps, inputs, blend_weight, rule) -> np.ndarray:
-    if objective == "dpsgd":
-        return np.eye(steps)
-    prefix = PrefixMap(steps, rule)
-    if objective == "bandmf":
-        return prefix.workload()
-    if objective == "noisecurve-blend":
-        curvature = rule_curvature_workload(objective="noisecurve", steps=steps, inputs=inputs, rule=rule)
-        return blend_workload(curvature=curvature, blend_weight=blend_weight, prefix=prefix)
-    return rule_curvature_workload(objective=objective, steps=steps, inputs=inputs, rule=rule)
+    return get_objective(objective).rule_kernel(steps, inputs, rule)
 
 
 def blend_workload(*, curvature: np.ndarray, blend_weight: float, prefix=None) -> np.ndarray:
