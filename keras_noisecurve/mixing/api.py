@@ -20,13 +20,12 @@ import numpy as np
 from keras_noisecurve._validation import check_choice, check_int
 from keras_noisecurve.mixing import solver as _banded
 from keras_noisecurve.mixing.matrix import MixingMatrix
+from keras_noisecurve.mixing.objectives import TOEPLITZ_OBJECTIVES
 from keras_noisecurve.mixing.strategies import STRATEGIES, BISRMixing, _ToeplitzFamily
 from keras_noisecurve.mixing.workloads import DEFAULT_OBJECTIVE
 
 __all__ = ["STRATEGIES", "objective_value", "solve_mixing_matrix"]
 
-#: Objectives the Toeplitz-family solvers support (their workload is α·AᵀA + β·Σ a_i u_i u_iᵀ).
-TOEPLITZ_OBJECTIVES = ("bandmf", "noisecurve", "noisecurve-blend")
 
 
 def _refuse(strategy, **given):

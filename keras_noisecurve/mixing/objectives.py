@@ -14,15 +14,15 @@ and ``rule_workloads``); each instance knows
   ``Surrogate`` (``lowrank`` is factored by pivoted Cholesky), and ``exact_loss`` /
   ``identity_loss`` (C given in band storage).
 
-``toeplitz_workload`` is the slot for a Toeplitz-form workload (a Toeplitz solver's
-input); no objective fills it yet. ``get_objective(name)`` returns the registered instance;
+``toeplitz_workload`` gives the workload in the form the Toeplitz-family solvers take
+(``toeplitz_loss.ToeplitzWorkload``: ``α·AᵀA + β·Σ a_i u_i u_iᵀ``); bandmf, noisecurve and
+the blend have one (``TOEPLITZ_OBJECTIVES``), the others refuse. ``get_objective(name)`` returns the registered instance;
 ``workloads.OBJECTIVES``, ``CURVATURE_OBJECTIVES``, ``LOSS_SCALES`` and
 ``rule_workloads.PLAIN_ONLY_OBJECTIVES`` are read off ``REGISTRY``.
 
-Imports: this module loads only ``banded`` (and numpy). ``workloads`` and
-``rule_workloads`` import it for their name tables, so their kernels are reached at
-call time through ``_kernels()``; whichever module is imported first, there is no cycle.
-numpy only.
+Imports go one way: this module builds on ``kernels`` (power sums, prefix and blend
+workloads), ``rule_workloads`` (update rules) and ``banded``; ``workloads`` reads its name
+tables off ``REGISTRY``. numpy only.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from typing import NamedTuple
 import numpy as np
 
 from keras_noisecurve._validation import check_choice
+from keras_noisecurve.mixing import kernels, rule_workloads
 from keras_noisecurve.mixing.banded import inverse_frobenius_term, prefix_factor, trace_w_xinv
 
 __all__ = ["REGISTRY", "Objective", "SurrogateTerms", "get_objective"]
@@ -41,10 +42,8 @@ _LOSS_GAP = "E[loss gap] = (eta^2 sigma^2 / 2) * loss for a quadratic model (ble
 
 
 def _kernels():
-    """``(workloads, rule_workloads)``, imported on use (they import this module)."""
-    from keras_noisecurve.mixing import rule_workloads, workloads
-
-    return workloads, rule_workloads
+    """``(kernels, rule_workloads)``: the modules the workloads are built from."""
+    return kernels, rule_workloads
 
 
 class SurrogateTerms(NamedTuple):
@@ -72,6 +71,7 @@ class Objective:
     loss_scale = ""
     rule_loss_scale: str | None = None  # what the value measures under another rule (None: loss_scale)
     curvature = False  # needs a spectrum and a learning rate
+    toeplitz = False  # the Toeplitz-family solvers take it (``toeplitz_workload``)
     blend = False  # needs a blend weight λ
     plain_sgd_only = False  # derived for plain constant-rate SGD only
 
@@ -95,12 +95,7 @@ class Objective:
 
     def check_rule(self, rule) -> None:
         """Refuse an ``UpdateRule`` the workload is not derived for."""
-        if self.plain_sgd_only and not rule.is_plain:
-            raise ValueError(
-                f"objective={self.name!r} is only derived for plain constant-rate SGD (momentum 0, constant "
-                f"learning rate); the update rule is {rule.describe()}. Use 'noisecurve', 'noisecurve-blend' "
-                "or 'bandmf', which support momentum and learning-rate schedules."
-            )
+        rule_workloads.check_rule_objective(self.name, rule)
 
     def check_bands(self, bands: int) -> None:
         """Refuse a band count the objective cannot use (every b by default)."""
@@ -131,9 +126,22 @@ class Objective:
         """The dense W that ``exact_loss`` needs (None: it needs only the band of C)."""
         return self._workload(steps, inputs, blend_weight, rule)
 
-    def toeplitz_workload(self, *, steps, inputs=None, blend_weight=None):
-        """Slot for the workload in the form a Toeplitz solver takes; not implemented."""
-        raise NotImplementedError(f"objective {self.name!r} has no Toeplitz-form workload here yet.")
+    def toeplitz_workload(self, workload_cls, *, steps, inputs=None, blend_weight=None):
+        """The workload in the form the Toeplitz-family solvers take.
+
+        Args:
+          workload_cls: ``keras_noisecurve.mixing.toeplitz_loss.ToeplitzWorkload`` (passed in:
+            that module imports this one).
+          steps: T. inputs: validated ``CurvatureInputs`` (curvature objectives).
+          blend_weight: λ (the blend).
+
+        Raises:
+          ValueError: the objective's W is not of the form ``α·AᵀA + β·Σ a_i u_i u_iᵀ``.
+        """
+        raise ValueError(
+            f"objective {self.name!r} is not supported for Toeplitz strategies; the supported objectives "
+            f"are {', '.join(repr(name) for name in TOEPLITZ_OBJECTIVES)}."
+        )
 
     # ------------------------------------------------------- banded evaluation
     def surrogate_terms(self, *, steps, inputs, blend_weight, rule, prefix_map) -> SurrogateTerms:
@@ -191,6 +199,11 @@ class BandMF(Objective):
     """W = A_ruleᵀA_rule (prefix sums; ``A`` for plain SGD): DP-BandMF."""
 
     name = "bandmf"
+    toeplitz = True
+
+    def toeplitz_workload(self, workload_cls, *, steps, inputs=None, blend_weight=None):
+        empty = np.zeros(0)
+        return workload_cls(steps, 1.0, 0.0, empty, empty, objective=self.name)
     loss_scale = "total variance of the running noise sum (sigma = 1)"
     rule_loss_scale = ("total variance of the iterate noise, sum_t E||w~_{t+1} - w_{t+1}||^2 per coordinate "
                        "with a zero Hessian (sigma = 1, eta = 1)")
@@ -220,6 +233,13 @@ class NoiseCurve(Objective):
     """Paper eq. 1: the Hankel workload of the final loss gap (any update rule)."""
 
     name = "noisecurve"
+    toeplitz = True
+
+    def toeplitz_workload(self, workload_cls, *, steps, inputs=None, blend_weight=None):
+        eta_mu = inputs.learning_rate * inputs.eigenvalues
+        return workload_cls(steps, 0.0, 1.0, 1.0 - eta_mu, inputs.multiplicities * inputs.eigenvalues,
+                            eta_mu=eta_mu, objective=self.name, learning_rate=inputs.learning_rate,
+                            spectrum_digest=inputs.digest)
     loss_scale = _LOSS_GAP
     curvature = True
 
@@ -241,7 +261,7 @@ class _IterateMean(Objective):
     where a constant multiplier c gives ``c²·W(η·c)``."""
 
     curvature = True
-    plain_sgd_only = True
+    plain_sgd_only = True  # listed in rule_workloads.PLAIN_ONLY_OBJECTIVES
 
     def _weights(self, mu, m):
         raise NotImplementedError
@@ -285,6 +305,25 @@ class NoiseCurveBlend(Objective):
     """``(1−λ)·W_curv/Tr(W_curv) + λ·A_ruleᵀA_rule/Tr(A_ruleᵀA_rule)``, W_curv of eq. 1."""
 
     name = "noisecurve-blend"
+    toeplitz = True
+
+    def toeplitz_workload(self, workload_cls, *, steps, inputs=None, blend_weight=None):
+        """``α = λ/Tr(AᵀA)``, ``β = (1 − λ)/Tr(W_curv)`` (the blend's normalisation)."""
+        wl, _ = _kernels()
+        lam = wl.check_blend_weight(blend_weight, allow_auto=False)
+        curvature = REGISTRY["noisecurve"].toeplitz_workload(workload_cls, steps=steps, inputs=inputs)
+        beta = 0.0
+        if lam < 1.0:
+            trace = curvature.curvature_trace()
+            if not trace > 0:
+                raise ValueError(
+                    "the eq.-1 workload has zero trace (every eigenvalue is 0 or ημ = 1 with T > 1); "
+                    "it cannot be normalised for the blend."
+                )
+            beta = (1.0 - lam) / trace
+        return workload_cls(steps, lam / (steps * (steps + 1) / 2.0), beta, curvature.r, curvature.a,
+                            eta_mu=curvature.eta_mu, objective=self.name, learning_rate=curvature.learning_rate,
+                            blend_weight=lam, spectrum_digest=curvature.spectrum_digest)
     loss_scale = _LOSS_GAP
     curvature = True
     blend = True
@@ -317,6 +356,10 @@ class NoiseCurveBlend(Objective):
 REGISTRY = types.MappingProxyType({objective.name: objective for objective in (
     DPSGD(), BandMF(), NoiseCurve(), NoiseCurveConvergence(), NoiseCurveAllIterates(), NoiseCurveBlend(),
 )})
+
+
+#: Objectives the Toeplitz-family strategies (toeplitz, blt, bisr) support.
+TOEPLITZ_OBJECTIVES = tuple(name for name, objective in REGISTRY.items() if objective.toeplitz)
 
 
 def get_objective(name) -> Objective:

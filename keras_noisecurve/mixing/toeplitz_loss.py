@@ -64,8 +64,8 @@ import scipy.fft
 import scipy.signal
 
 from keras_noisecurve._validation import check_int
+from keras_noisecurve.mixing.objectives import TOEPLITZ_OBJECTIVES, get_objective
 from keras_noisecurve.mixing.workloads import (
-    check_blend_weight,
     check_curvature_inputs,
     check_unused_inputs,
     power_sums,
@@ -81,9 +81,6 @@ __all__ = [
     "participation_sensitivity",
     "toeplitz_loss",
 ]
-
-#: Objectives whose workload is a :class:`ToeplitzWorkload` (α·AᵀA + β·Σ a_i u_i u_iᵀ).
-TOEPLITZ_OBJECTIVES = ("bandmf", "noisecurve", "noisecurve-blend")
 
 #: Columns with at most this many leading non-zeros use exact O(T·b) recursions.
 LFILTER_MAX_SUPPORT = 128
@@ -161,35 +158,15 @@ class ToeplitzWorkload:
             ``noisecurve-convergence`` are not of the Toeplitz-workload form), steps < 1,
             or invalid / unused spectrum, learning rate or blend weight.
         """
-        if objective not in TOEPLITZ_OBJECTIVES:
-            raise ValueError(
-                f"objective {objective!r} is not supported for Toeplitz strategies; the supported objectives "
-                f"are {', '.join(repr(o) for o in TOEPLITZ_OBJECTIVES)}."
-            )
+        spec = get_objective(objective)
+        if not spec.toeplitz:
+            spec.toeplitz_workload(cls, steps=steps)  # raises: the message lists the supported ones
         steps = check_int("steps", steps, minimum=1)
         check_unused_inputs(objective, spectrum=spectrum, learning_rate=learning_rate, blend_weight=blend_weight)
-        empty = np.zeros(0)
-        if objective == "bandmf":
-            return cls(steps, 1.0, 0.0, empty, empty, objective=objective)
-        inputs = check_curvature_inputs(objective=objective, spectrum=spectrum, learning_rate=learning_rate)
-        eta_mu = inputs.learning_rate * inputs.eigenvalues
-        a = inputs.multiplicities * inputs.eigenvalues
-        prov = dict(objective=objective, learning_rate=inputs.learning_rate, spectrum_digest=inputs.digest)
-        if objective == "noisecurve":
-            return cls(steps, 0.0, 1.0, 1.0 - eta_mu, a, eta_mu=eta_mu, **prov)
-        lam = check_blend_weight(blend_weight, allow_auto=False)
-        alpha = lam / (steps * (steps + 1) / 2.0)
-        beta = 0.0
-        if lam < 1.0:
-            curv = cls(steps, 0.0, 1.0, 1.0 - eta_mu, a, eta_mu=eta_mu)
-            trace = curv.curvature_trace()
-            if not trace > 0:
-                raise ValueError(
-                    "the eq.-1 workload has zero trace (every eigenvalue is 0 or ημ = 1 with T > 1); "
-                    "it cannot be normalised for the blend."
-                )
-            beta = (1.0 - lam) / trace
-        return cls(steps, alpha, beta, 1.0 - eta_mu, a, eta_mu=eta_mu, blend_weight=lam, **prov)
+        inputs = None
+        if spec.curvature:
+            inputs = check_curvature_inputs(objective=objective, spectrum=spectrum, learning_rate=learning_rate)
+        return spec.toeplitz_workload(cls, steps=steps, inputs=inputs, blend_weight=blend_weight)
 
     # ----------------------------------------------------------- curvature part
     @property

@@ -7,6 +7,7 @@ from keras_noisecurve import Spectrum
 from keras_noisecurve.mixing import UpdateRule
 from keras_noisecurve.mixing.objectives import REGISTRY, Objective, get_objective
 from keras_noisecurve.mixing.rule_workloads import PLAIN_ONLY_OBJECTIVES
+from keras_noisecurve.mixing.toeplitz_loss import ToeplitzWorkload
 from keras_noisecurve.mixing.workloads import (
     CURVATURE_OBJECTIVES,
     LOSS_SCALES,
@@ -76,8 +77,20 @@ def test_needs_and_flags(name):
     else:
         objective.check_bands(2)
     objective.check_bands(1)
-    with pytest.raises(NotImplementedError):
-        objective.toeplitz_workload(steps=4)
+    assert objective.toeplitz == (name in ("bandmf", "noisecurve", "noisecurve-blend"))
+    if not objective.toeplitz:
+        with pytest.raises(ValueError, match="not supported for Toeplitz strategies.*'bandmf', 'noisecurve'"):
+            objective.toeplitz_workload(ToeplitzWorkload, steps=4)
+    else:  # the Toeplitz form is the same W as the dense workload
+        inputs = check_curvature_inputs(objective=name, spectrum=SPECTRUM, learning_rate=0.4) if curvature else None
+        tw = objective.toeplitz_workload(ToeplitzWorkload, steps=6, inputs=inputs, blend_weight=0.3 if blend else None)
+        dense = workload_matrix(objective=name, steps=6, spectrum=SPECTRUM if curvature else None,
+                                learning_rate=0.4 if curvature else None, blend_weight=0.3 if blend else None)
+        np.testing.assert_allclose(tw.dense(), dense, rtol=1e-12, atol=1e-15)
+
+
+def test_plain_only_table_agrees_with_the_flags():
+    assert set(PLAIN_ONLY_OBJECTIVES) == {name for name in OBJECTIVES if get_objective(name).plain_sgd_only}
 
 
 def test_rule_loss_scale_only_differs_for_bandmf():

@@ -117,9 +117,11 @@ def test_inverse_loss_and_bandmf_closed_forms():
 
 
 def test_workload_validation_and_refusals():
-    for objective in ("dpsgd", "noisecurve-all-iterates", "noisecurve-convergence", "nope"):
+    for objective in ("dpsgd", "noisecurve-all-iterates", "noisecurve-convergence"):
         with pytest.raises(ValueError, match="supported for Toeplitz strategies.*'bandmf'"):
             ToeplitzWorkload.from_objective(objective=objective, steps=10, spectrum=SPEC, learning_rate=ETA)
+    with pytest.raises(ValueError, match="objective must be one of.*got 'nope'"):
+        ToeplitzWorkload.from_objective(objective="nope", steps=10)
     with pytest.raises(ValueError, match="spectrum"):
         ToeplitzWorkload.from_objective(objective="noisecurve", steps=10, learning_rate=ETA)
     with pytest.raises(ValueError, match="does not use a spectrum"):
