@@ -31,6 +31,14 @@ whole benchmark twice in one invocation, as child processes with
 ``TF_ENABLE_ONEDNN_OPTS=0`` and ``=1``, and ends with their ratio lines side by side::
 
     python benchmarks/bench_step.py --models cnn --configs non-private ghost --onednn both
+
+``--strategies`` adds, on each model, a side-by-side of the noise strategies
+(``STRATEGY_CONFIGS``: banded b = 64, Toeplitz b = 64, BLT d = 4, BISR p = 64, with
+DP-SGD as the floor), measured in the same process and interleaved like the rest:
+noise-state bytes, full step time and optimizer-update time, with ratios to banded
+b = 64. ``--configs`` with no names skips the configurations above::
+
+    python benchmarks/bench_step.py --models cnn mlp --configs --strategies
 """
 
 from __future__ import annotations
@@ -49,6 +57,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from keras_noisecurve.mixing import MixingMatrix  # noqa: E402
+from keras_noisecurve.mixing.strategies import BISRMixing, BLTMixing, ToeplitzMixing  # noqa: E402
 from keras_noisecurve.training import NoiseCurveOptimizer, make_private  # noqa: E402
 
 LEARNING_RATE = 0.05
@@ -60,6 +69,16 @@ CONFIGS = {
     "banded16": {"clipping": "vectorized", "bands": 16},
     # ghost-norm clipping (keras_noisecurve.training.ghost), DP-SGD noise
     "ghost": {"clipping": "ghost", "bands": 1},
+}
+
+#: --strategies: name -> dict(clipping=engine name, strategy=(kind, size)); size is b
+#: (banded, toeplitz), d (blt) or p (bisr). "dpsgd" is the no-state floor.
+STRATEGY_CONFIGS = {
+    "dpsgd": {"clipping": "vectorized", "bands": 1},
+    "banded64": {"clipping": "vectorized", "strategy": ("banded", 64)},
+    "toeplitz64": {"clipping": "vectorized", "strategy": ("toeplitz", 64)},
+    "blt4": {"clipping": "vectorized", "strategy": ("blt", 4)},
+    "bisr64": {"clipping": "vectorized", "strategy": ("bisr", 64)},
 }
 
 
@@ -210,6 +229,44 @@ def banded_mixing(steps, bands, seed=0):
     return MixingMatrix(values, {"objective": "benchmark"})
 
 
+def _decaying_coefficients(bands):
+    """The first b coefficients of (1 − x)^(−1/2): c_0 = 1, c_k = c_{k−1}·(k − ½)/k
+    (positive and decreasing, so the inverse recurrence is stable)."""
+    c = np.ones(bands)
+    for k in range(1, bands):
+        c[k] = c[k - 1] * (k - 0.5) / k
+    return c
+
+
+def strategy_mixing(kind, size, steps):
+    """A valid C of each strategy kind for the --strategies comparison (T = ``steps``)."""
+    if kind == "toeplitz":
+        return ToeplitzMixing.normalised(_decaying_coefficients(size), steps=steps, metadata={"objective": "benchmark"})
+    if kind == "banded":  # the same band as Toeplitz, every column normalised: a general banded C
+        values = np.tile(_decaying_coefficients(size), (steps, 1))
+        for j in range(1, size):
+            values[:j, j] = 0.0
+        sq = np.zeros(steps)
+        for j in range(size):
+            sq[: steps - j] += values[j:, j] ** 2
+        for j in range(size):
+            values[j:, j] /= np.sqrt(sq[: steps - j])
+        return MixingMatrix(values, {"objective": "benchmark"})
+    if kind == "blt":
+        theta = np.array([0.99, 0.9, 0.6, 0.2, 0.05, 0.01])[:size]
+        return BLTMixing(theta=theta, omega=np.full(size, 0.1), steps=steps, metadata={"objective": "benchmark"})
+    if kind == "bisr":
+        return BISRMixing.closed_form(steps=steps, bands=size)
+    raise ValueError(f"unknown strategy kind {kind!r}")
+
+
+def config_mixing(config, steps_planned):
+    """The mixing of a private configuration: DP-SGD, a random banded C, or a strategy."""
+    if "strategy" in config:
+        return strategy_mixing(*config["strategy"], steps_planned)
+    return "dpsgd" if config["bands"] == 1 else banded_mixing(steps_planned, config["bands"])
+
+
 def build(model_name, config, batch_size, steps_planned):
     builder, _ = MODELS[model_name]
     keras.utils.set_random_seed(0)
@@ -218,7 +275,7 @@ def build(model_name, config, batch_size, steps_planned):
     if config is None:
         model.compile(optimizer=keras.optimizers.SGD(LEARNING_RATE), loss=loss, jit_compile=False)
         return model
-    mixing = "dpsgd" if config["bands"] == 1 else banded_mixing(steps_planned, config["bands"])
+    mixing = config_mixing(config, steps_planned)
     private = make_private(model, clipping=config["clipping"])
     private.compile(
         optimizer=NoiseCurveOptimizer(
@@ -238,23 +295,31 @@ def step_function(model):
     return step
 
 
-def time_updates(model_name, batch_size, repeats, steps):
+def time_updates(model_name, batch_size, repeats, steps, mixings=None):
     """Time the optimizer update alone (zero clipped sums): the part of a step that the
-    noise source changes, measured without the (noisy) per-example gradient cost."""
+    noise source changes, measured without the (noisy) per-example gradient cost.
+
+    ``mixings``: (name, mixing) pairs; default DP-SGD and a random banded C with b = 16.
+    """
     builder, _ = MODELS[model_name]
     variables = builder().trainable_variables
     grads = [tf.zeros(v.shape) for v in variables]
     fns = {}
     sgd = keras.optimizers.SGD(LEARNING_RATE)
     fns["sgd"] = tf.function(lambda g: sgd.apply(g, variables))
-    for name, mixing in [("dpsgd", "dpsgd"), ("banded16", banded_mixing(repeats * steps + 64, 16))]:
+    if mixings is None:
+        mixings = [("dpsgd", "dpsgd"), ("banded16", banded_mixing(repeats * steps + 64, 16))]
+    for name, mixing in mixings:
         opt = NoiseCurveOptimizer(learning_rate=LEARNING_RATE, mixing=mixing, expected_batch_size=batch_size)
         fns[name] = tf.function(lambda g, opt=opt: opt.apply_clipped_sum(g, variables))
     for fn in fns.values():
         fn(grads)
     times = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
+    names = list(fns)
+    for r in range(repeats):
+        shift = r % len(names)  # rotate the order: no configuration always runs first
+        for name in names[shift:] + names[:shift]:
+            fn = fns[name]
             start = time.perf_counter()
             for _ in range(steps):
                 fn(grads)
@@ -266,10 +331,61 @@ def time_updates(model_name, batch_size, repeats, steps):
     return medians
 
 
+def compare_strategies(model_name, x, y, args, planned):
+    """--strategies: noise-state bytes, step time and update time of ``STRATEGY_CONFIGS``
+    on one model, interleaved in this process; ratios to banded b = 64."""
+    runs = {}
+    for name, config in STRATEGY_CONFIGS.items():
+        model = build(model_name, config, args.batch_size, planned)
+        step = step_function(model)
+        for _ in range(args.warmup):
+            step(x, y)
+        runs[name] = (model, step)
+    times = {name: [] for name in runs}
+    names = list(runs)
+    for r in range(args.repeats):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            step = runs[name][1]
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                out = step(x, y)
+            float(out["loss"])
+            times[name].append((time.perf_counter() - start) / args.steps)
+    update_steps = 20
+    update_plan = args.repeats * update_steps + 64
+    updates = time_updates(model_name, args.batch_size, args.repeats, update_steps,
+                           mixings=[(name, config_mixing(config, update_plan))
+                                    for name, config in STRATEGY_CONFIGS.items()])
+    params = runs[names[0]][0].count_params()
+    median = {name: float(np.median(t)) for name, t in times.items()}
+    ref = "banded64"
+    ref_bytes = runs[ref][0].optimizer.noise_state_bytes()
+    print(f"\n== noise strategies on {model_name}: {params} parameters, batch {args.batch_size}, "
+          f"T = {planned} (medians of {args.repeats} interleaved rounds; ratios to {ref}) ==")
+    print(f"{'':>12}  {'buffers':>7}  {'noise state':>15}  {'/' + ref:>9}  {'ms/step':>8}  {'/' + ref:>9}  "
+          f"{'update ms':>9}  {'/' + ref:>9}")
+    for name in names:
+        opt = runs[name][0].optimizer
+        mixing = opt.mixing
+        buffers = 0 if isinstance(mixing, str) else mixing.buffers
+        nbytes = opt.noise_state_bytes()
+        print(f"{name:>12}  {buffers:>7d}  {nbytes:>15,d}  {nbytes / ref_bytes:>8.3f}x  {1000 * median[name]:>8.1f}  "
+              f"{median[name] / median[ref]:>8.3f}x  {1000 * updates[name]:>9.2f}  "
+              f"{updates[name] / updates[ref]:>8.3f}x")
+    blt_bytes = runs["blt4"][0].optimizer.noise_state_bytes()
+    print(f"blt4 / banded64 ({model_name}): noise state {blt_bytes / ref_bytes:.3f}x, "
+          f"step {median['blt4'] / median[ref]:.3f}x, update {updates['blt4'] / updates[ref]:.3f}x")
+    return median, updates
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["cnn", "mlp"], choices=sorted(MODELS))
-    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=sorted(CONFIGS))
+    parser.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=sorted(CONFIGS),
+                        help="configurations to time (none: only --strategies)")
+    parser.add_argument("--strategies", action="store_true",
+                        help="also compare the noise strategies (STRATEGY_CONFIGS) on each model")
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per configuration per round")
@@ -295,6 +411,10 @@ def main(argv=None):
         shape = MODELS[model_name][1]
         x = tf.constant(rng.normal(size=(args.batch_size, *shape)).astype("float32"))
         y = tf.constant(rng.integers(0, 10, args.batch_size))
+        if args.strategies:
+            compare_strategies(model_name, x, y, args, planned)
+        if not args.configs:
+            continue
         runs = {}
         for name in args.configs:
             model = build(model_name, CONFIGS[name], args.batch_size, planned)

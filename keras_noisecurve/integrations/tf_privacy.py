@@ -1,4 +1,4 @@
-"""The banded correlated noise as a TensorFlow Privacy ``DPQuery``.
+"""The correlated noise of a mixing strategy as a TensorFlow Privacy ``DPQuery``.
 
 ``BandedMatrixFactorizationQuery`` is a ``SumAggregationDPQuery``: each record (a
 nested structure of tensors, e.g. one example's gradients) is clipped to global L2
@@ -8,16 +8,23 @@ z̃ = C⁻¹Z is produced online by the SAME code as ``NoiseCurveOptimizer``
 query adds exactly the noise the optimizer adds at step t (the flattened position
 of a tensor in the record structure plays the role of the optimizer's variable index).
 
-The global state holds the step counter, the int64 noise key and one ring buffer
-of b − 1 past z̃ per tensor; it is a plain nest of tensors, so it can be
-checkpointed and carried through ``tf.function``.
+Every strategy kind works (``MixingMatrix``, ``ToeplitzMixing``, ``BLTMixing``,
+``BISRMixing``: ``keras_noisecurve.training.noise.StreamNoise``, the optimizer's
+generator). The global state holds the step counter, the int64 noise key and one
+noise-state array per tensor (``mixing.buffers`` × the tensor's shape: the ring of
+b − 1 past z̃ of a banded or Toeplitz C, the p − 1 past draws of BISR, the d
+accumulators of BLT; an empty tensor without state); it is a plain nest of tensors,
+so it can be checkpointed and carried through ``tf.function``.
 
 Privacy accounting: each call returns ``GaussianDpEvent(σ)``. Composing it once per
 step is a valid (conservative) account when every example participates at most
-once in any b consecutive steps and no amplification is claimed: row t of C has
-entries of magnitude ≤ 1 (unit columns), so one participation moves row t of CG by
-at most ζ. The tight account with cyclic Poisson sampling (⌈T/b⌉ compositions) is
-``keras_noisecurve.privacy``.
+once in any b consecutive steps, b the band width of C, and no amplification is
+claimed: row t of C has entries of magnitude ≤ 1 (unit columns) and then touches at
+most one participation, so it moves row t of CG by at most ζ. BLT and BISR C's are
+full lower-triangular (b = T): for them the condition is one participation in the
+whole run. The tight account (cyclic Poisson with b partitions, or several epochs
+with the sensitivity of all participations) is ``keras_noisecurve.privacy``
+(``PrivateRun``).
 
 Needs TensorFlow Privacy, an optional extra (Python <= 3.11 only):
 ``pip install "keras-noisecurve[tf-privacy]"``. Without it, importing this module
@@ -34,7 +41,7 @@ import tensorflow as tf
 from keras_noisecurve._validation import check_float
 from keras_noisecurve.integrations._tf_privacy_import import import_tf_privacy
 from keras_noisecurve.mixing.matrix import load_mixing
-from keras_noisecurve.training.noise import BandedNoise, key_from_seed
+from keras_noisecurve.training.noise import StreamNoise, key_from_seed
 
 _dp_query = import_tf_privacy("privacy.dp_query.dp_query")
 
@@ -72,7 +79,9 @@ class BandedMatrixFactorizationQuery(_dp_query.SumAggregationDPQuery):
     Args:
       l2_norm_clip: ζ > 0, global L2 clipping norm of one record.
       noise_multiplier: σ ≥ 0 (noise std ζσ on the sum).
-      mixing: a ``MixingMatrix``, a path to a ``.npz`` artifact, or ``"dpsgd"``.
+      mixing: anything ``keras_noisecurve.mixing.load_mixing`` reads: a ``MixingMatrix``,
+        ``ToeplitzMixing``, ``BLTMixing`` or ``BISRMixing``, a path to a ``.npz`` file of
+        one, its ``to_config()`` dict, or ``"dpsgd"``.
       template: the record structure: a nest of tensors/``tf.TensorSpec``s, or a
         list of shapes (float32). Tensor k of ``tf.nest.flatten(template)`` gets the
         noise of variable index k.
@@ -88,7 +97,7 @@ class BandedMatrixFactorizationQuery(_dp_query.SumAggregationDPQuery):
         self._l2_norm_clip = check_float("l2_norm_clip", l2_norm_clip, positive=True)
         self._noise_multiplier = check_float("noise_multiplier", noise_multiplier, nonnegative=True)
         self._mixing = load_mixing(mixing)
-        self._noise = BandedNoise(None if self._mixing == "dpsgd" else self._mixing.band_values)
+        self._noise = StreamNoise.from_mixing(self._mixing)
         self._structure, self._specs = _template_specs(template)
         self._key = key_from_seed(seed)
 
@@ -108,14 +117,14 @@ class BandedMatrixFactorizationQuery(_dp_query.SumAggregationDPQuery):
         return cls(l2_norm_clip, run.noise_multiplier, run.mixing, template, seed=seed)
 
     @property
-    def noise(self) -> BandedNoise:
+    def noise(self) -> StreamNoise:
         """The shared online noise generator."""
         return self._noise
 
     def initial_global_state(self):
         rings = []
         for s in self._specs:
-            shape = self._noise.ring_shape(s.shape)
+            shape = self._noise.state_shape(s.shape)
             rings.append(tf.zeros([0], s.dtype) if shape is None else tf.zeros(shape, s.dtype))
         return self._GlobalState(
             step=tf.constant(0, tf.int64),
@@ -141,7 +150,7 @@ class BandedMatrixFactorizationQuery(_dp_query.SumAggregationDPQuery):
         return tf.nest.pack_sequence_as(record, clipped)
 
     def get_noised_result(self, sample_state, global_state):
-        """Sum + ζσ·z̃_t for every tensor; advances the step and the ring buffers."""
+        """Sum + ζσ·z̃_t for every tensor; advances the step and the noise state."""
         flat = tf.nest.flatten(sample_state)
         if len(flat) != len(self._specs):
             raise ValueError(f"sample_state has {len(flat)} tensors, the template {len(self._specs)}.")
@@ -150,12 +159,12 @@ class BandedMatrixFactorizationQuery(_dp_query.SumAggregationDPQuery):
         results, rings = [], []
         with tf.control_dependencies(checks):
             for k, (value, ring) in enumerate(zip(flat, global_state.rings)):
-                has_ring = self._noise.bands > 1
-                z_tilde, new_ring = self._noise.sample(
-                    global_state.key, step, k, value.shape, dtype=value.dtype, ring=ring if has_ring else None
+                has_state = self._noise.buffers > 0
+                z_tilde, new_state = self._noise.sample(
+                    global_state.key, step, k, value.shape, dtype=value.dtype, state=ring if has_state else None
                 )
                 results.append(value + tf.cast(global_state.stddev, value.dtype) * z_tilde)
-                rings.append(new_ring if has_ring else ring)
+                rings.append(new_state if has_state else ring)
         new_state = global_state._replace(step=step + 1, rings=tuple(rings))
         event = dp_accounting.GaussianDpEvent(self._noise_multiplier)
         return tf.nest.pack_sequence_as(sample_state, results), new_state, event

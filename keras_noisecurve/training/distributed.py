@@ -176,13 +176,14 @@ def _without(config, keys):
 
 
 def _optimizer_fingerprint(optimizer) -> int:
-    """The optimizer's public configuration (clip, σ, B, learning rate, C's band
-    values and metadata, inner optimizer, run plan); not its seed (the key is the
-    chief's) nor any name (Keras numbers the names of unnamed objects per process)."""
+    """The optimizer's public configuration (clip, σ, B, learning rate, C (its kind and
+    parameters, by ``mixing.digest()``), inner optimizer, run plan); not its
+    seed (the key is the chief's) nor any name (Keras numbers the names of unnamed
+    objects per process)."""
     config = _without(optimizer.get_config(), {"seed", "name"})
     mixing = optimizer.mixing
-    if mixing != "dpsgd":
-        config["mixing"] = hashlib.sha256(np.ascontiguousarray(mixing.band_values, np.float64).tobytes()).hexdigest()
+    if not (isinstance(mixing, str) and mixing == "dpsgd"):
+        config["mixing"] = mixing.digest()
     return _hash64(config)
 
 

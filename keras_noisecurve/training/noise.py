@@ -1,5 +1,5 @@
-"""Online banded correlated noise z̃ = C⁻¹z (docs/design.md#notation), shared by the
-Keras optimizer and the TensorFlow Privacy query.
+"""Online correlated noise z̃ = C⁻¹z for every mixing strategy (docs/design.md#notation),
+shared by the Keras optimizer and the TensorFlow Privacy query.
 
 Randomness is counter based: the standard normal draw z_t for variable k is made
 from Philox bits keyed by ``seed = fold_in(fold_in(key, t), k)`` (see
@@ -8,28 +8,51 @@ TensorFlow ops, because ``tf.random.stateless_normal`` runs its Box–Muller in 
 code; docs/training.md, "Secret seeds", has the timings). It depends
 only on (key, step t, variable index k), so it is identical on every replica of a
 ``tf.distribute`` strategy and is reproduced exactly after restoring the key, the
-step counter and the ring buffers from any checkpoint.
+step counter and the noise state from any checkpoint.
 
-The recurrence (paper App. C)::
+:class:`StreamNoise` runs the recurrence of a ``keras_noisecurve.mixing.stream.NoiseStream``
+(the module docstring there states the four recurrences; ``stream_apply`` is their
+float64 numpy reference). Each variable keeps ONE state array of shape
+``(buffers, *variable_shape)`` (none when ``buffers == 0``):
 
-    z̃_t = (z_t − Σ_{j=1}^{b−1} C[t, t−j] · z̃_{t−j}) / C[t, t]
+- ``"banded"`` / ``"toeplitz"`` (paper App. C): a ring of the last b − 1 values z̃;
+  slot ``s = t mod (b − 1)`` holds z̃_t until it is overwritten by z̃_{t+b−1}::
 
-keeps the last b − 1 values z̃ of each variable in a ring buffer of shape
-``(b − 1, *variable_shape)``: slot ``s = t mod (b − 1)`` holds z̃_t until it is
-overwritten by z̃_{t+b−1}. With b = 1 (DP-SGD) there is no buffer and z̃_t = z_t / C[t, t].
+      z̃_t = (z_t − Σ_{j=1}^{b−1} V[t, j] · z̃_{t−j}) / V[t, 0]
+
+  (``"toeplitz"``: the constant row c instead of the (T, b) table V);
+- ``"fir"`` (BISR): a ring of the last p − 1 DRAWS z (same slots),
+  ``z̃_t = Σ_{j<p} f_j z_{t−j}``;
+- ``"blt"``: the d accumulators S (a full update of the state every step)::
+
+      y = z_t − Σ_i ω_i S_i,   z̃_t = scale · y,   S_i ← θ_i S_i + y.
+
+With no state (b = 1, p = 1, or DP-SGD) z̃_t is z_t times a scalar.
 """
 
 from __future__ import annotations
 
 import math
 import secrets
+from typing import NamedTuple, Optional
 
 import numpy as np
 import tensorflow as tf
 
 from keras_noisecurve._validation import check_int
+from keras_noisecurve.mixing.stream import STREAM_KINDS, NoiseStream
 
-__all__ = ["BandedNoise", "key_from_seed", "normal_from_seed", "standard_normal", "step_seed", "variable_seed"]
+__all__ = [
+    "BandedNoise",
+    "StateWrite",
+    "StepCoefficients",
+    "StreamNoise",
+    "key_from_seed",
+    "normal_from_seed",
+    "standard_normal",
+    "step_seed",
+    "variable_seed",
+]
 
 _SEED_LIMIT = 2**63 - 1
 
@@ -130,54 +153,115 @@ def standard_normal(key, step, index, shape, dtype=tf.float32):
     return normal_from_seed(variable_seed(step_seed(key, step), index), shape, dtype)
 
 
-class BandedNoise:
-    """The online recurrence z̃ = C⁻¹z for a b-banded lower-triangular C.
-
-    Args:
-      band_values: array (T, b) with ``band_values[t, j] == C[t, t − j]`` (a
-        ``MixingMatrix.band_values``), or ``None`` for independent noise with no
-        step limit (DP-SGD, C = I of unbounded size).
+class StepCoefficients(NamedTuple):
+    """What every variable of one step shares (tensors in the noise dtype).
 
     Attributes:
-      steps: T, or ``None`` when unlimited.
-      bands: b (1 for DP-SGD).
+      lead: ``"banded"``/``"toeplitz"``: the divisor V[t, 0]; ``"fir"``: f_0;
+        ``"blt"``: ``scale``. A scalar tensor.
+      mix: the coefficients applied to the state, shape (buffers,) (``None`` when
+        there is no state): for the rings, the coefficient of SLOT s at step t
+        (V[t, j], c_j or f_j with s = (t − j) mod (b − 1)); for ``"blt"``, ω.
+      theta: θ, shape (d,), for ``"blt"``; ``None`` otherwise.
+      slot: the ring slot ``t mod (b − 1)`` that receives this step's value (int32
+        scalar); ``None`` for ``"blt"`` and without state.
     """
 
-    def __init__(self, band_values=None):
-        if band_values is None:
-            self.steps = None
-            self.bands = 1
-            self._band_values = None
+    lead: tf.Tensor
+    mix: Optional[tf.Tensor] = None
+    theta: Optional[tf.Tensor] = None
+    slot: Optional[tf.Tensor] = None
+
+
+class StateWrite(NamedTuple):
+    """How one step changes a variable's noise state.
+
+    ``slot`` not ``None`` (rings): write ``value`` (the variable's shape) into
+    ``state[slot]`` only. ``slot`` ``None`` (``"blt"``): ``value`` is the whole new state.
+    """
+
+    slot: Optional[tf.Tensor]
+    value: tf.Tensor
+
+
+_RINGS = ("banded", "toeplitz", "fir")
+
+
+class StreamNoise:
+    """The online recurrence z̃ = C⁻¹z of any ``NoiseStream`` (see the module docstring).
+
+    Args:
+      stream: a ``keras_noisecurve.mixing.stream.NoiseStream`` (``strategy.stream()``);
+        an array (T, b) of band values ``band_values[t, j] == C[t, t − j]`` (a
+        ``MixingMatrix.band_values``; the ``"banded"`` stream); or ``None`` for
+        independent noise with no step limit (DP-SGD, C = I of unbounded size).
+
+    Attributes:
+      kind: the stream kind, ``None`` for DP-SGD without a plan.
+      steps: T, or ``None`` when unlimited.
+      buffers: state arrays per variable (0: no state).
+      bands: width of the coefficient row for the ring kinds (b, or p for ``"fir"``;
+        1 without a plan); T for ``"blt"``.
+    """
+
+    def __init__(self, stream=None):
+        if stream is None:
+            self.stream, self.kind, self.steps, self.buffers, self.bands = None, None, None, 0, 1
             return
-        values = np.asarray(band_values, dtype=np.float64)
-        if values.ndim != 2 or values.shape[0] < 1 or values.shape[1] < 1:
-            raise ValueError(f"band_values must have shape (T, b), got {values.shape}.")
-        self.steps, self.bands = (int(s) for s in values.shape)
-        self._band_values = values
+        if not isinstance(stream, NoiseStream):
+            values = np.asarray(stream, dtype=np.float64)
+            if values.ndim != 2 or values.shape[0] < 1 or values.shape[1] < 1:
+                raise ValueError(f"band_values must have shape (T, b), got {values.shape}.")
+            stream = NoiseStream("banded", int(values.shape[0]), values)
+        if stream.kind not in STREAM_KINDS:
+            raise ValueError(f"unknown stream kind {stream.kind!r}; expected one of {STREAM_KINDS}.")
+        self.stream = stream
+        self.kind = stream.kind
+        self.steps = int(stream.steps)
+        self.buffers = int(stream.buffers)
+        self.bands = self.buffers + 1 if self.kind in _RINGS else self.steps
+        self._coefficients = np.asarray(stream.coefficients, dtype=np.float64)
+        if self.kind == "banded" and self._coefficients.shape[0] != self.steps:
+            raise ValueError(f"a banded stream needs a ({self.steps}, b) table, got {self._coefficients.shape}.")
+        self._theta = None if stream.theta is None else np.asarray(stream.theta, dtype=np.float64)
+
+    @classmethod
+    def from_mixing(cls, mixing) -> "StreamNoise":
+        """The generator of a resolved mixing (``load_mixing``'s result; ``"dpsgd"``: no plan)."""
+        if isinstance(mixing, str) and mixing == "dpsgd":
+            return cls(None)
+        return cls(mixing.stream())
 
     # ------------------------------------------------------------------ helpers
-    def ring_shape(self, shape) -> tuple | None:
-        """Shape of the ring buffer for a variable of ``shape``; ``None`` when b = 1."""
-        if self.bands == 1:
+    def state_shape(self, shape) -> tuple | None:
+        """Shape of the noise state of a variable of ``shape``; ``None`` without state."""
+        if self.buffers == 0:
             return None
-        return (self.bands - 1,) + tuple(int(d) for d in shape)
+        return (self.buffers,) + tuple(int(d) for d in shape)
 
-    def ring_bytes(self, shapes, dtype_size: int = 4) -> int:
-        """Bytes of all ring buffers for variables of ``shapes`` (noise-state memory)."""
+    def state_bytes(self, shapes, dtype_size: int = 4) -> int:
+        """Bytes of the noise state of variables of ``shapes`` (buffers × parameters × size)."""
         total = 0
         for shape in shapes:
-            rs = self.ring_shape(shape)
-            if rs is not None:
-                total += int(np.prod(rs)) * dtype_size
+            ss = self.state_shape(shape)
+            if ss is not None:
+                total += int(np.prod(ss)) * dtype_size
         return total
 
+    # the banded names
+    ring_shape = state_shape
+    ring_bytes = state_bytes
+
     def row(self, step, dtype):
-        """Row t of the band values, ``(C[t, t], C[t, t − 1], …)``, a tensor of shape (b,);
-        ``None`` for DP-SGD without a matrix (C = I)."""
-        if self._band_values is None:
+        """The coefficient vector used at step t: banded, row t of the table
+        ``(C[t, t], C[t, t − 1], …)``; toeplitz, c; fir, f; blt, ω. ``None`` for DP-SGD
+        without a plan."""
+        if self.kind is None:
             return None
-        table = tf.constant(self._band_values, dtype=dtype)
-        return tf.gather(table, tf.cast(step, tf.int32))
+        if self.kind == "banded":
+            table = tf.constant(self._coefficients, dtype=dtype)
+            return tf.gather(table, tf.cast(step, tf.int32))
+        return tf.constant(self._coefficients, dtype=dtype)
 
     def assert_in_plan(self, step):
         """An op that fails when ``step >= T`` (privacy plan used up); ``None`` if unlimited."""
@@ -193,57 +277,108 @@ class BandedNoise:
             ),
         )
 
+    def slot(self, step):
+        """Ring slot ``t mod (b − 1)`` that receives step t's value (int32 scalar); ring kinds
+        with state only."""
+        return tf.math.floormod(tf.cast(step, tf.int32), self.buffers)
+
     # --------------------------------------------------------------- recurrence
-    def combine(self, z, step, ring=None, row=None):
-        """z̃_t from z_t and the ring buffer, WITHOUT updating the buffer.
+    def step_coefficients(self, step, dtype) -> Optional[StepCoefficients]:
+        """The :class:`StepCoefficients` of step t (shared by all variables of the step);
+        ``None`` for DP-SGD without a plan."""
+        if self.kind is None:
+            return None
+        row = self.row(step, dtype)
+        if self.kind == "blt":
+            scale = tf.constant(self.stream.scale, dtype=dtype)
+            return StepCoefficients(lead=scale, mix=row, theta=tf.constant(self._theta, dtype=dtype))
+        if self.buffers == 0:
+            return StepCoefficients(lead=row[0])
+        m = self.buffers
+        t = tf.cast(step, tf.int32)
+        # coefficient of slot s: row[j] with s = (t − j) mod m, j = 1 … m
+        j = tf.range(1, m + 1, dtype=tf.int32)
+        slots = tf.math.floormod(t - j, m)
+        mix = tf.scatter_nd(slots[:, None], row[1:], [m])
+        return StepCoefficients(lead=row[0], mix=mix, slot=self.slot(step))
+
+    def folded_scale(self, std, coefficients):
+        """The factor a stateless step applies to z_t, times ``std`` (folded into the
+        draw): std (DP-SGD), std / V[t, 0] (banded, toeplitz), std · f_0 (fir)."""
+        if coefficients is None:
+            return std
+        if self.buffers != 0:
+            raise ValueError(f"a {self.kind} stream with {self.buffers} buffers has state; use advance().")
+        if self.kind == "fir":
+            return std * coefficients.lead
+        return std / coefficients.lead
+
+    def advance(self, z, step, state=None, coefficients=None):
+        """One step of the recurrence: z̃_t from z_t and the state, and how the state changes.
 
         Args:
           z: fresh N(0, I) draw z_t, any shape.
           step: scalar integer tensor t.
-          ring: ring buffer (b − 1, *z.shape) holding z̃_{t−1}, …, z̃_{t−b+1} in
-            slots ``(t − j) mod (b − 1)``; ``None`` when b = 1.
-          row: ``row(step, z.dtype)`` if already computed (shared by all variables
-            of a step), else ``None``.
+          state: the variable's state, shape ``state_shape(z.shape)``; ``None`` without state.
+          coefficients: ``step_coefficients(step, z.dtype)`` if already computed (shared
+            by all variables of a step), else ``None``.
 
         Returns:
-          z̃_t; store it in slot :meth:`slot` ``(t)`` of the buffer before step t + 1.
+          ``(z_tilde, write)``: z̃_t and a :class:`StateWrite` (``None`` without state);
+          apply it (:meth:`apply_write`, or an in-place slot update) before step t + 1.
         """
-        if self._band_values is None:
-            return z
-        if row is None:
-            row = self.row(step, z.dtype)
-        if self.bands == 1:
-            return z / row[0]
-        m = self.bands - 1
-        t = tf.cast(step, tf.int32)
-        # coefficient of slot s: C[t, t − j] with s = (t − j) mod m, j = 1 … m
-        j = tf.range(1, self.bands, dtype=tf.int32)
-        slots = tf.math.floormod(t - j, m)
-        coeff = tf.scatter_nd(slots[:, None], row[1:], [m])
-        past = tf.tensordot(coeff, ring, axes=1)
-        return (z - past) / row[0]
+        if self.kind is None:
+            return z, None
+        if coefficients is None:
+            coefficients = self.step_coefficients(step, z.dtype)
+        if self.buffers == 0:
+            if self.kind == "fir":
+                return z * coefficients.lead, None
+            return z / coefficients.lead, None
+        past = tf.tensordot(coefficients.mix, state, axes=1)
+        if self.kind == "blt":
+            y = z - past
+            theta = tf.reshape(coefficients.theta, [-1] + [1] * z.shape.rank)
+            return y * coefficients.lead, StateWrite(None, theta * state + y[None])
+        if self.kind == "fir":
+            return coefficients.lead * z + past, StateWrite(coefficients.slot, z)
+        z_tilde = (z - past) / coefficients.lead
+        return z_tilde, StateWrite(coefficients.slot, z_tilde)
 
-    def slot(self, step):
-        """Ring-buffer slot ``t mod (b − 1)`` that receives z̃_t (int32 scalar); b ≥ 2."""
-        return tf.math.floormod(tf.cast(step, tf.int32), self.bands - 1)
+    @staticmethod
+    def apply_write(state, write):
+        """The new state after ``write`` (functional; ``state`` unchanged)."""
+        if write is None:
+            return state
+        if write.slot is None:
+            return write.value
+        return tf.tensor_scatter_nd_update(state, tf.reshape(write.slot, [1, 1]), write.value[None])
 
-    def correlate(self, z, step, ring=None):
+    def combine(self, z, step, state=None, coefficients=None):
+        """z̃_t from z_t and the state, WITHOUT the state update (see :meth:`advance`)."""
+        return self.advance(z, step, state, coefficients)[0]
+
+    def correlate(self, z, step, state=None):
         """One step of the recurrence, functional form.
 
         Returns:
-          ``(z_tilde, new_ring)``: z̃_t (shape of z) and the updated buffer (slot
-          ``t mod (b − 1)`` replaced by z̃_t), ``None`` when b = 1.
+          ``(z_tilde, new_state)``: z̃_t (shape of z) and the updated state, ``None``
+          without state.
         """
-        z_tilde = self.combine(z, step, ring)
-        if self.bands == 1:
+        z_tilde, write = self.advance(z, step, state)
+        if write is None:
             return z_tilde, None
-        new_ring = tf.tensor_scatter_nd_update(ring, [[self.slot(step)]], z_tilde[None])
-        return z_tilde, new_ring
+        return z_tilde, self.apply_write(state, write)
 
-    def sample(self, key, step, index, shape, dtype=tf.float32, ring=None):
+    def sample(self, key, step, index, shape, dtype=tf.float32, state=None, ring=None):
         """z̃_t for variable ``index``: draw z_t (``standard_normal``) and ``correlate`` it.
 
-        Returns ``(z_tilde, new_ring)`` as ``correlate``.
+        ``ring`` is the former name of ``state``. Returns ``(z_tilde, new_state)`` as
+        ``correlate``.
         """
         z = standard_normal(key, step, index, shape, dtype)
-        return self.correlate(z, step, ring)
+        return self.correlate(z, step, ring if state is None else state)
+
+
+#: The former name (banded only): ``BandedNoise(band_values)`` is ``StreamNoise(band_values)``.
+BandedNoise = StreamNoise

@@ -40,7 +40,7 @@ import tensorflow as tf
 from keras_noisecurve._validation import check_float, check_int
 from keras_noisecurve.mixing.matrix import load_mixing
 from keras_noisecurve.mixing.update_rule import UpdateRule
-from keras_noisecurve.training.noise import BandedNoise, key_from_seed, normal_from_seed, step_seed, variable_seed
+from keras_noisecurve.training.noise import StreamNoise, key_from_seed, normal_from_seed, step_seed, variable_seed
 
 __all__ = ["DPOptimizer", "NoiseCurveOptimizer"]
 
@@ -259,7 +259,8 @@ class DPOptimizer(keras.optimizers.Optimizer):
     # ------------------------------------------------------------- noise source
     @property
     def mixing(self):
-        """The mixing matrix: a ``MixingMatrix``, or ``"dpsgd"`` (C = I, no step plan)."""
+        """The mixing strategy: a ``MixingMatrix`` (banded), ``ToeplitzMixing``, ``BLTMixing``
+        or ``BISRMixing``, or ``"dpsgd"`` (C = I, no step plan)."""
         return self._mixing
 
     @property
@@ -274,12 +275,13 @@ class DPOptimizer(keras.optimizers.Optimizer):
         return self._sampling_key
 
     @property
-    def noise(self) -> BandedNoise:
-        """The online noise generator (``BandedNoise``)."""
+    def noise(self) -> StreamNoise:
+        """The online noise generator (``keras_noisecurve.training.noise.StreamNoise``)."""
         return self._noise
 
     def noise_state_bytes(self) -> int:
-        """Bytes of the ring buffers (0 for DP-SGD); the optimizer must be built."""
+        """Bytes of the noise state, ``mixing.buffers`` × parameters × dtype size (0 for
+        DP-SGD); the optimizer must be built."""
         if not self.built:
             return 0
         return int(sum(np.prod(r.shape) * np.dtype(r.dtype).itemsize for r in self._rings if r is not None))
@@ -346,20 +348,24 @@ class DPOptimizer(keras.optimizers.Optimizer):
                 initializer=lambda shape, dtype=None: tf.constant(sampling_key, dtype=tf.int64),
                 name="sampling_key",
             )
+        # One noise-state variable (buffers, *shape) per model variable, None without
+        # state: the banded ring keeps its historical name (checkpoints load), the other
+        # kinds are "<path>_noise_state".
         self._rings = []
+        suffix = "noise_ring" if self._noise.kind == "banded" else "noise_state"
         for var in variables:
-            shape = self._noise.ring_shape(var.shape)
+            shape = self._noise.state_shape(var.shape)
             if shape is None:
                 self._rings.append(None)
                 continue
             colocate = var.value if isinstance(var, keras.Variable) else var
             with self._distribution_strategy.extended.colocate_vars_with(colocate):
-                ring = self.add_variable(
+                state = self.add_variable(
                     shape=shape,
                     dtype=var.dtype,
-                    name=f"{getattr(var, 'path', var.name).replace('/', '_')}_noise_ring",
+                    name=f"{getattr(var, 'path', var.name).replace('/', '_')}_{suffix}",
                 )
-            self._rings.append(ring)
+            self._rings.append(state)
         if inner is not None and not inner.built:
             inner.build(variables)
 
@@ -446,25 +452,29 @@ class DPOptimizer(keras.optimizers.Optimizer):
         ``inner.update_step(ĝ, variable, learning_rate)`` (``learning_rate`` is then the
         inner optimizer's η_t).
 
-        z̃_t = z_t / C[t, t] for b = 1 (the scale ζσ/C[t, t] is folded into the draw);
-        for b ≥ 2 the ring buffer gives z̃_t and slot t mod (b − 1) is overwritten.
+        Without noise state (b = 1, p = 1, DP-SGD) z̃_t is z_t times a scalar, folded into
+        the draw with ζσ. Otherwise the state gives z̃_t (``StreamNoise.advance``): a ring
+        (banded, toeplitz, fir) has only its slot t mod (b − 1) overwritten, in place; the
+        BLT accumulators are assigned whole.
         """
         index = self._get_variable_index(variable)
         noise = self._step_noise or _StepNoise(self)
         dtype = variable.dtype
         std = self.l2_norm_clip * self.noise_multiplier
         seed = variable_seed(noise.seed, index)
-        row = noise.row(dtype)
-        ring = self._rings[index]
-        if ring is None:  # b = 1: no buffer, z̃_t = z_t / C[t, t]
-            scale = std if row is None else std / row[0]
+        coefficients = noise.coefficients(dtype)
+        state = self._rings[index]
+        if state is None:  # no state: z̃_t = z_t / C[t, t] (or f_0 z_t), scale folded in
+            scale = self._noise.folded_scale(std, coefficients)
             noise_term = normal_from_seed(seed, variable.shape, dtype, scale=scale)
         else:
             z = normal_from_seed(seed, variable.shape, dtype)
-            z_tilde = self._noise.combine(z, noise.step, ring.value, row=row)
-            # write only slot t mod (b − 1), in place
-            slot = tf.reshape(self._noise.slot(noise.step), [1])
-            self.assign(ring, tf.IndexedSlices(z_tilde[None], slot, tf.shape(ring.value)))
+            z_tilde, write = self._noise.advance(z, noise.step, state.value, coefficients)
+            if write.slot is not None:  # a ring: write only slot t mod (b − 1), in place
+                slot = tf.reshape(write.slot, [1])
+                self.assign(state, tf.IndexedSlices(write.value[None], slot, tf.shape(state.value)))
+            else:
+                self.assign(state, write.value)
             noise_term = tf.cast(std, dtype) * z_tilde
         inner = self.inner
         if inner is None:
@@ -573,15 +583,15 @@ def _from_run(run, mixing, noise_multiplier, expected_batch_size):
     return planned["mixing"], planned["noise_multiplier"], planned["expected_batch_size"]
 
 
-def _noise_of(mixing) -> BandedNoise:
+def _noise_of(mixing) -> StreamNoise:
     """The online noise generator of a resolved ``mixing`` (``"dpsgd"``: C = I, no plan)."""
-    return BandedNoise(None if mixing == "dpsgd" else mixing.band_values)
+    return StreamNoise.from_mixing(mixing)
 
 
 class _StepNoise:
     """What all variables of one step share: the step t, its seed ``step_seed(key, t)``
     (computed after the privacy-plan check, so no update runs past step T) and the
-    row t of C per dtype."""
+    step's coefficients (``StreamNoise.step_coefficients``) per dtype."""
 
     def __init__(self, optimizer):
         self._noise = optimizer.noise
@@ -591,28 +601,31 @@ class _StepNoise:
             self.seed = step_seed(optimizer._noise_key, self.step)
         self._rows = {}
 
-    def row(self, dtype):
-        """``(C[t, t], C[t, t − 1], …)`` in ``dtype`` (b,), or ``None`` for C = I; read
-        after the plan check (row T does not exist)."""
+    def coefficients(self, dtype):
+        """The step's ``StepCoefficients`` in ``dtype``, or ``None`` for C = I without a
+        plan; read after the plan check (row T of a banded C does not exist)."""
         dtype = tf.as_dtype(dtype)
         if dtype not in self._rows:
             with tf.control_dependencies(self._checks):
-                self._rows[dtype] = self._noise.row(self.step, dtype)
+                self._rows[dtype] = self._noise.step_coefficients(self.step, dtype)
         return self._rows[dtype]
 
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)
 class NoiseCurveOptimizer(DPOptimizer):
-    """DP-SGD with banded correlated noise z̃_t = (C⁻¹Z)_t of a mixing matrix C.
+    """DP-SGD with correlated noise z̃_t = (C⁻¹Z)_t of a mixing strategy C.
 
     ``ĝ_t = (Σ_i clip(g_i, ζ) + ζ·σ·z̃_t) / B`` (docs/design.md#update-rule; paper
-    App. C), with z̃ computed online from a ring buffer of b − 1 past values per
-    variable, then ``w ← w − η·ĝ_t`` or the update of the ``inner`` Keras optimizer.
+    App. C), with z̃ computed online from ``mixing.buffers`` state arrays per variable
+    (``keras_noisecurve.training.noise.StreamNoise``: the ring of b − 1 past values of a
+    banded or Toeplitz C, the p − 1 past draws of BISR, the d accumulators of BLT), then
+    ``w ← w − η·ĝ_t`` or the update of the ``inner`` Keras optimizer.
 
     Args:
       mixing: anything ``keras_noisecurve.mixing.load_mixing`` reads: a ``MixingMatrix``
-        (T steps, b bands; ``MixingMatrix.identity(T)`` is DP-SGD), the path of a
-        ``.npz`` artifact, the config dict ``get_config`` writes, or ``"dpsgd"`` (C = I
+        (T steps, b bands; ``MixingMatrix.identity(T)`` is DP-SGD), a ``ToeplitzMixing``,
+        ``BLTMixing`` or ``BISRMixing``, the path of a ``.npz`` file of any of them, the
+        config dict ``get_config`` writes (``mixing.to_config()``), or ``"dpsgd"`` (C = I
         without a step plan, what ``DPOptimizer`` does). Training refuses step t ≥ T
         (the privacy plan is spent): the step fails with an error.
       learning_rate, l2_norm_clip, noise_multiplier, expected_batch_size, seed, name, inner:
@@ -719,8 +732,7 @@ class NoiseCurveOptimizer(DPOptimizer):
         if self._mixing == "dpsgd":
             config["mixing"] = "dpsgd"
         else:
-            config["mixing"] = {
-                "band_values": self._mixing.band_values.tolist(),
-                "metadata": self._mixing.metadata,
-            }
+            # banded: {"band_values", "metadata"}; other kinds: {"kind", "steps", <parameters>,
+            # "metadata"}; load_mixing reads both back
+            config["mixing"] = self._mixing.to_config()
         return config
