@@ -12,6 +12,13 @@ Usage::
     python benchmarks/bench_solver.py                 # T ∈ {500, 2000, 10000} × b ∈ {4, 16, 64}
     python benchmarks/bench_solver.py --quick         # T ∈ {200} × b ∈ {4, 16}
     python benchmarks/bench_solver.py --steps 2000 --bands 16 --objectives noisecurve
+    python benchmarks/bench_solver.py --compare-jax-privacy [options of bench_jax_privacy.py]
+
+``--compare-jax-privacy`` runs every strategy (banded, toeplitz, blt, bisr) side by side
+with jax_privacy's solvers for the same problems instead (``bench_jax_privacy.py``:
+prefix-sum workload, each solve pinned to one core, every loss from one independent
+evaluation); it needs jax-privacy in its own venv (``--jax-python``, default
+/tmp/jaxp/bin/python) and says how to make one if it is missing.
 
 Memory: a curvature objective needs the dense T×T workload W (8·T² bytes: 800 MB at
 T = 10⁴, plus about as much again for the exact final evaluation) — fine on 24 GB.
@@ -23,6 +30,8 @@ numpy/scipy only.
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
 
 import numpy as np
@@ -32,6 +41,13 @@ from keras_noisecurve.mixing import solver as solver_module
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--compare-jax-privacy" in argv:
+        argv.remove("--compare-jax-privacy")
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import bench_jax_privacy
+
+        return bench_jax_privacy.main(argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, nargs="+", default=[500, 2000, 10000])
     parser.add_argument("--bands", type=int, nargs="+", default=[4, 16, 64])
