@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from keras_noisecurve._validation import check_choice, check_int
+from keras_noisecurve.mixing.kernels import library_version
 from keras_noisecurve.mixing import solver as _banded
 from keras_noisecurve.mixing.matrix import MixingMatrix
 from keras_noisecurve.mixing.objectives import TOEPLITZ_OBJECTIVES
@@ -130,13 +131,7 @@ def solve_mixing_matrix(*, steps, bands=None, strategy="banded", buffers=None, o
         loss_scale=LOSS_SCALES[objective],
         baseline_losses={"dpsgd": float(toeplitz_loss(identity, workload, gradient=False)[0])},
         solver={"iterations": 0, "seconds": 0.0, "converged": True, "message": "closed form: no optimisation"},
-        version=_version())
-
-
-def _version() -> str:
-    import keras_noisecurve
-
-    return keras_noisecurve.__version__
+        version=library_version())
 
 
 def objective_value(mixing, *, objective, spectrum=None, learning_rate=None, blend_weight=None,

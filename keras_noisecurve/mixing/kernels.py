@@ -11,7 +11,10 @@ import numpy as np
 
 from keras_noisecurve._validation import check_float
 
-__all__ = ["CurvatureInputs", "blend_workload", "check_blend_weight", "power_sums", "prefix_workload"]
+__all__ = [
+    "CurvatureInputs", "binomial_coefficients", "blend_workload", "check_blend_weight", "library_version",
+    "power_sums", "prefix_workload",
+]
 
 # Largest number of (eigenvalue × exponent) entries held at once while forming h(n).
 _CHUNK_ENTRIES = 4_000_000
@@ -139,3 +142,20 @@ def blend_workload(*, curvature: np.ndarray, blend_weight: float, prefix=None) -
         else:
             out += lam / prefix.trace() * prefix.workload()
     return out
+
+
+def binomial_coefficients(exponent: float, count: int) -> np.ndarray:
+    """The first ``count`` coefficients of ``(1 − x)^exponent``: f_0 = 1,
+    f_k = f_{k−1}·(k − 1 − exponent)/k. exponent = −1/2 gives the Toeplitz square root of
+    the prefix-sum matrix (1, 1/2, 3/8, …), +1/2 its inverse (1, −1/2, −1/8, …)."""
+    k = np.arange(1, count, dtype=np.float64)
+    out = np.ones(count)
+    out[1:] = np.cumprod((k - 1.0 - exponent) / k)
+    return out
+
+
+def library_version() -> str:
+    """``keras_noisecurve.__version__``, recorded in every solved C's metadata."""
+    import keras_noisecurve
+
+    return keras_noisecurve.__version__

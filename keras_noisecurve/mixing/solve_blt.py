@@ -56,6 +56,7 @@ import scipy.optimize
 import scipy.special
 
 from keras_noisecurve._validation import check_float, check_int
+from keras_noisecurve.mixing.kernels import binomial_coefficients, library_version
 from keras_noisecurve.mixing.strategies import BLTMixing
 from keras_noisecurve.mixing.toeplitz_loss import (
     TOEPLITZ_OBJECTIVES,
@@ -193,14 +194,6 @@ class _Objective:
 
 
 # ------------------------------------------------------------------------ initialisation
-def _sqrt_prefix_coefficients(steps):
-    """Coefficients of (1 − x)^{−1/2}: the Toeplitz square root of the prefix-sum matrix."""
-    k = np.arange(1, steps, dtype=np.float64)
-    out = np.ones(steps)
-    out[1:] = np.cumprod((k - 0.5) / k)
-    return out
-
-
 def _geometric_theta(buffers, lo, hi):
     """θ with 1 − θ_i log-uniform in [lo, hi] (largest θ first)."""
     if buffers == 1:
@@ -221,7 +214,7 @@ def _fit_omega(theta, target, steps):
 
 def _candidates(steps, buffers, participations, separation):
     """Starting (θ, ω) pairs (see the module docstring)."""
-    target = _sqrt_prefix_coefficients(steps)
+    target = binomial_coefficients(-0.5, steps)
     his = (0.5, 0.8)
     los = [0.3 / steps, 1.0 / steps, 3.0 / steps]
     if participations > 1 and separation is not None:
@@ -263,12 +256,6 @@ def _check_args(steps, buffers, objective, participations, separation, tol, max_
     tol = check_float("tol", tol, positive=True)
     max_iterations = check_int("max_iterations", max_iterations, minimum=0)
     return steps, buffers, participations, separation, tol, max_iterations
-
-
-def _version() -> str:
-    import keras_noisecurve
-
-    return keras_noisecurve.__version__
 
 
 def _minimise(objective, x0, *, tol, max_iterations, verbose, label, start_time):
@@ -385,7 +372,7 @@ def solve_blt(*, steps, buffers, objective="bandmf", spectrum=None, learning_rat
         "loss_components": {"sensitivity_squared": sens * sens, "trace": trace},
         "baseline_losses": {"dpsgd": trace_w * participations},
         "solver": stats,
-        "version": _version(),
+        "version": library_version(),
     }
     if verbose:
         print(f"[noisecurve solve_blt {objective}] done: loss = {meta['loss']:.10g} in {stats['seconds']:.1f} s "

@@ -33,6 +33,7 @@ import scipy.optimize
 import scipy.signal
 
 from keras_noisecurve._validation import check_choice, check_float, check_int
+from keras_noisecurve.mixing.kernels import binomial_coefficients, library_version
 from keras_noisecurve.mixing.strategies import ToeplitzMixing
 from keras_noisecurve.mixing.toeplitz_loss import (
     LFILTER_MAX_SUPPORT,
@@ -61,19 +62,9 @@ _START_NORM = 100.0
 _BANDMF_CACHE: dict = {}
 
 
-def _version() -> str:
-    import keras_noisecurve
-
-    return keras_noisecurve.__version__
-
-
 def sqrt_prefix_coefficients(bands: int) -> np.ndarray:
     """The first b coefficients of ``(1 − x)^{−1/2}``: 1, 1/2, 3/8, 5/16, …"""
-    bands = check_int("bands", bands, minimum=1)
-    coef = np.ones(bands)
-    for k in range(1, bands):
-        coef[k] = coef[k - 1] * (k - 0.5) / k
-    return coef
+    return binomial_coefficients(-0.5, check_int("bands", bands, minimum=1))
 
 
 def _scaled_objective(x: np.ndarray, workload: ToeplitzWorkload):
@@ -287,7 +278,7 @@ def solve_toeplitz(*, steps, bands, objective="bandmf", spectrum=None, learning_
         "baseline_losses": {"dpsgd": float(toeplitz_loss(identity, workload, gradient=False)[0]),
                             "bandmf": float(bandmf_loss)},
         "solver": stats,
-        "version": _version(),
+        "version": library_version(),
     }
     return mixing.with_metadata(**meta)
 

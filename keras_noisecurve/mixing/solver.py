@@ -35,6 +35,7 @@ import time
 import numpy as np
 
 from keras_noisecurve._validation import check_float, check_int
+from keras_noisecurve.mixing.kernels import binomial_coefficients, library_version
 from keras_noisecurve.mixing.banded import ab_to_band_values, band_values_to_ab, prefix_noise_std, valid_mask
 from keras_noisecurve.mixing.matrix import MixingMatrix
 from keras_noisecurve.mixing.objectives import get_objective
@@ -64,9 +65,7 @@ AUTO_BLEND_RULE = (
 
 def _bandmf_initial(steps: int, bands: int) -> np.ndarray:
     """Banded Toeplitz square root of the prefix-sum matrix, columns normalised."""
-    coef = np.ones(bands)
-    for k in range(1, bands):
-        coef[k] = coef[k - 1] * (k - 0.5) / k  # coefficients of (1 − x)^{−1/2}
+    coef = binomial_coefficients(-0.5, bands)  # coefficients of (1 − x)^{−1/2}
     ab = np.repeat(coef[:, None], steps, axis=1) * valid_mask(bands, steps)
     return normalise_columns(ab)[0]
 
@@ -108,12 +107,6 @@ def _check_common(objective, steps, bands):
     if bands > steps:
         raise ValueError(f"bands must be <= steps ({steps}); got bands={bands}.")
     return spec, steps, bands
-
-
-def _version() -> str:
-    import keras_noisecurve
-
-    return keras_noisecurve.__version__
 
 
 def _attach_diagnostics(meta: dict, band_values, *, reference_ab=None) -> dict:
@@ -246,7 +239,7 @@ def solve_mixing_matrix(*, steps, bands, objective=DEFAULT_OBJECTIVE, spectrum=N
         "ridge_relative": RIDGE_RELATIVE if problem.ridge else 0.0,
         "workload_rank": int(problem.rank),
         "loss_scale": spec.loss_scale_for(plain_sgd=problem.prefix_map is None),
-        "version": _version(),
+        "version": library_version(),
     }
     if auto_record is not None:
         meta["blend_rule"] = auto_record

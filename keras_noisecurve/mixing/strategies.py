@@ -38,7 +38,9 @@ import scipy.signal
 
 from keras_noisecurve._validation import check_int
 from keras_noisecurve.mixing.errors import COLUMN_NORM_TOLERANCE, InvalidMixingMatrixError
+from keras_noisecurve.mixing.kernels import binomial_coefficients
 from keras_noisecurve.mixing.stream import NoiseStream, stream_apply
+from keras_noisecurve.mixing.toeplitz_loss import participation_sensitivity
 
 __all__ = [
     "STRATEGIES",
@@ -64,18 +66,6 @@ def _array(name, value, *, ndim=1):
         raise InvalidMixingMatrixError(f"{name} must be finite; got {arr.tolist()[:8]}.")
     arr.setflags(write=False)
     return arr
-
-
-def _shifted_sum_norm(column: np.ndarray, *, participations: int, separation: int) -> float:
-    """‖Σ_{i<k} shift(c, i·s)‖₂, the columns truncated at T (O(T))."""
-    steps = column.shape[0]
-    rows = -(-steps // separation)
-    padded = np.zeros(rows * separation)
-    padded[:steps] = column
-    grid = np.cumsum(padded.reshape(rows, separation), axis=0)  # [r, j] = Σ_{i ≤ r} c[(r − i)s + j]
-    if participations < rows:
-        grid[participations:] -= grid[:-participations].copy()
-    return float(np.linalg.norm(grid.reshape(-1)[:steps]))
 
 
 class _ToeplitzFamily:
@@ -159,7 +149,7 @@ class _ToeplitzFamily:
                 f"the {self.kind} C has negative coefficients, so the worst participation pattern is not "
                 f"known in closed form; refusing to account for {k} participations {s} steps apart."
             )
-        return _shifted_sum_norm(col, participations=k, separation=s)
+        return float(np.sqrt(participation_sensitivity(col, participations=k, separation=s, gradient=False)[0]))
 
     def digest(self) -> str:
         h = hashlib.sha256(self.kind.encode())
@@ -333,11 +323,7 @@ class BLTMixing(_ToeplitzFamily):
 
 def bisr_coefficients(bands: int) -> np.ndarray:
     """The first p coefficients of (1 − x)^{1/2}: f_0 = 1, f_k = f_{k−1}·(k − 3/2)/k."""
-    bands = check_int("bands", bands, minimum=1)
-    f = np.ones(bands)
-    for k in range(1, bands):
-        f[k] = f[k - 1] * (k - 1.5) / k
-    return f
+    return binomial_coefficients(0.5, check_int("bands", bands, minimum=1))
 
 
 class BISRMixing(_ToeplitzFamily):
