@@ -4,7 +4,7 @@ For every strategy (banded, banded Toeplitz, BLT, BISR), T and b (bands; for BLT
 buffers) this runs jax_privacy's own solver (``benchmarks/_jax_privacy_solve.py`` under
 a separate virtual environment) and ours
 (``keras_noisecurve.mixing.solve_mixing_matrix(..., strategy=..., objective="bandmf")``),
-each in its own subprocess pinned to CPU 0 (``taskset -c 0``, one BLAS / OpenMP
+each in its own subprocess pinned to one CPU (``taskset -c 0``, ``--cpu``; one BLAS / OpenMP
 thread), with a per-run timeout. Every loss printed is sens²·‖A C⁻¹‖_F² computed by
 ``benchmarks/_loss_check.py`` (numpy / scipy, independent of both solvers) from the
 matrix the solver returned. ``seconds`` is the wall time of the solve call only (no
@@ -23,7 +23,7 @@ Usage::
 
 jax_privacy's dense banded optimiser back-propagates through a length-T scan whose state
 is T × b, so it needs about 16·T²·b bytes (measured peak 1.1 GB at T = 2000, b = 16;
-2.6 GB at b = 64; ≈ 13 GB at T = 10⁴, b = 16) and O(T²·b) time per step; runs whose
+2.6 GB at b = 64; ≈ 24 GB at T = 10⁴, b = 16) and O(T²·b) time per step; runs whose
 estimate exceeds ``--jax-memory-gb`` are reported as skipped rather than started.
 """
 
@@ -120,8 +120,11 @@ def _ours_worker(argv) -> int:
 
 
 # --------------------------------------------------------------------------- subprocesses
+PIN_CPU = "0"
+
+
 def _pin_prefix() -> list:
-    return ["taskset", "-c", "0"] if shutil.which("taskset") else []
+    return ["taskset", "-c", PIN_CPU] if shutil.which("taskset") else []
 
 
 def _run(cmd, timeout: float) -> tuple:
@@ -230,8 +233,11 @@ def main(argv=None) -> int:
     p.add_argument("--jax-python", default=DEFAULT_JAX_PYTHON, help=f"default {DEFAULT_JAX_PYTHON}")
     p.add_argument("--jax-memory-gb", type=float, default=8.0,
                    help="skip jax_privacy banded runs estimated above this (default 8)")
+    p.add_argument("--cpu", default="0", help="the CPU both solvers are pinned to (taskset -c; default 0)")
     p.add_argument("--json", default=None, help="write all rows (with solver info) to this JSON file")
     args = p.parse_args(argv)
+    global PIN_CPU
+    PIN_CPU = args.cpu
     libraries = [args.only] if args.only else list(LIBRARIES)
     versions = _check_jax_python(args.jax_python) if "jax_privacy" in libraries else None
     if versions:
