@@ -184,6 +184,18 @@ def _reference(args, mixing, rule=None):
     return ref, how + ")"
 
 
+def _missing_curvature_inputs(objective, spectrum, learning_rate, blend_weight) -> list:
+    """What a curvature objective's re-evaluation lacks (empty: it can be recomputed)."""
+    missing = []
+    if spectrum is None:
+        missing.append("--spectrum FILE (the file stores only the spectrum digest, not the spectrum)")
+    if learning_rate is None:
+        missing.append("--learning-rate ETA (none stored)")
+    if objective == "noisecurve-blend" and blend_weight is None:
+        missing.append("a numeric blend weight in the metadata")
+    return missing
+
+
 def _stored_blend_weight(meta):
     """The numeric blend weight λ the solver used, if the metadata has one."""
     for key in ("blend_weight", "blend_weight_chosen", "blend_weight_selected"):
@@ -217,12 +229,7 @@ def _expected_error(args, mixing, spectrum, reference, rule=None) -> dict:
     if objective is None:
         missing.append("the file has no objective in its metadata; pass --objective NAME")
     if objective in CURVATURE_OBJECTIVES:
-        if spectrum is None:
-            missing.append("--spectrum FILE (the file stores only the spectrum digest, not the spectrum)")
-        if learning_rate is None:
-            missing.append("--learning-rate ETA (none stored)")
-        if objective == "noisecurve-blend" and blend_weight is None:
-            missing.append("a numeric blend weight in the metadata")
+        missing += _missing_curvature_inputs(objective, spectrum, learning_rate, blend_weight)
     if missing:
         result["source"] = "stored"
         result["note"] = (
@@ -410,12 +417,7 @@ def _strategy_expected(args, mixing, spectrum) -> dict:
     if objective not in TOEPLITZ_OBJECTIVES:
         missing.append(f"an objective in {TOEPLITZ_OBJECTIVES} (the file's is {objective!r}); pass --objective NAME")
     elif objective in CURVATURE_OBJECTIVES:
-        if spectrum is None:
-            missing.append("--spectrum FILE (the file stores only the spectrum digest, not the spectrum)")
-        if learning_rate is None:
-            missing.append("--learning-rate ETA (none stored)")
-        if objective == "noisecurve-blend" and blend_weight is None:
-            missing.append("a numeric blend weight in the metadata")
+        missing += _missing_curvature_inputs(objective, spectrum, learning_rate, blend_weight)
     if missing:
         result["source"] = "stored"
         result["note"] = "not recomputed: needs " + "; ".join(missing) + "."

@@ -15,19 +15,9 @@ from threadpoolctl import threadpool_limits
 from keras_noisecurve.mixing import solve_mixing_matrix
 from keras_noisecurve.mixing.solve_toeplitz import solve_toeplitz
 from keras_noisecurve.mixing.toeplitz_loss import ToeplitzWorkload, toeplitz_loss
-from keras_noisecurve.spectrum.artifact import Spectrum
 
-STEPS = 40
-BANDS = 6
-ETA = 0.9
-SIGMA = 1.0
-TRIALS = 4000
-P = 200
-
-
-def _spectrum():
-    rng = np.random.default_rng(1234)
-    return Spectrum(np.sort(10 ** rng.uniform(-2, 0, size=P))[::-1])
+# the quadratic, spectrum, step size and trial count of the banded Theorem-3.1 test
+from tests.mixing.test_theorem31 import BANDS, ETA, P, SIGMA, STEPS, TRIALS, _spectrum  # noqa: E402,F401
 
 
 @pytest.fixture(scope="module")
