@@ -4,7 +4,7 @@ The engine contract and ``ClippedSum`` are in :mod:`keras_noisecurve.training.cl
 (re-exported here); the ghost-norm engine is :mod:`keras_noisecurve.training.ghost`.
 
 - :func:`vectorized_clipped_sum`: per-example gradients with ``tf.vectorized_map``.
-- :func:`get_engine`: ``"vectorized"``, ``"ghost"`` or ``"auto"``.
+- :func:`get_engine`: ``"auto"``/``"ghost"`` (per-layer) or ``"vectorized"`` (reference).
 - :func:`per_example_loss_fn`: the unreduced ``(y_true, y_pred) -> (P,)`` loss an
   engine needs (:mod:`keras_noisecurve._losses`).
 - Regularisation losses (kernel regularizers) are data-independent: their gradient
@@ -15,7 +15,6 @@ The engine contract and ``ClippedSum`` are in :mod:`keras_noisecurve.training.cl
 
 from __future__ import annotations
 
-import warnings
 from typing import Callable
 
 import keras
@@ -179,31 +178,26 @@ def get_engine(name: str = "auto", model=None) -> Callable:
     """The clipping engine called ``name``.
 
     Args:
-      name: ``"vectorized"`` (per-example gradients by ``tf.vectorized_map``),
-        ``"ghost"`` (ghost-norm clipping, ``keras_noisecurve.training.ghost``) or
-        ``"auto"``: ghost when ``ghost.supports(model)`` is true, else vectorized.
-      model: needed for ``"auto"`` and to check ``"ghost"`` supports the model.
+      name: ``"auto"`` or ``"ghost"``: the per-layer engine
+        (``keras_noisecurve.training.ghost``): ghost norms for every layer with a rule,
+        a per-layer vector–Jacobian product of its own call for any other layer with
+        trainable weights; it never differentiates the whole model per example.
+        ``"vectorized"``: per-example gradients of the whole model by
+        ``tf.vectorized_map``, kept as a reference (slower, O(P × parameters) memory,
+        and TensorFlow's pfor can fail on some layers — e.g. a segmentation fault on
+        ``MultiHeadAttention`` with TF 2.21, a ``variant`` TypeError on LSTMs); ``"auto"``
+        never chooses it.
+      model: checks that the model can be clipped (``"auto"``/``"ghost"``).
 
-    Returns:
-      a function with the engine signature of :mod:`keras_noisecurve.training.clipped_sum`.
+    Raises:
+      ValueError: the model cannot be clipped per example (a trainable
+        BatchNormalization), with the layer named.
     """
     check_choice("clipping", name, ENGINES)
     if name == "vectorized":
         return vectorized_clipped_sum
-    if name == "ghost":
-        if model is not None:
-            ok, reason = ghost.supports(model)
-            if not ok:
-                raise ValueError(f"clipping='ghost' does not support this model: {reason}. Use 'vectorized'.")
-        return ghost.ghost_clipped_sum
-    # auto
     if model is not None:
         ok, reason = ghost.supports(model)
-        if ok:
-            return ghost.ghost_clipped_sum
-        warnings.warn(
-            f"clipping='auto' uses the vectorized engine for this model: the ghost engine does not "
-            f"support it ({reason}). Per-example gradients cost more memory and time.",
-            stacklevel=2,
-        )
-    return vectorized_clipped_sum
+        if not ok:
+            raise ValueError(f"clipping={name!r} cannot clip this model per example: {reason}.")
+    return ghost.ghost_clipped_sum

@@ -32,16 +32,18 @@ wrapper records into a thread-local recorder and calls the original ``call`` whe
 recording is active in its thread. Inside ``tf.function`` this happens only while
 tracing: no Python state survives between steps.
 
-Limits: a layer is supported when it is one of Dense, EinsumDense (batched dense
-equations, e.g. MultiHeadAttention's projections), Embedding, Conv1D/Conv2D
-(groups = 1), LayerNormalization, GroupNormalization; layers without weights of
-their own (activations, pooling, reshapes, dropout, containers such as Sequential,
-functional models and MultiHeadAttention) are fine provided they do not mix
-examples and do not use another layer's weights (tied weights read by a custom
-layer would be missed by the norms: such models are not supported).
-BatchNormalization in training mode mixes examples and is refused, and so is a
-weighted layer whose rows are not examples (``TimeDistributed``; other wrappers that
-reshape the batch are caught at call time).
+Coverage (:func:`plan`): every layer that owns trainable weights is clipped exactly —
+by its ghost-norm rule where one exists (Dense, EinsumDense, Embedding,
+Conv1D/Conv2D with groups = 1, LayerNormalization, GroupNormalization, ... see
+``ghost_layers.RULES``), and otherwise by the per-layer fallback of
+:mod:`keras_noisecurve.training.ghost_generic` (a vector–Jacobian product of that
+one layer's call per example: custom layers, KerasHub embeddings, TimeDistributed,
+configurations a rule does not handle). Layers without weights of their own
+(activations, pooling, reshapes, dropout, containers, attention wrappers) need
+nothing, provided they do not mix examples. Refused: BatchNormalization in training
+mode (it mixes examples), a layer whose rows are not examples (caught at call time)
+and a weight read outside its own layer's call (caught when the step is traced,
+:mod:`keras_noisecurve.training.ghost_reads`).
 """
 
 from __future__ import annotations
@@ -52,12 +54,16 @@ import tensorflow as tf
 
 from keras_noisecurve._validation import check_int
 from keras_noisecurve.training.clipped_sum import ClippedSum, chunked_clipped_sum
+from keras_noisecurve.training.ghost_generic import GenericRule, owned_trainable
 from keras_noisecurve.training.ghost_layers import find_rule
+from keras_noisecurve.training.ghost_reads import check_reads
 
-__all__ = ["supports", "ghost_clipped_sum"]
+_GENERIC = GenericRule()
+
+__all__ = ["describe", "ghost_clipped_sum", "plan", "supports"]
 
 
-# ------------------------------------------------------------------ support check
+# ------------------------------------------------------------------ the plan
 
 
 def _is_batch_norm(layer) -> bool:
@@ -70,25 +76,68 @@ def _layer_label(layer) -> str:
     return f"{type(layer).__name__} layer '{layer.name}'"
 
 
-def _weighted_layers(model):
-    """Yield ``(layer, own_trainable_variables)`` for every layer owning trainable weights."""
+def _children(layer):
+    return layer._flatten_layers(include_self=False, recursive=False)
+
+
+def plan(model):
+    """How each layer's weights are clipped: ``[(layer, rule, variables)]``.
+
+    Walks the layer tree from ``model``. A layer that owns trainable weights gets its
+    ghost-norm rule (:func:`~keras_noisecurve.training.ghost_layers.find_rule`) when it
+    has one in a supported configuration, else :class:`GenericRule`, the per-layer
+    vector–Jacobian fallback; a rule with ``covers_sublayers`` also takes its
+    sublayers' weights (they are not visited). ``variables`` are the layer's
+    trainable variables among ``model.trainable_variables``.
+
+    Raises:
+      ValueError: a trainable BatchNormalization (it mixes the examples of a batch),
+        naming the layer.
+    """
     trainable = {id(v) for v in model.trainable_variables}
-    for layer in model._flatten_layers(include_self=True, recursive=True):
-        own = [v for v in getattr(layer, "_trainable_variables", []) if id(v) in trainable]
-        yield layer, own
+    out, seen = [], set()
+
+    def visit(layer):
+        if id(layer) in seen:
+            return
+        seen.add(id(layer))
+        if _is_batch_norm(layer) and layer.trainable and layer.trainable_variables:
+            raise ValueError(
+                f"{_layer_label(layer)} normalises with batch statistics in training mode, "
+                "which mixes examples: per-example clipping is not defined for it "
+                "(use GroupNormalization or LayerNormalization — "
+                "keras_noisecurve.replace_batch_normalization(model) rebuilds a functional model so — "
+                "or freeze it)"
+            )
+        rule = find_rule(layer)
+        if rule is not None and rule.check(layer):
+            rule = None  # a configuration the fast rule does not handle: the fallback does
+        if rule is not None and getattr(rule, "covers_sublayers", False):
+            variables = rule.variables(layer, trainable)
+            if variables:
+                out.append((layer, rule, variables))
+            return
+        own = owned_trainable(layer, trainable)
+        if own:
+            out.append((layer, rule or _GENERIC, own))
+        for child in _children(layer):
+            visit(child)
+
+    visit(model)
+    return out
 
 
 def supports(model):
-    """Whether :func:`ghost_clipped_sum` can clip ``model`` exactly.
+    """Whether :func:`ghost_clipped_sum` can clip ``model``.
 
-    Args:
-        model: a built Keras 3 model (Sequential, functional or subclassed).
+    Every layer that owns trainable weights is covered, by its ghost-norm rule or by
+    the per-layer fallback (:mod:`keras_noisecurve.training.ghost_generic`); what
+    remains unsupported is a layer that mixes the examples of a batch (a trainable
+    BatchNormalization) and an unbuilt model. A weight read outside its own layer's
+    call (tied weights read by another layer) is detected when the step is traced.
 
     Returns:
-        ``(True, "")`` when every layer that owns trainable weights has a ghost-norm
-        rule in a supported configuration and no layer mixes examples; otherwise
-        ``(False, reason)`` where ``reason`` names the first offending layer (class
-        and name) and why.
+        ``(True, "")`` or ``(False, reason)``, ``reason`` naming the layer and why.
     """
     import keras
 
@@ -96,30 +145,17 @@ def supports(model):
         return False, f"expected a Keras model or layer, got {type(model).__name__}"
     if not model.built:
         return False, f"model '{model.name}' is not built (call it once or build it first)"
-    for layer, own in _weighted_layers(model):
-        if _is_batch_norm(layer) and layer.trainable:
-            return False, (
-                f"{_layer_label(layer)} normalises with batch statistics in training mode, "
-                "which mixes examples: per-example clipping is not defined for it "
-                "(use GroupNormalization or LayerNormalization, or freeze it)"
-            )
-        if isinstance(layer, keras.layers.TimeDistributed) and layer.trainable_variables:
-            return False, (
-                f"{_layer_label(layer)} folds the time axis into the example axis of the "
-                "layer it wraps, so that layer's rows are not examples"
-            )
-        if not own:
-            continue
-        rule = find_rule(layer)
-        if rule is None:
-            return False, (
-                f"{_layer_label(layer)} owns trainable weights "
-                f"{[v.path for v in own]} and has no ghost-norm rule"
-            )
-        reason = rule.check(layer)
-        if reason:
-            return False, f"{_layer_label(layer)} is not supported by ghost clipping: {reason}"
+    try:
+        plan(model)
+    except ValueError as error:
+        return False, str(error)
     return True, ""
+
+
+def describe(model) -> list:
+    """``[(layer name, class, how)]`` for every layer with trainable weights: ``how`` is
+    the rule's kind (e.g. ``"Dense"``) or ``"generic"`` for the per-layer fallback."""
+    return [(layer.name, type(layer).__name__, rule.kind) for layer, rule, _ in plan(model)]
 
 
 # ---------------------------------------------------------------------- recording
@@ -135,6 +171,7 @@ class _Recorder:
     def __init__(self):
         self.calls: dict[int, list[dict]] = {}
         self.layers: dict[int, object] = {}
+        self.spans: dict[int, list[tuple]] = {}  # id(layer) -> graph versions around each call
 
     def record_for(self, layer):
         def record(**tensors):
@@ -149,7 +186,12 @@ def _make_wrapper(layer, rule, original_call):
         recorder = getattr(_LOCAL, "recorder", None)
         if recorder is None:
             return original_call(inputs, *args, **kwargs)
-        return rule.forward(layer, original_call, recorder.record_for(layer), inputs, *args, **kwargs)
+        graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+        before = graph.version if graph is not None else None
+        out = rule.forward(layer, original_call, recorder.record_for(layer), inputs, *args, **kwargs)
+        if graph is not None:
+            recorder.spans.setdefault(id(layer), []).append((graph, before, graph.version))
+        return out
 
     return call
 
@@ -234,12 +276,21 @@ def _check_rows(layer, g, per_example_loss):
         tf.debugging.assert_equal(tf.shape(g)[0], tf.shape(per_example_loss)[0], message=message)
 
 
-def _ghost_step(model, loss_fn, x, y, sample_weight, clip, training, layers_and_rules):
+def _differentiable(t) -> bool:
+    return isinstance(t, (tf.Tensor, tf.Variable)) and (t.dtype.is_floating or t.dtype.is_complex)
+
+
+def _ghost_step(model, loss_fn, x, y, sample_weight, clip, training, entries):
     variables = model.trainable_variables
+    layers_and_rules = [(layer, rule) for layer, rule, _ in entries]
+    graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+    first_op = graph.version if graph is not None else None
     with _Recording(layers_and_rules) as recorder:
         with tf.GradientTape() as tape:
             y_pred = model(x, training=training)
             per_example_loss = loss_fn(y, y_pred)
+    if graph is not None:
+        check_reads(entries, recorder.spans, graph, first_op, graph.version)
     per_example_loss = tf.convert_to_tensor(per_example_loss)
     if per_example_loss.shape.rank != 1:
         raise ValueError(
@@ -252,22 +303,32 @@ def _ghost_step(model, loss_fn, x, y, sample_weight, clip, training, layers_and_
     else:
         weights = tf.reshape(tf.cast(sample_weight, dtype), tf.shape(per_example_loss))
 
-    keys = list(recorder.calls)
-    outs = [c["out"] for k in keys for c in recorder.calls[k]]
+    # every recorded call's differentiable outputs, flattened: one backward pass for all
+    calls = [(entry, c) for entry in entries for c in recorder.calls.get(id(entry[0]), [])]
+    flat = [tf.nest.flatten(c["out"]) for _, c in calls]
+    targets = [t for outs in flat for t in outs if _differentiable(t)]
     gs = tape.gradient(
-        per_example_loss, outs, output_gradients=weights, unconnected_gradients=tf.UnconnectedGradients.ZERO
-    ) if outs else []
+        per_example_loss, targets, output_gradients=weights, unconnected_gradients=tf.UnconnectedGradients.ZERO
+    ) if targets else []
     del tape
+    gs = iter(gs)
+    by_layer = {}
+    for ((layer, rule, own), c), outs in zip(calls, flat):
+        g = [next(gs) if _differentiable(t) else None for t in outs]
+        for gk in g:
+            if gk is not None:
+                _check_rows(layer, gk, per_example_loss)
+        c = {**c, "g": g if isinstance(rule, GenericRule) else g[0]}
+        by_layer.setdefault(id(layer), (layer, rule, own, []))[3].append(c)
+
     norm_dtype = tf.float64 if dtype == tf.float64 else tf.float32
     sq = tf.zeros_like(per_example_loss, dtype=norm_dtype)
-    grad_fns, i = [], 0
-    for k in keys:
-        calls = [{**c, "g": gs[i + n]} for n, c in enumerate(recorder.calls[k])]
-        i += len(calls)
-        layer = recorder.layers[k]
-        for c in calls:
-            _check_rows(layer, c["g"], per_example_loss)
-        layer_sq, grad_fn = find_rule(layer).analyse(layer, calls)
+    grad_fns = []
+    for layer, rule, own, layer_calls in by_layer.values():
+        if isinstance(rule, GenericRule):
+            layer_sq, grad_fn = rule.analyse(layer, layer_calls, own)
+        else:
+            layer_sq, grad_fn = rule.analyse(layer, layer_calls)
         sq += tf.cast(layer_sq, norm_dtype)
         grad_fns.append(grad_fn)
     norms = tf.sqrt(sq)
@@ -340,13 +401,10 @@ def ghost_clipped_sum(
         microbatch_size = check_int("microbatch_size", microbatch_size, minimum=1)
     if training is not None and not isinstance(training, bool):
         raise TypeError(f"training must be True, False or None, got {training!r}.")
-    layers_and_rules = []
-    for layer, own in _weighted_layers(model):
-        if own:
-            layers_and_rules.append((layer, find_rule(layer)))
+    entries = plan(model)
 
     def step(x_chunk, y_chunk, w_chunk):
-        return _ghost_step(model, loss_fn, x_chunk, y_chunk, w_chunk, clip, training, layers_and_rules)
+        return _ghost_step(model, loss_fn, x_chunk, y_chunk, w_chunk, clip, training, entries)
 
     if microbatch_size is None:
         return step(x, y, sample_weight)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from keras_noisecurve.training.ghost_common import Rule, sequence_sq_norms
 from keras_noisecurve.training.ghost_conv import CONV_CHUNK, ConvRule, conv_chunk, conv_sq_norms
+from keras_noisecurve.training.ghost_generic import GenericRule, TimeDistributedRule
 from keras_noisecurve.training.ghost_dense import (
     DenseRule,
     EinsumDenseRule,
@@ -45,7 +46,7 @@ from keras_noisecurve.training.ghost_norm import (
 
 __all__ = [
     "CONV_CHUNK", "RULES", "ChannelsLastGroupNormRule", "ConvRule", "DenseRule", "EinsumDenseRule", "EmbeddingRule",
-    "GroupNormalizationRule", "LayerNormalizationRule", "Rule", "conv_chunk", "conv_sq_norms", "einsum_structure",
+    "GenericRule", "GroupNormalizationRule", "LayerNormalizationRule", "Rule", "TimeDistributedRule", "conv_chunk", "conv_sq_norms", "einsum_structure",
     "find_rule", "sequence_sq_norms", "token_sq_norms",
 ]
 
@@ -57,11 +58,12 @@ RULES = (
     LayerNormalizationRule(),
     GroupNormalizationRule(),
     ChannelsLastGroupNormRule(),
+    TimeDistributedRule(),
 )
 
 
 def find_rule(layer):
-    """The rule for ``layer``'s class, or ``None``."""
+    """The rule for ``layer``'s class, or ``None`` (the engine then uses :class:`GenericRule`)."""
     for rule in RULES:
         if rule.matches(layer):
             return rule

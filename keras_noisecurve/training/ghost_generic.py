@@ -1,0 +1,159 @@
+"""The per-layer fallback of ghost clipping: any layer that owns trainable weights.
+
+A layer without a ghost-norm rule (a custom layer with its own weight, KerasHub's
+``PositionEmbedding``, a ``TimeDistributed`` wrapper, a quantized or reconfigured
+built-in layer) still needs, for every example i, the gradient of ITS OWN weights W:
+
+    G_i = ∂(w_i·loss_i)/∂W = J_i(W)ᵀ g_i,
+
+where ``g_i`` is example i's rows of the gradient at the layer's output (the engine
+computes it for every recorded layer in its one backward pass) and ``J_i`` the
+Jacobian of the layer's output rows for example i. That vector–Jacobian product
+needs the layer alone, not the model: :class:`GenericRule` records the inputs of
+each call and, after the backward pass, re-runs the ONE layer call on each example's
+rows (inputs and every argument with the batch as its leading axis, e.g. masks) under
+a ``GradientTape`` seeded with ``g_i``. The examples are visited by a
+``tf.while_loop`` (no ``tf.vectorized_map``: pfor over arbitrary layer code can fail
+or crash the process, e.g. through attention), so memory is O(P × |W|) for the
+stacked ``G_i`` and time is P small calls of that layer.
+
+The norms and the clipped sum then come from the same ``G_i``:
+``‖G_i‖²`` and ``Σ_i c_i·G_i`` (see :mod:`keras_noisecurve.training.ghost`).
+
+A rule with ``covers_sublayers = True`` (used here for ``TimeDistributed``) also takes
+the weights of the layer's sublayers: they are not recorded separately, so a wrapper
+that folds another axis into the batch (TimeDistributed's (P·T, ...) rows) is still
+attributed to examples correctly.
+
+Randomness inside the layer's own call (e.g. dropout written in a custom layer) is
+drawn again by the re-run: ``G_i`` is then the gradient of another draw. The clipping
+bound still holds exactly, since the norms and the sum use the same ``G_i``.
+"""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+from keras_noisecurve.training.ghost_common import Rule, norm_dtype, per_example_sq, weighted_sum
+
+__all__ = ["GenericRule", "TimeDistributedRule", "owned_trainable"]
+
+
+def owned_trainable(layer, trainable_ids) -> list:
+    """The trainable variables ``layer`` itself owns (not its sublayers'), among ``trainable_ids``."""
+    return [v for v in getattr(layer, "_trainable_variables", []) if id(v) in trainable_ids]
+
+
+def _tape_variable(v):
+    """The ``tf.Variable`` a ``GradientTape`` differentiates for a Keras variable."""
+    return v.value if isinstance(v, keras.Variable) else v
+
+
+def _batched(t, batch) -> bool:
+    """Whether ``t`` has the example axis first: a tensor of rank ≥ 1 whose leading size
+    equals the batch size ``batch`` (static int) or, both unknown, is unknown too."""
+    if not isinstance(t, (tf.Tensor, tf.Variable)) or isinstance(t, tf.Variable):
+        return False
+    if t.shape.rank is None or t.shape.rank == 0:
+        return False
+    return t.shape[0] == batch
+
+
+class GenericRule(Rule):
+    """Per-example gradients of one layer's own weights by a VJP of its own call.
+
+    Matches every layer (it is the fallback, never in the registry's search order).
+    """
+
+    kind = "generic"
+    covers_sublayers = False
+
+    def matches(self, layer) -> bool:
+        return True
+
+    def check(self, layer):
+        return None
+
+    def variables(self, layer, trainable_ids):
+        return owned_trainable(layer, trainable_ids)
+
+    def expected_variables(self, layer):
+        return list(getattr(layer, "_trainable_variables", []))
+
+    def forward(self, layer, original_call, record, inputs, *args, **kwargs):
+        out = original_call(inputs, *args, **kwargs)
+        record(out=out, call=(original_call, inputs, args, kwargs))
+        return out
+
+    def analyse(self, layer, calls, variables):
+        """Per-example squared norms (P,) and ``grads(scale)`` for ``variables``.
+
+        ``calls``: the recorded calls, each with ``"out"`` (any structure), ``"g"``
+        (the list of gradients aligned with ``tf.nest.flatten(out)``, ``None`` where an
+        output is not differentiable) and ``"call"``.
+        """
+        per_call = [self._per_example(c, variables) for c in calls]
+        stacked = [tf.add_n(list(parts)) if len(parts) > 1 else parts[0] for parts in zip(*per_call)]
+        dtype = norm_dtype(stacked[0].dtype)
+        total = tf.add_n([per_example_sq(tf.cast(s, dtype)) for s in stacked])
+
+        def grads(scale):
+            return [(v, tf.cast(weighted_sum(tf.cast(s, scale.dtype), scale), v.dtype)) for v, s in zip(variables, stacked)]
+
+        return total, grads
+
+    def _per_example(self, call, variables):
+        """``[G_v]`` with ``G_v`` (P, *v.shape): example i's gradient of each variable."""
+        original_call, inputs, args, kwargs = call["call"]
+        outs = tf.nest.flatten(call["out"])
+        gs = call["g"]
+        keep = [k for k, g in enumerate(gs) if g is not None]
+        first = tf.nest.flatten(inputs)[0]
+        batch = first.shape[0]
+        p = tf.shape(first)[0]
+        arguments = (inputs, args, kwargs)
+        targets = [_tape_variable(v) for v in variables]
+
+        def example(i):
+            def take(t):
+                return t[i : i + 1] if _batched(t, batch) else t
+
+            x_i, args_i, kwargs_i = tf.nest.map_structure(take, arguments)
+            with tf.GradientTape(watch_accessed_variables=False) as tape:
+                tape.watch(targets)
+                out_i = tf.nest.flatten(original_call(x_i, *args_i, **kwargs_i))
+            return tape.gradient(
+                [out_i[k] for k in keep],
+                targets,
+                output_gradients=[tf.cast(gs[k][i : i + 1], out_i[k].dtype) for k in keep],
+                unconnected_gradients=tf.UnconnectedGradients.ZERO,
+            )
+
+        if not keep:  # no differentiable output: every G_i is 0
+            return [tf.zeros(tf.concat([[p], tf.shape(v)], 0), v.dtype) for v in targets]
+        del outs
+        arrays = [tf.TensorArray(v.dtype, size=p, element_shape=v.shape) for v in targets]
+
+        def body(i, arrays):
+            return i + 1, [a.write(i, tf.convert_to_tensor(g)) for a, g in zip(arrays, example(i))]
+
+        _, arrays = tf.while_loop(lambda i, _: i < p, body, (tf.constant(0), arrays))
+        return [a.stack() for a in arrays]
+
+
+class TimeDistributedRule(GenericRule):
+    """``keras.layers.TimeDistributed``: the wrapped layer sees (P·T, ...) rows, so its
+    weights are attributed to examples through the wrapper's own call."""
+
+    kind = "TimeDistributed"
+    covers_sublayers = True
+
+    def matches(self, layer) -> bool:
+        return isinstance(layer, keras.layers.TimeDistributed)
+
+    def variables(self, layer, trainable_ids):
+        return [v for v in layer.trainable_variables if id(v) in trainable_ids]
+
+    def expected_variables(self, layer):
+        return list(layer.trainable_variables)
