@@ -50,6 +50,17 @@ def single_loss(loss):
     )
 
 
+def _ignore_class(loss):
+    """The ``ignore_class`` of a Keras loss object (e.g. SparseCategoricalCrossentropy), else None."""
+    if not isinstance(loss, keras.losses.Loss):
+        return None
+    try:
+        value = loss.get_config().get("ignore_class")
+    except NotImplementedError:
+        return None
+    return None if value is None else int(value)
+
+
 def per_example_loss_fn(loss, *, broadcast_scalar: bool = False) -> Callable:
     """A per-example loss ``(y_true, y_pred) -> (P,)`` from a compiled loss.
 
@@ -64,17 +75,26 @@ def per_example_loss_fn(loss, *, broadcast_scalar: bool = False) -> Callable:
     Returns:
       ``fn(y_true, y_pred) -> (P,)``. Never reduced over the batch: a ``Loss`` object's
       ``call`` is used (its reduction is ignored); values with extra axes (e.g. per
-      time step) are averaged over those axes.
+      token of a sequence) are averaged over those axes, over the positions whose label
+      is not the loss's ``ignore_class`` when it has one (a padded sequence is ONE
+      example: its loss is the mean over its real tokens).
     """
     if loss is None:
         raise ValueError("the model must be compiled with a loss for private training.")
     resolved = single_loss(loss)
     fn = resolved.call if isinstance(resolved, keras.losses.Loss) else resolved
+    ignore_class = _ignore_class(resolved)
 
     def per_example(y_true, y_pred):
         values = tf.convert_to_tensor(fn(y_true, y_pred))
         if values.shape.rank is not None and values.shape.rank > 1:
-            values = tf.reduce_mean(values, axis=list(range(1, values.shape.rank)))
+            axes = list(range(1, values.shape.rank))
+            if ignore_class is None:
+                values = tf.reduce_mean(values, axis=axes)
+            else:  # the mean over the positions that count (e.g. the tokens of a padded sequence)
+                keep = tf.cast(tf.reshape(tf.not_equal(tf.cast(y_true, tf.int64), ignore_class), tf.shape(values)),
+                               values.dtype)
+                values = tf.reduce_sum(values * keep, axis=axes) / tf.maximum(tf.reduce_sum(keep, axis=axes), 1)
         if broadcast_scalar and values.shape.rank == 0:
             values = tf.fill(tf.shape(y_pred)[:1], values)
         return values

@@ -307,6 +307,14 @@ def _ghost_step(model, loss_fn, x, y, sample_weight, clip, training, entries):
     calls = [(entry, c) for entry in entries for c in recorder.calls.get(id(entry[0]), [])]
     flat = [tf.nest.flatten(c["out"]) for _, c in calls]
     targets = [t for outs in flat for t in outs if _differentiable(t)]
+    if graph is not None:
+        for ((layer, _, _), c), outs in zip(calls, flat):
+            if any(_differentiable(t) and t.graph is not per_example_loss.graph for t in outs):
+                raise ValueError(
+                    f"{_layer_label(layer)} is called inside a loop (tf.while_loop / scan) of an enclosing "
+                    "layer's call, where its output has no per-example gradient of its own. Give the "
+                    "enclosing layer the weights, or use clipping='vectorized'"
+                )
     gs = tape.gradient(
         per_example_loss, targets, output_gradients=weights, unconnected_gradients=tf.UnconnectedGradients.ZERO
     ) if targets else []

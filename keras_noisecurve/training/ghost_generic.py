@@ -37,7 +37,7 @@ import tensorflow as tf
 
 from keras_noisecurve.training.ghost_common import Rule, norm_dtype, per_example_sq, weighted_sum
 
-__all__ = ["GenericRule", "TimeDistributedRule", "owned_trainable"]
+__all__ = ["GenericRule", "RecurrentRule", "TimeDistributedRule", "owned_trainable"]
 
 
 def owned_trainable(layer, trainable_ids) -> list:
@@ -151,6 +151,24 @@ class TimeDistributedRule(GenericRule):
 
     def matches(self, layer) -> bool:
         return isinstance(layer, keras.layers.TimeDistributed)
+
+    def variables(self, layer, trainable_ids):
+        return [v for v in layer.trainable_variables if id(v) in trainable_ids]
+
+    def expected_variables(self, layer):
+        return list(layer.trainable_variables)
+
+
+class RecurrentRule(GenericRule):
+    """Any ``keras.layers.RNN`` (LSTM, GRU, SimpleRNN, a custom cell): the cell runs inside
+    a ``tf.while_loop``, so its weights are attributed to examples through the RNN
+    layer's own call, re-run per example."""
+
+    kind = "recurrent (per-example)"
+    covers_sublayers = True
+
+    def matches(self, layer) -> bool:
+        return isinstance(layer, keras.layers.RNN)
 
     def variables(self, layer, trainable_ids):
         return [v for v in layer.trainable_variables if id(v) in trainable_ids]

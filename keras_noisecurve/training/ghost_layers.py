@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from keras_noisecurve.training.ghost_common import Rule, sequence_sq_norms
 from keras_noisecurve.training.ghost_conv import CONV_CHUNK, ConvRule, conv_chunk, conv_sq_norms
-from keras_noisecurve.training.ghost_generic import GenericRule, TimeDistributedRule
+from keras_noisecurve.training.ghost_generic import GenericRule, RecurrentRule, TimeDistributedRule
 from keras_noisecurve.training.ghost_dense import (
     DenseRule,
     EinsumDenseRule,
@@ -46,7 +46,7 @@ from keras_noisecurve.training.ghost_norm import (
 
 __all__ = [
     "CONV_CHUNK", "RULES", "ChannelsLastGroupNormRule", "ConvRule", "DenseRule", "EinsumDenseRule", "EmbeddingRule",
-    "GenericRule", "GroupNormalizationRule", "LayerNormalizationRule", "Rule", "TimeDistributedRule", "conv_chunk", "conv_sq_norms", "einsum_structure",
+    "GenericRule", "GroupNormalizationRule", "LayerNormalizationRule", "RecurrentRule", "Rule", "TimeDistributedRule", "conv_chunk", "conv_sq_norms", "einsum_structure",
     "find_rule", "sequence_sq_norms", "token_sq_norms",
 ]
 
@@ -59,6 +59,7 @@ RULES = (
     GroupNormalizationRule(),
     ChannelsLastGroupNormRule(),
     TimeDistributedRule(),
+    RecurrentRule(),  # after any fast rule for a specific RNN class
 )
 
 

@@ -1,0 +1,187 @@
+"""Models the library did not write, built from small configs (random weights, no download).
+
+Each builder returns a :class:`Case`: the model, one batch of ``P`` examples and a
+per-example loss. The zoo tests clip every case with the library's default engine and
+compare against an independent per-example loop; the builders take ``dtype`` so the
+comparison can run in float64.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import keras
+import numpy as np
+
+P = 5
+L = 8
+VOCAB = 40
+
+
+class Case(NamedTuple):
+    model: keras.Model
+    x: Any
+    y: np.ndarray
+    loss: Any  # what a user passes to compile()
+
+
+def _tokens(rng, n=P, length=L, padded=True):
+    ids = rng.integers(1, VOCAB, size=(n, length)).astype("int32")
+    mask = np.ones((n, length), "int32")
+    if padded:  # the last examples are shorter (padding id 0, mask 0)
+        for i in range(n):
+            cut = length - (i % 3)
+            ids[i, cut:], mask[i, cut:] = 0, 0
+    return ids, mask
+
+
+def _classify(backbone, inputs, pooled, dtype):
+    head = keras.layers.Dense(3, dtype=dtype, name="head")(pooled)
+    return keras.Model(inputs, head)
+
+
+def bert_classifier(rng, dtype="float32", lora=False):
+    import keras_hub
+
+    backbone = keras_hub.models.BertBackbone(
+        vocabulary_size=VOCAB, num_layers=2, num_heads=2, hidden_dim=16, intermediate_dim=32,
+        max_sequence_length=L, dropout=0.0, dtype=dtype,
+    )
+    if lora:
+        backbone.enable_lora(rank=2)
+    names = ("token_ids", "segment_ids", "padding_mask")
+    inputs = {k: keras.Input((L,), dtype="int32", name=k) for k in names}
+    model = _classify(backbone, inputs, backbone(inputs)["pooled_output"], dtype)
+    ids, mask = _tokens(rng)
+    x = {"token_ids": ids, "segment_ids": np.zeros_like(ids), "padding_mask": mask}
+    return Case(model, x, rng.integers(0, 3, P), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+
+
+def _causal_lm(backbone, rng):
+    """Next-token prediction: logits from the backbone's (tied) token embedding."""
+    inputs = {k: keras.Input((L,), dtype="int32", name=k) for k in ("token_ids", "padding_mask")}
+    hidden = backbone(inputs)
+    logits = backbone.token_embedding(hidden, reverse=True)
+    model = keras.Model(inputs, logits)
+    ids, mask = _tokens(rng)
+    x = {"token_ids": ids, "padding_mask": mask}
+    y = np.concatenate([ids[:, 1:], np.zeros((P, 1), "int32")], axis=1)  # padding label 0 is ignored
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=0)
+    return Case(model, x, y, loss)
+
+
+def gpt2_lm(rng, dtype="float32", lora=False):
+    import keras_hub
+
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=VOCAB, num_layers=2, num_heads=2, hidden_dim=16, intermediate_dim=32,
+        max_sequence_length=L, dropout=0.0, dtype=dtype,
+    )
+    if lora:
+        backbone.enable_lora(rank=2)
+    return _causal_lm(backbone, rng)
+
+
+def llama_lm(rng, dtype="float32", lora=False):
+    import keras_hub
+
+    backbone = keras_hub.models.LlamaBackbone(
+        vocabulary_size=VOCAB, num_layers=2, num_query_heads=2, num_key_value_heads=1, hidden_dim=16,
+        intermediate_dim=32, dtype=dtype,
+    )
+    if lora:
+        backbone.enable_lora(rank=2)
+    return _causal_lm(backbone, rng)
+
+
+def gemma_lm(rng, dtype="float32", lora=False):
+    import keras_hub
+
+    backbone = keras_hub.models.GemmaBackbone(
+        vocabulary_size=VOCAB, num_layers=2, num_query_heads=2, num_key_value_heads=1, hidden_dim=16,
+        intermediate_dim=32, head_dim=8, dtype=dtype,
+    )
+    if lora:
+        backbone.enable_lora(rank=2)
+    return _causal_lm(backbone, rng)
+
+
+def rnn_classifier(rng, dtype="float32", kind="LSTM"):
+    layer = {"LSTM": keras.layers.LSTM, "GRU": keras.layers.GRU, "SimpleRNN": keras.layers.SimpleRNN}[kind]
+    model = keras.Sequential(
+        [
+            keras.Input((L,), dtype="int32"),
+            keras.layers.Embedding(VOCAB, 6, mask_zero=True, dtype=dtype),
+            layer(5, dtype=dtype),
+            keras.layers.Dense(2, dtype=dtype),
+        ]
+    )
+    ids, _ = _tokens(rng)
+    return Case(model, ids, rng.integers(0, 2, P),
+                keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+
+
+def groupnorm_resnet(rng, dtype="float32"):
+    inputs = keras.Input((8, 8, 3))
+    h = keras.layers.Conv2D(8, 3, padding="same", dtype=dtype)(inputs)
+    for _ in range(2):
+        r = keras.layers.GroupNormalization(groups=2, dtype=dtype)(h)
+        r = keras.layers.Activation("relu", dtype=dtype)(r)
+        r = keras.layers.Conv2D(8, 3, padding="same", dtype=dtype)(r)
+        h = keras.layers.Add(dtype=dtype)([h, r])
+    h = keras.layers.GlobalAveragePooling2D(dtype=dtype)(h)
+    model = keras.Model(inputs, keras.layers.Dense(3, dtype=dtype)(h))
+    return Case(model, rng.normal(size=(P, 8, 8, 3)).astype(dtype), rng.integers(0, 3, P),
+                keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+
+
+def recommender(rng, dtype="float32"):
+    """Embedding-heavy: user and item tables, a dot product and a small tower."""
+    users, items = keras.Input((1,), dtype="int32", name="user"), keras.Input((1,), dtype="int32", name="item")
+    u = keras.layers.Flatten()(keras.layers.Embedding(300, 8, dtype=dtype)(users))
+    v = keras.layers.Flatten()(keras.layers.Embedding(500, 8, dtype=dtype)(items))
+    dot = keras.layers.Dot(axes=1, dtype=dtype)([u, v])
+    tower = keras.layers.Dense(4, activation="relu", dtype=dtype)(keras.layers.Concatenate(dtype=dtype)([u, v]))
+    score = keras.layers.Dense(1, dtype=dtype)(keras.layers.Concatenate(dtype=dtype)([dot, tower]))
+    model = keras.Model({"user": users, "item": items}, score)
+    x = {"user": rng.integers(0, 300, (P, 1)).astype("int32"), "item": rng.integers(0, 500, (P, 1)).astype("int32")}
+    return Case(model, x, rng.normal(size=(P, 1)).astype(dtype), "mse")
+
+
+@keras.saving.register_keras_serializable(package="knc_zoo")
+class Gate(keras.layers.Layer):
+    """A custom layer with its own weight: x·sigmoid(w) per feature, plus a learned shift."""
+
+    def build(self, input_shape):
+        self.w = self.add_weight(shape=(input_shape[-1],), initializer="zeros", name="w")
+        self.shift = self.add_weight(shape=(), initializer="zeros", name="shift")
+
+    def call(self, x):
+        return x * keras.ops.sigmoid(self.w) + self.shift
+
+
+def attention_with_custom_layer(rng, dtype="float32"):
+    """Attention plus a layer no rule knows: what crashed ``clipping="auto"`` before."""
+    inputs = keras.Input((L, 6))
+    h = keras.layers.Dense(8, dtype=dtype)(inputs)
+    h = h + keras.layers.MultiHeadAttention(num_heads=2, key_dim=4, dtype=dtype)(h, h)
+    h = Gate(dtype=dtype)(keras.layers.LayerNormalization(dtype=dtype)(h))
+    model = keras.Model(inputs, keras.layers.Dense(2, dtype=dtype)(keras.layers.GlobalAveragePooling1D()(h)))
+    return Case(model, rng.normal(size=(P, L, 6)).astype(dtype), rng.integers(0, 2, P),
+                keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+
+
+ZOO = {
+    "bert": bert_classifier,
+    "bert-lora": lambda rng, dtype="float32": bert_classifier(rng, dtype, lora=True),
+    "gpt2-lm": gpt2_lm,
+    "gpt2-lm-lora": lambda rng, dtype="float32": gpt2_lm(rng, dtype, lora=True),
+    "llama-lm": llama_lm,
+    "llama-lm-lora": lambda rng, dtype="float32": llama_lm(rng, dtype, lora=True),
+    "gemma-lm": gemma_lm,
+    "lstm": lambda rng, dtype="float32": rnn_classifier(rng, dtype, "LSTM"),
+    "gru": lambda rng, dtype="float32": rnn_classifier(rng, dtype, "GRU"),
+    "groupnorm-resnet": groupnorm_resnet,
+    "recommender": recommender,
+    "attention-custom": attention_with_custom_layer,
+}
