@@ -35,11 +35,6 @@ def _tokens(rng, n=P, length=L, padded=True):
     return ids, mask
 
 
-def _classify(backbone, inputs, pooled, dtype):
-    head = keras.layers.Dense(3, dtype=dtype, name="head")(pooled)
-    return keras.Model(inputs, head)
-
-
 def bert_classifier(rng, dtype="float32", lora=False):
     import keras_hub
 
@@ -49,25 +44,24 @@ def bert_classifier(rng, dtype="float32", lora=False):
     )
     if lora:
         backbone.enable_lora(rank=2)
-    names = ("token_ids", "segment_ids", "padding_mask")
-    inputs = {k: keras.Input((L,), dtype="int32", name=k) for k in names}
-    model = _classify(backbone, inputs, backbone(inputs)["pooled_output"], dtype)
+    model = keras_hub.models.BertTextClassifier(backbone=backbone, num_classes=3, preprocessor=None, dropout=0.0)
     ids, mask = _tokens(rng)
     x = {"token_ids": ids, "segment_ids": np.zeros_like(ids), "padding_mask": mask}
     return Case(model, x, rng.integers(0, 3, P), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
 
 
-def _causal_lm(backbone, rng):
-    """Next-token prediction: logits from the backbone's (tied) token embedding."""
-    inputs = {k: keras.Input((L,), dtype="int32", name=k) for k in ("token_ids", "padding_mask")}
-    hidden = backbone(inputs)
-    logits = backbone.token_embedding(hidden, reverse=True)
-    model = keras.Model(inputs, logits)
+def _causal_lm(task, backbone, rng, lora):
+    """A KerasHub ``CausalLM`` task (``preprocessor=None``): next-token logits from the
+    backbone's tied token embedding; the labels of padding positions are 0 (ignored)."""
+    import keras_hub
+
+    if lora:
+        backbone.enable_lora(rank=2)
+    model = getattr(keras_hub.models, task)(backbone=backbone, preprocessor=None)
     ids, mask = _tokens(rng)
     x = {"token_ids": ids, "padding_mask": mask}
-    y = np.concatenate([ids[:, 1:], np.zeros((P, 1), "int32")], axis=1)  # padding label 0 is ignored
-    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=0)
-    return Case(model, x, y, loss)
+    y = np.concatenate([ids[:, 1:], np.zeros((P, 1), "int32")], axis=1)
+    return Case(model, x, y, keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=0))
 
 
 def gpt2_lm(rng, dtype="float32", lora=False):
@@ -77,9 +71,7 @@ def gpt2_lm(rng, dtype="float32", lora=False):
         vocabulary_size=VOCAB, num_layers=2, num_heads=2, hidden_dim=16, intermediate_dim=32,
         max_sequence_length=L, dropout=0.0, dtype=dtype,
     )
-    if lora:
-        backbone.enable_lora(rank=2)
-    return _causal_lm(backbone, rng)
+    return _causal_lm("GPT2CausalLM", backbone, rng, lora)
 
 
 def llama_lm(rng, dtype="float32", lora=False):
@@ -89,9 +81,7 @@ def llama_lm(rng, dtype="float32", lora=False):
         vocabulary_size=VOCAB, num_layers=2, num_query_heads=2, num_key_value_heads=1, hidden_dim=16,
         intermediate_dim=32, dtype=dtype,
     )
-    if lora:
-        backbone.enable_lora(rank=2)
-    return _causal_lm(backbone, rng)
+    return _causal_lm("LlamaCausalLM", backbone, rng, lora)
 
 
 def gemma_lm(rng, dtype="float32", lora=False):
@@ -101,9 +91,7 @@ def gemma_lm(rng, dtype="float32", lora=False):
         vocabulary_size=VOCAB, num_layers=2, num_query_heads=2, num_key_value_heads=1, hidden_dim=16,
         intermediate_dim=32, head_dim=8, dtype=dtype,
     )
-    if lora:
-        backbone.enable_lora(rank=2)
-    return _causal_lm(backbone, rng)
+    return _causal_lm("GemmaCausalLM", backbone, rng, lora)
 
 
 def rnn_classifier(rng, dtype="float32", kind="LSTM"):
