@@ -44,6 +44,7 @@ _EXPORTS = {
     "NoiseCurveOptimizer": "keras_noisecurve.training",
     "DPModel": "keras_noisecurve.training",
     "make_private": "keras_noisecurve.training",
+    "replace_batch_normalization": "keras_noisecurve.training",
     "fit_distributed": "keras_noisecurve.training",
     "PrivateModel": "keras_noisecurve.training",
     "LinearCooldown": "keras_noisecurve.training",

@@ -14,6 +14,7 @@
   ``inner=keras.optimizers.SGD(...)`` that runs the update a mixing matrix was solved for.
 """
 
+from keras_noisecurve.training.batchnorm import replace_batch_normalization
 from keras_noisecurve.training.clipping import ClippedSum, get_engine, vectorized_clipped_sum
 from keras_noisecurve.training.distributed import fit_distributed
 from keras_noisecurve.training.dp_model import DPModel, PrivateModel, make_private
@@ -34,5 +35,6 @@ __all__ = [
     "get_engine",
     "learning_rate_schedule",
     "make_private",
+    "replace_batch_normalization",
     "vectorized_clipped_sum",
 ]

@@ -52,8 +52,10 @@ def check_model_is_clippable(model) -> None:
             raise ValueError(
                 f"layer {layer.name!r} is a BatchNormalization layer: in training mode it mixes "
                 "the examples of a batch, so per-example clipping cannot bound one example's "
-                "influence (no DP guarantee). Use GroupNormalization or LayerNormalization, or "
-                "freeze it (layer.trainable = False runs it in inference mode)."
+                "influence (no DP guarantee). Use GroupNormalization or LayerNormalization "
+                "(keras_noisecurve.replace_batch_normalization(model) rebuilds a functional or Sequential "
+                "model so, keeping the other weights), or freeze it (layer.trainable = False runs it in "
+                "inference mode)."
             )
         if getattr(layer, "activity_regularizer", None) is not None and layer is not model:
             raise ValueError(
