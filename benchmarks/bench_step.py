@@ -39,6 +39,9 @@ noise-state bytes, full step time and optimizer-update time, with ratios to band
 b = 64. ``--configs`` with no names skips the configurations above::
 
     python benchmarks/bench_step.py --models cnn mlp --configs --strategies
+
+``--zoo`` runs ``benchmarks/bench_zoo.py`` instead (KerasHub transformers, LoRA, RNNs,
+a GroupNorm ResNet, a recommender: private / non-private step, side by side).
 """
 
 from __future__ import annotations
@@ -380,6 +383,12 @@ def compare_strategies(model_name, x, y, args, planned):
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--zoo" in argv:  # private / non-private step of the model zoo (benchmarks/bench_zoo.py)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import bench_zoo
+
+        return bench_zoo.main([a for a in argv if a != "--zoo"])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["cnn", "mlp"], choices=sorted(MODELS))
     parser.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=sorted(CONFIGS),
