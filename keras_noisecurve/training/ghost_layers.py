@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from keras_noisecurve.training.ghost_common import Rule, sequence_sq_norms
 from keras_noisecurve.training.ghost_conv import CONV_CHUNK, ConvRule, conv_chunk, conv_sq_norms
+from keras_noisecurve.training.ghost_embedding import DiagonalScaleRule, PositionEmbeddingRule, ReversibleEmbeddingRule
 from keras_noisecurve.training.ghost_generic import GenericRule, RecurrentRule, TimeDistributedRule
 from keras_noisecurve.training.ghost_dense import (
     DenseRule,
@@ -45,8 +46,8 @@ from keras_noisecurve.training.ghost_norm import (
 )
 
 __all__ = [
-    "CONV_CHUNK", "RULES", "ChannelsLastGroupNormRule", "ConvRule", "DenseRule", "EinsumDenseRule", "EmbeddingRule",
-    "GenericRule", "GroupNormalizationRule", "LayerNormalizationRule", "RecurrentRule", "Rule", "TimeDistributedRule", "conv_chunk", "conv_sq_norms", "einsum_structure",
+    "CONV_CHUNK", "RULES", "ChannelsLastGroupNormRule", "ConvRule", "DenseRule", "DiagonalScaleRule", "EinsumDenseRule", "EmbeddingRule",
+    "GenericRule", "GroupNormalizationRule", "LayerNormalizationRule", "PositionEmbeddingRule", "RecurrentRule", "ReversibleEmbeddingRule", "Rule", "TimeDistributedRule", "conv_chunk", "conv_sq_norms", "einsum_structure",
     "find_rule", "sequence_sq_norms", "token_sq_norms",
 ]
 
@@ -54,6 +55,9 @@ RULES = (
     EinsumDenseRule(),
     DenseRule(),
     EmbeddingRule(),
+    ReversibleEmbeddingRule(),
+    PositionEmbeddingRule(),
+    DiagonalScaleRule(),
     ConvRule(),
     LayerNormalizationRule(),
     GroupNormalizationRule(),

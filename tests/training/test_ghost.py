@@ -663,3 +663,48 @@ def test_float32_conv_model_any_batch_size_and_odd_images(n, form, monkeypatch):
     scale = max(np.max(np.abs(g)) for g in sum_ref)
     for g, r in zip(got.grads, sum_ref):
         np.testing.assert_allclose(np.asarray(g), r, rtol=1e-4, atol=1e-4 * scale)
+
+
+# ------------------------------------------------- language-model embeddings and scales
+
+
+def test_rms_normalization_rule():
+    model = keras.Sequential([keras.Input((4, 3)), keras.layers.Dense(5), keras.layers.RMSNormalization(),
+                              keras.layers.Dense(2)])
+    assert [how for _, _, how in describe(model)] == ["Dense", "RMS scale", "Dense"]
+    rng = np.random.default_rng(11)
+    model.layers[1].scale.assign(rng.uniform(0.5, 1.5, size=5))
+    check_model(model, rng.normal(size=(P, 4, 3)), rng.normal(size=(P, 4, 2)))
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_reversible_embedding_lookup_and_projection(tied):
+    # the table is used twice as a lookup (shared) and once, transposed, for the logits
+    table = keras.layers.ReversibleEmbedding(7, 4, tie_weights=tied, logit_soft_cap=3.0, name="tok")
+    ids = keras.Input((5,), dtype="int32")
+    hidden = keras.layers.Dense(4, activation="tanh")(table(ids) + table(ids[:, ::-1]))
+    model = keras.Model(ids, table(hidden, reverse=True))
+    assert dict((n, how) for n, _, how in describe(model))["tok"] == "ReversibleEmbedding"
+    rng = np.random.default_rng(12)
+    x = rng.integers(0, 7, size=(P, 5)).astype("int32")
+    x[0, :2] = 3  # repeated tokens
+    check_model(model, x, rng.normal(size=(P, 5, 7)))
+
+
+def test_tied_cross_term_equals_the_dense_inner_product():
+    from keras_noisecurve.training.ghost_embedding import tied_cross_term
+
+    rng = np.random.default_rng(13)
+    vocab, d, length, m = 6, 3, 4, 5
+    ids = rng.integers(0, vocab, size=(2, length))
+    g_lookup, h = rng.normal(size=(2, length, d)), rng.normal(size=(2, m, d))
+    g_logits = rng.normal(size=(2, m, vocab))
+    want = []
+    for i in range(2):
+        a = np.zeros((vocab, d))
+        for l in range(length):
+            a[ids[i, l]] += g_lookup[i, l]
+        b = g_logits[i].T @ h[i]
+        want.append(2 * np.sum(a * b))
+    got = tied_cross_term(tf.constant(ids), tf.constant(g_lookup), tf.constant(h), tf.constant(g_logits))
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-12)

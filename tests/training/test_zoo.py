@@ -98,6 +98,13 @@ def test_fit_through_a_private_run_and_save_load(name, tmp_path):
     )
 
 
+@pytest.mark.parametrize("name", ["bert", "gpt2-lm", "llama-lm", "gemma-lm"])
+def test_kerashub_layers_have_fast_rules(name):
+    # without LoRA every weighted layer of these backbones has a ghost rule (no per-layer fallback)
+    case = zoo.ZOO[name](np.random.default_rng(0))
+    assert [(layer, cls) for layer, cls, how in describe(case.model) if how == "generic"] == []
+
+
 def test_describe_names_how_each_layer_is_clipped():
     case = zoo.attention_with_custom_layer(np.random.default_rng(0))
     how = {cls: kind for _, cls, kind in describe(case.model)}
