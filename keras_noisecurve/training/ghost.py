@@ -34,7 +34,8 @@ tracing: no Python state survives between steps.
 
 Limits: a layer is supported when it is one of Dense, EinsumDense (batched dense
 equations, e.g. MultiHeadAttention's projections), Embedding, Conv1D/Conv2D
-(groups = 1), LayerNormalization, GroupNormalization; layers without weights of
+(groups = 1), LayerNormalization, GroupNormalization, LSTM / GRU / SimpleRNN (static
+sequence length, no recurrent dropout, not stateful); layers without weights of
 their own (activations, pooling, reshapes, dropout, containers such as Sequential,
 functional models and MultiHeadAttention) are fine provided they do not mix
 examples and do not use another layer's weights (tied weights read by a custom
@@ -71,11 +72,23 @@ def _layer_label(layer) -> str:
 
 
 def _weighted_layers(model):
-    """Yield ``(layer, own_trainable_variables)`` for every layer owning trainable weights."""
+    """Yield ``(layer, own_trainable_variables)`` for every layer owning trainable weights.
+
+    A layer whose rule sets ``covers_sublayers = True`` (recurrent layers: the weights
+    live in their ``cell``) owns the variables of all its sublayers; those sublayers
+    are not yielded (no rule is looked up for them).
+    """
     trainable = {id(v) for v in model.trainable_variables}
-    for layer in model._flatten_layers(include_self=True, recursive=True):
-        own = [v for v in getattr(layer, "_trainable_variables", []) if id(v) in trainable]
-        yield layer, own
+    layers = model._flatten_layers(include_self=True, recursive=True)
+    covering = {id(layer) for layer in layers if getattr(find_rule(layer), "covers_sublayers", False)}
+    covered = {
+        id(sub) for layer in layers if id(layer) in covering for sub in layer._flatten_layers(include_self=False)
+    }
+    for layer in layers:
+        if id(layer) in covered:
+            continue
+        source = layer.trainable_variables if id(layer) in covering else getattr(layer, "_trainable_variables", [])
+        yield layer, [v for v in source if id(v) in trainable]
 
 
 def supports(model):

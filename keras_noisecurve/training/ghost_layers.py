@@ -23,7 +23,9 @@ is the sum over calls and positions of the same outer products.
 This module is the registry (:data:`RULES`, :func:`find_rule`) and re-exports the
 rules' public names: the shared math and :class:`Rule` live in ``ghost_common``, the
 rules in ``ghost_dense`` (Dense, EinsumDense, Embedding), ``ghost_conv``
-(Conv1D/Conv2D) and ``ghost_norm`` (normalisation layers).
+(Conv1D/Conv2D), ``ghost_norm`` (normalisation layers) and ``ghost_rnn`` (LSTM, GRU,
+SimpleRNN; its rule sets ``covers_sublayers``: the weights of the layer's cell count
+as the layer's own).
 """
 
 from __future__ import annotations
@@ -42,10 +44,11 @@ from keras_noisecurve.training.ghost_norm import (
     GroupNormalizationRule,
     LayerNormalizationRule,
 )
+from keras_noisecurve.training.ghost_rnn import RecurrentRule
 
 __all__ = [
     "CONV_CHUNK", "RULES", "ChannelsLastGroupNormRule", "ConvRule", "DenseRule", "EinsumDenseRule", "EmbeddingRule",
-    "GroupNormalizationRule", "LayerNormalizationRule", "Rule", "conv_chunk", "conv_sq_norms", "einsum_structure",
+    "GroupNormalizationRule", "LayerNormalizationRule", "RecurrentRule", "Rule", "conv_chunk", "conv_sq_norms", "einsum_structure",
     "find_rule", "sequence_sq_norms", "token_sq_norms",
 ]
 
@@ -57,6 +60,7 @@ RULES = (
     LayerNormalizationRule(),
     GroupNormalizationRule(),
     ChannelsLastGroupNormRule(),
+    RecurrentRule(),
 )
 
 
