@@ -119,6 +119,80 @@ def _simple_step(cell, weights, m_t, states):
 _STEPS = {"lstm": _lstm_step, "gru": _gru_step, "simple": _simple_step}
 
 
+# ---------------------------------------------------------- the recurrence itself
+
+#: Sequences of at most this many (static) steps are unrolled in Python; longer or
+#: unknown-length ones run in a ``tf.while_loop`` (graph size and tracing time
+#: independent of L; the gradient w.r.t. ``m`` is the same).
+UNROLL_MAX_STEPS = 64
+
+
+def _masked_step(layer, kind, weights, m_t, keep, states, output):
+    """One step with Keras's masking: (states, output, extras) after step t.
+
+    ``keep`` (P, 1) bool or None. A masked example keeps its states; its output is the
+    previous output (zeros before the first step), or zeros with ``zero_output_for_mask``.
+    """
+    new_states, extras = _STEPS[kind](layer.cell, weights, m_t, states)
+    if keep is None:
+        return new_states, new_states[0], extras
+    masked_output = tf.zeros_like(output) if layer.zero_output_for_mask else output
+    output = tf.where(keep, new_states[0], masked_output)
+    states = [tf.where(keep, new, old) for new, old in zip(new_states, states)]
+    return states, output, extras
+
+
+def _unrolled(layer, kind, weights, m, mask, states):
+    """Python loop over the static time axis. Returns (outputs (P, L, n) or None,
+    last output (P, n), final states, h_prev (P, L, n), extras {name: (P, L, n)})."""
+    h_prev, extras, outputs = [], {}, []
+    output = tf.zeros_like(states[0])  # Keras's "previous output" before the first step
+    for t in range(m.shape[1]):
+        h_prev.append(states[0])
+        keep = None if mask is None else mask[:, t]
+        states, output, extra = _masked_step(layer, kind, weights, m[:, t], keep, states, output)
+        for key, value in extra.items():
+            extras.setdefault(key, []).append(value)
+        outputs.append(output)
+    sequence = tf.stack(outputs, axis=1) if layer.return_sequences else None
+    return sequence, output, states, tf.stack(h_prev, axis=1), {k: tf.stack(v, axis=1) for k, v in extras.items()}
+
+
+def _looped(layer, kind, weights, m, mask, states):
+    """The same recurrence in a ``tf.while_loop`` over time (any L, static or not)."""
+    dtype = m.dtype
+    length = tf.shape(m)[1]
+    m_steps = tf.TensorArray(dtype, size=length).unstack(tf.transpose(m, [1, 0, 2]))
+    keep_steps = None
+    if mask is not None:
+        keep_steps = tf.TensorArray(tf.bool, size=length).unstack(tf.transpose(mask, [1, 0, 2]))
+    extra_names = ["r"] if kind == "gru" else []
+
+    def body(t, output, states, h_ta, extra_tas, out_ta):
+        keep = None if keep_steps is None else keep_steps.read(t)
+        h_ta = h_ta.write(t, states[0])
+        new_states, output, extra = _masked_step(layer, kind, weights, m_steps.read(t), keep, list(states), output)
+        extra_tas = [ta.write(t, extra[name]) for ta, name in zip(extra_tas, extra_names)]
+        out_ta = out_ta.write(t, output)
+        return t + 1, output, new_states, h_ta, extra_tas, out_ta
+
+    def empty():
+        return tf.TensorArray(dtype, size=length)
+
+    loop_vars = (
+        tf.constant(0), tf.zeros_like(states[0]), list(states), empty(), [empty() for _ in extra_names], empty()
+    )
+    _, output, states, h_ta, extra_tas, out_ta = tf.while_loop(
+        lambda t, *_: t < length, body, loop_vars, maximum_iterations=length
+    )
+
+    def batch_major(ta):
+        return tf.transpose(ta.stack(), [1, 0, 2])
+
+    sequence = batch_major(out_ta) if layer.return_sequences else None
+    return sequence, output, list(states), batch_major(h_ta), {k: batch_major(ta) for k, ta in zip(extra_names, extra_tas)}
+
+
 # ------------------------------------------------------------------------- rule
 
 
@@ -176,13 +250,7 @@ class RecurrentRule(Rule):
             raise ValueError(f"{type(layer).__name__} layer '{layer.name}': {self.check(layer)}")
         dtype = cell.compute_dtype
         x = tf.cast(tf.convert_to_tensor(inputs), dtype)
-        length = x.shape[1]
-        if length is None:
-            raise ValueError(
-                f"{type(layer).__name__} layer '{layer.name}' was called on sequences of unknown length "
-                f"(shape {x.shape}); ghost clipping unrolls the recurrence and needs a static time axis "
-                "(give the Input a fixed length or pad batches to one length)."
-            )
+        length = x.shape[1]  # None: unknown until run time
         batch = tf.shape(x)[0]
         n = cell.units
         if initial_state is None:
@@ -196,7 +264,7 @@ class RecurrentRule(Rule):
             if isinstance(mask, (list, tuple)):
                 mask = mask[0]
             mask = tf.cast(tf.convert_to_tensor(mask), tf.bool)
-            mask = tf.reshape(mask, [batch, length, 1])
+            mask = tf.reshape(mask, [batch, -1, 1])
         if layer.go_backwards:
             x = tf.reverse(x, axis=[1])
             if mask is not None:
@@ -214,30 +282,15 @@ class RecurrentRule(Rule):
         if b_in is not None:
             m = m + b_in
 
-        step = _STEPS[kind]
-        h_prev, extras, outputs = [], {}, []
-        output = tf.zeros([batch, n], dtype)  # Keras's "previous output" before the first step
-        for t in range(length):
-            h_prev.append(states[0])
-            new_states, extra = step(cell, weights, m[:, t], states)
-            for key, value in extra.items():
-                extras.setdefault(key, []).append(value)
-            if mask is None:
-                states, output = new_states, new_states[0]
-            else:
-                keep = mask[:, t]
-                masked_output = tf.zeros_like(output) if layer.zero_output_for_mask else output
-                output = tf.where(keep, new_states[0], masked_output)
-                states = [tf.where(keep, new, old) for new, old in zip(new_states, states)]
-            if layer.return_sequences:
-                outputs.append(output)
+        drive = _unrolled if length is not None and length <= UNROLL_MAX_STEPS else _looped
+        sequence, output, states, h_prev, extras = drive(layer, kind, weights, m, mask, states)
         record(
             out=m,
             x=tf.stop_gradient(x),
-            h=tf.stop_gradient(tf.stack(h_prev, axis=1)),
-            **{key: tf.stop_gradient(tf.stack(values, axis=1)) for key, values in extras.items()},
+            h=tf.stop_gradient(h_prev),
+            **{key: tf.stop_gradient(value) for key, value in extras.items()},
         )
-        result = tf.stack(outputs, axis=1) if layer.return_sequences else output
+        result = sequence if layer.return_sequences else output
         result = tf.cast(result, layer.compute_dtype)
         if layer.return_state:
             return (result, *[tf.cast(s, layer.compute_dtype) for s in states])
