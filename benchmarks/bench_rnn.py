@@ -5,13 +5,11 @@ length L (no padding), batch B. Every configuration is built and warmed up in ON
 process, then timed interleaved (the order rotates each round); the median per-step
 time over rounds is reported with the ratio private / non-private (target ≤ 3× on
 CPU). The first call of each step function (trace + compile + one step) is reported as
-"first call": the ghost rule unrolls the recurrence in Python up to
-``ghost_rnn.UNROLL_MAX_STEPS`` steps (its graph grows with L), and runs a
-``tf.while_loop`` beyond (``--drivers unrolled loop`` times both, side by side). ``--engine`` adds the clipping engine alone (``ghost_clipped_sum`` against a
+"first call". ``--engine`` adds the clipping engine alone (``ghost_clipped_sum`` against a
 plain gradient of the summed loss, no optimizer).
 
     python benchmarks/bench_rnn.py --cells lstm gru --batch-size 32 --length 32
-    python benchmarks/bench_rnn.py --cells lstm --length 128 --repeats 3   # tracing at longer L
+    python benchmarks/bench_rnn.py --cells lstm gru --length 128 --repeats 3
 """
 
 from __future__ import annotations
@@ -104,33 +102,20 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=10, help="timed steps per configuration per round")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--engine", action="store_true", help="also time the clipping engine alone")
-    parser.add_argument("--drivers", nargs="+", default=["default"], choices=["default", "unrolled", "loop"],
-                        help="private variants: the rule's choice (default), or forced Python unrolling / "
-                             "tf.while_loop over time")
     args = parser.parse_args(argv)
-    from keras_noisecurve.training import ghost_rnn
 
     rng = np.random.default_rng(0)
     x = tf.constant(rng.integers(0, args.vocab, size=(args.batch_size, args.length)), tf.int32)
     y = tf.constant(rng.integers(0, 2, size=args.batch_size))
     fns, first = {}, {}
-    default_unroll = ghost_rnn.UNROLL_MAX_STEPS
     for cell in args.cells:
-        variants = [("non-private", False, default_unroll)]
-        variants += [
-            (f"private{'' if d == 'default' else ' ' + d}", True,
-             {"default": default_unroll, "unrolled": 10**9, "loop": 0}[d])
-            for d in args.drivers
-        ]
-        for label, private, unroll in variants:
-            ghost_rnn.UNROLL_MAX_STEPS = unroll  # read when the step is traced (its first call)
-            name = f"{cell} {label}"
+        for private in (False, True):
+            name = f"{cell} {'private' if private else 'non-private'}"
             step = step_function(build(cell, private, args))
             start = time.perf_counter()
             float(step(x, y)["loss"])
             first[name] = time.perf_counter() - start
             fns[name] = step
-        ghost_rnn.UNROLL_MAX_STEPS = default_unroll
         if args.engine:
             for name, fn in engine_functions(cell, args).items():
                 start = time.perf_counter()
@@ -151,17 +136,14 @@ def main(argv=None):
             float(out["loss"])
             times[name].append((time.perf_counter() - start) / args.steps)
     median = {name: float(np.median(t)) for name, t in times.items()}
-    mode = "unrolled" if args.length <= default_unroll else "tf.while_loop"
-    print(f"B = {args.batch_size}, L = {args.length} (default: {mode}), vocab {args.vocab}, width {args.width}; "
+    print(f"B = {args.batch_size}, L = {args.length}, vocab {args.vocab}, width {args.width}; "
           f"medians of {args.repeats} interleaved rounds of {args.steps} steps")
     for name in names:
         print(f"{name:>28}: {1000 * median[name]:8.2f} ms/step   first call {first[name]:6.2f} s")
     for cell in args.cells:
-        base = f"{cell} non-private"
-        for name in names:
-            if name.startswith(f"{cell} private"):
-                print(f"{name} / non-private = {median[name] / median[base]:.2f}x (target <= 3)   first call "
-                      f"{first[name] / first[base]:.2f}x")
+        private, base = f"{cell} private", f"{cell} non-private"
+        print(f"{cell}: private / non-private = {median[private] / median[base]:.2f}x (target <= 3)   "
+              f"first call {first[private] / first[base]:.2f}x")
         if args.engine:
             engine = median[f"{cell} ghost clipped sum"] / median[f"{cell} gradient"]
             print(f"{cell}: engine only, ghost clipped sum / gradient = {engine:.2f}x")

@@ -34,8 +34,8 @@ tracing: no Python state survives between steps.
 
 Limits: a layer is supported when it is one of Dense, EinsumDense (batched dense
 equations, e.g. MultiHeadAttention's projections), Embedding, Conv1D/Conv2D
-(groups = 1), LayerNormalization, GroupNormalization, LSTM / GRU / SimpleRNN (static
-sequence length, no recurrent dropout, not stateful); layers without weights of
+(groups = 1), LayerNormalization, GroupNormalization, LSTM / GRU / SimpleRNN (no
+recurrent dropout, not stateful); layers without weights of
 their own (activations, pooling, reshapes, dropout, containers such as Sequential,
 functional models and MultiHeadAttention) are fine provided they do not mix
 examples and do not use another layer's weights (tied weights read by a custom

@@ -24,8 +24,8 @@ GRU specifics (u = update, r = reset, c = candidate blocks of n units each):
 
 To obtain g_t the rule's ``forward`` computes ``m = x W + b_in`` for all steps in
 one matmul, records it as ``out`` (its gradient is g: every later use of ``m_t``
-adds it to the recurrent term), and runs the recurrence itself as a Python loop
-over the static time axis from the cell's weights and activations (same math as
+adds it to the recurrent term), and runs the recurrence itself in a
+``tf.while_loop`` over time from the cell's weights and activations (same math as
 Keras 3.15's cells; ``implementation`` 1 and 2 differ only in round-off), with
 ``go_backwards``, masks (``mask=`` or an ``Embedding(mask_zero=True)``: a masked
 step keeps the previous state; its output is the previous output, or zero with
@@ -33,9 +33,13 @@ step keeps the previous state; its output is the previous output, or zero with
 ``initial_state``, ``return_sequences`` and ``return_state``. It returns what the
 layer's own ``call`` returns. Masked steps have g_t = 0.
 
+The sequence length may be unknown when tracing. (A Python loop unrolled over a
+static time axis gives the same result but traced 5–15× slower and ran 1.3–2.7×
+slower at L = 32–128 on CPU, see ``benchmarks/bench_rnn.py``; one projection of all
+steps then a light loop body is also faster than Keras's own loop.)
+
 Refused (``check``): ``stateful=True``, dropout or recurrent dropout > 0, cells
-other than the three Keras cells (including subclasses and ``StackedRNNCells``),
-and (at call time) a time axis that is not static.
+other than the three Keras cells (including subclasses and ``StackedRNNCells``).
 
 The weights live in the layer's ``cell`` sublayer: the rule sets
 ``covers_sublayers = True`` so the engine counts the cell's variables as the
@@ -121,12 +125,6 @@ _STEPS = {"lstm": _lstm_step, "gru": _gru_step, "simple": _simple_step}
 
 # ---------------------------------------------------------- the recurrence itself
 
-#: Sequences of at most this many (static) steps are unrolled in Python; longer or
-#: unknown-length ones run in a ``tf.while_loop`` (graph size and tracing time
-#: independent of L; the gradient w.r.t. ``m`` is the same).
-UNROLL_MAX_STEPS = 64
-
-
 def _masked_step(layer, kind, weights, m_t, keep, states, output):
     """One step with Keras's masking: (states, output, extras) after step t.
 
@@ -142,24 +140,14 @@ def _masked_step(layer, kind, weights, m_t, keep, states, output):
     return states, output, extras
 
 
-def _unrolled(layer, kind, weights, m, mask, states):
-    """Python loop over the static time axis. Returns (outputs (P, L, n) or None,
-    last output (P, n), final states, h_prev (P, L, n), extras {name: (P, L, n)})."""
-    h_prev, extras, outputs = [], {}, []
-    output = tf.zeros_like(states[0])  # Keras's "previous output" before the first step
-    for t in range(m.shape[1]):
-        h_prev.append(states[0])
-        keep = None if mask is None else mask[:, t]
-        states, output, extra = _masked_step(layer, kind, weights, m[:, t], keep, states, output)
-        for key, value in extra.items():
-            extras.setdefault(key, []).append(value)
-        outputs.append(output)
-    sequence = tf.stack(outputs, axis=1) if layer.return_sequences else None
-    return sequence, output, states, tf.stack(h_prev, axis=1), {k: tf.stack(v, axis=1) for k, v in extras.items()}
+def _recurrence(layer, kind, weights, m, mask, states):
+    """Run the cell over time in a ``tf.while_loop`` (any L, static or not).
 
-
-def _looped(layer, kind, weights, m, mask, states):
-    """The same recurrence in a ``tf.while_loop`` over time (any L, static or not)."""
+    ``m`` (P, L, G·n) input projections, ``mask`` (P, L, 1) bool or None, ``states``
+    the initial states. Returns (outputs (P, L, n) or None without
+    ``return_sequences``, last output (P, n), final states, h_prev (P, L, n): the
+    state entering each step, extras {"r": (P, L, n)} for GRU).
+    """
     dtype = m.dtype
     length = tf.shape(m)[1]
     m_steps = tf.TensorArray(dtype, size=length).unstack(tf.transpose(m, [1, 0, 2]))
@@ -173,7 +161,8 @@ def _looped(layer, kind, weights, m, mask, states):
         h_ta = h_ta.write(t, states[0])
         new_states, output, extra = _masked_step(layer, kind, weights, m_steps.read(t), keep, list(states), output)
         extra_tas = [ta.write(t, extra[name]) for ta, name in zip(extra_tas, extra_names)]
-        out_ta = out_ta.write(t, output)
+        if layer.return_sequences:
+            out_ta = out_ta.write(t, output)
         return t + 1, output, new_states, h_ta, extra_tas, out_ta
 
     def empty():
@@ -250,7 +239,6 @@ class RecurrentRule(Rule):
             raise ValueError(f"{type(layer).__name__} layer '{layer.name}': {self.check(layer)}")
         dtype = cell.compute_dtype
         x = tf.cast(tf.convert_to_tensor(inputs), dtype)
-        length = x.shape[1]  # None: unknown until run time
         batch = tf.shape(x)[0]
         n = cell.units
         if initial_state is None:
@@ -282,8 +270,7 @@ class RecurrentRule(Rule):
         if b_in is not None:
             m = m + b_in
 
-        drive = _unrolled if length is not None and length <= UNROLL_MAX_STEPS else _looped
-        sequence, output, states, h_prev, extras = drive(layer, kind, weights, m, mask, states)
+        sequence, output, states, h_prev, extras = _recurrence(layer, kind, weights, m, mask, states)
         record(
             out=m,
             x=tf.stop_gradient(x),
