@@ -5,7 +5,8 @@ length L (no padding), batch B. Every configuration is built and warmed up in ON
 process, then timed interleaved (the order rotates each round); the median per-step
 time over rounds is reported with the ratio private / non-private (target ≤ 3× on
 CPU). The first call of each step function (trace + compile + one step) is reported as
-"first call". ``--engine`` adds the clipping engine alone (``ghost_clipped_sum`` against a
+"first call" (the first private model of the process also pays a one-time ~2–4 s
+set-up: run with ``--cells gru lstm`` to see it move). ``--engine`` adds the clipping engine alone (``ghost_clipped_sum`` against a
 plain gradient of the summed loss, no optimizer).
 
     python benchmarks/bench_rnn.py --cells lstm gru --batch-size 32 --length 32
