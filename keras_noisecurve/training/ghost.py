@@ -91,8 +91,8 @@ def plan(model):
     trainable variables among ``model.trainable_variables``.
 
     Raises:
-      ValueError: a trainable BatchNormalization (it mixes the examples of a batch),
-        naming the layer.
+      ValueError: a trainable BatchNormalization (it mixes the examples of a batch) or a
+        stateful layer (its state carries examples across batches), naming the layer.
     """
     trainable = {id(v) for v in model.trainable_variables}
     out, seen = [], set()
@@ -109,10 +109,13 @@ def plan(model):
                 "keras_noisecurve.replace_batch_normalization(model) rebuilds a functional model so — "
                 "or freeze it)"
             )
-        rule = find_rule(layer)
-        if rule is not None and rule.check(layer):
-            rule = None  # a configuration the fast rule does not handle: the fallback does
-        if rule is not None and getattr(rule, "covers_sublayers", False):
+        if getattr(layer, "stateful", False) and layer.trainable_variables:
+            raise ValueError(
+                f"{_layer_label(layer)} is stateful: its state carries examples of one batch into the "
+                "next, so one example's influence is not confined to its own gradient (use stateful=False)"
+            )
+        rule = find_rule(layer)  # None: no rule takes this layer's configuration, the fallback does
+        if rule is not None and rule.covers_sublayers:
             variables = rule.variables(layer, trainable)
             if variables:
                 out.append((layer, rule, variables))
@@ -341,7 +344,9 @@ def _ghost_step(model, loss_fn, x, y, sample_weight, clip, training, entries):
         grad_fns.append(grad_fn)
     norms = tf.sqrt(sq)
     tiny = tf.constant(1e-30 if norm_dtype == tf.float32 else 1e-300, norm_dtype)
-    factors = tf.stop_gradient(tf.minimum(tf.ones_like(norms), tf.cast(clip, norm_dtype) / tf.maximum(norms, tiny)))
+    # a Python ζ goes straight to the norms' dtype (a float64 model keeps all 53 bits)
+    clip = tf.cast(clip, norm_dtype) if isinstance(clip, (tf.Tensor, tf.Variable)) else tf.constant(clip, norm_dtype)
+    factors = tf.stop_gradient(tf.minimum(tf.ones_like(norms), clip / tf.maximum(norms, tiny)))
     # g already carries w_i, so scaling by c_i gives Σ_i c_i·w_i·∇loss_i per variable.
     by_variable = {}
     for grad_fn in grad_fns:

@@ -119,6 +119,14 @@ def dims(t: tf.Tensor) -> list:
 class Rule:
     classes: tuple = ()
     kind = ""
+    #: True: the layer's sublayers' weights count as its own (e.g. an RNN's cell), and the
+    #: sublayers are not planned separately
+    covers_sublayers = False
+
+    def variables(self, layer, trainable_ids):
+        """The trainable variables this rule clips for ``layer``, among ``trainable_ids``."""
+        source = layer.trainable_variables if self.covers_sublayers else getattr(layer, "_trainable_variables", [])
+        return [v for v in source if id(v) in trainable_ids]
 
     def matches(self, layer) -> bool:
         return any(

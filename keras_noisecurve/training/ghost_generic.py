@@ -37,7 +37,7 @@ import tensorflow as tf
 
 from keras_noisecurve.training.ghost_common import Rule, norm_dtype, per_example_sq, weighted_sum
 
-__all__ = ["GenericRule", "RecurrentRule", "TimeDistributedRule", "owned_trainable"]
+__all__ = ["GenericRule", "RNNFallbackRule", "TimeDistributedRule", "owned_trainable"]
 
 
 def owned_trainable(layer, trainable_ids) -> list:
@@ -67,16 +67,12 @@ class GenericRule(Rule):
     """
 
     kind = "generic"
-    covers_sublayers = False
 
     def matches(self, layer) -> bool:
         return True
 
     def check(self, layer):
         return None
-
-    def variables(self, layer, trainable_ids):
-        return owned_trainable(layer, trainable_ids)
 
     def expected_variables(self, layer):
         return list(getattr(layer, "_trainable_variables", []))
@@ -152,26 +148,20 @@ class TimeDistributedRule(GenericRule):
     def matches(self, layer) -> bool:
         return isinstance(layer, keras.layers.TimeDistributed)
 
-    def variables(self, layer, trainable_ids):
-        return [v for v in layer.trainable_variables if id(v) in trainable_ids]
-
     def expected_variables(self, layer):
         return list(layer.trainable_variables)
 
 
-class RecurrentRule(GenericRule):
-    """Any ``keras.layers.RNN`` (LSTM, GRU, SimpleRNN, a custom cell): the cell runs inside
-    a ``tf.while_loop``, so its weights are attributed to examples through the RNN
-    layer's own call, re-run per example."""
+class RNNFallbackRule(GenericRule):
+    """Any ``keras.layers.RNN`` the ghost rule of ``ghost_rnn`` does not take (a custom or
+    stacked cell, dropout, ...): the cell runs inside a ``tf.while_loop``, so its weights
+    are attributed to examples through the RNN layer's own call, re-run per example."""
 
-    kind = "recurrent (per-example)"
+    kind = "generic"
     covers_sublayers = True
 
     def matches(self, layer) -> bool:
         return isinstance(layer, keras.layers.RNN)
-
-    def variables(self, layer, trainable_ids):
-        return [v for v in layer.trainable_variables if id(v) in trainable_ids]
 
     def expected_variables(self, layer):
         return list(layer.trainable_variables)

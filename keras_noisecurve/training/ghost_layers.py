@@ -23,7 +23,9 @@ is the sum over calls and positions of the same outer products.
 This module is the registry (:data:`RULES`, :func:`find_rule`) and re-exports the
 rules' public names: the shared math and :class:`Rule` live in ``ghost_common``, the
 rules in ``ghost_dense`` (Dense, EinsumDense, Embedding), ``ghost_conv``
-(Conv1D/Conv2D) and ``ghost_norm`` (normalisation layers).
+(Conv1D/Conv2D), ``ghost_norm`` (normalisation layers) and ``ghost_rnn`` (LSTM, GRU,
+SimpleRNN; its rule sets ``covers_sublayers``: the weights of the layer's cell count
+as the layer's own).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from __future__ import annotations
 from keras_noisecurve.training.ghost_common import Rule, sequence_sq_norms
 from keras_noisecurve.training.ghost_conv import CONV_CHUNK, ConvRule, conv_chunk, conv_sq_norms
 from keras_noisecurve.training.ghost_embedding import DiagonalScaleRule, PositionEmbeddingRule, ReversibleEmbeddingRule
-from keras_noisecurve.training.ghost_generic import GenericRule, RecurrentRule, TimeDistributedRule
+from keras_noisecurve.training.ghost_generic import GenericRule, RNNFallbackRule, TimeDistributedRule
 from keras_noisecurve.training.ghost_dense import (
     DenseRule,
     EinsumDenseRule,
@@ -44,10 +46,11 @@ from keras_noisecurve.training.ghost_norm import (
     GroupNormalizationRule,
     LayerNormalizationRule,
 )
+from keras_noisecurve.training.ghost_rnn import RecurrentRule
 
 __all__ = [
     "CONV_CHUNK", "RULES", "ChannelsLastGroupNormRule", "ConvRule", "DenseRule", "DiagonalScaleRule", "EinsumDenseRule", "EmbeddingRule",
-    "GenericRule", "GroupNormalizationRule", "LayerNormalizationRule", "PositionEmbeddingRule", "RecurrentRule", "ReversibleEmbeddingRule", "Rule", "TimeDistributedRule", "conv_chunk", "conv_sq_norms", "einsum_structure",
+    "GenericRule", "GroupNormalizationRule", "LayerNormalizationRule", "PositionEmbeddingRule", "RNNFallbackRule", "RecurrentRule", "ReversibleEmbeddingRule", "Rule", "TimeDistributedRule", "conv_chunk", "conv_sq_norms", "einsum_structure",
     "find_rule", "sequence_sq_norms", "token_sq_norms",
 ]
 
@@ -62,14 +65,16 @@ RULES = (
     LayerNormalizationRule(),
     GroupNormalizationRule(),
     ChannelsLastGroupNormRule(),
+    RecurrentRule(),  # LSTM / GRU / SimpleRNN (ghost_rnn)
     TimeDistributedRule(),
-    RecurrentRule(),  # after any fast rule for a specific RNN class
+    RNNFallbackRule(),  # any other RNN, or one RecurrentRule refuses
 )
 
 
 def find_rule(layer):
-    """The rule for ``layer``'s class, or ``None`` (the engine then uses :class:`GenericRule`)."""
+    """The first rule of :data:`RULES` that matches ``layer`` and accepts its configuration
+    (``check`` returns no reason), or ``None`` (the engine then uses :class:`GenericRule`)."""
     for rule in RULES:
-        if rule.matches(layer):
+        if rule.matches(layer) and not rule.check(layer):
             return rule
     return None
