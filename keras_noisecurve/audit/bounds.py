@@ -1,4 +1,4 @@
-"""Empirical ε lower bounds from canary scores (numpy/scipy + dp_accounting; no TensorFlow).
+"""Empirical ε lower bounds from canary scores (numpy/scipy only; no TensorFlow).
 
 An audit plants m canaries, each included in training with probability ½, and gives
 every canary a score (higher = "looks included"). If the training run is (ε, δ)-DP,
@@ -338,34 +338,37 @@ def _largest_epsilon(m, r, v, delta, alpha) -> float:
 
 
 # --------------------------------------------------------------- Gaussian DP
+def _gaussian_delta(eps: float, mu: float) -> float:
+    """δ(ε) of a μ-GDP mechanism: Φ(−ε/μ + μ/2) − e^ε·Φ(−ε/μ − μ/2) (Balle & Wang 2018), the
+    second term in log space so that large ε neither overflows nor loses the difference."""
+    first = special.ndtr(-eps / mu + mu / 2)
+    second = math.exp(eps + special.log_ndtr(-eps / mu - mu / 2))
+    return float(first - second)
+
+
 def gaussian_epsilon(*, mu: float, delta: float) -> float:
-    """ε at δ of a μ-GDP mechanism (a Gaussian of sensitivity 1 and standard deviation 1/μ),
-    from ``dp_accounting``'s PLD with OPTIMISTIC rounding (never above the exact value,
-    within ~1e-4 of it); 0 for μ = 0."""
+    """ε at δ of a μ-GDP mechanism (a Gaussian of sensitivity 1 and standard deviation 1/μ):
+    the exact root of δ(ε) = Φ(−ε/μ + μ/2) − e^ε Φ(−ε/μ − μ/2) (Balle & Wang 2018, the
+    curve ``dp_accounting``'s Gaussian PLD discretises; tests/audit compare the two); 0 for
+    μ = 0 or when δ(0) ≤ δ."""
     mu = check_float("mu", mu, nonnegative=True)
     delta = check_float("delta", delta, open_unit=True)
-    if mu == 0:
+    if mu == 0 or _gaussian_delta(0.0, mu) <= delta:
         return 0.0
-    from dp_accounting.pld import privacy_loss_distribution as pld
-
-    dist = pld.from_gaussian_mechanism(standard_deviation=1.0 / mu, pessimistic_estimate=False,
-                                       value_discretization_interval=1e-4, use_connect_dots=False)
-    return max(0.0, float(dist.get_epsilon_for_delta(delta)))
+    hi = 1.0
+    while _gaussian_delta(hi, mu) > delta:
+        hi *= 2
+    return float(optimize.brentq(lambda e: _gaussian_delta(e, mu) - delta, 0.0, hi, xtol=1e-10))
 
 
 def gaussian_mu_for_epsilon(*, epsilon: float, delta: float) -> float:
-    """The μ whose Gaussian mechanism is exactly (ε, δ)-DP (closed form of Balle & Wang 2018:
-    δ(ε) = Φ(−ε/μ + μ/2) − e^ε Φ(−ε/μ − μ/2), solved for μ)."""
+    """The μ whose Gaussian mechanism is exactly (ε, δ)-DP (the inverse of :func:`gaussian_epsilon`)."""
     eps = check_float("epsilon", epsilon, positive=True)
     delta = check_float("delta", delta, open_unit=True)
-
-    def gap(mu):
-        return stats.norm.cdf(-eps / mu + mu / 2) - math.exp(eps) * stats.norm.cdf(-eps / mu - mu / 2) - delta
-
     hi = 1.0
-    while gap(hi) < 0:
+    while _gaussian_delta(eps, hi) < delta:
         hi *= 2
-    return float(optimize.brentq(gap, 1e-9, hi, xtol=1e-12))
+    return float(optimize.brentq(lambda mu: _gaussian_delta(eps, mu) - delta, 1e-9, hi, xtol=1e-12))
 
 
 def gaussian_dp_bound(
