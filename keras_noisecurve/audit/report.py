@@ -75,6 +75,7 @@ def summarize(
     confidence: float = 0.95,
     gaussian_claim: bool = False,
     methods: Sequence[str] = METHODS,
+    grid=None,
     seed: int = 0,
     info: Mapping | None = None,
 ) -> AuditResult:
@@ -89,6 +90,9 @@ def summarize(
       gaussian_claim: whether the claim is a Gaussian mechanism (fixed-epochs runs),
         so that "gaussian-dp" is a valid bound; otherwise that method is skipped.
       methods: estimators from ``METHODS``.
+      grid: thresholds fixed in advance (e.g. of a log-likelihood-ratio score) for the
+        Clopper–Pearson and Gaussian-DP estimators (Bonferroni over the grid); ``None``:
+        the threshold is chosen on a random half of the canaries (split).
       seed: seed of the Clopper–Pearson / Gaussian-DP threshold split.
       info: description of the audited run, stored in the result.
     """
@@ -114,12 +118,13 @@ def summarize(
         for method in used:
             if method == "clopper-pearson":
                 b = bounds.epsilon_lower_bound(scores_in=s[inc], scores_out=s[~inc], delta=delta, confidence=each,
-                                               seed=seed)
+                                               seed=seed, thresholds="split" if grid is None else "bonferroni",
+                                               grid=grid)
             elif method == "one-run":
                 b = bounds.one_run_lower_bound(scores=s, included=inc, delta=delta, confidence=each)
             else:
                 b = bounds.gaussian_dp_bound(scores_in=s[inc], scores_out=s[~inc], delta=delta, confidence=each,
-                                             seed=seed)
+                                             seed=seed, grid=grid)
             results[f"{name}/{method}"] = b
     best = max(results, key=lambda key: results[key].epsilon)
     lower = results[best].epsilon

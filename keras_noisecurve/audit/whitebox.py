@@ -48,6 +48,10 @@ __all__ = ["CANARY_TARGET", "STRATEGIES", "WhiteBoxAudit", "audit_whitebox", "bu
 STRATEGIES = ("dpsgd", "banded", "toeplitz", "blt")
 SCORINGS = ("claimed/plan", "empirical/plan", "empirical/any-step", "claimed/poisson", "empirical/poisson")
 
+#: thresholds on the log-likelihood-ratio scores, fixed before any score is seen (Bonferroni):
+#: log LR = 0 is "as likely in as out"; the grid is fine near 0 (small μ) and reaches e^12
+LLR_GRID = tuple(np.round(np.concatenate([-np.geomspace(0.02, 4, 12)[::-1], [0.0], np.geomspace(0.02, 12, 28)]), 6))
+
 #: the canaries' regression target: far enough that the clipped gradient is always −ζ
 CANARY_TARGET = 1.0e4
 
@@ -151,6 +155,7 @@ def audit_whitebox(
     l2_norm_clip: float = 1.0,
     confidence: float = 0.95,
     scorings: Optional[Sequence[str]] = None,
+    thresholds: str = "grid",
     seed: int = 0,
     mixing=None,
     optimizer_factory: Optional[Callable] = None,
@@ -175,6 +180,8 @@ def audit_whitebox(
       real_examples, features: the ordinary regression data beside the canaries.
       learning_rate, l2_norm_clip: η (plain SGD) and ζ.
       confidence: overall 1 − α of the bound (split over the scorings and estimators).
+      thresholds: ``"grid"`` (Bonferroni over ``LLR_GRID``, thresholds on the log-likelihood
+        ratio fixed in advance) or ``"split"`` (chosen on half of the canaries).
       scorings: names from ``SCORINGS``; default ``claimed/plan``, ``empirical/plan``,
         ``empirical/any-step`` for fixed epochs and ``claimed/poisson``,
         ``empirical/poisson`` for cyclic Poisson.
@@ -203,6 +210,7 @@ def audit_whitebox(
     eta = check_float("learning_rate", learning_rate, positive=True)
     clip = check_float("l2_norm_clip", l2_norm_clip, positive=True)
     seed = check_int("seed", seed, minimum=0)
+    check_choice("thresholds", thresholds, ("grid", "split"))
     n = real + m
     batch = -(-n // spe)
     steps = epochs * (-(-n // batch))
@@ -272,18 +280,24 @@ def audit_whitebox(
         else:
             rate = 1.0 / run.steps_per_epoch if sampling == "fixed_epochs" else q / run.bands
             scores[s] = scoring.any_step_scores(observations=obs, precision=lam, rate=rate)
-    whitened = dense @ probe_obs / run.noise_multiplier
+    whitened = dense @ probe_obs / run.noise_multiplier  # under the claim: i.i.d. N(0, 1) entries
+    probe_cov = whitened @ whitened.T / probes
     info = {
         "strategy": name, "sampling": sampling, "steps": steps, "batch_size": run.batch_size,
         "bands": run.bands, "noise_multiplier": run.noise_multiplier, "target_epsilon": float(epsilon),
         "canaries": m, "probes": probes, "epochs": epochs, "steps_per_epoch": run.steps_per_epoch,
         # under the claim C·y_probe/σ is N(0, I): its mean square is 1 (± a few / sqrt(T·N))
         "probe_whitened_variance": float(np.mean(whitened**2)),
+        # ... and their (T, T) covariance is I: largest entry of |Ĉov − I| (≈ 4/sqrt(N) at most by chance)
+        "probe_covariance_error": float(np.max(np.abs(probe_cov - np.eye(steps)))),
     }
     if sampling == "fixed_epochs":
         info["claimed_mu"] = run.setup.fixed_epoch_sensitivity(epochs) / run.noise_multiplier
     result = summarize(scores=scores, included=included, claimed_epsilon=claimed, delta=delta, confidence=confidence,
-                       gaussian_claim=sampling == "fixed_epochs", seed=seed, info=info)
+                       gaussian_claim=sampling == "fixed_epochs", seed=seed, info=info,
+                       methods=("clopper-pearson", "gaussian-dp") if sampling == "fixed_epochs"
+                       else ("clopper-pearson", "one-run"),
+                       grid=np.array(LLR_GRID) if thresholds == "grid" else None)
     return WhiteBoxAudit(run=run, included=included, observations=obs, probe_observations=probe_obs,
                          patterns=patterns, scores=scores, result=result)
 
