@@ -102,6 +102,14 @@ def run(args) -> int:
     if "epsilon_point" in best:
         print(f"point estimate:         {best['epsilon_point']:.4f}   (Gaussian DP, mu = {best['mu_point']:.4f}"
               + (f"; claimed mu = {info['claimed_mu']:.4f})" if "claimed_mu" in info else ")"))
+    if "noise_matches_claim" in info:
+        if info["noise_matches_claim"]:
+            print(f"noise check: the C-whitened noise of {info['probes']} probe coordinates is white, as claimed "
+                  f"(max |cov - I| = {info['probe_covariance_error']:.3f} <= {info['probe_threshold']:.3f})")
+        else:
+            print(f"noise check: MISMATCH - the C-whitened probe noise is not white (max |cov - I| = "
+                  f"{info['probe_covariance_error']:.3f} > {info['probe_threshold']:.3f}): the noise added is not "
+                  "the claimed C^-1 z")
     if result.verdict == "violation":
         print(f"verdict: VIOLATION - the run leaks more than claimed: epsilon >= {result.epsilon_lower:.4f} > "
               f"{result.claimed_epsilon:.4f} with {conf} confidence")

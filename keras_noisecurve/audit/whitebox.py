@@ -38,6 +38,7 @@ import dataclasses
 from typing import Callable, Optional, Sequence
 
 import numpy as np
+from scipy import stats
 
 from keras_noisecurve._validation import check_choice, check_float, check_int
 from keras_noisecurve.audit import scoring
@@ -125,6 +126,19 @@ def _model(features, rows):
     return keras.Model({"features": feat, "canary": ids, "gate": gate}, out, name="audit_linear"), table
 
 
+def _reload(private):
+    """The private model saved to a ``.keras`` file and loaded back (optimizer state included)."""
+    import os
+    import tempfile
+
+    import keras
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "resume.keras")
+        private.save(path)
+        return keras.models.load_model(path)
+
+
 def _patterns(run, real, m):
     """(T, m) 0/1: the steps at which each canary SLOT is sampled (the same in both worlds)."""
     sampler = run.sampler()
@@ -161,6 +175,7 @@ def audit_whitebox(
     optimizer_factory: Optional[Callable] = None,
     dataset_factory: Optional[Callable] = None,
     model_hook: Optional[Callable] = None,
+    resume_at: Optional[int] = None,
 ) -> WhiteBoxAudit:
     """Train one private run with white-box gradient canaries and bound its ε from below.
 
@@ -192,7 +207,12 @@ def audit_whitebox(
       optimizer_factory: ``f(run=, learning_rate=, l2_norm_clip=, seed=)`` returning the
         optimizer (default ``NoiseCurveOptimizer``); dataset_factory: ``f(run, x, y)``
         returning the training dataset (default ``run.dataset(x, y)``); model_hook:
-        ``f(private_model)`` called after ``compile``. For tests of broken variants.
+        ``f(private_model)`` called after ``compile`` (and after the reload of a resumed
+        run). For tests of broken variants.
+      resume_at: stop ``fit`` after this many steps, save the private model to a
+        ``.keras`` file, load it back (as a new process would: a new ``PrivateRun`` object
+        of the same plan, the key and noise state from the file) and train the rest of
+        the plan: the audit then covers the resume path.
 
     Returns:
       a :class:`WhiteBoxAudit` whose ``result`` holds the claim, the bound and the verdict.
@@ -246,13 +266,26 @@ def audit_whitebox(
         model_hook(private)
 
     trajectory = [np.array(table.embeddings.numpy()[:, 0])]
+    current = {"table": table}
 
     class _Record(keras.callbacks.Callback):
         def on_train_batch_end(self, batch_index, logs=None):
-            trajectory.append(np.array(table.embeddings.numpy()[:, 0]))
+            trajectory.append(np.array(current["table"].embeddings.numpy()[:, 0]))
+            if resume_at is not None and len(trajectory) - 1 == resume_at:
+                self.model.stop_training = True
 
-    data = dataset_factory(run, x, y) if dataset_factory is not None else run.dataset(x, y)
-    private.fit(data, callbacks=[_Record()], verbose=0)
+    def dataset(plan):
+        return dataset_factory(plan, x, y) if dataset_factory is not None else plan.dataset(x, y)
+
+    private.fit(dataset(run), callbacks=[_Record()], verbose=0)
+    if resume_at is not None:
+        check_int("resume_at", resume_at, minimum=1, maximum=steps - 1)
+        private = _reload(private)
+        current["table"] = private.inner.get_layer("canaries")
+        if model_hook is not None:
+            model_hook(private)
+        resumed = knc.PrivateRun.from_config(run.get_config())  # a new object: the key comes from the file
+        private.fit(dataset(resumed), callbacks=[_Record()], verbose=0)
     iterates = np.stack(trajectory)
     if iterates.shape[0] != steps + 1:
         raise RuntimeError(f"recorded {iterates.shape[0] - 1} steps, expected the plan's {steps}.")
@@ -282,14 +315,19 @@ def audit_whitebox(
             scores[s] = scoring.any_step_scores(observations=obs, precision=lam, rate=rate)
     whitened = dense @ probe_obs / run.noise_multiplier  # under the claim: i.i.d. N(0, 1) entries
     probe_cov = whitened @ whitened.T / probes
+    cov_error = float(np.max(np.abs(probe_cov - np.eye(steps))))
+    threshold = float(np.sqrt(2.0 / probes) * stats.norm.isf(0.001 / (steps * (steps + 1))))
     info = {
         "strategy": name, "sampling": sampling, "steps": steps, "batch_size": run.batch_size,
         "bands": run.bands, "noise_multiplier": run.noise_multiplier, "target_epsilon": float(epsilon),
-        "canaries": m, "probes": probes, "epochs": epochs, "steps_per_epoch": run.steps_per_epoch,
+        "canaries": m, "probes": probes, "epochs": epochs, "resume_at": resume_at, "steps_per_epoch": run.steps_per_epoch,
         # under the claim C·y_probe/σ is N(0, I): its mean square is 1 (± a few / sqrt(T·N))
         "probe_whitened_variance": float(np.mean(whitened**2)),
-        # ... and their (T, T) covariance is I: largest entry of |Ĉov − I| (≈ 4/sqrt(N) at most by chance)
-        "probe_covariance_error": float(np.max(np.abs(probe_cov - np.eye(steps)))),
+        # ... and their (T, T) covariance is I: largest entry of |Ĉov − I|; each entry has standard
+        # deviation ≤ sqrt(2/N), so the threshold is passed by chance with probability ≤ 0.1 %
+        "probe_covariance_error": cov_error,
+        "probe_threshold": threshold,
+        "noise_matches_claim": bool(cov_error <= threshold),
     }
     if sampling == "fixed_epochs":
         info["claimed_mu"] = run.setup.fixed_epoch_sensitivity(epochs) / run.noise_multiplier

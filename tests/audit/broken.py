@@ -87,3 +87,13 @@ def duplicated_batches(run, x, y):
                 tf.concat([step, step], 0))
 
     return data.map(twice)
+
+
+def reset_noise_state_on_resume(private):
+    """``model_hook``: after a resume the noise state (ring / BLT buffers) starts from
+    zeros instead of the saved values, as if one path forgot to restore it."""
+    optimizer = private.optimizer
+    if optimizer.built and int(optimizer.iterations.numpy()) > 0:
+        for state in optimizer._rings:
+            if state is not None:
+                state.assign(tf.zeros_like(state))
