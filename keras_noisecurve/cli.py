@@ -26,7 +26,7 @@ SUBCOMMANDS = {
 }
 
 #: subcommands that start TensorFlow (the others are numpy/scipy only)
-USES_TENSORFLOW = frozenset({"spectrum", "demo", "audit"})
+USES_TENSORFLOW = frozenset({"spectrum", "demo"})
 
 
 def main(argv=None) -> int:

@@ -85,6 +85,13 @@ def _audit(args):
 def run(args) -> int:
     try:
         _check(args)
+    except ValueError as err:
+        print(f"noisecurve audit: error: {err}", file=sys.stderr)
+        return 2
+    from keras_noisecurve.cli import _start_tensorflow, quiet_startup
+
+    quiet_startup(_start_tensorflow)  # TensorFlow's C++ start-up notices silenced, as for `demo`
+    try:
         result = _audit(args)
     except (ValueError, TypeError) as err:
         message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__

@@ -200,7 +200,8 @@ def audit_whitebox(
       scorings: names from ``SCORINGS``; default ``claimed/plan``, ``empirical/plan``,
         ``empirical/any-step`` for fixed epochs and ``claimed/poisson``,
         ``empirical/poisson`` for cyclic Poisson.
-      seed: seeds the inclusion bits, the data, the sampler and the noise. A fixed seed
+      seed: seeds the inclusion bits, the data, the sampler, the noise and (through
+        ``keras.utils.set_random_seed``) Keras's global generators. A fixed seed
         is what an audit needs (the auditor knows the plan); it voids the guarantee for
         anyone else, which is irrelevant for an audit run.
       mixing: a mixing strategy with at least T steps, instead of ``strategy``.

@@ -17,6 +17,7 @@ def test_audit_prints_claim_bound_interval_and_verdict(tmp_path, capsys):
     assert "claimed epsilon:        4.0000" in text
     assert "95 % confidence interval for the achieved epsilon: [" in text
     assert "verdict: consistent" in text and "cannot certify privacy" in text
+    assert "noise check: the C-whitened noise of 1000 probe coordinates is white" in text
     data = json.loads(out.read_text())
     assert 0 < data["epsilon_lower"] <= data["claimed_epsilon"]
     assert data["verdict"] == "consistent" and data["info"]["strategy"] == "dpsgd"
