@@ -22,6 +22,7 @@ SUBCOMMANDS = {
     "calibrate": ("keras_noisecurve.privacy.cli", "calibrate the noise multiplier for a target (epsilon, delta)"),
     "inspect": ("keras_noisecurve.mixing.cli_inspect", "show a mixing-matrix file: metadata, norms, expected error"),
     "demo": ("keras_noisecurve.demo", "run the whole pipeline end to end on bundled MNIST data"),
+    "audit": ("keras_noisecurve.cli_audit", "audit a training configuration: empirical epsilon lower bound"),
 }
 
 #: subcommands that start TensorFlow (the others are numpy/scipy only)
