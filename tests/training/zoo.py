@@ -176,6 +176,7 @@ ZOO = {
     "llama-lm": llama_lm,
     "llama-lm-lora": lambda rng, dtype="float32", size=SMALL: llama_lm(rng, dtype, True, size),
     "gemma-lm": gemma_lm,
+    "gemma-lm-lora": lambda rng, dtype="float32", size=SMALL: gemma_lm(rng, dtype, True, size),
     "lstm": lambda rng, dtype="float32", size=SMALL: rnn_classifier(rng, dtype, "LSTM", size),
     "gru": lambda rng, dtype="float32", size=SMALL: rnn_classifier(rng, dtype, "GRU", size),
     "groupnorm-resnet": groupnorm_resnet,
