@@ -53,3 +53,47 @@ class CrashAt(keras.callbacks.Callback):
         self.seen += 1
         if self.seen == self.at_step:
             raise RuntimeError("simulated crash")
+
+
+# ------------------------------------------------------------ per-example clipping references
+
+
+def set_precision(dtype):
+    """Keras's float type for new layers. Keras caches its global dtype policy the first
+    time it is read, after which floatx alone no longer changes the layers' dtype: set both."""
+    keras.config.set_floatx(dtype)
+    keras.config.set_dtype_policy(dtype)
+
+
+def mse(y, p):
+    """Per-example mean squared error over every non-example axis: (P,)."""
+    import tensorflow as tf
+
+    d = tf.cast(y, p.dtype) - p
+    return tf.reduce_mean(tf.square(d), axis=list(range(1, d.shape.rank)))
+
+
+def loop_reference(model, loss_fn, x, y, w, clip):
+    """Per-example gradients one example at a time with ``tf.GradientTape`` (the
+    independent reference of the clipping engines).
+
+    Returns ``(norms (P,), clipped sum)``: ``norms[i] = ‖w_i·∇loss_i‖`` and
+    ``Σ_i min(1, clip/norms[i])·w_i·∇loss_i`` per trainable variable (numpy arrays).
+    ``x`` may be any structure of arrays with the examples first.
+    """
+    import tensorflow as tf
+
+    variables = model.trainable_variables
+    total = [np.zeros(v.shape) for v in variables]
+    norms = []
+    for i in range(len(w)):
+        xi = tf.nest.map_structure(lambda t: t[i : i + 1], x)
+        with tf.GradientTape() as tape:
+            loss = w[i] * loss_fn(y[i : i + 1], model(xi, training=False))[0]
+        grads = [tf.convert_to_tensor(g).numpy() for g in tape.gradient(loss, variables, unconnected_gradients="zero")]
+        norm = np.sqrt(sum(np.sum(g**2) for g in grads))
+        norms.append(norm)
+        factor = 1.0 if norm == 0 else min(1.0, clip / norm)
+        for k, g in enumerate(grads):
+            total[k] += factor * g
+    return np.array(norms), total

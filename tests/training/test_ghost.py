@@ -20,55 +20,25 @@ import keras
 from keras_noisecurve.training.clipping import vectorized_clipped_sum
 from keras_noisecurve.training.ghost import describe, ghost_clipped_sum, supports
 from keras_noisecurve.training import ghost_conv, ghost_layers, kernels
+from tests.training.helpers import loop_reference, mse, set_precision
 
 P = 6
 RTOL = 1e-5
 
 
-def _set_precision(dtype):
-    # Keras caches its global dtype policy the first time it is read, after which
-    # floatx alone no longer changes the layers' dtype: set both.
-    keras.config.set_floatx(dtype)
-    keras.config.set_dtype_policy(dtype)
-
-
 @pytest.fixture(autouse=True)
 def float64():
     old = keras.config.floatx()
-    _set_precision("float64")
+    set_precision("float64")
     keras.utils.set_random_seed(0)
     yield
-    _set_precision(old)
-
-
-def mse(y, p):
-    """Per-example mean squared error over every non-example axis: (P,)."""
-    d = tf.cast(y, p.dtype) - p
-    return tf.reduce_mean(tf.square(d), axis=list(range(1, d.shape.rank)))
+    set_precision(old)
 
 
 def weights_with_padding(rng, n=P):
     w = rng.uniform(0.5, 2.0, size=n)
     w[1] = 0.0  # a padded example
     return w
-
-
-def loop_reference(model, loss_fn, x, y, w, clip):
-    """Per-example gradients one example at a time: norms (P,) and the clipped sum."""
-    variables = model.trainable_variables
-    total = [np.zeros(v.shape) for v in variables]
-    norms = []
-    for i in range(len(w)):
-        xi = tf.nest.map_structure(lambda t: t[i : i + 1], x)
-        with tf.GradientTape() as tape:
-            loss = w[i] * loss_fn(y[i : i + 1], model(xi, training=False))[0]
-        grads = [tf.convert_to_tensor(g).numpy() for g in tape.gradient(loss, variables, unconnected_gradients="zero")]
-        norm = np.sqrt(sum(np.sum(g**2) for g in grads))
-        norms.append(norm)
-        factor = 1.0 if norm == 0 else min(1.0, clip / norm)
-        for k, g in enumerate(grads):
-            total[k] += factor * g
-    return np.array(norms), total
 
 
 def assert_close_grads(got, want):
@@ -463,7 +433,7 @@ def test_make_private_fit_with_ghost_takes_the_clipped_sgd_step():
     # with the clipped sum from the independent per-example loop.
     from keras_noisecurve.training import DPOptimizer, make_private
 
-    _set_precision("float32")
+    set_precision("float32")
     rng = np.random.default_rng(16)
     model = keras.Sequential(
         [keras.Input((4,)), keras.layers.Dense(8, activation="tanh"), keras.layers.LayerNormalization(),
@@ -641,7 +611,7 @@ def test_float32_conv_model_any_batch_size_and_odd_images(n, form, monkeypatch):
     # the rule takes conv_sq_norms, not the patches.
     monkeypatch.setattr(ghost_conv, "conv_chunk",
                         lambda dtype, device=None: ghost_layers.CONV_CHUNK if form == "grouped" else 1)
-    _set_precision("float32")
+    set_precision("float32")
     rng = np.random.default_rng(37 + n)
     model = keras.Sequential(
         [

@@ -20,28 +20,19 @@ from keras_noisecurve.training import ghost
 from keras_noisecurve.training.ghost import ghost_clipped_sum, supports
 from keras_noisecurve.training.ghost_layers import find_rule
 from keras_noisecurve.training.ghost_rnn import RecurrentRule
+from tests.training.helpers import loop_reference, mse, set_precision
 
 P, L, VOCAB, UNITS, DIM = 6, 7, 20, 5, 4
 RTOL = 1e-5
 
 
-def _set_precision(dtype):
-    keras.config.set_floatx(dtype)
-    keras.config.set_dtype_policy(dtype)
-
-
 @pytest.fixture(autouse=True)
 def float64():
     old = keras.config.floatx()
-    _set_precision("float64")
+    set_precision("float64")
     keras.utils.set_random_seed(0)
     yield
-    _set_precision(old)
-
-
-def mse(y, p):
-    d = tf.cast(y, p.dtype) - p
-    return tf.reduce_mean(tf.square(d), axis=list(range(1, d.shape.rank)))
+    set_precision(old)
 
 
 def padded_tokens(rng, n=P, length=L):
@@ -53,33 +44,16 @@ def padded_tokens(rng, n=P, length=L):
     return ids
 
 
-def loop_reference(model, x, y, w, clip):
-    """Per-example gradients one example at a time (Keras's own forward): norms (P,), clipped sum."""
-    variables = model.trainable_variables
-    total = [np.zeros(v.shape) for v in variables]
-    norms = []
-    for i in range(len(w)):
-        with tf.GradientTape() as tape:
-            loss = w[i] * mse(y[i : i + 1], model(x[i : i + 1], training=False))[0]
-        grads = [tf.convert_to_tensor(g).numpy() for g in tape.gradient(loss, variables, unconnected_gradients="zero")]
-        norm = np.sqrt(sum(np.sum(g**2) for g in grads))
-        norms.append(norm)
-        factor = 1.0 if norm == 0 else min(1.0, clip / norm)
-        for k, g in enumerate(grads):
-            total[k] += factor * g
-    return np.array(norms), total
-
-
 def check_model(model, x, y, seed=0):
     rng = np.random.default_rng(seed)
     w = rng.uniform(0.5, 2.0, size=P)
     w[1] = 0.0  # a padded example of the batch sampler
     ok, reason = supports(model)
     assert ok, reason
-    norms, _ = loop_reference(model, x, y, w, np.inf)
+    norms, _ = loop_reference(model, mse, x, y, w, np.inf)
     assert np.count_nonzero(norms) == P - 1
     clip = float(np.median(norms[norms > 0]))
-    norms_ref, sum_ref = loop_reference(model, x, y, w, clip)
+    norms_ref, sum_ref = loop_reference(model, mse, x, y, w, clip)
     got = ghost_clipped_sum(model, mse, x, y, w, l2_norm_clip=clip, training=False)
     np.testing.assert_allclose(got.norms.numpy(), norms_ref, rtol=RTOL, atol=1e-12)
     for v, g, r in zip(model.trainable_variables, got.grads, sum_ref):
@@ -264,7 +238,7 @@ def test_unknown_batch_and_sequence_length_in_tf_function():
 
     for length in (L, 3):
         x, y = padded_tokens(rng, length=length), rng.normal(size=(P, 2))
-        norms_ref, sum_ref = loop_reference(model, x, y, np.ones(P), 0.05)
+        norms_ref, sum_ref = loop_reference(model, mse, x, y, np.ones(P), 0.05)
         norms, grads = step(tf.constant(x, tf.int32), tf.constant(y))
         np.testing.assert_allclose(norms.numpy(), norms_ref, rtol=RTOL)
         for g, r in zip(grads, sum_ref):
@@ -282,14 +256,14 @@ def test_make_private_fit_lstm_classifier_takes_the_clipped_sgd_step():
     from keras_noisecurve.training import DPOptimizer, make_private
     from keras_noisecurve.training.clipping import get_engine
 
-    _set_precision("float32")
+    set_precision("float32")
     rng = np.random.default_rng(6)
     model = text_model(keras.layers.LSTM(UNITS))
     x, y = padded_tokens(rng), rng.normal(size=(P, 2)).astype("float32")
     before = [v.numpy().astype(np.float64) for v in model.trainable_variables]
-    norms, _ = loop_reference(model, x, y, np.ones(P), np.inf)
+    norms, _ = loop_reference(model, mse, x, y, np.ones(P), np.inf)
     clip = float(np.median(norms))
-    _, total = loop_reference(model, x, y, np.ones(P), clip)
+    _, total = loop_reference(model, mse, x, y, np.ones(P), clip)
     private = make_private(model, clipping="auto")
     assert get_engine("auto", private) is ghost_clipped_sum
     lr = 0.5

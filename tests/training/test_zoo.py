@@ -21,6 +21,7 @@ from keras_noisecurve._losses import per_example_loss_fn
 from keras_noisecurve.training.clipping import get_engine
 from keras_noisecurve.training.ghost import describe
 from tests.training import zoo
+from tests.training.helpers import loop_reference
 
 pytest.importorskip("keras_hub")
 
@@ -30,26 +31,6 @@ RTOL = 1e-5
 @pytest.fixture(autouse=True)
 def _seed():
     keras.utils.set_random_seed(0)
-
-
-def _row(x, i):
-    return tf.nest.map_structure(lambda t: t[i : i + 1], x)
-
-
-def loop_reference(model, loss_fn, x, y, w, clip):
-    """Per-example gradients one example at a time (float64): norms and the clipped sum."""
-    variables = model.trainable_variables
-    total = [np.zeros(v.shape) for v in variables]
-    norms = []
-    for i in range(len(w)):
-        with tf.GradientTape() as tape:
-            loss = w[i] * loss_fn(y[i : i + 1], model(_row(x, i), training=False))[0]
-        grads = [tf.convert_to_tensor(g).numpy() for g in tape.gradient(loss, variables, unconnected_gradients="zero")]
-        norm = np.sqrt(sum(np.sum(g**2) for g in grads))
-        norms.append(norm)
-        for k, g in enumerate(grads):
-            total[k] += (1.0 if norm == 0 else min(1.0, clip / norm)) * g
-    return np.array(norms), total
 
 
 @pytest.mark.parametrize("name", sorted(zoo.ZOO))
