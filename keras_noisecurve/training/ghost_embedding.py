@@ -58,6 +58,15 @@ class ReversibleEmbeddingRule(Rule):
 
     classes = (keras.layers.ReversibleEmbedding,)
     kind = "ReversibleEmbedding"
+    #: KerasHub releases before Keras had the layer ship their own class, same semantics
+    hub = ("keras_hub.src.layers.modeling.reversible_embedding", "ReversibleEmbedding")
+
+    def matches(self, layer) -> bool:
+        if super().matches(layer):
+            return True
+        cls = _hub_class(*self.hub)
+        return (cls is not None and cls not in self.classes and isinstance(layer, cls)
+                and type(layer).call is cls.call)
 
     def expected_variables(self, layer):
         return [layer.embeddings] + ([] if layer.tie_weights else [layer.reverse_embeddings])
