@@ -101,7 +101,9 @@ def _chunk_stats(model, loss_fn, variables, x, y, w, training, l2_norm_clip):
         return grads, loss, _squeeze(pred)
 
     grads, losses, preds = tf.vectorized_map(single, (x, y, w))
-    sq = tf.add_n([tf.reduce_sum(tf.reshape(tf.square(g), [tf.shape(g)[0], -1]), axis=1) for g in grads])
+    # variables may differ in dtype (LoRA factors are float32 in a float64 model): add in the widest
+    wide = tf.float64 if any(g.dtype == tf.float64 for g in grads) else tf.float32
+    sq = tf.add_n([tf.cast(tf.reduce_sum(tf.reshape(tf.square(g), [tf.shape(g)[0], -1]), axis=1), wide) for g in grads])
     norms = tf.sqrt(sq)
     clip = tf.cast(l2_norm_clip, norms.dtype)
     factor = clip / tf.maximum(norms, clip)  # min(1, ζ/‖g‖)

@@ -171,9 +171,10 @@ class EinsumDenseRule(DenseRule):
     kind = "EinsumDense"
 
     def check(self, layer):
-        reason = super().check(layer)
-        if reason:
-            return reason
+        return super().check(layer) or self.equation_reason(layer)
+
+    def equation_reason(self, layer):
+        """Why the layer's equation is not a batched dense map (``None`` if it is)."""
         rank = getattr(layer, "_ghost_input_rank", None)
         if rank is None:
             try:

@@ -33,6 +33,7 @@ from __future__ import annotations
 from keras_noisecurve.training.ghost_common import Rule, sequence_sq_norms
 from keras_noisecurve.training.ghost_conv import CONV_CHUNK, ConvRule, conv_chunk, conv_sq_norms
 from keras_noisecurve.training.ghost_embedding import DiagonalScaleRule, PositionEmbeddingRule, ReversibleEmbeddingRule
+from keras_noisecurve.training.ghost_lora import LoRARule
 from keras_noisecurve.training.ghost_generic import GenericRule, RNNFallbackRule, TimeDistributedRule
 from keras_noisecurve.training.ghost_dense import (
     DenseRule,
@@ -50,11 +51,12 @@ from keras_noisecurve.training.ghost_rnn import RecurrentRule
 
 __all__ = [
     "CONV_CHUNK", "RULES", "ChannelsLastGroupNormRule", "ConvRule", "DenseRule", "DiagonalScaleRule", "EinsumDenseRule", "EmbeddingRule",
-    "GenericRule", "GroupNormalizationRule", "LayerNormalizationRule", "PositionEmbeddingRule", "RNNFallbackRule", "RecurrentRule", "ReversibleEmbeddingRule", "Rule", "TimeDistributedRule", "conv_chunk", "conv_sq_norms", "einsum_structure",
+    "GenericRule", "GroupNormalizationRule", "LayerNormalizationRule", "LoRARule", "PositionEmbeddingRule", "RNNFallbackRule", "RecurrentRule", "ReversibleEmbeddingRule", "Rule", "TimeDistributedRule", "conv_chunk", "conv_sq_norms", "einsum_structure",
     "find_rule", "sequence_sq_norms", "token_sq_norms",
 ]
 
 RULES = (
+    LoRARule(),
     EinsumDenseRule(),
     DenseRule(),
     EmbeddingRule(),

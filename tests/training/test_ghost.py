@@ -678,3 +678,29 @@ def test_tied_cross_term_equals_the_dense_inner_product():
         want.append(2 * np.sum(a * b))
     got = tied_cross_term(tf.constant(ids), tf.constant(g_lookup), tf.constant(h), tf.constant(g_logits))
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-12)
+
+
+@pytest.mark.parametrize("bias_trainable", [True, False])
+def test_lora_dense_and_einsum_dense(bias_trainable):
+    # only the low-rank factors (and a trainable bias) train; lora_alpha != rank scales them
+    inputs = keras.Input((4, 6))
+    query = keras.layers.EinsumDense("abc,cde->abde", output_shape=(4, 2, 3), bias_axes="de", name="q")
+    dense = keras.layers.Dense(5, name="d")
+    out = keras.layers.Dense(2)(dense(keras.layers.Reshape((4, 6))(query(inputs))))
+    model = keras.Model(inputs, out)
+    rng = np.random.default_rng(14)
+    for layer in (query, dense):
+        layer.enable_lora(rank=2, lora_alpha=3, b_initializer="random_normal")
+        layer.bias.trainable = bias_trainable
+    how = {n: how for n, _, how in describe(model)}
+    assert how["q"] == how["d"] == "LoRA" and how[model.layers[-1].name] == "Dense"
+    check_model(model, rng.normal(size=(P, 4, 6)), rng.normal(size=(P, 4, 2)))
+
+
+def test_lora_with_a_contracted_last_kernel_axis_takes_the_fallback():
+    proj = keras.layers.EinsumDense("abc,dc->abd", output_shape=(4, 3), name="proj")  # kernel (d, c): c contracted
+    model = keras.Sequential([keras.Input((4, 5)), proj])
+    proj.enable_lora(rank=2, b_initializer="random_normal")
+    assert describe(model) == [("proj", "EinsumDense", "generic")]
+    rng = np.random.default_rng(15)
+    check_model(model, rng.normal(size=(P, 4, 5)), rng.normal(size=(P, 4, 3)))

@@ -79,9 +79,10 @@ def test_fit_through_a_private_run_and_save_load(name, tmp_path):
     )
 
 
-@pytest.mark.parametrize("name", ["bert", "gpt2-lm", "llama-lm", "gemma-lm"])
+@pytest.mark.parametrize("name", ["bert", "bert-lora", "gpt2-lm", "gpt2-lm-lora", "llama-lm", "llama-lm-lora", "gemma-lm",
+                                  "gemma-lm-lora"])
 def test_kerashub_layers_have_fast_rules(name):
-    # without LoRA every weighted layer of these backbones has a ghost rule (no per-layer fallback)
+    # every weighted layer of these backbones (LoRA factors too) has a ghost rule: no per-layer fallback
     case = zoo.ZOO[name](np.random.default_rng(0))
     assert [(layer, cls) for layer, cls, how in describe(case.model) if how == "generic"] == []
 
