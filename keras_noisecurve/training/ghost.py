@@ -49,6 +49,7 @@ and a weight read outside its own layer's call (caught when the step is traced,
 from __future__ import annotations
 
 import threading
+import weakref
 
 import tensorflow as tf
 
@@ -364,6 +365,28 @@ def _ghost_step(model, loss_fn, x, y, sample_weight, clip, training, entries):
     )
 
 
+_READS_CHECKED = weakref.WeakKeyDictionary()  # model -> True once its traced forward was checked
+
+
+def _check_reads_once(model, x, training, entries):
+    """In eager mode, trace the forward pass once (never run it) to check where weights are read."""
+    if _READS_CHECKED.get(model):
+        return
+    layers_and_rules = [(layer, rule) for layer, rule, _ in entries]
+
+    def forward(x):
+        graph = tf.compat.v1.get_default_graph()
+        start = graph.version
+        with _Recording(layers_and_rules) as recorder:
+            out = model(x, training=training)
+        check_reads(entries, recorder.spans, graph, start, graph.version)
+        return tf.nest.flatten(out)[0]
+
+    spec = tf.nest.map_structure(lambda t: tf.TensorSpec.from_tensor(tf.convert_to_tensor(t)), x)
+    tf.function(forward).get_concrete_function(spec)
+    _READS_CHECKED[model] = True
+
+
 def ghost_clipped_sum(
     model,
     loss_fn,
@@ -415,6 +438,8 @@ def ghost_clipped_sum(
     if training is not None and not isinstance(training, bool):
         raise TypeError(f"training must be True, False or None, got {training!r}.")
     entries = plan(model)
+    if tf.executing_eagerly():
+        _check_reads_once(model, x, training, entries)
 
     def step(x_chunk, y_chunk, w_chunk):
         return _ghost_step(model, loss_fn, x_chunk, y_chunk, w_chunk, clip, training, entries)

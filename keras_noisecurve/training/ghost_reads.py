@@ -11,8 +11,9 @@ While a step is traced, the engine notes the graph's op counter around each call
 planned layer; TensorFlow numbers ops in creation order. A read of variable ``v`` is an
 op consuming ``v``'s resource handle inside the graph (``ReadVariableOp``,
 ``ResourceGather``, a ``While`` capturing it, ...). Every such op created during the
-forward pass must fall inside a call of the layer that ``v`` is planned with; reads in
-eager mode are not checked (``fit`` traces the step unless ``run_eagerly=True``).
+forward pass must fall inside a call of the layer that ``v`` is planned with. In eager
+mode the engine traces the model's forward pass once per model (without running it)
+to make the same check.
 """
 
 from __future__ import annotations

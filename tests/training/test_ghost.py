@@ -272,6 +272,8 @@ def test_a_weight_read_outside_its_layer_is_refused_when_traced():
     step = tf.function(lambda x, y: ghost_clipped_sum(model, mse, x, y, None, l2_norm_clip=1.0).grads)
     with pytest.raises(ValueError, match=r"'enc/kernel' of Dense layer 'enc' is read outside .*tied"):
         step(np.ones((2, 3)), np.ones((2, 3)))
+    with pytest.raises(ValueError, match=r"'enc/kernel' of Dense layer 'enc' is read outside .*tied"):
+        ghost_clipped_sum(model, mse, np.ones((2, 3)), np.ones((2, 3)), None, l2_norm_clip=1.0)  # eager too
     # the same weights read through their own layers' calls are fine
     fine = keras.Model(inputs, keras.layers.Dense(3)(encoder(inputs)))
     tf.function(lambda x, y: ghost_clipped_sum(fine, mse, x, y, None, l2_norm_clip=1.0).grads)(
