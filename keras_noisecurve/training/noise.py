@@ -417,9 +417,12 @@ class StreamNoise:
 
     def fuses(self, state) -> bool:
         """Whether :meth:`advance_in_place` takes the XLA-compiled path for ``state``:
-        ``fused`` is set, the kind has state, and no ``tf.distribute`` strategy is active
-        (a distributed variable is updated by the unfused reference)."""
-        return (self.fused and self.buffers > 0 and not tf.distribute.has_strategy()
+        ``fused`` is set, the kind has state, no ``tf.distribute`` strategy is active (a
+        distributed variable is updated by the unfused reference), and :meth:`advance` is
+        this class's (a subclass that redefines the recurrence gets the unfused path, which
+        calls its ``advance``)."""
+        return (self.fused and self.buffers > 0 and type(self).advance is StreamNoise.advance
+                and not tf.distribute.has_strategy()
                 and not isinstance(state, tf.distribute.DistributedValues))
 
     def advance_in_place(self, z, step, state, coefficients=None):

@@ -114,6 +114,16 @@ def test_when_the_fused_form_is_used_and_refusals():
         assert not noise.fuses(state)  # tf.distribute: the unfused reference
     with pytest.raises(ValueError, match="fused must be True or False, got 'yes'"):
         StreamNoise(mixing.stream(), fused="yes")
+
+    class Redefined(StreamNoise):  # a subclass with its own recurrence is never bypassed
+        def advance(self, z, step, state=None, coefficients=None):
+            return super().advance(2.0 * z, step, state, coefficients)
+
+    redefined = Redefined(mixing.stream())
+    assert not redefined.fuses(state)
+    z = tf.constant([1.0, -2.0])
+    z_tilde = redefined.advance_in_place(z, tf.constant(0), state)
+    np.testing.assert_allclose(z_tilde.numpy(), 2.0 * z.numpy() / mixing.band_values[0, 0], rtol=1e-6)
     stateless = StreamNoise.from_mixing(_strategy("identity", 10))
     assert not stateless.fuses(state)
     with pytest.raises(ValueError, match="needs a stream with state"):
