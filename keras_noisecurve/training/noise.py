@@ -204,7 +204,7 @@ def _broadcast(vector, rank):
 
 
 @tf.function(jit_compile=True, autograph=False)
-def fused_ring_step(z, state, mix, lead, slot, keeps_draw):
+def fused_ring_step(z, state, mix, lead, slot, keeps_draw, scale):
     """One ring step in place, compiled by XLA (one read of the ring, one slot written).
 
     Args:
@@ -219,9 +219,10 @@ def fused_ring_step(z, state, mix, lead, slot, keeps_draw):
       keeps_draw: Python bool; ``False`` (banded, toeplitz):
         ``z̃ = (z − Σ_s mix_s·state_s) / lead`` and z̃ is written; ``True`` (fir):
         ``z̃ = lead·z + Σ_s mix_s·state_s`` and z is written.
+      scale: scalar multiplying the result only (the noise standard deviation ζσ; 1 for z̃).
 
     Returns:
-      z̃_t (the shape of z); ``state[slot]`` holds the written value afterwards.
+      scale·z̃_t (the shape of z); ``state[slot]`` holds the written value afterwards.
     """
     ring = tf.raw_ops.ReadVariableOp(resource=state, dtype=z.dtype)
     past = tf.reduce_sum(_broadcast(mix, z.shape.rank) * ring, axis=0)
@@ -232,7 +233,7 @@ def fused_ring_step(z, state, mix, lead, slot, keeps_draw):
         written = z_tilde
     updated = tf.tensor_scatter_nd_update(ring, tf.reshape(slot, [1, 1]), written[None])
     tf.raw_ops.AssignVariableOp(resource=state, value=updated)
-    return z_tilde
+    return scale * z_tilde
 
 
 @tf.function(jit_compile=True, autograph=False)
@@ -241,7 +242,8 @@ def fused_blt_step(z, state, omega, theta, scale):
 
     ``y = z − Σ_i ω_i S_i``, ``z̃ = scale·y``, ``S_i ← θ_i S_i + y``, with ``state`` the
     resource handle of the variable S of shape (d, *z.shape) (see ``fused_ring_step``)
-    and ω, θ of shape (d,). Returns z̃_t.
+    and ω, θ of shape (d,). Returns ``scale·y``: z̃_t with the stream's scale, or ζσ·z̃_t
+    when the noise standard deviation is folded into ``scale``.
     """
     accumulators = tf.raw_ops.ReadVariableOp(resource=state, dtype=z.dtype)
     y = z - tf.reduce_sum(_broadcast(omega, z.shape.rank) * accumulators, axis=0)
@@ -425,7 +427,7 @@ class StreamNoise:
                 and not tf.distribute.has_strategy()
                 and not isinstance(state, tf.distribute.DistributedValues))
 
-    def advance_in_place(self, z, step, state, coefficients=None):
+    def advance_in_place(self, z, step, state, coefficients=None, scale=None):
         """One step of the recurrence that updates the state VARIABLE in place.
 
         Args:
@@ -433,9 +435,11 @@ class StreamNoise:
           step: scalar integer tensor t.
           state: ``tf.Variable`` of shape ``state_shape(z.shape)`` (the kind must have state).
           coefficients: ``step_coefficients(step, z.dtype)`` if already computed.
+          scale: optional scalar (e.g. the noise standard deviation ζσ) multiplying the
+            result, folded into the fused step; the state holds the unscaled values.
 
         Returns:
-          z̃_t. Afterwards the state is the one of step t + 1: the ring slot t mod (b − 1)
+          z̃_t, or scale·z̃_t. Afterwards the state is the one of step t + 1: the ring slot t mod (b − 1)
           holds z̃_t (banded, toeplitz) or z_t (fir); the BLT accumulators are
           θ_i S_i + y_t. Fused (:meth:`fuses`): one XLA function reads the state once and
           writes in place; otherwise :meth:`advance` and a scatter (or assign).
@@ -445,16 +449,18 @@ class StreamNoise:
         if coefficients is None:
             coefficients = self.step_coefficients(step, z.dtype)
         if self.fuses(state):
+            factor = tf.ones([], z.dtype) if scale is None else tf.cast(scale, z.dtype)
             if self.kind == "blt":
-                return fused_blt_step(z, state.handle, coefficients.mix, coefficients.theta, coefficients.lead)
+                return fused_blt_step(z, state.handle, coefficients.mix, coefficients.theta,
+                                      coefficients.lead * factor)
             return fused_ring_step(z, state.handle, coefficients.mix, coefficients.lead, coefficients.slot,
-                                   self.kind == "fir")
+                                   self.kind == "fir", factor)
         z_tilde, write = self.advance(z, step, state.read_value(), coefficients)
         if write.slot is None:
             state.assign(write.value)
         else:
             state.scatter_nd_update(tf.reshape(write.slot, [1, 1]), write.value[None])
-        return z_tilde
+        return z_tilde if scale is None else tf.cast(scale, z.dtype) * z_tilde
 
     @staticmethod
     def apply_write(state, write):

@@ -471,7 +471,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
         else:
             z = normal_from_seed(seed, variable.shape, dtype)
             if self._noise.fuses(state.value):  # one XLA pass over the state, written in place
-                z_tilde = self._noise.advance_in_place(z, noise.step, state.value, coefficients)
+                noise_term = self._noise.advance_in_place(z, noise.step, state.value, coefficients, scale=std)
             else:  # tf.distribute: the unfused reference, slot written by a scatter
                 z_tilde, write = self._noise.advance(z, noise.step, state.value, coefficients)
                 if write.slot is not None:  # a ring: write only slot t mod (b − 1), in place
@@ -480,7 +480,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
                     self.assign(state, tf.IndexedSlices(write.value[None], slot, dense_shape))
                 else:
                     self.assign(state, write.value)
-            noise_term = tf.cast(std, dtype) * z_tilde
+                noise_term = tf.cast(std, dtype) * z_tilde
         inner = self.inner
         if inner is None:
             rate = tf.cast(learning_rate, dtype) / tf.cast(self.expected_batch_size, dtype)

@@ -20,9 +20,9 @@ STEPS = 60
 SHAPES = [(4, 3), (3,), (4, 3)]  # two variables of the same shape
 
 
-def _run(noise, z, dtype):
+def _run(noise, z, dtype, scale=None):
     """z̃ of ``advance_in_place`` for every step, z of shape (T, p) split over SHAPES;
-    returns (z̃ of shape (T, p), final states)."""
+    returns (z̃ (times ``scale`` if given) of shape (T, p), final states)."""
     states = [tf.Variable(tf.zeros(noise.state_shape(s), dtype)) for s in SHAPES]
     sizes = [int(np.prod(s)) for s in SHAPES]
     step = tf.Variable(0, dtype=tf.int64)
@@ -31,7 +31,8 @@ def _run(noise, z, dtype):
     def one_step(z_row):
         coefficients = noise.step_coefficients(step, dtype)
         parts = tf.split(z_row, sizes)
-        out = [tf.reshape(noise.advance_in_place(tf.reshape(p, s), step, v, coefficients), [-1])
+        out = [tf.reshape(noise.advance_in_place(tf.reshape(p, s), step, v, coefficients, scale=scale),
+                          [-1])
                for p, s, v in zip(parts, SHAPES, states)]
         step.assign_add(1)
         return tf.concat(out, axis=0)
@@ -58,14 +59,17 @@ def test_fused_step_equals_dense_solve_in_float64(kind):
 
 @pytest.mark.parametrize("kind", STATE_KINDS)
 def test_fused_equals_unfused_in_float32(kind):
-    """float32: the fused and the unfused forms give the same z̃ and the same final state
-    up to float32 round-off (only the order of the sum over the buffers differs)."""
+    """float32, the noise standard deviation 2.5 folded in: the fused and the unfused
+    forms give the same 2.5·z̃ and the same final (unscaled) state up to float32 round-off
+    (only the order of the sum over the buffers differs)."""
     mixing = _strategy(kind, STEPS)
     p = sum(int(np.prod(s)) for s in SHAPES)
     z = np.random.default_rng(8).normal(size=(STEPS, p)).astype(np.float32)
-    fused, fused_states = _run(StreamNoise(mixing.stream(), fused=True), z, tf.float32)
-    plain, plain_states = _run(StreamNoise(mixing.stream(), fused=False), z, tf.float32)
-    np.testing.assert_allclose(fused, plain, rtol=0, atol=2e-5)
+    fused, fused_states = _run(StreamNoise(mixing.stream(), fused=True), z, tf.float32, scale=2.5)
+    plain, plain_states = _run(StreamNoise(mixing.stream(), fused=False), z, tf.float32, scale=2.5)
+    np.testing.assert_allclose(fused, plain, rtol=0, atol=5e-5)
+    unscaled, _ = _run(StreamNoise(mixing.stream(), fused=False), z, tf.float32)
+    np.testing.assert_allclose(fused, 2.5 * unscaled, rtol=0, atol=5e-5)
     for a, b in zip(fused_states, plain_states):
         np.testing.assert_allclose(a, b, rtol=0, atol=2e-5)
     assert np.abs(fused_states[0]).max() > 0.1  # the states were written
@@ -80,13 +84,13 @@ def test_fused_ring_step_writes_one_slot_and_reads_all():
     expected = (z - np.tensordot(mix, ring0, axes=1)) / 1.5
     ring = tf.Variable(ring0)
     out = fused_ring_step(tf.constant(z), ring.handle, tf.constant(mix), tf.constant(1.5, tf.float64),
-                          tf.constant(1, tf.int32), False).numpy()
+                          tf.constant(1, tf.int32), False, tf.constant(3.0, tf.float64)).numpy() / 3.0
     np.testing.assert_allclose(out, expected, rtol=0, atol=1e-14)
     np.testing.assert_array_equal(ring.numpy()[[0, 2]], ring0[[0, 2]])
     np.testing.assert_allclose(ring.numpy()[1], expected, rtol=0, atol=1e-14)
     fir = tf.Variable(ring0)
     out = fused_ring_step(tf.constant(z), fir.handle, tf.constant(mix), tf.constant(1.5, tf.float64),
-                          tf.constant(2, tf.int32), True).numpy()
+                          tf.constant(2, tf.int32), True, tf.constant(1.0, tf.float64)).numpy()
     np.testing.assert_allclose(out, 1.5 * z + np.tensordot(mix, ring0, axes=1), rtol=0, atol=1e-14)
     np.testing.assert_array_equal(fir.numpy()[2], z)
 
