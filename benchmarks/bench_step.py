@@ -7,9 +7,9 @@ Models (defined here; see keras_noisecurve.models for the shared builders):
 
 All configurations are timed in ONE process, interleaved (repeat r runs every
 configuration once), and the median per-step time over repeats is reported with
-the ratios DP-SGD / non-private and banded / DP-SGD, plus the noise-state memory
+the ratios DP-SGD / non-private and banded (BLT) / DP-SGD, plus the noise-state memory
 (bytes of the ring buffers). Targets: DP-SGD ≤ 2.5× non-private on the CNN;
-banded ≤ 1.10× DP-SGD.
+banded b = 16 ≤ 1.15× and BLT d = 4 ≤ 1.05× DP-SGD (``NOISE_TARGETS``).
 
     python benchmarks/bench_step.py --models cnn mlp --repeats 5 --steps 5
 
