@@ -132,3 +132,27 @@ def test_when_the_fused_form_is_used_and_refusals():
     assert not stateless.fuses(state)
     with pytest.raises(ValueError, match="needs a stream with state"):
         stateless.advance_in_place(tf.zeros((2,)), tf.constant(0), state)
+
+
+def test_bench_step_noise_bandwidth_reports_both_noises_and_forms(capsys):
+    """benchmarks/bench_step.py --noise-bandwidth on the small MLP, one round of one step:
+    a line per noise with the fused, unfused and copy figures; the bytes are 4·b·n
+    (banded) and 8·d·n (BLT)."""
+    import pathlib
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks"))
+    try:
+        import bench_step
+    finally:
+        sys.path.pop(0)
+    median = bench_step.noise_bandwidth("mlp", repeats=1, steps=1)
+    assert set(median) == {"banded16 fused", "banded16 unfused", "blt4 fused", "blt4 unfused",
+                           "copy banded16", "copy blt4"}
+    assert all(t > 0 for t in median.values())
+    text = capsys.readouterr().out
+    n = 784 * 128 + 128 + 128 * 10 + 10
+    assert f"noise bandwidth banded16 ({4 * 16 * n / 1e6:.1f} MB/step)" in text
+    assert f"noise bandwidth blt4 ({8 * 4 * n / 1e6:.1f} MB/step)" in text
+    lines = [line for line in text.splitlines() if line.startswith("noise bandwidth ")]
+    assert len(lines) == 2 and all(line.count("GB/s") == 3 for line in lines)  # copy, fused, unfused
