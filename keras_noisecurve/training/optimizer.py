@@ -472,7 +472,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
             z = normal_from_seed(seed, variable.shape, dtype)
             if self._noise.fuses(state.value):  # one XLA pass over the state, written in place
                 noise_term = self._noise.advance_in_place(z, noise.step, state.value, coefficients, scale=std)
-            else:  # tf.distribute: the unfused reference, slot written by a scatter
+            else:  # tf.distribute or a redefined advance(): the unfused reference, a scatter
                 z_tilde, write = self._noise.advance(z, noise.step, state.value, coefficients)
                 if write.slot is not None:  # a ring: write only slot t mod (b − 1), in place
                     slot = tf.reshape(write.slot, [1])
