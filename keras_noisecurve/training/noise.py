@@ -28,6 +28,15 @@ float64 numpy reference). Each variable keeps ONE state array of shape
       y = z_t − Σ_i ω_i S_i,   z̃_t = scale · y,   S_i ← θ_i S_i + y.
 
 With no state (b = 1, p = 1, or DP-SGD) z̃_t is z_t times a scalar.
+
+The optimizer runs a step in place (:meth:`StreamNoise.advance_in_place`): one
+XLA-compiled function per variable reads the state once (the Σ over the buffers is one
+reduction fused with the rest of the arithmetic) and writes only what changes (a ring
+slot, or the BLT accumulators) into the same buffer. The unfused form (:meth:`advance`
+and a TensorFlow scatter) is kept as the reference and under ``tf.distribute``; it is
+several times slower because a TensorFlow scatter puts the variable in copy-on-read
+mode, so that every later read of the state copies all of it (docs/training.md,
+"Performance").
 """
 
 from __future__ import annotations
@@ -47,6 +56,8 @@ __all__ = [
     "StateWrite",
     "StepCoefficients",
     "StreamNoise",
+    "fused_ring_step",
+    "fused_blt_step",
     "key_from_seed",
     "normal_from_seed",
     "standard_normal",
@@ -187,6 +198,59 @@ class StateWrite(NamedTuple):
 _RINGS = ("banded", "toeplitz", "fir")
 
 
+def _broadcast(vector, rank):
+    """A (m,) vector reshaped to (m, 1, …, 1) against a (m, *shape) state of ``rank`` + 1 axes."""
+    return tf.reshape(vector, [-1] + [1] * rank)
+
+
+@tf.function(jit_compile=True, autograph=False)
+def fused_ring_step(z, state, mix, lead, slot, keeps_draw, scale):
+    """One ring step in place, compiled by XLA (one read of the ring, one slot written).
+
+    Args:
+      z: the draw z_t, the variable's shape.
+      state: the resource handle (``variable.handle``) of the ring, a variable of
+        shape (m, *z.shape), m = b − 1, and z's dtype. A handle, not the variable: a
+        ``tf.function`` traced with one variable argument would reuse that variable for
+        every later variable of the same shape.
+      mix: (m,) coefficient of each slot at step t (``StepCoefficients.mix``).
+      lead: scalar, V[t, 0] (banded, toeplitz) or f_0 (fir).
+      slot: int32 scalar, the slot ``t mod m`` that receives this step's value.
+      keeps_draw: Python bool; ``False`` (banded, toeplitz):
+        ``z̃ = (z − Σ_s mix_s·state_s) / lead`` and z̃ is written; ``True`` (fir):
+        ``z̃ = lead·z + Σ_s mix_s·state_s`` and z is written.
+      scale: scalar multiplying the result only (the noise standard deviation ζσ; 1 for z̃).
+
+    Returns:
+      scale·z̃_t (the shape of z); ``state[slot]`` holds the written value afterwards.
+    """
+    ring = tf.raw_ops.ReadVariableOp(resource=state, dtype=z.dtype)
+    past = tf.reduce_sum(_broadcast(mix, z.shape.rank) * ring, axis=0)
+    if keeps_draw:
+        z_tilde, written = lead * z + past, z
+    else:
+        z_tilde = (z - past) / lead
+        written = z_tilde
+    updated = tf.tensor_scatter_nd_update(ring, tf.reshape(slot, [1, 1]), written[None])
+    tf.raw_ops.AssignVariableOp(resource=state, value=updated)
+    return scale * z_tilde
+
+
+@tf.function(jit_compile=True, autograph=False)
+def fused_blt_step(z, state, omega, theta, scale):
+    """One BLT step in place, compiled by XLA.
+
+    ``y = z − Σ_i ω_i S_i``, ``z̃ = scale·y``, ``S_i ← θ_i S_i + y``, with ``state`` the
+    resource handle of the variable S of shape (d, *z.shape) (see ``fused_ring_step``)
+    and ω, θ of shape (d,). Returns ``scale·y``: z̃_t with the stream's scale, or ζσ·z̃_t
+    when the noise standard deviation is folded into ``scale``.
+    """
+    accumulators = tf.raw_ops.ReadVariableOp(resource=state, dtype=z.dtype)
+    y = z - tf.reduce_sum(_broadcast(omega, z.shape.rank) * accumulators, axis=0)
+    tf.raw_ops.AssignVariableOp(resource=state, value=_broadcast(theta, z.shape.rank) * accumulators + y[None])
+    return y * scale
+
+
 class StreamNoise:
     """The online recurrence z̃ = C⁻¹z of any ``NoiseStream`` (see the module docstring).
 
@@ -195,6 +259,11 @@ class StreamNoise:
         an array (T, b) of band values ``band_values[t, j] == C[t, t − j]`` (a
         ``MixingMatrix.band_values``; the ``"banded"`` stream); or ``None`` for
         independent noise with no step limit (DP-SGD, C = I of unbounded size).
+      fused: ``True`` (default): :meth:`advance_in_place` runs the XLA-compiled
+        in-place step (``fused_ring_step`` / ``fused_blt_step``) outside
+        ``tf.distribute``; ``False``: always the unfused reference (:meth:`advance` and a
+        TensorFlow scatter). Both give the same noise up to float round-off (the order
+        of the sum over the buffers).
 
     Attributes:
       kind: the stream kind, ``None`` for DP-SGD without a plan.
@@ -204,7 +273,10 @@ class StreamNoise:
         1 without a plan); T for ``"blt"``.
     """
 
-    def __init__(self, stream=None):
+    def __init__(self, stream=None, fused=True):
+        if not isinstance(fused, bool):
+            raise ValueError(f"fused must be True or False, got {fused!r}.")
+        self.fused = fused
         if stream is None:
             self.stream, self.kind, self.steps, self.buffers, self.bands = None, None, None, 0, 1
             return
@@ -344,6 +416,51 @@ class StreamNoise:
             return coefficients.lead * z + past, StateWrite(coefficients.slot, z)
         z_tilde = (z - past) / coefficients.lead
         return z_tilde, StateWrite(coefficients.slot, z_tilde)
+
+    def fuses(self, state) -> bool:
+        """Whether :meth:`advance_in_place` takes the XLA-compiled path for ``state``:
+        ``fused`` is set, the kind has state, no ``tf.distribute`` strategy is active (a
+        distributed variable is updated by the unfused reference), and :meth:`advance` is
+        this class's (a subclass that redefines the recurrence gets the unfused path, which
+        calls its ``advance``)."""
+        return (self.fused and self.buffers > 0 and type(self).advance is StreamNoise.advance
+                and not tf.distribute.has_strategy()
+                and not isinstance(state, tf.distribute.DistributedValues))
+
+    def advance_in_place(self, z, step, state, coefficients=None, scale=None):
+        """One step of the recurrence that updates the state VARIABLE in place.
+
+        Args:
+          z: fresh N(0, I) draw z_t (the variable's shape).
+          step: scalar integer tensor t.
+          state: ``tf.Variable`` of shape ``state_shape(z.shape)`` (the kind must have state).
+          coefficients: ``step_coefficients(step, z.dtype)`` if already computed.
+          scale: optional scalar (e.g. the noise standard deviation ζσ) multiplying the
+            result, folded into the fused step; the state holds the unscaled values.
+
+        Returns:
+          z̃_t, or scale·z̃_t. Afterwards the state is the one of step t + 1: the ring slot t mod (b − 1)
+          holds z̃_t (banded, toeplitz) or z_t (fir); the BLT accumulators are
+          θ_i S_i + y_t. Fused (:meth:`fuses`): one XLA function reads the state once and
+          writes in place; otherwise :meth:`advance` and a scatter (or assign).
+        """
+        if self.buffers == 0:
+            raise ValueError(f"advance_in_place needs a stream with state; this {self.kind} stream has none.")
+        if coefficients is None:
+            coefficients = self.step_coefficients(step, z.dtype)
+        if self.fuses(state):
+            factor = tf.ones([], z.dtype) if scale is None else tf.cast(scale, z.dtype)
+            if self.kind == "blt":
+                return fused_blt_step(z, state.handle, coefficients.mix, coefficients.theta,
+                                      coefficients.lead * factor)
+            return fused_ring_step(z, state.handle, coefficients.mix, coefficients.lead, coefficients.slot,
+                                   self.kind == "fir", factor)
+        z_tilde, write = self.advance(z, step, state.read_value(), coefficients)
+        if write.slot is None:
+            state.assign(write.value)
+        else:
+            state.scatter_nd_update(tf.reshape(write.slot, [1, 1]), write.value[None])
+        return z_tilde if scale is None else tf.cast(scale, z.dtype) * z_tilde
 
     @staticmethod
     def apply_write(state, write):

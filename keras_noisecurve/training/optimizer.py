@@ -453,9 +453,10 @@ class DPOptimizer(keras.optimizers.Optimizer):
         inner optimizer's η_t).
 
         Without noise state (b = 1, p = 1, DP-SGD) z̃_t is z_t times a scalar, folded into
-        the draw with ζσ. Otherwise the state gives z̃_t (``StreamNoise.advance``): a ring
-        (banded, toeplitz, fir) has only its slot t mod (b − 1) overwritten, in place; the
-        BLT accumulators are assigned whole.
+        the draw with ζσ. Otherwise the state gives z̃_t (``StreamNoise.advance_in_place``:
+        one XLA-compiled pass over the state): a ring (banded, toeplitz, fir) has only its
+        slot t mod (b − 1) overwritten, in place; the BLT accumulators are rewritten in
+        place. Under ``tf.distribute`` the unfused ``StreamNoise.advance`` and a scatter.
         """
         index = self._get_variable_index(variable)
         noise = self._step_noise or _StepNoise(self)
@@ -469,13 +470,17 @@ class DPOptimizer(keras.optimizers.Optimizer):
             noise_term = normal_from_seed(seed, variable.shape, dtype, scale=scale)
         else:
             z = normal_from_seed(seed, variable.shape, dtype)
-            z_tilde, write = self._noise.advance(z, noise.step, state.value, coefficients)
-            if write.slot is not None:  # a ring: write only slot t mod (b − 1), in place
-                slot = tf.reshape(write.slot, [1])
-                self.assign(state, tf.IndexedSlices(write.value[None], slot, tf.shape(state.value)))
-            else:
-                self.assign(state, write.value)
-            noise_term = tf.cast(std, dtype) * z_tilde
+            if self._noise.fuses(state.value):  # one XLA pass over the state, written in place
+                noise_term = self._noise.advance_in_place(z, noise.step, state.value, coefficients, scale=std)
+            else:  # tf.distribute or a redefined advance(): the unfused reference, a scatter
+                z_tilde, write = self._noise.advance(z, noise.step, state.value, coefficients)
+                if write.slot is not None:  # a ring: write only slot t mod (b − 1), in place
+                    slot = tf.reshape(write.slot, [1])
+                    dense_shape = tf.constant(list(state.shape), tf.int32)  # static: no read of the state
+                    self.assign(state, tf.IndexedSlices(write.value[None], slot, dense_shape))
+                else:
+                    self.assign(state, write.value)
+                noise_term = tf.cast(std, dtype) * z_tilde
         inner = self.inner
         if inner is None:
             rate = tf.cast(learning_rate, dtype) / tf.cast(self.expected_batch_size, dtype)
