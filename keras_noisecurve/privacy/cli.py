@@ -31,8 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="B: expected batch size (cyclic_poisson) or fixed batch size (fixed_epochs)")
     length = parser.add_mutually_exclusive_group(required=True)
     length.add_argument("--epochs", type=float,
-                        help="passes over the data: T = ceil(E*n/B) for cyclic_poisson, "
-                             "T = E*ceil(n/B) (E an integer) for fixed_epochs")
+                        help="passes over the data, a positive integer E: T = E*ceil(n/B) steps "
+                             "(as PrivateRun(epochs=E))")
     length.add_argument("--steps", type=int, help="T, the number of optimizer steps")
     parser.add_argument("--bands", type=int, default=None,
                         help="b, band width of C (default 1, or the --mixing file's)")
@@ -46,24 +46,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _resolve_steps(args) -> tuple[int, int | None]:
-    """(T, epochs) from --steps / --epochs and the sampling scheme."""
+    """(T, epochs) from --steps / --epochs and the sampling scheme; --epochs E gives
+    T = E·ceil(n/B) (``accounting.steps_for_epochs``, as ``PrivateRun(epochs=E)``)."""
     n, batch = args.num_examples, args.batch_size
     if n is None or n < 1 or batch is None or batch < 1:
         raise ValueError(f"--num-examples and --batch-size must be positive integers, got {n} and {batch}.")
     per_epoch = -(-n // batch)
-    if args.sampling == "fixed_epochs":
-        if args.epochs is not None:
-            if args.epochs <= 0 or args.epochs != int(args.epochs):
-                raise ValueError(f"--epochs must be a positive integer for fixed_epochs, got {args.epochs:g}.")
-            epochs = int(args.epochs)
-            return epochs * per_epoch, epochs
-        if args.steps < 1:
-            raise ValueError(f"--steps must be >= 1, got {args.steps}.")
-        return args.steps, -(-args.steps // per_epoch)
     if args.epochs is not None:
-        if not (args.epochs > 0 and math.isfinite(args.epochs)):
-            raise ValueError(f"--epochs must be > 0, got {args.epochs:g}.")
-        return max(1, math.ceil(args.epochs * n / batch - 1e-9)), None
+        if not (args.epochs > 0 and math.isfinite(args.epochs) and args.epochs == int(args.epochs)):
+            raise ValueError(
+                f"--epochs must be a positive integer (T = epochs * ceil(n/B), as PrivateRun(epochs=)), got "
+                f"{args.epochs:g}; give --steps for any other T."
+            )
+        epochs = int(args.epochs)
+        steps = accounting.steps_for_epochs(num_examples=n, batch_size=batch, epochs=epochs)
+        return steps, epochs if args.sampling == "fixed_epochs" else None
+    if args.steps < 1:
+        raise ValueError(f"--steps must be >= 1, got {args.steps}.")
+    if args.sampling == "fixed_epochs":
+        return args.steps, -(-args.steps // per_epoch)
     return args.steps, None
 
 

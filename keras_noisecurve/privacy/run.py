@@ -100,7 +100,7 @@ class PrivateRun:
                 f"data, T = epochs * ceil(n/B)); got steps={steps!r}, epochs={epochs!r}."
             )
         if steps is None:
-            steps = check_int("epochs", epochs, minimum=1) * per_pass
+            steps = accounting.steps_for_epochs(num_examples=n, batch_size=batch, epochs=epochs)
         steps = check_int("steps", steps, minimum=1)
         self._mixing = _resolve_mixing(mixing, steps)
         self._setup = accounting.accounting_setup(
