@@ -11,6 +11,7 @@ compositions, the re-checked Îµ, the sampler's padded batch size and the total Î
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Optional
 
 import dp_accounting
@@ -162,7 +163,13 @@ def _calibrate(setup: AccountingSetup, epsilon: float, delta: float, accountant:
     def int_rdp():
         return _rdp.RdpAccountant(list(_INTEGER_RDP_ORDERS))
 
-    largest = gap(lambda: make_accountant("rdp"), _MIN_SIGMA) + epsilon
+    absl = logging.getLogger("absl")  # RDP warns that it drops orders at such a small sigma
+    level = absl.level
+    absl.setLevel(logging.ERROR)
+    try:
+        largest = gap(lambda: make_accountant("rdp"), _MIN_SIGMA) + epsilon
+    finally:
+        absl.setLevel(level)
     if epsilon > largest:
         raise ValueError(
             f"epsilon={epsilon:g} is so large that sigma < {_MIN_SIGMA:g} would suffice, which gives no "

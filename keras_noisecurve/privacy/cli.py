@@ -39,7 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sampling", choices=accounting.SAMPLINGS, default="cyclic_poisson")
     parser.add_argument("--accountant", choices=accounting.ACCOUNTANTS, default="pld")
     parser.add_argument("--mixing", default=None,
-                        help="optional mixing-matrix .npz: its bands and column norms set b and the sensitivity")
+                        help="optional mixing file written by `noisecurve solve` (banded, toeplitz, blt or bisr): "
+                             "its bands and column norms set b and the sensitivity")
     parser.add_argument("--overflow-probability", type=float, default=accounting.DEFAULT_OVERFLOW_PROBABILITY,
                         help="target probability that any step's Poisson draw exceeds the padded batch size")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
@@ -73,9 +74,9 @@ def run(args) -> int:
     try:
         mixing = None
         if args.mixing is not None:
-            from keras_noisecurve.mixing.matrix import MixingMatrix
+            from keras_noisecurve.mixing.matrix import load_mixing
 
-            mixing = MixingMatrix.load(args.mixing)
+            mixing = load_mixing(args.mixing)  # any strategy file `noisecurve solve` writes
         steps, epochs = _resolve_steps(args)
         result = accounting.calibrate(
             epsilon=args.epsilon, delta=args.delta, num_examples=args.num_examples,
@@ -84,7 +85,12 @@ def run(args) -> int:
             overflow_probability_target=args.overflow_probability,
         )
     except (ValueError, TypeError, OSError) as exc:
-        print(f"noisecurve calibrate: error: {exc}", file=sys.stderr)
+        print(f"noisecurve calibrate: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+    except (ArithmeticError, MemoryError) as exc:  # dp-accounting overflows on extreme runs
+        print(f"noisecurve calibrate: error: the {args.accountant} accountant cannot evaluate this run "
+              f"({type(exc).__name__}: {' '.join(str(exc).split())}); try --accountant rdp, or fewer steps.",
+              file=sys.stderr)
         return 2
 
     if args.json:

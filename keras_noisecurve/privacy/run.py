@@ -27,7 +27,7 @@ from typing import Optional
 
 import numpy as np
 
-from keras_noisecurve._validation import check_choice, check_float, check_int
+from keras_noisecurve._validation import check_choice, check_float, check_int, check_memory
 from keras_noisecurve.privacy import accounting
 from keras_noisecurve.privacy.sampler import BatchSampler, check_key, key_from_seed, padded_size_for
 
@@ -38,6 +38,7 @@ def _resolve_mixing(mixing, steps: int):
     from keras_noisecurve.mixing.matrix import MixingMatrix, load_mixing
 
     if mixing is None or (isinstance(mixing, str) and mixing == "dpsgd"):
+        check_memory(f"C = I for steps={steps}", 8 * steps, hint="Use fewer steps.")
         return MixingMatrix.identity(steps)
     return load_mixing(mixing)
 
