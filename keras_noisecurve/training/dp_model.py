@@ -95,6 +95,14 @@ def _check_run_data(planned, run, x):
         )
 
 
+def _iterations(optimizer) -> int:
+    """The optimizer's step count, through ``.numpy()`` (numpy's conversion of a
+    ``keras.Variable`` warns with a DeprecationWarning under numpy 2)."""
+    iterations = optimizer.iterations
+    value = getattr(iterations, "value", iterations)
+    return int(value.numpy()) if hasattr(value, "numpy") else int(value)
+
+
 class _StopAtPlanEnd(keras.callbacks.Callback):
     """Stops ``fit`` after the plan's last step (instead of running out of data)."""
 
@@ -103,7 +111,7 @@ class _StopAtPlanEnd(keras.callbacks.Callback):
         self._steps = steps
 
     def on_train_begin(self, logs=None):
-        done = int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
+        done = _iterations(self.model.optimizer)
         if done >= self._steps:
             raise RuntimeError(
                 f"the plan of {self._steps} steps is complete (the optimizer has taken {done} steps): "
@@ -111,7 +119,7 @@ class _StopAtPlanEnd(keras.callbacks.Callback):
             )
 
     def on_train_batch_end(self, batch, logs=None):
-        if int(keras.ops.convert_to_numpy(self.model.optimizer.iterations)) >= self._steps:
+        if _iterations(self.model.optimizer) >= self._steps:
             self.model.stop_training = True
 
 

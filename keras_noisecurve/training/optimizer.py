@@ -87,6 +87,9 @@ _INNER_REFUSED = {
 
 
 def _check_backend():
+    from keras_noisecurve._quiet import probe_devices_quietly
+
+    probe_devices_quietly()  # no "failed call to cuInit" from our first variable on a CPU machine
     backend = keras.backend.backend()
     if backend != "tensorflow":
         raise RuntimeError(
