@@ -342,7 +342,8 @@ def time_updates(model_name, batch_size, repeats, steps, mixings=None):
     if mixings is None:
         mixings = [("dpsgd", "dpsgd"), ("banded16", banded_mixing(repeats * steps + 64, 16))]
     for name, mixing in mixings:
-        opt = NoiseCurveOptimizer(learning_rate=LEARNING_RATE, mixing=mixing, expected_batch_size=batch_size)
+        opt = NoiseCurveOptimizer(learning_rate=LEARNING_RATE, mixing=mixing, noise_multiplier=1.0,
+                                  expected_batch_size=batch_size)
         fns[name] = tf.function(lambda g, opt=opt: opt.apply_clipped_sum(g, variables))
     for fn in fns.values():
         fn(grads)

@@ -56,3 +56,34 @@ def check_choice(name: str, value, choices) -> str:
         allowed = ", ".join(repr(c) for c in choices)
         raise ValueError(f"{name} must be one of {allowed}; got {value!r}.")
     return value
+
+
+def format_bytes(nbytes: float) -> str:
+    """``nbytes`` as a short human-readable size (``"1.5 GiB"``)."""
+    value = float(nbytes)
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if value < 1024 or unit == "PiB":
+            return f"{value:.0f} {unit}" if unit == "bytes" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} PiB"  # pragma: no cover
+
+
+def physical_memory() -> int:
+    """Bytes of physical memory of this machine (a large number where unknown)."""
+    import os
+
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, ValueError, OSError):  # pragma: no cover - not POSIX
+        return 2**50
+
+
+def check_memory(what: str, nbytes: float, *, hint: str = "") -> None:
+    """Raise ``ValueError`` before allocating when ``what`` would need more than this
+    machine's physical memory; the message names the bytes it would need."""
+    total = physical_memory()
+    if nbytes > total:
+        raise ValueError(
+            f"{what} would need about {format_bytes(nbytes)} of memory, more than this machine's "
+            f"{format_bytes(total)}." + (f" {hint}" if hint else "")
+        )

@@ -11,9 +11,9 @@ import argparse
 import importlib
 import os
 import sys
-import tempfile
 
 from keras_noisecurve import __version__
+from keras_noisecurve._quiet import quiet_startup  # noqa: F401 - used by main, re-exported
 
 # name -> (module, one-line help)
 SUBCOMMANDS = {
@@ -44,41 +44,6 @@ def _start_tensorflow() -> None:
     import tensorflow as tf
 
     tf.config.list_physical_devices()  # GPU drivers are probed (and complain) here
-
-
-def quiet_startup(start) -> bool:
-    """Run ``start()`` with TensorFlow's C++ start-up logs silenced, unless the user chose.
-
-    TensorFlow's C++ runtime writes notices to the process's standard error while it
-    loads and probes devices (e.g. "failed call to cuInit" on a machine without a GPU,
-    which reads like a crash). When ``TF_CPP_MIN_LOG_LEVEL`` is not set, this sets it
-    to ``"2"`` (TensorFlow's errors still show afterwards) and runs ``start()`` with
-    file descriptor 2 redirected to a temporary file; if ``start()`` raises, what was
-    written there is replayed to standard error before the exception propagates.
-    When the user set ``TF_CPP_MIN_LOG_LEVEL``, ``start()`` runs untouched.
-    Returns whether the start-up output was silenced.
-    """
-    if "TF_CPP_MIN_LOG_LEVEL" in os.environ:
-        start()
-        return False
-    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile() as log:
-        os.dup2(log.fileno(), 2)
-        ok = False
-        try:
-            start()
-            ok = True
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-            if not ok:
-                log.seek(0)
-                sys.stderr.write(log.read().decode("utf-8", "replace"))
-                sys.stderr.flush()
-    return True
 
 
 def build_parser(argv) -> argparse.ArgumentParser:

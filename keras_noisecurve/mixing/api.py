@@ -15,6 +15,8 @@ each kind (``keras_noisecurve.mixing.strategies`` lists them):
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from keras_noisecurve._validation import check_choice, check_int
@@ -48,6 +50,16 @@ def _check_toeplitz_objective(strategy, objective, update_rule):
         )
 
 
+def _load_spectrum(spectrum):
+    """``spectrum`` itself, or the ``Spectrum`` file it names (a path, as ``noisecurve
+    solve --spectrum`` takes); a damaged file is one ``ValueError`` line naming it."""
+    if isinstance(spectrum, (str, os.PathLike)):
+        from keras_noisecurve.spectrum.artifact import Spectrum
+
+        return Spectrum.load(spectrum)
+    return spectrum
+
+
 def solve_mixing_matrix(*, steps, bands=None, strategy="banded", buffers=None, objective=DEFAULT_OBJECTIVE,
                         spectrum=None, learning_rate=None, blend_weight=None, participations=None,
                         separation=None, tol=1e-6, max_iterations=None, initial=None, verbose=False,
@@ -61,7 +73,7 @@ def solve_mixing_matrix(*, steps, bands=None, strategy="banded", buffers=None, o
         ``"bisr"``.
       buffers: d for ``"blt"`` (the optimizer keeps d noise buffers).
       objective, spectrum, learning_rate, blend_weight: the workload, as for the banded
-        solver. The Toeplitz kinds support ``TOEPLITZ_OBJECTIVES`` only.
+        solver; ``spectrum`` is a ``Spectrum`` or the path of its ``.npz`` file. The Toeplitz kinds support ``TOEPLITZ_OBJECTIVES`` only.
       participations, separation: ``"blt"`` only: optimise for k participations at least
         ``separation`` steps apart (fixed epochs). Default: one pass. The banded kinds need
         none: participations ≥ b steps apart do not overlap, so k only scales the loss.
@@ -79,6 +91,7 @@ def solve_mixing_matrix(*, steps, bands=None, strategy="banded", buffers=None, o
         (each message names what was received and what is allowed).
     """
     strategy = check_choice("strategy", strategy, STRATEGIES)
+    spectrum = _load_spectrum(spectrum)
     iterations = {} if max_iterations is None else {"max_iterations": max_iterations}
     if strategy == "banded":
         _refuse(strategy, buffers=buffers, participations=participations, separation=separation)
@@ -141,8 +154,10 @@ def objective_value(mixing, *, objective, spectrum=None, learning_rate=None, ble
     A ``MixingMatrix`` goes to the banded evaluation (every objective and update rule);
     a Toeplitz-family strategy to ``keras_noisecurve.mixing.toeplitz_loss`` (O(T log T);
     ``TOEPLITZ_OBJECTIVES`` and plain SGD only). Single participation: multiply by the
-    squared sensitivity of a participation pattern yourself.
+    squared sensitivity of a participation pattern yourself. ``spectrum``: a ``Spectrum``
+    or the path of its ``.npz`` file.
     """
+    spectrum = _load_spectrum(spectrum)
     if isinstance(mixing, MixingMatrix):
         return _banded.objective_value(mixing, objective=objective, spectrum=spectrum, learning_rate=learning_rate,
                                        blend_weight=blend_weight, update_rule=update_rule)

@@ -279,10 +279,29 @@ def _blt_max_buffers() -> int:
     return int(MAX_BUFFERS)
 
 
+#: float64 arrays of T (×b for banded) entries the solvers hold at once, at least: the
+#: iterate, its gradient, the L-BFGS history and the FFT work arrays (an estimate used
+#: only to refuse, before allocating, a size no machine here could solve).
+_WORKING_ARRAYS = 16
+
+
+def _check_memory(args) -> None:
+    from keras_noisecurve._validation import check_memory
+
+    width = args.bands if args.strategy == "banded" and args.bands else 1
+    try:
+        check_memory(f"solving --strategy {args.strategy} for --steps {args.steps}",
+                     _WORKING_ARRAYS * 8 * args.steps * width,
+                     hint="Use fewer --steps (or a toeplitz/blt strategy for long runs).")
+    except ValueError as exc:
+        raise CommandError(str(exc)) from None
+
+
 def _check_args(args) -> None:
     if args.steps < 1:
         raise CommandError(f"--steps must be >= 1, got {args.steps}.")
     _check_strategy(args)
+    _check_memory(args)
     if args.tol is not None and not (math.isfinite(args.tol) and args.tol > 0):
         raise CommandError(f"--tol must be a finite number > 0, got {args.tol}.")
     if args.max_iterations is not None and args.max_iterations < 1:

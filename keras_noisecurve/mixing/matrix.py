@@ -21,6 +21,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from keras_noisecurve._npz import one_line, read_npz
 from keras_noisecurve._validation import check_int
 from keras_noisecurve.mixing.errors import COLUMN_NORM_TOLERANCE, InvalidMixingMatrixError
 
@@ -271,10 +272,18 @@ class MixingMatrix:
             digest does not match its values, or C breaks a constraint.
         """
         try:
-            with np.load(path, allow_pickle=False) as data:
-                fields = {k: data[k] for k in data.files}
-        except (OSError, ValueError) as exc:
-            raise InvalidMixingMatrixError(f"{path}: not a readable .npz mixing-matrix file ({exc}).") from exc
+            fields = read_npz(path, what="mixing-matrix")
+        except ValueError as exc:
+            raise InvalidMixingMatrixError(str(exc)) from None
+        try:
+            return cls._from_fields(path, fields)
+        except InvalidMixingMatrixError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a foreign or damaged field: one line naming the file
+            raise InvalidMixingMatrixError(f"{path}: a damaged mixing-matrix file ({one_line(exc)}).") from None
+
+    @classmethod
+    def _from_fields(cls, path, fields):
         if fields.get("format") is None or str(fields["format"]) != _FORMAT:
             raise InvalidMixingMatrixError(f"{path}: not a keras-noisecurve mixing-matrix file.")
         version = int(fields.get("format_version", -1))
@@ -307,9 +316,9 @@ class MixingMatrix:
 def _file_format(path) -> str:
     """The ``format`` field of an ``.npz`` file ('' when there is none or it is unreadable)."""
     try:
-        with np.load(path, allow_pickle=False) as data:
-            return str(data["format"]) if "format" in data.files else ""
-    except (OSError, ValueError):
+        fields = read_npz(path, what="mixing")
+        return str(fields["format"]) if "format" in fields else ""
+    except Exception:  # noqa: BLE001 - unreadable: MixingMatrix.load then says why, in one line
         return ""
 
 

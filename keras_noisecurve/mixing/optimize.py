@@ -215,7 +215,8 @@ def _lbfgs_minimize(surrogate, ab0, *, tol, max_iterations, verbose, label, prec
         proj *= mask
         last["x"] = x.copy()
         last["f"] = value
-        last["rel"] = float(np.linalg.norm(proj) / value)
+        with np.errstate(over="ignore"):  # a huge trial point: the norm is inf, rel = inf (as before, quietly)
+            last["rel"] = float(np.linalg.norm(proj) / value)
         if value < best["f"]:
             best.update(x=last["x"], f=value, rel=last["rel"])
         return value / f0, (proj / norms)[mask] / f0

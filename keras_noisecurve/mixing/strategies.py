@@ -36,6 +36,7 @@ from typing import Any, Mapping
 import numpy as np
 import scipy.signal
 
+from keras_noisecurve._npz import one_line, read_npz
 from keras_noisecurve._validation import check_int
 from keras_noisecurve.mixing.errors import COLUMN_NORM_TOLERANCE, InvalidMixingMatrixError
 from keras_noisecurve.mixing.kernels import binomial_coefficients
@@ -408,10 +409,18 @@ def strategy_from_fields(kind: str, *, steps, params: Mapping[str, Any], metadat
 def load_strategy(path) -> _ToeplitzFamily:
     """Read and re-validate a file written by a Toeplitz-family ``save``."""
     try:
-        with np.load(path, allow_pickle=False) as data:
-            fields = {k: data[k] for k in data.files}
-    except (OSError, ValueError) as exc:
-        raise InvalidMixingMatrixError(f"{path}: not a readable .npz mixing-strategy file ({exc}).") from exc
+        fields = read_npz(path, what="mixing-strategy")
+    except ValueError as exc:
+        raise InvalidMixingMatrixError(str(exc)) from None
+    try:
+        return _strategy_from_file_fields(path, fields)
+    except InvalidMixingMatrixError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a foreign or damaged field: one line naming the file
+        raise InvalidMixingMatrixError(f"{path}: a damaged mixing-strategy file ({one_line(exc)}).") from None
+
+
+def _strategy_from_file_fields(path, fields) -> _ToeplitzFamily:
     if str(fields.get("format", "")) != STRATEGY_FORMAT:
         raise InvalidMixingMatrixError(f"{path}: not a keras-noisecurve mixing-strategy file.")
     version = int(fields.get("format_version", -1))

@@ -27,6 +27,7 @@ from keras_noisecurve.privacy.accounting import (
     overflow_probability,
     padded_batch_size,
     sampling_probability,
+    steps_for_epochs,
 )
 from keras_noisecurve.privacy.ledger import EpsilonLedger
 
@@ -48,4 +49,5 @@ __all__ = [
     "overflow_probability",
     "padded_batch_size",
     "sampling_probability",
+    "steps_for_epochs",
 ]

@@ -33,6 +33,7 @@ from keras_noisecurve.privacy.events import (
     dp_event,
     epsilon_for_setup,
     sampling_probability,
+    steps_for_epochs,
 )
 from keras_noisecurve.privacy.overflow import (
     DEFAULT_OVERFLOW_PROBABILITY,
@@ -61,4 +62,5 @@ __all__ = [
     "overflow_probability",
     "padded_batch_size",
     "sampling_probability",
+    "steps_for_epochs",
 ]

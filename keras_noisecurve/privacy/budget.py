@@ -158,7 +158,11 @@ class PrivacyBudget(keras.callbacks.Callback):
 
     # --------------------------------------------------------------- keras
     def _steps_done(self) -> int:
-        return int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
+        # through .numpy(): converting a keras.Variable with numpy warns (DeprecationWarning,
+        # its __array__ takes no copy argument)
+        iterations = self.model.optimizer.iterations
+        value = getattr(iterations, "value", iterations)
+        return int(value.numpy()) if hasattr(value, "numpy") else int(value)
 
     def _chunk(self) -> int:
         return max(1, int(getattr(self.model, "steps_per_execution", 1) or 1))

@@ -11,6 +11,7 @@ compositions, the re-checked ε, the sampler's padded batch size and the total �
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Optional
 
 import dp_accounting
@@ -45,8 +46,23 @@ CALIBRATION_EPSILON_RTOL = 1e-4
 
 _INTEGER_RDP_ORDERS = tuple(o for o in RDP_ORDERS if float(o).is_integer())
 
-#: Calibration refuses targets that would need a noise multiplier below this.
-_MIN_SIGMA = 1e-3
+#: Calibration refuses a target ε above the RDP ε (standard orders, an upper bound on
+#: PLD's) of a noise multiplier this small: such runs give no meaningful privacy, and PLD
+#: accounting at smaller σ needs minutes and tens of GiB (its grid grows like 1/σ²).
+_MIN_SIGMA = 0.25
+
+#: What ``calibrate_dp_mechanism`` raises when a bracket misses the root, in every
+#: dp-accounting version the project allows: ``ValueError`` (all versions) and
+#: ``NoOptimumFoundError`` (0.4.3 only; 0.4.4 removed it and bisects instead).
+#: Looked up by name, so a version without one of them cannot turn the fallback into
+#: an ``AttributeError``.
+_BRACKET_ERRORS = tuple(
+    error for error in (
+        ValueError,
+        getattr(dp_accounting.mechanism_calibration, "NoOptimumFoundError", None),
+        getattr(dp_accounting.mechanism_calibration, "NoBracketIntervalFoundError", None),
+    ) if isinstance(error, type) and issubclass(error, Exception)
+)
 
 
 def calibrate_noise_multiplier(
@@ -55,7 +71,7 @@ def calibrate_noise_multiplier(
     delta: float,
     num_examples: int,
     batch_size: int,
-    steps: int,
+    steps: Optional[int] = None,
     bands: Optional[int] = None,
     sampling: str = "cyclic_poisson",
     epochs: Optional[int] = None,
@@ -104,7 +120,7 @@ def _calibrate(setup: AccountingSetup, epsilon: float, delta: float, accountant:
     def gap(make_accountant, sigma):
         return make_accountant().compose(make_event(sigma)).get_epsilon(delta) - epsilon
 
-    def bracket_around(make_accountant, guess, factor=1.25):
+    def bracket_around(make_accountant, guess, factor=1.25, floor=0.5 * _MIN_SIGMA):
         """Geometric search from ``guess`` for [lo, hi] with ε(lo) > target ≥ ε(hi)."""
         lo = hi = guess
         g = gap(make_accountant, hi)
@@ -114,14 +130,20 @@ def _calibrate(setup: AccountingSetup, epsilon: float, delta: float, accountant:
             lo, hi = hi, factor * hi
             g = gap(make_accountant, hi)
         else:
-            raise ValueError(f"no noise multiplier up to {hi:g} reaches epsilon={epsilon:g} at delta={delta:g}.")
+            raise ValueError(
+                f"epsilon={epsilon:g} at delta={delta:g} is out of reach: even sigma={hi:.4g} gives epsilon="
+                f"{g + epsilon:.4g} for this run. Possible: a larger epsilon or delta, fewer steps or a smaller "
+                "batch_size."
+            )
         if lo == hi:
             for _ in range(200):
                 lo = lo / factor
-                if lo < _MIN_SIGMA:
+                if lo < floor:
+                    largest = gap(make_accountant, floor) + epsilon
                     raise ValueError(
-                        f"epsilon={epsilon:g} is so large that sigma < {_MIN_SIGMA:g} would suffice; "
-                        "such a run gives no meaningful privacy. Ask for a smaller epsilon."
+                        f"epsilon={epsilon:g} is so large that sigma < {floor:g} would suffice, which gives no "
+                        f"meaningful privacy. Possible: epsilon <= {largest:.4g} (sigma = {floor:g}) for this "
+                        f"run at delta={delta:g}."
                     )
                 if gap(make_accountant, lo) > 0:
                     break
@@ -131,7 +153,7 @@ def _calibrate(setup: AccountingSetup, epsilon: float, delta: float, accountant:
     def solve(make_accountant, bracket, tol, fallback_guess):
         try:
             return float(mc.calibrate_dp_mechanism(make_accountant, make_event, epsilon, delta, bracket, tol=tol))
-        except (ValueError, mc.NoOptimumFoundError):  # the guessed bracket missed the root
+        except _BRACKET_ERRORS:  # the guessed bracket missed the root
             return float(mc.calibrate_dp_mechanism(
                 make_accountant, make_event, epsilon, delta, bracket_around(make_accountant, fallback_guess), tol=tol
             ))
@@ -141,6 +163,19 @@ def _calibrate(setup: AccountingSetup, epsilon: float, delta: float, accountant:
     def int_rdp():
         return _rdp.RdpAccountant(list(_INTEGER_RDP_ORDERS))
 
+    absl = logging.getLogger("absl")  # RDP warns that it drops orders at such a small sigma
+    level = absl.level
+    absl.setLevel(logging.ERROR)
+    try:
+        largest = gap(lambda: make_accountant("rdp"), _MIN_SIGMA) + epsilon
+    finally:
+        absl.setLevel(level)
+    if epsilon > largest:
+        raise ValueError(
+            f"epsilon={epsilon:g} is so large that sigma < {_MIN_SIGMA:g} would suffice, which gives no "
+            f"meaningful privacy. Possible: epsilon <= {largest:.4g} (sigma = {_MIN_SIGMA:g}) for this run at "
+            f"delta={delta:g}."
+        )
     bracket1 = bracket_around(int_rdp, 1.0, factor=2.0)
     sigma1 = float(mc.calibrate_dp_mechanism(
         int_rdp, make_event, epsilon, delta, bracket1, tol=1e-5 * bracket1.endpoint_2,
@@ -206,7 +241,7 @@ def calibrate(
     delta: float,
     num_examples: int,
     batch_size: int,
-    steps: int,
+    steps: Optional[int] = None,
     bands: Optional[int] = None,
     sampling: str = "cyclic_poisson",
     epochs: Optional[int] = None,

@@ -31,39 +31,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="B: expected batch size (cyclic_poisson) or fixed batch size (fixed_epochs)")
     length = parser.add_mutually_exclusive_group(required=True)
     length.add_argument("--epochs", type=float,
-                        help="passes over the data: T = ceil(E*n/B) for cyclic_poisson, "
-                             "T = E*ceil(n/B) (E an integer) for fixed_epochs")
+                        help="passes over the data, a positive integer E: T = E*ceil(n/B) steps "
+                             "(as PrivateRun(epochs=E))")
     length.add_argument("--steps", type=int, help="T, the number of optimizer steps")
     parser.add_argument("--bands", type=int, default=None,
                         help="b, band width of C (default 1, or the --mixing file's)")
     parser.add_argument("--sampling", choices=accounting.SAMPLINGS, default="cyclic_poisson")
     parser.add_argument("--accountant", choices=accounting.ACCOUNTANTS, default="pld")
     parser.add_argument("--mixing", default=None,
-                        help="optional mixing-matrix .npz: its bands and column norms set b and the sensitivity")
+                        help="optional mixing file written by `noisecurve solve` (banded, toeplitz, blt or bisr): "
+                             "its bands and column norms set b and the sensitivity")
     parser.add_argument("--overflow-probability", type=float, default=accounting.DEFAULT_OVERFLOW_PROBABILITY,
                         help="target probability that any step's Poisson draw exceeds the padded batch size")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
 def _resolve_steps(args) -> tuple[int, int | None]:
-    """(T, epochs) from --steps / --epochs and the sampling scheme."""
+    """(T, epochs) from --steps / --epochs and the sampling scheme; --epochs E gives
+    T = E·ceil(n/B) (``accounting.steps_for_epochs``, as ``PrivateRun(epochs=E)``)."""
     n, batch = args.num_examples, args.batch_size
     if n is None or n < 1 or batch is None or batch < 1:
         raise ValueError(f"--num-examples and --batch-size must be positive integers, got {n} and {batch}.")
     per_epoch = -(-n // batch)
-    if args.sampling == "fixed_epochs":
-        if args.epochs is not None:
-            if args.epochs <= 0 or args.epochs != int(args.epochs):
-                raise ValueError(f"--epochs must be a positive integer for fixed_epochs, got {args.epochs:g}.")
-            epochs = int(args.epochs)
-            return epochs * per_epoch, epochs
-        if args.steps < 1:
-            raise ValueError(f"--steps must be >= 1, got {args.steps}.")
-        return args.steps, -(-args.steps // per_epoch)
     if args.epochs is not None:
-        if not (args.epochs > 0 and math.isfinite(args.epochs)):
-            raise ValueError(f"--epochs must be > 0, got {args.epochs:g}.")
-        return max(1, math.ceil(args.epochs * n / batch - 1e-9)), None
+        if not (args.epochs > 0 and math.isfinite(args.epochs) and args.epochs == int(args.epochs)):
+            raise ValueError(
+                f"--epochs must be a positive integer (T = epochs * ceil(n/B), as PrivateRun(epochs=)), got "
+                f"{args.epochs:g}; give --steps for any other T."
+            )
+        epochs = int(args.epochs)
+        steps = accounting.steps_for_epochs(num_examples=n, batch_size=batch, epochs=epochs)
+        return steps, epochs if args.sampling == "fixed_epochs" else None
+    if args.steps < 1:
+        raise ValueError(f"--steps must be >= 1, got {args.steps}.")
+    if args.sampling == "fixed_epochs":
+        return args.steps, -(-args.steps // per_epoch)
     return args.steps, None
 
 
@@ -72,9 +74,9 @@ def run(args) -> int:
     try:
         mixing = None
         if args.mixing is not None:
-            from keras_noisecurve.mixing.matrix import MixingMatrix
+            from keras_noisecurve.mixing.matrix import load_mixing
 
-            mixing = MixingMatrix.load(args.mixing)
+            mixing = load_mixing(args.mixing)  # any strategy file `noisecurve solve` writes
         steps, epochs = _resolve_steps(args)
         result = accounting.calibrate(
             epsilon=args.epsilon, delta=args.delta, num_examples=args.num_examples,
@@ -83,7 +85,12 @@ def run(args) -> int:
             overflow_probability_target=args.overflow_probability,
         )
     except (ValueError, TypeError, OSError) as exc:
-        print(f"noisecurve calibrate: error: {exc}", file=sys.stderr)
+        print(f"noisecurve calibrate: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+    except (ArithmeticError, MemoryError) as exc:  # dp-accounting overflows on extreme runs
+        print(f"noisecurve calibrate: error: the {args.accountant} accountant cannot evaluate this run "
+              f"({type(exc).__name__}: {' '.join(str(exc).split())}); try --accountant rdp, or fewer steps.",
+              file=sys.stderr)
         return 2
 
     if args.json:

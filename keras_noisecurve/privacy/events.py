@@ -70,6 +70,7 @@ __all__ = [
     "event_for_setup",
     "make_accountant",
     "sampling_probability",
+    "steps_for_epochs",
 ]
 
 SAMPLINGS = ("cyclic_poisson", "fixed_epochs")
@@ -134,6 +135,23 @@ class AccountingSetup:
         if self.sampling == "cyclic_poisson":
             return -(-steps // self.bands)
         return -(-steps // self.steps_per_epoch)
+
+
+def steps_for_epochs(*, num_examples: int, batch_size: int, epochs: int) -> int:
+    """T for ``epochs`` passes over the data: ``T = epochs · ⌈n/B⌉``.
+
+    The one definition of epochs → steps of the package (``PrivateRun(epochs=)``,
+    ``noisecurve calibrate --epochs``, ``compute_epsilon``/``calibrate_noise_multiplier``
+    with ``epochs`` and no ``steps``): one pass is ⌈n/B⌉ steps, what ``fit`` calls an
+    epoch, for cyclic Poisson and fixed-epoch sampling alike. ``epochs`` must be a
+    positive integer.
+    """
+    n = check_int("num_examples", num_examples, minimum=1)
+    batch = check_int("batch_size", batch_size, minimum=1)
+    if isinstance(epochs, float) and epochs.is_integer():
+        epochs = int(epochs)
+    k = check_int("epochs", epochs, minimum=1)
+    return k * -(-n // batch)
 
 
 def sampling_probability(*, num_examples: int, batch_size: int, bands: int = 1) -> float:
@@ -209,7 +227,7 @@ def accounting_setup(
     *,
     num_examples: int,
     batch_size: int,
-    steps: int,
+    steps: Optional[int] = None,
     bands: Optional[int] = None,
     sampling: str = "cyclic_poisson",
     epochs: Optional[int] = None,
@@ -218,7 +236,8 @@ def accounting_setup(
     """Validate a run description and derive q, compositions and sensitivity.
 
     Args:
-      num_examples, batch_size, steps: positive ints n, B, T.
+      num_examples, batch_size, steps: positive ints n, B, T. ``steps=None`` with
+        ``epochs``: T = epochs·⌈n/B⌉ (:func:`steps_for_epochs`).
       bands: positive int b ≤ T; None means 1, or the mixing matrix's bands when
         ``mixing`` is given.
       sampling: ``"cyclic_poisson"`` or ``"fixed_epochs"``.
@@ -234,6 +253,12 @@ def accounting_setup(
     sampling = check_choice("sampling", sampling, SAMPLINGS)
     n = check_int("num_examples", num_examples, minimum=1)
     batch = check_int("batch_size", batch_size, minimum=1)
+    if steps is None:
+        if epochs is None:
+            raise ValueError("give steps (T) or epochs (T = epochs * ceil(num_examples/batch_size)); got neither.")
+        steps = steps_for_epochs(num_examples=n, batch_size=batch, epochs=epochs)
+        if sampling == "cyclic_poisson":
+            epochs = None  # it only named T
     steps = check_int("steps", steps, minimum=1)
     if bands is not None:
         bands = check_int("bands", bands, minimum=1)
@@ -319,7 +344,7 @@ def dp_event(
     *,
     num_examples: int,
     batch_size: int,
-    steps: int,
+    steps: Optional[int] = None,
     bands: Optional[int] = None,
     noise_multiplier: float,
     sampling: str = "cyclic_poisson",
@@ -355,7 +380,7 @@ def compute_epsilon(
     delta: float,
     num_examples: int,
     batch_size: int,
-    steps: int,
+    steps: Optional[int] = None,
     bands: Optional[int] = None,
     sampling: str = "cyclic_poisson",
     epochs: Optional[int] = None,

@@ -50,6 +50,11 @@ def overflow_probability(*, num_examples: int, batch_size: int, steps: int, band
     return float(min(1.0, steps * stats.binom.sf(padded, m, q)))
 
 
+#: Partitions up to this size are searched by evaluating every P at once (O(n/b)
+#: memory); larger ones by bisection (O(log(n/b)) evaluations, no allocation).
+_DIRECT_SEARCH = 1_000_000
+
+
 def padded_batch_size(*, num_examples: int, batch_size: int, steps: int, bands: int = 1,
                       overflow_probability: float = DEFAULT_OVERFLOW_PROBABILITY) -> int:
     """Smallest padded batch size P whose :func:`overflow_probability` is ≤ the target.
@@ -64,6 +69,20 @@ def padded_batch_size(*, num_examples: int, batch_size: int, steps: int, bands: 
     q = sampling_probability(num_examples=n, batch_size=batch_size, bands=bands)
     m_real = _largest_partition(n, bands)
     m = m_real + 1
+    if m_real > _DIRECT_SEARCH:  # the tail decreases in P: bisect instead of evaluating every P
+        def fits(k):
+            return math.log(steps) + float(stats.binom.logsf(k, m, q)) <= math.log(target)
+
+        if not fits(m_real):
+            return int(m_real)
+        lo, hi = -1, m_real  # fits(hi); not fits(lo) (lo = -1: nothing tried yet)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if fits(mid):
+                hi = mid
+            else:
+                lo = mid
+        return int(hi)
     candidates = np.arange(0, m_real + 1)
     log_tail = math.log(steps) + stats.binom.logsf(candidates, m, q)
     ok = np.flatnonzero(log_tail <= math.log(target))

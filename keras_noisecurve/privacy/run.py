@@ -27,7 +27,7 @@ from typing import Optional
 
 import numpy as np
 
-from keras_noisecurve._validation import check_choice, check_float, check_int
+from keras_noisecurve._validation import check_choice, check_float, check_int, check_memory
 from keras_noisecurve.privacy import accounting
 from keras_noisecurve.privacy.sampler import BatchSampler, check_key, key_from_seed, padded_size_for
 
@@ -38,6 +38,7 @@ def _resolve_mixing(mixing, steps: int):
     from keras_noisecurve.mixing.matrix import MixingMatrix, load_mixing
 
     if mixing is None or (isinstance(mixing, str) and mixing == "dpsgd"):
+        check_memory(f"C = I for steps={steps}", 8 * steps, hint="Use fewer steps.")
         return MixingMatrix.identity(steps)
     return load_mixing(mixing)
 
@@ -100,7 +101,7 @@ class PrivateRun:
                 f"data, T = epochs * ceil(n/B)); got steps={steps!r}, epochs={epochs!r}."
             )
         if steps is None:
-            steps = check_int("epochs", epochs, minimum=1) * per_pass
+            steps = accounting.steps_for_epochs(num_examples=n, batch_size=batch, epochs=epochs)
         steps = check_int("steps", steps, minimum=1)
         self._mixing = _resolve_mixing(mixing, steps)
         self._setup = accounting.accounting_setup(

@@ -325,9 +325,11 @@ def banded_poisson_dataset(
 ):
     """A ``tf.data.Dataset`` of exactly ``steps`` fixed-shape batches ``(x, y, mask)``.
 
-    The sampler alone, without accounting or step indices: nothing checks that a
-    restored model continues at the right batch. To train, prefer
-    ``PrivateRun.dataset`` (the same batches, resume-safe).
+    LOW LEVEL, for custom loops that do their own accounting: the sampler alone,
+    without accounting or step indices, so nothing checks that a restored model
+    continues at the right batch, and a model whose optimizer belongs to a
+    ``PrivateRun`` refuses it in ``fit``. To train, use ``PrivateRun.dataset`` (the same
+    batches, resume-safe, step-checked).
 
     Args:
       x: anything :func:`keras_noisecurve.privacy.sources.as_source` accepts: numpy

@@ -187,11 +187,19 @@ class Spectrum:
         The fields (docs/design.md#file-formats) are read without pickle and
         re-validated by the constructor.
         """
+        from keras_noisecurve._npz import one_line, read_npz
+
+        fields = read_npz(path, what="spectrum")
         try:
-            with np.load(path, allow_pickle=False) as data:
-                fields = {k: data[k] for k in data.files}
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"{path}: not a readable .npz spectrum file ({exc}).") from exc
+            return cls._from_fields(path, fields)
+        except Exception as exc:  # noqa: BLE001 - a foreign or damaged field: one line naming the file
+            message = one_line(exc)
+            if not message.startswith(os.fspath(path)):
+                message = f"{os.fspath(path)}: a damaged spectrum file ({message})."
+            raise ValueError(message) from None
+
+    @classmethod
+    def _from_fields(cls, path, fields):
         if str(fields.get("format", "")) != _FORMAT:
             raise ValueError(f"{path}: not a keras-noisecurve spectrum file.")
         if int(fields.get("format_version", -1)) != _FORMAT_VERSION:

@@ -177,13 +177,16 @@ def _without(config, keys):
 
 def _optimizer_fingerprint(optimizer) -> int:
     """The optimizer's public configuration (clip, σ, B, learning rate, C (its kind and
-    parameters, by ``mixing.digest()``), inner optimizer, run plan); not its
+    parameters, by ``mixing.digest()``), inner optimizer, run plan (``run.fingerprint()``));
+    never C's free-form metadata (the solver's timings differ between workers); not its
     seed (the key is the chief's) nor any name (Keras numbers the names of unnamed
     objects per process)."""
     config = _without(optimizer.get_config(), {"seed", "name"})
     mixing = optimizer.mixing
     if not (isinstance(mixing, str) and mixing == "dpsgd"):
         config["mixing"] = mixing.digest()
+    if optimizer.run is not None:  # C by its values, never its metadata (solver timings)
+        config["run"] = optimizer.run.fingerprint()
     return _hash64(config)
 
 

@@ -67,6 +67,42 @@ def _check_step(step, iterations):
     )
 
 
+def _not_the_plan(planned):
+    """The message for data that is not ``planned``'s own pipeline (a ``PrivateRun``)."""
+    return (
+        f"this model's optimizer belongs to a PrivateRun ({planned!r}): every step must take the run's own "
+        "batch (cyclic Poisson sampling, step index checked), or the run's epsilon does not describe the "
+        "training. Pass the run's pipeline unchanged: fit(run.dataset(x, y)) (no y, batch_size, shuffle, "
+        "re-batching or other dataset)."
+    )
+
+
+def _check_run_data(planned, run, x):
+    """Refuse, before any step, data that is not ``planned``'s pipeline (``ValueError``).
+
+    ``planned``: the optimizer's ``PrivateRun`` (``None``: nothing to check); ``run``: the
+    run of ``x`` (``run.dataset(...)`` marks its dataset), ``None`` for arrays, a
+    re-batched, shuffled or mapped dataset (a new ``tf.data`` object) or anything else.
+    """
+    if planned is None:
+        return
+    if run is None:
+        raise ValueError(_not_the_plan(planned) + f" Got {type(x).__name__}.")
+    if not planned.same_plan(run):
+        raise ValueError(
+            f"the dataset belongs to another plan ({run!r}) than this model's optimizer ({planned!r}): "
+            "the batches and the noise would not belong to one run. Use the optimizer's run.dataset(x, y)."
+        )
+
+
+def _iterations(optimizer) -> int:
+    """The optimizer's step count, through ``.numpy()`` (numpy's conversion of a
+    ``keras.Variable`` warns with a DeprecationWarning under numpy 2)."""
+    iterations = optimizer.iterations
+    value = getattr(iterations, "value", iterations)
+    return int(value.numpy()) if hasattr(value, "numpy") else int(value)
+
+
 class _StopAtPlanEnd(keras.callbacks.Callback):
     """Stops ``fit`` after the plan's last step (instead of running out of data)."""
 
@@ -75,7 +111,7 @@ class _StopAtPlanEnd(keras.callbacks.Callback):
         self._steps = steps
 
     def on_train_begin(self, logs=None):
-        done = int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
+        done = _iterations(self.model.optimizer)
         if done >= self._steps:
             raise RuntimeError(
                 f"the plan of {self._steps} steps is complete (the optimizer has taken {done} steps): "
@@ -83,7 +119,7 @@ class _StopAtPlanEnd(keras.callbacks.Callback):
             )
 
     def on_train_batch_end(self, batch, logs=None):
-        if int(keras.ops.convert_to_numpy(self.model.optimizer.iterations)) >= self._steps:
+        if _iterations(self.model.optimizer) >= self._steps:
             self.model.stop_training = True
 
 
@@ -149,6 +185,7 @@ class _PrivateTraining:
         after the plan's last step. The dataset starts at the optimizer's step, so a
         restored model (``BackupAndRestore``, ``load_model``) continues the plan."""
         run = getattr(x, "_knc_run", None)
+        _check_run_data(getattr(self.optimizer, "run", None), run, x)
         if run is not None:
             if y is not None:
                 raise ValueError("a PrivateRun dataset carries its labels: call fit(run.dataset(x, y)) without y.")
@@ -191,6 +228,8 @@ class _PrivateTraining:
             raise ValueError(f"DPModel needs a DPOptimizer, got {type(optimizer).__name__}.")
         if step is not None:
             _check_step(step, optimizer.iterations)
+        elif getattr(optimizer, "run", None) is not None:  # e.g. train_on_batch(x, y): not the plan's batch
+            raise ValueError(_not_the_plan(optimizer.run) + " Got a batch without the run's step index.")
         if sample_weight is not None:
             sample_weight = tf.reshape(tf.cast(sample_weight, tf.float32), [-1])
         if not self.trainable_variables:  # an unbuilt subclassed model: create its weights

@@ -46,9 +46,6 @@ __all__ = ["DPOptimizer", "NoiseCurveOptimizer"]
 
 _PACKAGE = "keras_noisecurve"
 
-#: the learning rate of ``inner=None`` when none is given
-DEFAULT_LEARNING_RATE = 0.01
-
 # kwarg -> (value that means "off", reason)
 _REFUSED = {
     "clipnorm": (None, "it would clip the NOISY sum; per-example clipping is l2_norm_clip"),
@@ -90,6 +87,9 @@ _INNER_REFUSED = {
 
 
 def _check_backend():
+    from keras_noisecurve._quiet import probe_devices_quietly
+
+    probe_devices_quietly()  # no "failed call to cuInit" from our first variable on a CPU machine
     backend = keras.backend.backend()
     if backend != "tensorflow":
         raise RuntimeError(
@@ -169,9 +169,11 @@ class DPOptimizer(keras.optimizers.Optimizer):
 
     Args:
       learning_rate: η > 0 (float) or a ``keras.optimizers.schedules.LearningRateSchedule``;
-        default 0.01. Must be left out with ``inner`` (the inner optimizer's is used).
+        required without ``inner`` (no default: ``None`` raises ``ValueError``). Must be
+        left out with ``inner`` (the inner optimizer's is used).
       l2_norm_clip: ζ > 0, the per-example L2 clipping norm (used by ``DPModel``).
-      noise_multiplier: σ ≥ 0; the noise standard deviation is ζ·σ on the sum.
+      noise_multiplier: σ ≥ 0, required (no default; ``NoiseCurveOptimizer(run=...)`` takes
+        the run's); the noise standard deviation is ζ·σ on the sum.
       expected_batch_size: B ≥ 1, the EXPECTED batch size of the (Poisson) sampler.
         The sum is divided by B, never by the actual batch size (which would leak it).
       seed: ``None`` (default): a secret key from OS entropy. An integer makes the
@@ -199,7 +201,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
         self,
         learning_rate=None,
         l2_norm_clip=1.0,
-        noise_multiplier=1.0,
+        noise_multiplier=None,
         expected_batch_size=None,
         seed=None,
         name="dp_optimizer",
@@ -209,6 +211,12 @@ class DPOptimizer(keras.optimizers.Optimizer):
         _check_backend()
         kwargs = _check_kwargs(dict(kwargs))
         l2_norm_clip = check_float("l2_norm_clip", l2_norm_clip, positive=True)
+        if noise_multiplier is None:
+            raise ValueError(
+                "noise_multiplier (sigma) is required, got None: there is no safe default. Give the run "
+                "(NoiseCurveOptimizer(run=PrivateRun(..., epsilon=...)), which calibrates it) or the sigma your "
+                "accounting used."
+            )
         noise_multiplier = check_float("noise_multiplier", noise_multiplier, nonnegative=True)
         if expected_batch_size is None:
             raise ValueError(
@@ -230,7 +238,11 @@ class DPOptimizer(keras.optimizers.Optimizer):
             learning_rate = _InnerLearningRate(inner)  # creates no variable of its own
         else:
             if learning_rate is None:
-                learning_rate = DEFAULT_LEARNING_RATE
+                raise ValueError(
+                    "learning_rate is required, got None (e.g. C.metadata['learning_rate'], which only curvature "
+                    "objectives record, is None for a bandmf or dpsgd C): give the rate you train with, e.g. "
+                    "learning_rate=0.5, or inner=keras.optimizers.SGD(...)."
+                )
             if not isinstance(learning_rate, keras.optimizers.schedules.LearningRateSchedule) and not callable(
                 learning_rate
             ):
@@ -635,11 +647,18 @@ class NoiseCurveOptimizer(DPOptimizer):
         (the privacy plan is spent): the step fails with an error.
       learning_rate, l2_norm_clip, noise_multiplier, expected_batch_size, seed, name, inner:
         as ``DPOptimizer``.
-      run: a ``keras_noisecurve.PrivateRun``: C, σ
+      run: a ``keras_noisecurve.PrivateRun`` (the one documented way to train
+        privately): C, σ
         and B are then the run's (given ones must agree), the run's secret sampling key
         becomes the optimizer variable ``sampling_key`` (saved and restored with
         ``iterations`` and the noise state), and the run's dataset starts at this
-        optimizer's step.
+        optimizer's step. A model compiled with it trains only on ``run.dataset(...)``:
+        ``fit`` refuses arrays and any other dataset before the first step.
+
+        Without ``run`` (``mixing``, ``noise_multiplier`` and ``expected_batch_size`` by
+        hand) the optimizer is the LOW-LEVEL piece for custom loops that do their own
+        sampling and accounting: nothing checks that the batches follow the sampling the
+        accounting assumed, and nothing restores a sampler's position on resume.
 
     Construction warns once (``UserWarning``) when the update the optimizer runs differs
     from the one C was optimised for, ``mixing.metadata["update_rule"]`` (absent: plain
@@ -667,7 +686,6 @@ class NoiseCurveOptimizer(DPOptimizer):
             mixing, noise_multiplier, expected_batch_size = _from_run(run, mixing, noise_multiplier,
                                                                       expected_batch_size)
         mixing = load_mixing("dpsgd" if mixing is None else mixing)
-        noise_multiplier = 1.0 if noise_multiplier is None else noise_multiplier
         super().__init__(
             learning_rate=learning_rate,
             l2_norm_clip=l2_norm_clip,

@@ -240,8 +240,10 @@ def test_config_round_trip_with_inner_and_schedule():
     assert isinstance(again.inner, keras.optimizers.SGD) and again.inner.momentum == 0.9
     assert isinstance(again.inner._learning_rate, LinearCooldown)
     assert again.inner._learning_rate.get_config() == inner._learning_rate.get_config()
-    assert _optimizer().get_config()["learning_rate"] == pytest.approx(0.01)  # inner=None: the old default
-    assert "inner" not in _optimizer().get_config()
+    with pytest.raises(ValueError, match="learning_rate is required"):  # inner=None: no silent default rate
+        _optimizer()
+    assert _optimizer(learning_rate=0.01).get_config()["learning_rate"] == pytest.approx(0.01)
+    assert "inner" not in _optimizer(learning_rate=0.01).get_config()
 
 def test_learning_rate_scheduler_callback_drives_the_inner_rate(fit_data, fit_init):
     model = _fit_model(fit_init)
