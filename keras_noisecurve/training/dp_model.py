@@ -277,7 +277,7 @@ class _PrivateTraining:
         if not self.trainable_variables:  # an unbuilt subclassed model: create its weights
             self(x, training=False)
         scale = self._dp_loss_scale
-        loss_fn = self._dp_loss_fn if scale == 1.0 else _scaled_loss(self._dp_loss_fn, scale)
+        loss_fn = _train_loss(self._dp_loss_fn, scale)
         clipped = self._engine()(
             self,
             loss_fn,
@@ -360,14 +360,25 @@ def _loss_scale(model, loss_scale, auto_scale_loss):
     return value
 
 
-def _scaled_loss(loss_fn, scale):
-    """``S·loss_fn`` (float32), for float16 loss scaling."""
+_LOW_PRECISION = (tf.float16, tf.bfloat16)
 
-    def scaled(y_true, y_pred):
-        loss = loss_fn(y_true, y_pred)
-        return loss * tf.cast(scale, loss.dtype)
 
-    return scaled
+def _train_loss(loss_fn, scale):
+    """The per-example loss the engine differentiates: ``S·loss_fn`` on float32 outputs.
+
+    Predictions of a mixed-precision model (float16/bfloat16) are cast to float32
+    first, as Keras's ``Loss.__call__`` does, so the losses, the norms and the clipping
+    factors are float32; their gradient flows back through the cast in the layers'
+    dtype. ``scale`` is the static float16 loss scale S (1.0: none)."""
+
+    def loss(y_true, y_pred):
+        y_pred = tf.nest.map_structure(
+            lambda t: tf.cast(t, tf.float32) if getattr(t, "dtype", None) in _LOW_PRECISION else t, y_pred
+        )
+        values = loss_fn(y_true, y_pred)
+        return values if scale == 1.0 else values * tf.cast(scale, values.dtype)
+
+    return loss
 
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)
