@@ -213,6 +213,8 @@ class _PrivateTraining:
         self._dp_loss_fn = per_example_loss_fn(loss)
         self._dp_loss_scale = _loss_scale(self, loss_scale, auto_scale_loss)
         check_model_is_clippable(self)
+        if kwargs["jit_compile"] is True:
+            _check_xla(self)
         super().compile(optimizer=optimizer, loss=loss, **kwargs)
         self._dp_engine = None  # resolved on first train_step (the model may not be built yet)
 
@@ -247,7 +249,16 @@ class _PrivateTraining:
             kwargs["callbacks"] = callbacks + [_StopAtPlanEnd(run.steps)]
         # a refused step (out of step, past the plan, non-finite) raises on the host right after it
         kwargs["callbacks"] = list(kwargs.pop("callbacks", None) or []) + [_RefuseBadSteps(self)]
-        return super().fit(x, y, **kwargs)
+        if not self.jit_compile:
+            return super().fit(x, y, **kwargs)
+        try:
+            return super().fit(x, y, **kwargs)
+        except (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError, tf.errors.InternalError) as error:
+            raise RuntimeError(
+                "the private train step failed under XLA (jit_compile=True), most likely because a layer's "
+                f"clipping path cannot be compiled by XLA: {error.message.splitlines()[0]} "
+                "Compile with jit_compile=False (the default of private models)."
+            ) from error
 
     def _symbolic_build(self, iterator=None, data_batch=None):
         # Keras builds a model under a tf.distribute strategy from one batch, unpacked
@@ -341,6 +352,17 @@ class _PrivateTraining:
         refused = tf.stack([state[0] + 1, reasons, batch_step, iteration])
         state.assign(tf.where(ok, tf.identity(state), refused))
         return [tf.where(ok, g, tf.zeros_like(g)) for g in grads]
+
+
+def _check_xla(model):
+    """Refuse ``jit_compile=True`` for layers whose clipping path XLA cannot compile."""
+    for layer in model._flatten_layers(include_self=False):
+        if isinstance(layer, keras.layers.RNN):
+            raise ValueError(
+                f"layer {layer.name!r} ({type(layer).__name__}) is recurrent: its per-example clipping loops "
+                "over time steps with TensorArrays that XLA cannot compile. Compile with jit_compile=False "
+                "(the default of private models)."
+            )
 
 
 #: the static loss scale of a mixed_float16 private model when compile gets no loss_scale

@@ -159,3 +159,20 @@ def test_the_noise_stream_under_xla_is_tensorflows_philox_stream():
         np.testing.assert_array_equal(fold_xla(seed, t).numpy(), fold_ref(seed, t).numpy())
         np.testing.assert_array_equal(bits_xla(seed).numpy(), bits_ref(seed).numpy())
         np.testing.assert_allclose(draw_xla(seed, t).numpy(), draw_ref(seed, t).numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_layers_xla_cannot_compile_fail_clearly(data):
+    recurrent = make_private(keras.Sequential([keras.Input((5, 3)), keras.layers.LSTM(4), keras.layers.Dense(2)]))
+    with pytest.raises(ValueError, match="'lstm.*' \\(LSTM\\) is recurrent.*jit_compile=False"):
+        recurrent.compile(optimizer=DPOptimizer(expected_batch_size=B), loss=LOSS, jit_compile=True)
+
+    class HostCopy(keras.layers.Layer):  # a host (numpy) op: no XLA kernel
+        def call(self, x):
+            out = tf.numpy_function(lambda a: a.copy(), [x], tf.float32)
+            return tf.reshape(out, tf.shape(x))
+
+    run = PrivateRun(**PLAN, seed=7)
+    model = make_private(keras.Sequential([keras.Input((3,)), HostCopy(), keras.layers.Dense(2)]))
+    model.compile(optimizer=NoiseCurveOptimizer(run=run, learning_rate=0.3, seed=1), loss=LOSS, jit_compile=True)
+    with pytest.raises(RuntimeError, match="failed under XLA.*jit_compile=False"):
+        model.fit(run.dataset(*data), verbose=0)
