@@ -182,8 +182,10 @@ class _PrivateTraining:
     def compile(self, optimizer=None, loss=None, **kwargs):
         """``keras.Model.compile`` that requires a ``DPOptimizer`` and a single loss.
 
-        ``jit_compile`` defaults to ``False`` (XLA is slower for per-example
-        gradients on CPU, docs/training.md "XLA"; ``jit_compile=True`` works).
+        ``jit_compile`` defaults to ``False``: ``jit_compile=True`` works (the step checks
+        are tensors XLA keeps, see ``_refuse``) and is faster on the transformer block but
+        slower on dense models on CPU, with a long first compilation (docs/training.md,
+        "XLA"); recurrent layers are refused under it.
 
         Under a ``mixed_float16`` policy the per-example losses are multiplied by a
         STATIC loss scale S (``loss_scale=``, a power of two; default
