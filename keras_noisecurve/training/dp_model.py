@@ -88,7 +88,7 @@ class _StopAtPlanEnd(keras.callbacks.Callback):
             self.model.stop_training = True
 
 
-# Why train_step refused a batch (bits of _REFUSED[1]).
+# Why train_step refused a batch (bits of model._dp_refused[1]).
 _OUT_OF_STEP, _PAST_PLAN, _NON_FINITE = 1, 2, 4
 
 
@@ -249,8 +249,10 @@ class _PrivateTraining:
             kwargs.setdefault("shuffle", False)  # the plan decides the order
             callbacks = list(kwargs.pop("callbacks", None) or [])
             kwargs["callbacks"] = callbacks + [_StopAtPlanEnd(run.steps)]
-        # a refused step (out of step, past the plan, non-finite) raises on the host right after it
-        kwargs["callbacks"] = list(kwargs.pop("callbacks", None) or []) + [_RefuseBadSteps(self)]
+        if self.jit_compile or self._dp_loss_scale != 1.0:
+            # a refused step (out of step, past the plan, non-finite) raises on the host right
+            # after it (without XLA the step's own assertions fail it first)
+            kwargs["callbacks"] = list(kwargs.pop("callbacks", None) or []) + [_RefuseBadSteps(self)]
         if not self.jit_compile:
             return super().fit(x, y, **kwargs)
         try:
