@@ -15,9 +15,10 @@ One training step (docs/design.md#update-rule):
 from __future__ import annotations
 
 import keras
+import numpy as np
 import tensorflow as tf
 
-from keras_noisecurve._validation import check_choice, check_int
+from keras_noisecurve._validation import check_choice, check_float, check_int
 from keras_noisecurve.training.clipping import (
     ENGINES,
     add_regularization,
@@ -123,6 +124,69 @@ class _StopAtPlanEnd(keras.callbacks.Callback):
             self.model.stop_training = True
 
 
+# Why train_step refused a batch (bits of model._dp_refused[1]).
+_OUT_OF_STEP, _PAST_PLAN, _NON_FINITE = 1, 2, 4
+
+
+def _refusal_state():
+    """int64 (4,): [refused steps so far, reason bits, batch step, optimizer step] of the
+    last refused step. Not a model weight: never saved, never trained."""
+    return tf.Variable(
+        tf.zeros([4], tf.int64), trainable=False, name="refused_steps",
+        aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+    )
+
+
+def _refusal_message(state, loss_scale):
+    count, reasons, batch_step, iteration = (int(v) for v in state)
+    what = []
+    if reasons & _OUT_OF_STEP:
+        what.append(
+            f"its batch belongs to step {batch_step}, not to the optimizer's step {iteration}: the dataset "
+            "and the optimizer are out of step, e.g. a dataset restarted at batch 0 after the model was "
+            "restored, or reordered (skip/shuffle/repeat) after run.dataset(). Pass run.dataset(...) to "
+            "fit unchanged (it starts at the optimizer's step), or in a custom loop call "
+            "run.bind(optimizer) before iterating it"
+        )
+    if reasons & _PAST_PLAN:
+        what.append(
+            f"the optimizer's step {iteration} is past the mixing matrix's plan (the privacy plan is spent); "
+            "solve a mixing matrix with more steps"
+        )
+    if reasons & _NON_FINITE:
+        what.append(
+            f"its clipped sum was not finite under mixed_float16 with the static loss scale {loss_scale:g} "
+            "(a float16 overflow in the backward pass): compile with a smaller loss_scale= (a power of "
+            "two, 1 turns scaling off) or use mixed_bfloat16"
+        )
+    return (
+        f"private training refused step {iteration} ({count} refused step(s) so far): " + "; ".join(what)
+        + ". The refused batch had no influence on the weights (the step applied its noise only, which "
+        "leaks nothing); stop here and fix the input before training on."
+    )
+
+
+class _RefuseBadSteps(keras.callbacks.Callback):
+    """Raises on the host right after a step that ``train_step`` refused (a batch out of
+    step, a step past the plan, a non-finite float16 sum): under XLA, where assertions
+    are dropped, this is how such a step is reported. The step itself used no data."""
+
+    def __init__(self, model):
+        super().__init__()
+        self._state = model._dp_refused
+        self._loss_scale = model._dp_loss_scale
+        self._seen = 0
+
+    def on_train_begin(self, logs=None):
+        self._seen = int(self._state[0].numpy())
+
+    def on_train_batch_end(self, batch, logs=None):
+        state = self._state.numpy()
+        if int(state[0]) > self._seen:
+            self._seen = int(state[0])
+            raise RuntimeError(_refusal_message(state, self._loss_scale))
+
+
 class _PrivateTraining:
     """The private ``train_step`` and ``compile`` shared by ``DPModel`` and ``PrivateModel``.
 
@@ -137,6 +201,9 @@ class _PrivateTraining:
         self._dp_microbatch_size = microbatch_size
         self._dp_engine = None
         self._dp_loss_fn = None
+        self._dp_loss_scale = 1.0
+        # untracked (object.__setattr__): not a weight, not in checkpoints or .keras files
+        object.__setattr__(self, "_dp_refused", _refusal_state())
 
     @property
     def clipping(self) -> str:
@@ -151,9 +218,27 @@ class _PrivateTraining:
     def compile(self, optimizer=None, loss=None, **kwargs):
         """``keras.Model.compile`` that requires a ``DPOptimizer`` and a single loss.
 
-        ``jit_compile`` defaults to ``False`` (XLA is slower for per-example
-        gradients on CPU; pass ``jit_compile=True`` to try it).
+        ``jit_compile`` defaults to ``False``: ``jit_compile=True`` works (the step checks
+        are tensors XLA keeps, see ``_refuse``) and is faster on the transformer block but
+        slower on dense models on CPU, with a long first compilation (docs/training.md,
+        "XLA"); recurrent layers are refused under it.
+
+        Under a ``mixed_float16`` policy the per-example losses are multiplied by a
+        STATIC loss scale S (``loss_scale=``, a power of two; default
+        ``DEFAULT_FLOAT16_LOSS_SCALE``; ``auto_scale_loss=False`` or ``loss_scale=1``:
+        none), the engine clips at S·ζ and the clipped sum is divided by S, so
+        ``Σ_i clip(g_i, ζ)`` is unchanged. Keras's own ``LossScaleOptimizer`` is refused:
+        its dynamic scale depends on the data and it skips steps.
         """
+        loss_scale = kwargs.pop("loss_scale", None)
+        auto_scale_loss = kwargs.pop("auto_scale_loss", True)
+        kwargs["auto_scale_loss"] = False  # never wrap the private optimizer
+        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            raise ValueError(
+                "a private model does its own static loss scaling under mixed_float16 (undone before "
+                "clipping); keras.optimizers.LossScaleOptimizer is not supported (its dynamic scale depends "
+                "on the data and it skips steps). Pass the DPOptimizer itself, and loss_scale=S to compile."
+            )
         if not isinstance(optimizer, DPOptimizer):
             raise ValueError(
                 "DPModel must be compiled with a keras_noisecurve.DPOptimizer or NoiseCurveOptimizer "
@@ -164,7 +249,10 @@ class _PrivateTraining:
         if kwargs.get("loss_weights") is not None:
             raise ValueError("loss_weights are not supported by DPModel (single loss only).")
         self._dp_loss_fn = per_example_loss_fn(loss)
+        self._dp_loss_scale = _loss_scale(self, loss_scale, auto_scale_loss)
         check_model_is_clippable(self)
+        if kwargs["jit_compile"] is True:
+            _check_xla(self)
         super().compile(optimizer=optimizer, loss=loss, **kwargs)
         self._dp_engine = None  # resolved on first train_step (the model may not be built yet)
 
@@ -192,19 +280,26 @@ class _PrivateTraining:
             optimizer = self.optimizer
             if not isinstance(optimizer, DPOptimizer):
                 raise ValueError(f"a private model needs a DPOptimizer, got {type(optimizer).__name__}.")
-            if self.jit_compile:
-                raise ValueError(
-                    "this model was compiled with jit_compile=True: XLA drops the check that every batch "
-                    "of a PrivateRun belongs to the optimizer's step, so a dataset out of step would train "
-                    "silently. Compile with jit_compile=False (the default of private models)."
-                )
             run.bind(optimizer)
             kwargs.setdefault("steps_per_epoch", run.steps_per_epoch)
             kwargs.setdefault("epochs", run.epochs)
             kwargs.setdefault("shuffle", False)  # the plan decides the order
             callbacks = list(kwargs.pop("callbacks", None) or [])
             kwargs["callbacks"] = callbacks + [_StopAtPlanEnd(run.steps)]
-        return super().fit(x, y, **kwargs)
+        if self.jit_compile or self._dp_loss_scale != 1.0:
+            # a refused step (out of step, past the plan, non-finite) raises on the host right
+            # after it (without XLA the step's own assertions fail it first)
+            kwargs["callbacks"] = list(kwargs.pop("callbacks", None) or []) + [_RefuseBadSteps(self)]
+        if not self.jit_compile:
+            return super().fit(x, y, **kwargs)
+        try:
+            return super().fit(x, y, **kwargs)
+        except (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError, tf.errors.InternalError) as error:
+            raise RuntimeError(
+                "the private train step failed under XLA (jit_compile=True), most likely because a layer's "
+                f"clipping path cannot be compiled by XLA: {error.message.splitlines()[0]} "
+                "Compile with jit_compile=False (the default of private models)."
+            ) from error
 
     def _symbolic_build(self, iterator=None, data_batch=None):
         # Keras builds a model under a tf.distribute strategy from one batch, unpacked
@@ -226,28 +321,38 @@ class _PrivateTraining:
         optimizer = self.optimizer
         if not isinstance(optimizer, DPOptimizer):  # e.g. optimizer swapped after compile
             raise ValueError(f"DPModel needs a DPOptimizer, got {type(optimizer).__name__}.")
+        iteration = tf.cast(tf.identity(optimizer.iterations), tf.int64)  # before this step's update
         if step is not None:
-            _check_step(step, optimizer.iterations)
+            _check_step(step, optimizer.iterations)  # eager/graph; XLA drops it: see _refuse below
         elif getattr(optimizer, "run", None) is not None:  # e.g. train_on_batch(x, y): not the plan's batch
             raise ValueError(_not_the_plan(optimizer.run) + " Got a batch without the run's step index.")
         if sample_weight is not None:
             sample_weight = tf.reshape(tf.cast(sample_weight, tf.float32), [-1])
         if not self.trainable_variables:  # an unbuilt subclassed model: create its weights
             self(x, training=False)
+        scale = self._dp_loss_scale
+        loss_fn = _train_loss(self._dp_loss_fn, scale)
         clipped = self._engine()(
             self,
-            self._dp_loss_fn,
+            loss_fn,
             x,
             y,
             sample_weight,
-            l2_norm_clip=optimizer.l2_norm_clip,
+            l2_norm_clip=optimizer.l2_norm_clip * scale,  # Σ clip(S·g_i, S·ζ) = S·Σ clip(g_i, ζ)
             microbatch_size=self._dp_microbatch_size,
             training=True,
         )
+        if scale != 1.0:  # undo the loss scale (exact: S is a power of two), in float32
+            clipped = clipped._replace(
+                grads=[g / tf.cast(scale, g.dtype) for g in clipped.grads],
+                norms=clipped.norms / tf.cast(scale, clipped.norms.dtype),
+                per_example_loss=clipped.per_example_loss / tf.cast(scale, clipped.per_example_loss.dtype),
+            )
         clipped = add_regularization(
             self, clipped, expected_batch_size=optimizer.expected_batch_size, num_replicas=_num_replicas()
         )
-        optimizer.apply_clipped_sum(clipped.grads, self.trainable_variables)
+        grads = self._refuse(clipped.grads, step, iteration, optimizer)
+        optimizer.apply_clipped_sum(grads, self.trainable_variables)
 
         losses = tf.cast(clipped.per_example_loss, tf.float32)
         weights = tf.ones_like(losses) if sample_weight is None else sample_weight
@@ -261,6 +366,84 @@ class _PrivateTraining:
                 lambda t: tf.boolean_mask(t, keep), (y, y_pred, sample_weight)
             )
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+
+    def _refuse(self, grads, step, iteration, optimizer):
+        """The clipped sum, or zeros when this step must not use its batch.
+
+        Checks, as tensors (XLA keeps them, unlike assertions): every row's step equals
+        the optimizer's step t (a ``PrivateRun`` batch), t < T (a mixing matrix with a
+        plan), and, under float16 loss scaling, the sum is finite. A failed check zeroes
+        the sum (``tf.where``, so a NaN cannot leak through), the step applies its noise
+        only (data-independent: it leaks nothing), and ``_dp_refused`` records it for
+        the host (``_RefuseBadSteps`` raises after the step)."""
+        checks = []  # (ok: bool scalar, reason bit)
+        if step is not None:
+            checks.append((tf.reduce_all(tf.equal(tf.cast(step, tf.int64), iteration)), _OUT_OF_STEP))
+        plan = optimizer.noise.steps
+        if plan is not None:
+            checks.append((iteration < plan, _PAST_PLAN))
+        if self._dp_loss_scale != 1.0:
+            finite = tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(g)) for g in grads]))
+            checks.append((finite, _NON_FINITE))
+        if not checks:
+            return grads
+        ok = tf.reduce_all(tf.stack([c for c, _ in checks]))
+        reasons = tf.add_n([tf.where(c, tf.constant(0, tf.int64), tf.constant(bit, tf.int64)) for c, bit in checks])
+        batch_step = iteration if step is None else tf.reduce_min(tf.cast(step, tf.int64))
+        state = self._dp_refused
+        refused = tf.stack([state[0] + 1, reasons, batch_step, iteration])
+        state.assign(tf.where(ok, tf.identity(state), refused))
+        return [tf.where(ok, g, tf.zeros_like(g)) for g in grads]
+
+
+def _check_xla(model):
+    """Refuse ``jit_compile=True`` for layers whose clipping path XLA cannot compile."""
+    for layer in model._flatten_layers(include_self=False):
+        if isinstance(layer, keras.layers.RNN):
+            raise ValueError(
+                f"layer {layer.name!r} ({type(layer).__name__}) is recurrent: its per-example clipping loops "
+                "over time steps with TensorArrays that XLA cannot compile. Compile with jit_compile=False "
+                "(the default of private models)."
+            )
+
+
+#: the static loss scale of a mixed_float16 private model when compile gets no loss_scale
+DEFAULT_FLOAT16_LOSS_SCALE = 128.0
+
+
+def _loss_scale(model, loss_scale, auto_scale_loss):
+    """The static loss scale S (a power of two; 1.0: none) of ``model``'s ``compile``."""
+    float16 = any(
+        getattr(layer, "compute_dtype", None) == "float16" for layer in model._flatten_layers(include_self=True)
+    )
+    if loss_scale is None:
+        return DEFAULT_FLOAT16_LOSS_SCALE if (float16 and auto_scale_loss) else 1.0
+    value = check_float("loss_scale", loss_scale, positive=True)
+    if not np.log2(value).is_integer():
+        raise ValueError(f"loss_scale must be a power of two (undone exactly), got {loss_scale!r}.")
+    return value
+
+
+_LOW_PRECISION = (tf.float16, tf.bfloat16)
+
+
+def _train_loss(loss_fn, scale):
+    """The per-example loss the engine differentiates: ``S·loss_fn`` on float32 outputs.
+
+    Predictions of a mixed-precision model (float16/bfloat16) are cast to float32
+    first, as Keras's ``Loss.__call__`` does, so the losses, the norms and the clipping
+    factors are float32; their gradient flows back through the cast in the layers'
+    dtype. ``scale`` is the static float16 loss scale S (1.0: none)."""
+
+    def loss(y_true, y_pred):
+        y_pred = tf.nest.map_structure(
+            lambda t: tf.cast(t, tf.float32) if getattr(t, "dtype", None) in _LOW_PRECISION else t, y_pred
+        )
+        values = loss_fn(y_true, y_pred)
+        return values if scale == 1.0 else values * tf.cast(scale, values.dtype)
+
+    return loss
 
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)

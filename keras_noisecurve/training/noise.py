@@ -95,12 +95,87 @@ def step_seed(key, step) -> tf.Tensor:
       step: scalar integer tensor, the step t (0-based).
     """
     key = tf.cast(tf.convert_to_tensor(key), tf.int64)
-    return tf.random.experimental.stateless_fold_in(key, tf.cast(step, tf.int64))
+    return fold_in(key, step)
 
 
 def variable_seed(seed, index) -> tf.Tensor:
     """The seed of variable ``index`` at a step: ``fold_in(step_seed, k)``, int64 (2,)."""
-    return tf.random.experimental.stateless_fold_in(seed, tf.cast(index, tf.int64))
+    return fold_in(seed, index)
+
+
+_MASK32 = 0xFFFFFFFF
+_PHILOX_M = (0xD2511F53, 0xCD9E8D57)  # Philox-4×32 multipliers
+_PHILOX_W = (0x9E3779B9, 0xBB67AE85)  # Philox-4×32 key increments
+_SEED_KEY = (0x3EC8F720, 0x02461E29)  # TensorFlow's key for turning a seed into (key, counter)
+
+
+def _philox_block(counter, key):
+    """One Philox-4×32-10 block: 4 uint32 words (as uint64 scalars) from a 4-word
+    counter and a 2-word key."""
+    mask = tf.constant(_MASK32, tf.uint64)
+    m0, m1 = (tf.constant(m, tf.uint64) for m in _PHILOX_M)
+    c, k = list(counter), list(key)
+    for r in range(10):
+        p0, p1 = m0 * c[0], m1 * c[2]  # exact: both factors < 2^32
+        hi0, lo0 = tf.bitwise.right_shift(p0, tf.constant(32, tf.uint64)), tf.bitwise.bitwise_and(p0, mask)
+        hi1, lo1 = tf.bitwise.right_shift(p1, tf.constant(32, tf.uint64)), tf.bitwise.bitwise_and(p1, mask)
+        x = tf.bitwise.bitwise_xor
+        c = [x(x(hi1, c[1]), k[0]), lo1, x(x(hi0, c[3]), k[1]), lo0]
+        if r < 9:
+            k = [tf.bitwise.bitwise_and(k[i] + tf.constant(_PHILOX_W[i], tf.uint64), mask) for i in range(2)]
+    return c
+
+
+def _philox_key_counter(seed):
+    """TensorFlow's ``StatelessRandomGetKeyCounter`` for Philox, in plain integer ops:
+    one Philox block of the seed's four 32-bit words under a fixed key. (XLA's own
+    kernel truncates each int64 seed word to 32 bits, so an XLA step would draw other
+    noise than the same step without XLA; this gives the same stream in both.)
+
+    Returns ``key`` uint64 (1,) and ``counter`` uint64 (2,)."""
+    words = tf.bitcast(tf.cast(seed, tf.int64), tf.uint64)
+    mask = tf.constant(_MASK32, tf.uint64)
+    shift = tf.constant(32, tf.uint64)
+    counter = [tf.bitwise.bitwise_and(words[0], mask), tf.bitwise.right_shift(words[0], shift),
+               tf.bitwise.bitwise_and(words[1], mask), tf.bitwise.right_shift(words[1], shift)]
+    mix = _philox_block(counter, [tf.constant(k, tf.uint64) for k in _SEED_KEY])
+    key = mix[0] + tf.bitwise.left_shift(mix[1], shift)
+    high = mix[2] + tf.bitwise.left_shift(mix[3], shift)
+    return tf.reshape(key, [1]), tf.stack([tf.constant(0, tf.uint64), high])
+
+
+def _philox_bits(seed, n):
+    """n uniform uint32 words of Philox for a (2,) int64 seed: what
+    ``tf.random.stateless_uniform([n], seed, dtype=tf.uint32, alg="philox")`` gives
+    without XLA, also under XLA."""
+    if not _in_xla_context():  # TensorFlow's own kernel: the same words, fewer ops
+        return tf.random.stateless_uniform([n], seed=seed, minval=None, maxval=None, dtype=tf.uint32, alg="philox")
+    key, counter = _philox_key_counter(seed)
+    return tf.raw_ops.StatelessRandomUniformFullIntV2(shape=[n], key=key, counter=counter, alg=1, dtype=tf.uint32)
+
+
+def fold_in(seed, data) -> tf.Tensor:
+    """``tf.random.experimental.stateless_fold_in(seed, data)`` for an int64 (2,) seed,
+    also under XLA: ``[w, data]`` with w the first int64 Philox word of ``seed`` (XLA's
+    own kernels truncate int64 seeds to 32 bits: other noise than without XLA)."""
+    data = tf.cast(data, tf.int64)
+    if not _in_xla_context():
+        return tf.random.experimental.stateless_fold_in(tf.cast(seed, tf.int64), data)
+    key, counter = _philox_key_counter(seed)
+    word = tf.raw_ops.StatelessRandomUniformFullIntV2(shape=[], key=key, counter=counter, alg=1, dtype=tf.int64)
+    return tf.stack([word, data])
+
+
+def _in_xla_context() -> bool:
+    """Whether the graph being built is compiled by XLA (``jit_compile=True``); True
+    when TensorFlow's (private) test is unavailable, which is correct either way."""
+    try:
+        from tensorflow.python.ops import control_flow_util
+    except ImportError:  # pragma: no cover - a TensorFlow without the module
+        return True
+    if tf.executing_eagerly():
+        return False
+    return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
 
 
 def _box_muller(seed, n, compute, scale=None):
@@ -113,9 +188,9 @@ def _box_muller(seed, n, compute, scale=None):
     draws are the cosines, the rest the sines.
     """
     half = (n + 1) // 2
-    bits = tf.random.stateless_uniform([half], seed=seed, minval=None, maxval=None, dtype=tf.uint32)
-    angle_seed = tf.random.experimental.stateless_fold_in(seed, tf.constant(1, tf.int64))
-    angle_bits = tf.random.stateless_uniform([half], seed=angle_seed, minval=None, maxval=None, dtype=tf.uint32)
+    bits = _philox_bits(seed, half)
+    angle_seed = fold_in(seed, 1)
+    angle_bits = _philox_bits(angle_seed, half)
     u = (tf.cast(bits, compute) + 0.5) * (2.0**-32)  # (0, 1]: the log is finite and <= 0
     radius = tf.sqrt(-2.0 * tf.math.log(u))
     if scale is not None:

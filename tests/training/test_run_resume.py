@@ -175,14 +175,6 @@ def test_fit_refuses_another_plan_and_a_complete_plan(data):
         model.fit(run.dataset(*data), verbose=0)
 
 
-def test_jit_compile_is_refused_because_xla_drops_the_step_check(data):
-    run = _run()
-    model = _model(run)
-    model.compile(optimizer=model.optimizer, loss=model.loss, jit_compile=True)
-    with pytest.raises(ValueError, match="XLA drops the check"):
-        model.fit(run.dataset(*data), verbose=0)
-
-
 def test_an_optimizer_without_the_run_is_refused(data):
     run = _run()
     model = make_private(keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)]), clipping="vectorized")
