@@ -25,8 +25,6 @@ from dataclasses import dataclass
 
 import pytest
 
-pytestmark = pytest.mark.slow
-
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DOC_FILES = ["README.md"] + sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
 
@@ -92,6 +90,8 @@ def parse_blocks(path):
                 end += 1
             if end == len(lines):
                 problems.append(f"{path}:{i + 1}: a docs-test setup comment is not closed by a line '-->'")
+            if any(not s.strip() for s in lines[i + 1:end]):
+                problems.append(f"{path}:{i + 1}: a docs-test setup comment has a blank line (keep it one HTML block)")
             setup.extend(lines[i + 1:end])
             i = end
         elif _ANY_MARKER.search(text):
@@ -139,6 +139,7 @@ def test_most_doc_blocks_run():
         + "; ".join(f"{b.where()}: {b.skip}" for b in blocks if b.skip is not None))
 
 
+@pytest.mark.slow  # about 90 s for all files on 2 loaded cores
 @pytest.mark.parametrize("path", [p for p in DOC_FILES if parse_blocks(p)[0]])
 def test_doc_code_blocks_run(path, tmp_path):
     blocks, problems = parse_blocks(path)
