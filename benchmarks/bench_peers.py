@@ -96,16 +96,18 @@ def interpreters(args):
 
 def check_columns(columns, pythons):
     """Columns whose interpreter can import what they need; prints why and how to fix the others."""
-    usable, skipped = [], {}
+    usable, skipped, probed = [], {}, {}
     for column in columns:
         key = COLUMNS[column][1]
         python = pythons[key]
         if not Path(python).exists():
             skipped[column] = f"no interpreter at {python}"
         else:
-            env = worker_env(key)
-            proc = subprocess.run([python, "-c", f"import {NEEDS[column]}"], env=env, capture_output=True,
-                                  text=True, timeout=300)
+            if (python, NEEDS[column]) not in probed:
+                probed[(python, NEEDS[column])] = subprocess.run(
+                    [python, "-c", f"import {NEEDS[column]}"], env=worker_env(key), capture_output=True,
+                    text=True, timeout=300)
+            proc = probed[(python, NEEDS[column])]
             if proc.returncode:
                 last = (proc.stderr.strip().splitlines() or ["import failed"])[-1]
                 skipped[column] = f"{python} cannot import {NEEDS[column]} ({last})"
