@@ -4,6 +4,8 @@
 ``NoiseCurveOptimizer(mixing="dpsgd", seed=s)``.
 ``--library tfp``: TensorFlow Privacy 0.9 (Keras 2 as ``tf.keras``): ``make_dp_model_class``
 with the default fast-clipping registry (Dense), noise from ``tf.random`` seeded with s.
+``--library jax-privacy``: jax_privacy 2.0's ``keras_api.make_private`` (Keras 3, JAX
+backend), ``rescale_to_unit_norm=False``, ``seed=s``.
 
 Both compute, for a batch of B examples, ``ĝ = (Σ_i clip(∇ℓ_i, ζ) + ζ·σ·z) / B`` with
 z ~ N(0, I) and take ``w ← w − η·ĝ`` (plain SGD). The batches are given: ``--data`` is an
@@ -70,9 +72,31 @@ def train_tfp(x, y, x_test, y_test, order, seed, args):
     return float((logits.argmax(axis=1) == y_test).mean())
 
 
+def train_jax_privacy(x, y, x_test, y_test, order, seed, args):
+    import keras
+    from jax_privacy import keras_api
+
+    steps, batch_size = order.shape
+    params = keras_api.DPKerasConfig(
+        epsilon=1e6, delta=1e-5, clipping_norm=args.clip, batch_size=batch_size, gradient_accumulation_steps=1,
+        train_steps=steps, train_size=steps * batch_size, noise_multiplier=args.noise_multiplier,
+        rescale_to_unit_norm=False, seed=seed,
+    )
+    model = keras_api.make_private(_model(keras), params)
+    model.compile(optimizer=keras.optimizers.SGD(args.learning_rate),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    flat = order.reshape(-1)
+    model.fit(x[flat], y[flat], batch_size=batch_size, epochs=1, shuffle=False, verbose=0)
+    logits = model.predict(x_test, batch_size=1000, verbose=0)
+    return float((logits.argmax(axis=1) == y_test).mean())
+
+
+TRAINERS = {"ours": train_ours, "tfp": train_tfp, "jax-privacy": train_jax_privacy}
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser()
-    parser.add_argument("--library", required=True, choices=("ours", "tfp"))
+    parser.add_argument("--library", required=True, choices=tuple(TRAINERS))
     parser.add_argument("--data", required=True)
     parser.add_argument("--clip", type=float, required=True)
     parser.add_argument("--noise-multiplier", type=float, required=True)
@@ -81,13 +105,13 @@ def main(argv=None):
     parser.add_argument("--out", required=True)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    if args.library == "ours":
-        os.environ["KERAS_BACKEND"] = "tensorflow"
+    if args.library in ("ours", "jax-privacy"):
+        os.environ["KERAS_BACKEND"] = "tensorflow" if args.library == "ours" else "jax"
     import numpy as np
 
     data = np.load(args.data)
     x, y, x_test, y_test, batches = (data[k] for k in ("x_train", "y_train", "x_test", "y_test", "batches"))
-    train = train_ours if args.library == "ours" else train_tfp
+    train = TRAINERS[args.library]
     accuracy, start = [], time.perf_counter()
     for i, seed in enumerate(args.seeds):
         accuracy.append(train(x, y, x_test, y_test, batches[i], seed, args))

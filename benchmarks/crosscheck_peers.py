@@ -9,6 +9,8 @@ Sampling is fixed-size batches (a fresh permutation of the training set every ep
 cut into batches of B): seed s draws the batch sequence once and BOTH libraries train
 on it, so a pair of runs differs only in the libraries' Gaussian draws. Each library runs
 in its own process (``_peer_xcheck.py``; TF Privacy in its own virtual environment).
+When ``--jax-python`` names an interpreter with jax_privacy 2.0, its Keras API
+(``rescale_to_unit_norm=False``) is compared the same way.
 
 Printed: both test-accuracy distributions over the paired seeds (mean, sd, quartiles),
 Welch's two-sample t-test and the Mann–Whitney U test (H0: same distribution), and a
@@ -56,6 +58,8 @@ def batch_orders(n, batch_size, epochs, seeds):
 def run_worker(python, library, data_path, args, seeds, noise_multiplier, tmp):
     out = Path(tmp) / f"{library}-{noise_multiplier}.json"
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=str(ROOT) if library == "ours" else "")
+    if library == "jax-privacy":
+        env["KERAS_BACKEND"] = "jax"
     cmd = [python, str(HERE / "_peer_xcheck.py"), "--library", library, "--data", str(data_path),
            "--clip", str(args.clip), "--noise-multiplier", str(noise_multiplier),
            "--learning-rate", str(args.learning_rate), "--seeds", *map(str, seeds), "--out", str(out)]
@@ -100,6 +104,8 @@ def main(argv=None):
     parser.add_argument("--control-factor", type=float, default=4.0,
                         help="also run this library at this multiple of σ (0: no control)")
     parser.add_argument("--tfp-python", default="/tmp/tfp09/bin/python")
+    parser.add_argument("--jax-python", default="/tmp/jaxp/bin/python",
+                        help="interpreter with jax_privacy 2.0 and keras 3 (skipped when missing)")
     parser.add_argument("--json", help="write the accuracies and p-values here")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if not Path(args.tfp_python).exists():
@@ -125,6 +131,11 @@ def main(argv=None):
                  y_test=splits.y_test.astype("int32"), batches=orders)
         ours = run_worker(sys.executable, "ours", data_path, args, seeds, args.noise_multiplier, tmp)
         tfp = run_worker(args.tfp_python, "tfp", data_path, args, seeds, args.noise_multiplier, tmp)
+        jaxp = None
+        if Path(args.jax_python).exists():
+            jaxp = run_worker(args.jax_python, "jax-privacy", data_path, args, seeds, args.noise_multiplier, tmp)
+        else:
+            print(f"no jax_privacy interpreter at {args.jax_python}: its column is skipped")
         control = None
         if args.control_factor > 0:
             control = run_worker(sys.executable, "ours", data_path, args, seeds,
@@ -133,6 +144,10 @@ def main(argv=None):
     print(describe("TF Privacy 0.9", tfp))
     report = {"ours": ours.tolist(), "tfp": tfp.tolist(), "args": vars(args)}
     report["ours_vs_tfp"] = compare(ours, tfp, args.margin, "this library vs TF Privacy")
+    if jaxp is not None:
+        print(describe("jax_privacy 2.0", jaxp))
+        report["jax_privacy"] = jaxp.tolist()
+        report["ours_vs_jax_privacy"] = compare(ours, jaxp, args.margin, "this library vs jax_privacy")
     if control is not None:
         print(describe(f"control: this library, {args.control_factor:g}σ", control))
         report["control"] = control.tolist()
