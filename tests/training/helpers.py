@@ -65,6 +65,16 @@ def set_precision(dtype):
     keras.config.set_dtype_policy(dtype)
 
 
+def float64_layers():
+    """Generator for an autouse fixture: new layers are float64 and the seed is fixed, for
+    comparisons that measure the method rather than round-off; the old precision after."""
+    old = keras.config.floatx()
+    set_precision("float64")
+    keras.utils.set_random_seed(0)
+    yield
+    set_precision(old)
+
+
 def mse(y, p):
     """Per-example mean squared error over every non-example axis: (P,)."""
     import tensorflow as tf

@@ -20,19 +20,13 @@ import keras
 from keras_noisecurve.training.clipping import vectorized_clipped_sum
 from keras_noisecurve.training.ghost import describe, ghost_clipped_sum, supports
 from keras_noisecurve.training import ghost_conv, ghost_layers, kernels
-from tests.training.helpers import loop_reference, mse, set_precision
+from tests.training.helpers import float64_layers, loop_reference, mse, set_precision
 
 P = 6
 RTOL = 1e-5
 
 
-@pytest.fixture(autouse=True)
-def float64():
-    old = keras.config.floatx()
-    set_precision("float64")
-    keras.utils.set_random_seed(0)
-    yield
-    set_precision(old)
+float64 = pytest.fixture(autouse=True)(float64_layers)
 
 
 def weights_with_padding(rng, n=P):

@@ -20,19 +20,13 @@ from keras_noisecurve.training import ghost
 from keras_noisecurve.training.ghost import ghost_clipped_sum, supports
 from keras_noisecurve.training.ghost_layers import find_rule
 from keras_noisecurve.training.ghost_rnn import RecurrentRule
-from tests.training.helpers import loop_reference, mse, set_precision
+from tests.training.helpers import float64_layers, loop_reference, mse, set_precision
 
 P, L, VOCAB, UNITS, DIM = 6, 7, 20, 5, 4
 RTOL = 1e-5
 
 
-@pytest.fixture(autouse=True)
-def float64():
-    old = keras.config.floatx()
-    set_precision("float64")
-    keras.utils.set_random_seed(0)
-    yield
-    set_precision(old)
+float64 = pytest.fixture(autouse=True)(float64_layers)
 
 
 def padded_tokens(rng, n=P, length=L):
