@@ -1,0 +1,293 @@
+"""Static measures of the package's layout, read with ``ast`` (no imports, no TensorFlow).
+
+``tests/test_layout.py`` asserts the rules on them; run this file to print the counts:
+
+    python tests/layout_rules.py
+
+Measures:
+
+- ``long_modules``: modules over ``MAX_LINES`` lines.
+- ``kind_comparisons``: comparisons (``==``, ``!=``, ``in``, ``not in``) of a value with a
+  strategy kind (``"banded"``, ``"toeplitz"``, ``"fir"``, ``"blt"``, ``"bisr"``, ``"identity"``) or an
+  objective name (``"dpsgd"``, ``"bandmf"``, ``"noisecurve"``, …) outside the registries
+  that define them (``REGISTRY_MODULES``).
+- ``strategy_isinstance``: ``isinstance``/``issubclass`` on a strategy class outside the
+  modules that define strategy classes.
+- ``private_names``: uses of a private name of Keras, TensorFlow or dp-accounting outside
+  ``keras_noisecurve/_compat.py``: imports of ``keras.src``/``tensorflow.python``/
+  ``tensorflow.core``/a private ``dp_accounting`` module; reads of ``obj._name`` (also through
+  ``getattr``/``setattr``/``hasattr`` with a literal) where no module of this package defines
+  ``_name``; and methods ``_name`` defined in a subclass of a third-party class that this
+  package never refers to (hooks the third party calls: overrides of its private methods).
+- ``run_signatures``: functions whose parameters spell out the run description: four or
+  more of ``RUN_FIELDS`` (a count for the record, not a rule).
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = "keras_noisecurve"
+MAX_LINES = 600
+
+STRATEGY_KINDS = frozenset({"banded", "toeplitz", "fir", "blt", "bisr", "identity"})
+OBJECTIVE_NAMES = frozenset({
+    "dpsgd", "bandmf", "noisecurve", "noisecurve-convergence", "noisecurve-all-iterates", "noisecurve-blend",
+})
+STRATEGY_CLASSES = frozenset({
+    "MixingMatrix", "ToeplitzMixing", "BLTMixing", "BISRMixing", "IdentityMixing", "_ToeplitzFamily",
+})
+#: Module path patterns (relative to the package, glob) where kind/objective names may be compared:
+#: the registries that define them.
+REGISTRY_MODULES = ("mixing/strategies*.py", "mixing/objectives.py", "apps/**/strategy_table.py")
+COMPAT_MODULE = "_compat.py"
+THIRD_PARTY_ROOTS = ("keras", "tensorflow", "tf", "dp_accounting", "tf_keras", "tensorflow_privacy")
+PRIVATE_IMPORTS = ("keras.src", "tensorflow.python", "tensorflow.core", "tensorflow_privacy.privacy")
+#: namedtuple's documented methods (public API despite the underscore)
+NAMEDTUPLE_API = frozenset({"_replace", "_fields", "_asdict", "_make", "_field_defaults"})
+RUN_FIELDS = frozenset({
+    "num_examples", "batch_size", "expected_batch_size", "steps", "bands", "sampling", "epochs",
+    "participations", "separation", "min_separation", "mixing", "padded_batch_size",
+})
+
+
+def package_files() -> list[Path]:
+    return sorted(p for p in (ROOT / PACKAGE).rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def _rel(path: Path) -> str:
+    return path.relative_to(ROOT / PACKAGE).as_posix()
+
+
+def _matches(rel: str, patterns) -> bool:
+    from fnmatch import fnmatch
+
+    return any(fnmatch(rel, pattern) for pattern in patterns)
+
+
+def _trees():
+    for path in package_files():
+        yield path, ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+
+
+def long_modules(max_lines: int = MAX_LINES) -> list[str]:
+    out = []
+    for path in package_files():
+        lines = len(path.read_text(encoding="utf-8").splitlines())
+        if lines > max_lines:
+            out.append(f"{_rel(path)}: {lines} lines")
+    return out
+
+
+def _string_constants(node) -> set[str]:
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return {node.value}
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        found = set()
+        for element in node.elts:
+            found |= _string_constants(element)
+        return found
+    return set()
+
+
+def kind_comparisons() -> list[str]:
+    names = STRATEGY_KINDS | OBJECTIVE_NAMES
+    out = []
+    for path, tree in _trees():
+        rel = _rel(path)
+        if _matches(rel, REGISTRY_MODULES):
+            continue
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Compare):
+                continue
+            if not any(isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn)) for op in node.ops):
+                continue
+            found = set()
+            for operand in [node.left, *node.comparators]:
+                found |= _string_constants(operand) & names
+            if found:
+                out.append(f"{rel}:{node.lineno}: compares with {sorted(found)}")
+    return out
+
+
+def _class_names(node) -> set[str]:
+    if isinstance(node, ast.Name):
+        return {node.id}
+    if isinstance(node, ast.Attribute):
+        return {node.attr}
+    if isinstance(node, ast.Tuple):
+        found = set()
+        for element in node.elts:
+            found |= _class_names(element)
+        return found
+    return set()
+
+
+def strategy_isinstance() -> list[str]:
+    out = []
+    for path, tree in _trees():
+        defined = {n.name for n in ast.walk(tree) if isinstance(n, ast.ClassDef)}
+        if defined & STRATEGY_CLASSES:
+            continue  # a module that defines strategy classes
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                    and node.func.id in ("isinstance", "issubclass") and len(node.args) == 2):
+                hit = _class_names(node.args[1]) & STRATEGY_CLASSES
+                if hit:
+                    out.append(f"{_rel(path)}:{node.lineno}: {node.func.id} on {sorted(hit)}")
+    return out
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _own_private_names() -> set[str]:
+    """Private names this package defines: assigned attributes, functions, classes, class attributes."""
+    names = set()
+    for _, tree in _trees():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+                for arg in [*node.args.args, *node.args.kwonlyargs] if not isinstance(node, ast.ClassDef) else []:
+                    names.add(arg.arg)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                names.add(node.attr)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+            elif isinstance(node, ast.Call):
+                func = node.func
+                name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+                if name in ("setattr", "__setattr__") and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant):
+                    names.add(str(node.args[1].value))
+                names.update(k.arg for k in node.keywords if k.arg)  # e.g. set_defaults(_module=...)
+    return {n for n in names if _is_private(n)}
+
+
+def _loaded_names(tree) -> dict[str, int]:
+    """How often each name is referenced (loaded, or named by a string) in ``tree``."""
+    counts: dict[str, int] = {}
+    for node in ast.walk(tree):
+        if True:
+            name = None
+            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
+                name = node.attr
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
+                name = node.id
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                name = node.value
+            if name:
+                counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+def _referenced_names() -> dict[str, int]:
+    """How often each name is referenced anywhere in the package."""
+    counts: dict[str, int] = {}
+    for _, tree in _trees():
+        for name, count in _loaded_names(tree).items():
+            counts[name] = counts.get(name, 0) + count
+    return counts
+
+
+def _third_party_base(base) -> bool:
+    node = base
+    while isinstance(node, ast.Attribute):
+        node = node.value
+    return isinstance(node, ast.Name) and node.id in THIRD_PARTY_ROOTS
+
+
+def private_names() -> list[str]:
+    own = _own_private_names()
+    referenced = _referenced_names()
+    out = []
+    for path, tree in _trees():
+        rel = _rel(path)
+        if rel == COMPAT_MODULE:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.startswith(PRIVATE_IMPORTS):
+                        out.append(f"{rel}:{node.lineno}: import {alias.name}")
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                if node.module.startswith(PRIVATE_IMPORTS) or (
+                        node.module.split(".")[0] in THIRD_PARTY_ROOTS
+                        and any(_is_private(part) for part in node.module.split("."))):
+                    out.append(f"{rel}:{node.lineno}: from {node.module} import ...")
+                elif node.module.split(".")[0] in THIRD_PARTY_ROOTS:
+                    for alias in node.names:
+                        if _is_private(alias.name):
+                            out.append(f"{rel}:{node.lineno}: from {node.module} import {alias.name}")
+            elif (isinstance(node, ast.Attribute) and _is_private(node.attr) and node.attr not in own
+                  and node.attr not in NAMEDTUPLE_API):
+                out.append(f"{rel}:{node.lineno}: .{node.attr}")
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                  and node.func.id in ("getattr", "setattr", "hasattr", "delattr") and len(node.args) >= 2
+                  and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)
+                  and _is_private(node.args[1].value) and node.args[1].value not in NAMEDTUPLE_API):
+                name = node.args[1].value
+                if name not in own:
+                    out.append(f"{rel}:{node.lineno}: {node.func.id}(..., {name!r})")
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith(
+                    tuple(p + "." for p in PRIVATE_IMPORTS)):
+                out.append(f"{rel}:{node.lineno}: {node.value!r}")
+            elif isinstance(node, ast.ClassDef) and any(_third_party_base(b) for b in node.bases):
+                for item in node.body:
+                    if not (isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and _is_private(item.name)):
+                        continue
+                    # references outside the method's own body (its super() call is not one)
+                    outside = referenced.get(item.name, 0) - _loaded_names(item).get(item.name, 0)
+                    if outside == 0:
+                        out.append(f"{rel}:{item.lineno}: overrides {node.name}.{item.name}")
+    return out
+
+
+RUN_SIGNATURE_FIELDS = 4
+
+
+def run_signatures() -> list[str]:
+    out = []
+    for path, tree in _trees():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                args = node.args
+                params = {a.arg for a in [*args.posonlyargs, *args.args, *args.kwonlyargs]}
+                fields = params & RUN_FIELDS
+                if len(fields) >= RUN_SIGNATURE_FIELDS:
+                    out.append(f"{_rel(path)}:{node.lineno}: {node.name}({', '.join(sorted(fields))})")
+    return out
+
+
+def largest_modules(count: int = 5) -> list[str]:
+    sizes = [(len(p.read_text(encoding="utf-8").splitlines()), _rel(p)) for p in package_files()]
+    return [f"{rel}: {lines}" for lines, rel in sorted(sizes, reverse=True)[:count]]
+
+
+MEASURES = {
+    "long_modules": long_modules,
+    "kind_comparisons": kind_comparisons,
+    "strategy_isinstance": strategy_isinstance,
+    "private_names": private_names,
+    "run_signatures": run_signatures,
+}
+
+
+def main(argv=None) -> int:
+    verbose = "-v" in (argv if argv is not None else sys.argv[1:])
+    for name, measure in MEASURES.items():
+        found = measure()
+        files = sorted({line.split(":")[0] for line in found})
+        print(f"{name}: {len(found)} in {len(files)} files")
+        if verbose:
+            for line in found:
+                print(f"    {line}")
+    print("largest modules: " + ", ".join(largest_modules()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
