@@ -42,7 +42,7 @@ STRATEGY_CLASSES = frozenset({
 })
 #: Module path patterns (relative to the package, glob) where kind/objective names may be compared:
 #: the registries that define them.
-REGISTRY_MODULES = ("mixing/strategies*.py", "mixing/objectives.py", "apps/**/strategy_table.py")
+REGISTRY_MODULES = ("mixing/strategies*.py", "mixing/objectives.py", "apps/strategy_table.py", "apps/*/strategy_table.py")
 COMPAT_MODULE = "_compat.py"
 THIRD_PARTY_ROOTS = ("keras", "tensorflow", "tf", "dp_accounting", "tf_keras", "tensorflow_privacy")
 PRIVATE_IMPORTS = ("keras.src", "tensorflow.python", "tensorflow.core", "tensorflow_privacy.privacy")
