@@ -4,8 +4,6 @@ The sensitivities are checked against dense column sums of C (an independent
 computation), the ε against the exact Gaussian mechanism and against a banded C.
 """
 
-import dataclasses
-
 import numpy as np
 import pytest
 from scipy import special
