@@ -73,7 +73,9 @@ class PrivateRun:
 
     Raises ``ValueError`` naming the argument for any inconsistent plan (b > T, q ≥ 1,
     a C shorter than T, both or neither of ``steps``/``epochs`` or
-    ``noise_multiplier``/``epsilon``, …); all validation happens here, once.
+    ``noise_multiplier``/``epsilon``, …); all validation happens here, once: the run's
+    description becomes ``run.spec`` (a :class:`~keras_noisecurve.privacy.events.RunSpec`),
+    which every part of the run (calibration, ε, padding, the sampler, the budget) takes.
     """
 
     def __init__(
@@ -118,7 +120,7 @@ class PrivateRun:
         if epsilon is not None:
             self._target_epsilon = check_float("epsilon", epsilon, positive=True)
             noise_multiplier = noise_multiplier_for(self._spec, self._target_epsilon, self._delta, self._accountant)
-        # sigma = 0 is no privacy: refused here, as by the optimizer
+        # sigma = 0 is no privacy: refused (as by compute_epsilon and calibration)
         self._sigma = check_float("noise_multiplier", noise_multiplier, positive=True)
         self._padded, self._overflow = padding(spec=self._spec, max_batch_size=max_batch_size,
                                                overflow_probability=overflow_probability)
