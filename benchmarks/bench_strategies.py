@@ -192,16 +192,15 @@ class Lab:
         return self.errors[key]
 
     def sigma(self, plan: Plan, row: Row, epsilon: float) -> float:
-        """σ of ``PrivateRun(..., epsilon=ε, sampling=row.sampling)``; runs whose accounting setups
+        """σ of ``PrivateRun(..., epsilon=ε, sampling=row.sampling)``; runs whose run specs
         agree (same q, compositions and sensitivities) share one calibration."""
         import keras_noisecurve as knc
-        from keras_noisecurve.privacy.events import accounting_setup
 
         mix = self.mixing(plan, row)
         n, batch, steps = plan.num_examples, plan.batch_size, plan.steps
-        setup = accounting_setup(num_examples=n, batch_size=batch, steps=steps, sampling=row.sampling,
-                                 epochs=plan.epochs if row.sampling == "fixed_epochs" else None, mixing=mix)
-        fields = dataclasses.asdict(setup)
+        spec = knc.RunSpec(num_examples=n, batch_size=batch, steps=steps, sampling=row.sampling,
+                           epochs=plan.epochs if row.sampling == "fixed_epochs" else None, mixing=mix)
+        fields = dataclasses.asdict(spec)
         fields.pop("strategy")  # the event depends on the numbers only
         record = {k: (round(v, 10) if isinstance(v, float) else
                       [round(x, 10) for x in v] if isinstance(v, (tuple, list)) else v) for k, v in fields.items()}

@@ -117,7 +117,7 @@ def main(argv=None) -> int:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             history = private.fit(run.dataset(f_train, y_train), epochs=1, steps_per_epoch=args.steps, verbose=0,
-                                  callbacks=[run.budget(verbose=0)])
+                                  callbacks=[knc.callbacks.PrivacyBudget(run=run, verbose=0)])
         acc = float(np.mean(np.argmax(model.predict(f_test, verbose=0), axis=1) == y_test))
         spent = history.history.get("epsilon", [float("nan")])[-1]
         print(f"| {name} | {b} | {sigma:.3f} | {spent:.3f} | {100 * acc:.2f} % | {time.perf_counter() - start:.1f} |",

@@ -32,6 +32,7 @@ _EXPORTS = {
     "warn_if_excursive": "keras_noisecurve.mixing.diagnostics",
     "NoiseExcursionWarning": "keras_noisecurve.mixing.diagnostics",
     # privacy accounting (numpy/scipy + dp_accounting)
+    "RunSpec": "keras_noisecurve.privacy",
     "dp_event": "keras_noisecurve.privacy",
     "compute_epsilon": "keras_noisecurve.privacy",
     "calibrate_noise_multiplier": "keras_noisecurve.privacy",

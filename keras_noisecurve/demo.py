@@ -392,7 +392,7 @@ def _run(args, cfg) -> int:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 private.fit(run.dataset(x_train, y_train), epochs=1, steps_per_epoch=steps, verbose=0,
-                            callbacks=[curve, run.budget(verbose=0)])
+                            callbacks=[curve, knc.callbacks.PrivacyBudget(run=run, verbose=0)])
             acc = _accuracy(model, x_test, y_test)
             runs[name].append({"seed": seed, "test_accuracy": acc, "seconds": time.perf_counter() - t0,
                                "accuracy_per_epoch": curve.history})

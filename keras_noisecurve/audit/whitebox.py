@@ -301,7 +301,7 @@ def audit_whitebox(
     precisions = {"claimed": scoring.claimed_precision(mixing_dense=dense, noise_multiplier=run.noise_multiplier)}
     if any(s.startswith("empirical/") for s in scorings):
         precisions["empirical"] = scoring.empirical_precision(probe_observations=probe_obs)
-    q = run.setup.sampling_probability
+    q = run.spec.sampling_probability
     scores = {}
     for s in scorings:
         kind, rule = s.split("/")
@@ -331,7 +331,7 @@ def audit_whitebox(
         "noise_matches_claim": bool(cov_error <= threshold),
     }
     if sampling == "fixed_epochs":
-        info["claimed_mu"] = run.setup.fixed_epoch_sensitivity(epochs) / run.noise_multiplier
+        info["claimed_mu"] = run.spec.fixed_epoch_sensitivity(epochs) / run.noise_multiplier
     result = summarize(scores=scores, included=included, claimed_epsilon=claimed, delta=delta, confidence=confidence,
                        gaussian_claim=sampling == "fixed_epochs", seed=seed, info=info,
                        methods=("clopper-pearson", "gaussian-dp") if sampling == "fixed_epochs"

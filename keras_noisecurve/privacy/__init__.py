@@ -1,8 +1,11 @@
 """Privacy accounting and the cyclic Poisson sampler (docs/design.md#privacy-model, docs/privacy.md).
 
-- :mod:`keras_noisecurve.privacy.accounting` (numpy/scipy + dp_accounting): the
-  dominating ``dp_accounting`` event of a run and ε (``events``), noise calibration
+- :mod:`keras_noisecurve.privacy.accounting` (numpy/scipy + dp_accounting): the run
+  spec ``RunSpec`` (the run described and validated once), its dominating
+  ``dp_accounting`` event and ε for planning (``events``), noise calibration
   (``calibration``), padding and overflow bounds (``overflow``). Re-exported here.
+- :mod:`keras_noisecurve.privacy.run`: ``PrivateRun``, whose ``run.epsilon(step)`` is
+  the ε of a run.
 - :mod:`keras_noisecurve.privacy.sampler` (TensorFlow, imported lazily):
   ``banded_poisson_dataset`` and ``sampling_plan``.
 - :mod:`keras_noisecurve.privacy.budget` (Keras): the ``PrivacyBudget`` callback.
@@ -16,9 +19,8 @@ from keras_noisecurve.privacy.accounting import (
     PLD_VALUE_DISCRETIZATION,
     RDP_ORDERS,
     SAMPLINGS,
-    AccountingSetup,
     Calibration,
-    accounting_setup,
+    RunSpec,
     calibrate,
     calibrate_noise_multiplier,
     compute_epsilon,
@@ -26,10 +28,9 @@ from keras_noisecurve.privacy.accounting import (
     overflow_delta,
     overflow_probability,
     padded_batch_size,
-    sampling_probability,
+    padding,
     steps_for_epochs,
 )
-from keras_noisecurve.privacy.ledger import EpsilonLedger
 
 __all__ = [
     "ACCOUNTANTS",
@@ -37,10 +38,8 @@ __all__ = [
     "PLD_VALUE_DISCRETIZATION",
     "RDP_ORDERS",
     "SAMPLINGS",
-    "AccountingSetup",
     "Calibration",
-    "EpsilonLedger",
-    "accounting_setup",
+    "RunSpec",
     "calibrate",
     "calibrate_noise_multiplier",
     "compute_epsilon",
@@ -48,6 +47,6 @@ __all__ = [
     "overflow_delta",
     "overflow_probability",
     "padded_batch_size",
-    "sampling_probability",
+    "padding",
     "steps_for_epochs",
 ]

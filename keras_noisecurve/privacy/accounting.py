@@ -6,13 +6,13 @@ Privacy model (docs/privacy.md): example-level DP with add-or-remove-one adjacen
 mechanism is the whole training run. This module gathers the accounting API of three
 modules, each with one job:
 
-- :mod:`keras_noisecurve.privacy.events`: the run's setup (q, compositions, sensitivity),
-  its dominating ``dp_accounting`` event (:func:`dp_event`) and ε
-  (:func:`compute_epsilon`);
+- :mod:`keras_noisecurve.privacy.events`: the run spec (:class:`RunSpec`: n, B, T, b,
+  sampling, q, compositions, sensitivity, validated once), its dominating
+  ``dp_accounting`` event (:func:`dp_event`) and ε for planning (:func:`compute_epsilon`);
 - :mod:`keras_noisecurve.privacy.calibration`: σ from (ε, δ)
   (:func:`calibrate_noise_multiplier`, :func:`calibrate`);
-- :mod:`keras_noisecurve.privacy.overflow`: the sampler's padded batch size and the δ
-  its truncation adds (:func:`overflow_delta`).
+- :mod:`keras_noisecurve.privacy.overflow`: the sampler's padded batch size
+  (:func:`padding`) and the δ its truncation adds (:func:`overflow_delta`).
 """
 
 from keras_noisecurve.privacy.calibration import (
@@ -27,12 +27,10 @@ from keras_noisecurve.privacy.events import (
     PLD_VALUE_DISCRETIZATION,
     RDP_ORDERS,
     SAMPLINGS,
-    AccountingSetup,
-    accounting_setup,
+    RUN_ARGUMENTS,
+    RunSpec,
     compute_epsilon,
     dp_event,
-    epsilon_for_setup,
-    sampling_probability,
     steps_for_epochs,
 )
 from keras_noisecurve.privacy.overflow import (
@@ -40,6 +38,7 @@ from keras_noisecurve.privacy.overflow import (
     overflow_delta,
     overflow_probability,
     padded_batch_size,
+    padding,
 )
 
 __all__ = [
@@ -49,18 +48,17 @@ __all__ = [
     "DEFAULT_OVERFLOW_PROBABILITY",
     "PLD_VALUE_DISCRETIZATION",
     "RDP_ORDERS",
+    "RUN_ARGUMENTS",
     "SAMPLINGS",
-    "AccountingSetup",
     "Calibration",
-    "accounting_setup",
+    "RunSpec",
     "calibrate",
     "calibrate_noise_multiplier",
     "compute_epsilon",
     "dp_event",
-    "epsilon_for_setup",
     "overflow_delta",
     "overflow_probability",
     "padded_batch_size",
-    "sampling_probability",
+    "padding",
     "steps_for_epochs",
 ]

@@ -4,8 +4,8 @@ Steps are counted by ``model.optimizer.iterations`` (saved with the optimizer, s
 the count survives checkpoint/resume). After k optimizer steps an example has
 participated at most ⌈k/b⌉ times (cyclic Poisson) or ⌈k/steps_per_epoch⌉ times
 (fixed epochs); the ε spent is that of the dominating event with that many
-participations, read from an :class:`~keras_noisecurve.privacy.ledger.EpsilonLedger`
-(each participation count computed once, cheaply). ``on_train_begin`` builds the
+participations, read from the run's ε table (``run.ledger``; each participation count
+computed once, cheaply). ``on_train_begin`` builds the
 ledger's shared state and ε at the last allowed step, so no batch or epoch end pays for
 a PLD computation. The reported ε is at the accounting δ; the run's total δ adds the
 sampler's overflow term (``keras_noisecurve.privacy.overflow_delta``).
@@ -18,31 +18,16 @@ from typing import Optional
 import keras
 
 from keras_noisecurve._validation import check_float, check_int
-from keras_noisecurve.privacy import accounting
-from keras_noisecurve.privacy.ledger import EpsilonLedger
-
-#: The run arguments: PrivacyBudget takes these or ``ledger=``, never both.
-_RUN_ARGS = ("noise_multiplier", "delta", "num_examples", "batch_size", "steps", "bands", "sampling", "epochs",
-             "accountant")
-_REQUIRED_RUN_ARGS = ("noise_multiplier", "delta", "num_examples", "batch_size", "steps")
+from keras_noisecurve.privacy.run import PrivateRun
 
 
 class PrivacyBudget(keras.callbacks.Callback):
     """Log ``logs["epsilon"]`` and stop training before the plan or ε budget runs out.
 
-    The run is given either as the separate run arguments or as ``ledger=``, never both.
-
-    Args:
-      noise_multiplier: σ of the optimizer (noise std / clip norm).
-      delta: accounting δ in (0, 1).
-      num_examples, batch_size, steps, bands, sampling, epochs: the run plan, as for
-        :func:`keras_noisecurve.compute_epsilon`; ``steps`` = T is the number of
-        optimizer steps the plan (and C) covers. Defaults: bands 1, sampling
-        ``"cyclic_poisson"``.
-      accountant: ``"pld"`` (default) or ``"rdp"`` (looser).
-      ledger: keyword-only alternative to all of the above: an
-        :class:`~keras_noisecurve.privacy.ledger.EpsilonLedger` of the run (e.g. a
-        ``PrivateRun``'s), shared rather than rebuilt.
+    Args (keyword-only):
+      run: the :class:`~keras_noisecurve.PrivateRun` being trained (its spec, σ, δ and
+        accountant; its ε table is shared, not rebuilt). For a run not trained through
+        ``run.dataset``, describe it as a ``PrivateRun`` all the same (σ given).
       target_epsilon: optional ε budget (> 0). Training stops after the last step
         whose ε is ≤ target_epsilon.
       log_every_step: also put ε into the logs of every batch.
@@ -60,62 +45,14 @@ class PrivacyBudget(keras.callbacks.Callback):
     a few milliseconds, computed at most once per participation count (docs/privacy.md §6).
     """
 
-    def __init__(
-        self,
-        *,
-        noise_multiplier: Optional[float] = None,
-        delta: Optional[float] = None,
-        num_examples: Optional[int] = None,
-        batch_size: Optional[int] = None,
-        steps: Optional[int] = None,
-        bands: Optional[int] = None,
-        sampling: Optional[str] = None,
-        epochs: Optional[int] = None,
-        target_epsilon: Optional[float] = None,
-        accountant: Optional[str] = None,
-        log_every_step: bool = False,
-        verbose: int = 1,
-        ledger: Optional[EpsilonLedger] = None,
-    ):
+    def __init__(self, *, run: PrivateRun, target_epsilon: Optional[float] = None, log_every_step: bool = False,
+                 verbose: int = 1):
         super().__init__()
-        run = dict(noise_multiplier=noise_multiplier, delta=delta, num_examples=num_examples, batch_size=batch_size,
-                   steps=steps, bands=bands, sampling=sampling, epochs=epochs, accountant=accountant)
-        given = {name: value for name, value in run.items() if value is not None}
-        self._from_ledger = ledger is not None
-        if ledger is not None:
-            if not isinstance(ledger, EpsilonLedger):
-                raise TypeError(
-                    "ledger must be a keras_noisecurve.privacy.ledger.EpsilonLedger, "
-                    f"got {type(ledger).__name__}."
-                )
-            if given:
-                raise ValueError(
-                    "PrivacyBudget takes the run either as ledger= or as the run arguments "
-                    f"({', '.join(_RUN_ARGS)}), not both; got ledger={ledger!r} and "
-                    + ", ".join(f"{name}={value!r}" for name, value in given.items()) + "."
-                )
-        else:
-            missing = [name for name in _REQUIRED_RUN_ARGS if run[name] is None]
-            if missing:
-                raise ValueError(
-                    "PrivacyBudget needs the run: either ledger= (an EpsilonLedger) or the run arguments "
-                    f"{', '.join(_REQUIRED_RUN_ARGS)} (and optionally bands, sampling, epochs, accountant); "
-                    f"missing {', '.join(missing)}"
-                    + (f" (got {', '.join(sorted(given))})." if given else " (got none of them).")
-                )
-            noise_multiplier = check_float("noise_multiplier", noise_multiplier, positive=True)
-            delta = check_float("delta", delta, open_unit=True)
-            setup = accounting.accounting_setup(
-                num_examples=num_examples, batch_size=batch_size, steps=steps, bands=bands,
-                sampling="cyclic_poisson" if sampling is None else sampling, epochs=epochs,
-            )
-            ledger = EpsilonLedger(setup=setup, noise_multiplier=noise_multiplier, delta=delta,
-                                   accountant="pld" if accountant is None else accountant)
-        self.ledger = ledger
-        self.setup = ledger.setup
-        self.noise_multiplier = ledger.noise_multiplier
-        self.delta = ledger.delta
-        self.accountant = ledger.accountant
+        if not isinstance(run, PrivateRun):
+            raise TypeError(f"run must be a keras_noisecurve.PrivateRun, got {type(run).__name__}.")
+        self.run = run
+        self.ledger = run.ledger
+        self.spec = run.spec
         self.target_epsilon = None if target_epsilon is None else check_float(
             "target_epsilon", target_epsilon, positive=True
         )
@@ -128,7 +65,7 @@ class PrivacyBudget(keras.callbacks.Callback):
     # ------------------------------------------------------------- accounting
     def epsilon_at(self, steps_done: int) -> float:
         """ε spent after ``steps_done`` ∈ [0, T] optimizer steps (0 → 0.0), from the ledger."""
-        return self.ledger.epsilon(check_int("steps_done", steps_done, minimum=0))
+        return self.ledger.epsilon(check_int("steps_done", steps_done, minimum=0, maximum=self.spec.steps))
 
     def allowed_steps(self) -> int:
         """Largest step count within both the plan T and ``target_epsilon``."""
@@ -137,9 +74,8 @@ class PrivacyBudget(keras.callbacks.Callback):
             k_max = total
             if self.target_epsilon is not None and self.ledger.epsilon_of_participations(total) > self.target_epsilon:
                 k_max = self._max_participations(total)
-            stride = self.setup.bands if self.setup.sampling == "cyclic_poisson" else self.setup.steps_per_epoch
-            # k participations cover the steps s with ceil(s / stride) <= k, i.e. s <= k * stride.
-            self._allowed_steps = min(self.setup.steps, k_max * stride)
+            # k participations cover the steps s with ceil(s / separation) <= k, i.e. s <= k * separation.
+            self._allowed_steps = min(self.spec.steps, k_max * self.spec.separation)
         return self._allowed_steps
 
     def _max_participations(self, total: int) -> int:
@@ -169,11 +105,11 @@ class PrivacyBudget(keras.callbacks.Callback):
 
     def _why(self, done: int) -> str:
         allowed = self.allowed_steps()
-        if done > self.setup.steps:
-            return f"{done} steps already exceed the step plan of T = {self.setup.steps} steps"
-        if allowed >= self.setup.steps:
-            return f"the step plan of T = {self.setup.steps} steps is complete (epsilon = {self.epsilon_at(done):.4g})"
-        nxt = min(allowed + 1, self.setup.steps)
+        if done > self.spec.steps:
+            return f"{done} steps already exceed the step plan of T = {self.spec.steps} steps"
+        if allowed >= self.spec.steps:
+            return f"the step plan of T = {self.spec.steps} steps is complete (epsilon = {self.epsilon_at(done):.4g})"
+        nxt = min(allowed + 1, self.spec.steps)
         return (
             f"the next step would exceed target_epsilon = {self.target_epsilon:g}: epsilon after {allowed} steps "
             f"= {self.epsilon_at(allowed):.4g}, after {nxt} steps = {self.epsilon_at(nxt):.4g}"
@@ -208,34 +144,19 @@ class PrivacyBudget(keras.callbacks.Callback):
 
     # -------------------------------------------------------------- config
     def get_config(self) -> dict:
-        """The constructor's arguments: the run arguments, or ``{"ledger": ledger.get_config(), ...}``
-        when built from a ledger (which may carry a sensitivity s ≠ 1 the run arguments cannot)."""
-        common = {
+        """The constructor's arguments, the run as ``run.get_config()`` (its public plan)."""
+        return {
+            "run": self.run.get_config(),
             "target_epsilon": self.target_epsilon,
             "log_every_step": self.log_every_step,
             "verbose": self.verbose,
-        }
-        if self._from_ledger:
-            return {"ledger": self.ledger.get_config(), **common}
-        s = self.setup
-        return {
-            "noise_multiplier": self.noise_multiplier,
-            "delta": self.delta,
-            "num_examples": s.num_examples,
-            "batch_size": s.batch_size,
-            "steps": s.steps,
-            "bands": s.bands,
-            "sampling": s.sampling,
-            "epochs": s.epochs,
-            "accountant": self.accountant,
-            **common,
         }
 
     @classmethod
     def from_config(cls, config: dict) -> "PrivacyBudget":
         config = dict(config)
-        if isinstance(config.get("ledger"), dict):
-            config["ledger"] = EpsilonLedger.from_config(config["ledger"])
+        if isinstance(config.get("run"), dict):
+            config["run"] = PrivateRun.from_config(config["run"])
         return cls(**config)
 
 

@@ -23,18 +23,13 @@ from keras_noisecurve.privacy.events import (
     ACCOUNTANTS,
     PLD_VALUE_DISCRETIZATION,
     RDP_ORDERS,
-    AccountingSetup,
-    accounting_setup,
+    RunSpec,
+    as_spec,
     epsilon_of_event,
-    event_for_setup,
+    event_of,
     make_accountant,
 )
-from keras_noisecurve.privacy.overflow import (
-    DEFAULT_OVERFLOW_PROBABILITY,
-    overflow_delta,
-    overflow_probability,
-    padded_batch_size,
-)
+from keras_noisecurve.privacy.overflow import DEFAULT_OVERFLOW_PROBABILITY, overflow_delta, padding
 
 __all__ = ["CALIBRATION_EPSILON_RTOL", "CALIBRATION_RTOL", "Calibration", "calibrate", "calibrate_noise_multiplier"]
 
@@ -65,19 +60,8 @@ _BRACKET_ERRORS = tuple(
 )
 
 
-def calibrate_noise_multiplier(
-    *,
-    epsilon: float,
-    delta: float,
-    num_examples: int,
-    batch_size: int,
-    steps: Optional[int] = None,
-    bands: Optional[int] = None,
-    sampling: str = "cyclic_poisson",
-    epochs: Optional[int] = None,
-    mixing=None,
-    accountant: str = "pld",
-) -> float:
+def calibrate_noise_multiplier(*, epsilon: float, delta: float, accountant: str = "pld",
+                               spec: Optional[RunSpec] = None, **run) -> float:
     """Smallest noise multiplier σ whose run is (ε, δ)-DP, by root search.
 
     Uses ``dp_accounting.calibrate_dp_mechanism`` (Brent's method on the event of
@@ -97,25 +81,30 @@ def calibrate_noise_multiplier(
     root. The result re-checks to ε within 1e-3 relative (tested; in practice
     1e-4 or better) and never above ε.
 
+    Args:
+      epsilon: target ε > 0. delta: accounting δ in (0, 1).
+      accountant: ``"pld"`` (default) or ``"rdp"``.
+      spec: the :class:`~keras_noisecurve.privacy.events.RunSpec`, or instead its keyword
+        arguments (``num_examples=``, ``batch_size=``, ``steps=``/``epochs=``, ``bands=``,
+        ``sampling=``, ``mixing=``).
+
     Returns:
       σ > 0 (float).
     """
     epsilon = check_float("epsilon", epsilon, positive=True)
     delta = check_float("delta", delta, open_unit=True)
     accountant = check_choice("accountant", accountant, ACCOUNTANTS)
-    setup = accounting_setup(
-        num_examples=num_examples, batch_size=batch_size, steps=steps, bands=bands,
-        sampling=sampling, epochs=epochs, mixing=mixing,
-    )
-    return _calibrate(setup, epsilon, delta, accountant)
+    spec = as_spec(spec, run, caller="calibrate_noise_multiplier")
+    return noise_multiplier_for(spec, epsilon, delta, accountant)
 
 
-def _calibrate(setup: AccountingSetup, epsilon: float, delta: float, accountant: str) -> float:
-    """σ for ``setup`` at (ε, δ); see :func:`calibrate_noise_multiplier` for the stages."""
+def noise_multiplier_for(spec: RunSpec, epsilon: float, delta: float, accountant: str) -> float:
+    """σ for ``spec`` at (ε, δ), arguments already validated (``PrivateRun`` calls it);
+    see :func:`calibrate_noise_multiplier` for the stages."""
     mc = dp_accounting.mechanism_calibration
 
     def make_event(sigma):
-        return event_for_setup(setup, max(float(sigma), 1e-12))
+        return event_of(spec, max(float(sigma), 1e-12))
 
     def gap(make_accountant, sigma):
         return make_accountant().compose(make_event(sigma)).get_epsilon(delta) - epsilon
@@ -235,50 +224,29 @@ class Calibration:
         return dataclasses.asdict(self)
 
 
-def calibrate(
-    *,
-    epsilon: float,
-    delta: float,
-    num_examples: int,
-    batch_size: int,
-    steps: Optional[int] = None,
-    bands: Optional[int] = None,
-    sampling: str = "cyclic_poisson",
-    epochs: Optional[int] = None,
-    mixing=None,
-    accountant: str = "pld",
-    overflow_probability_target: float = DEFAULT_OVERFLOW_PROBABILITY,
-) -> Calibration:
+def calibrate(*, epsilon: float, delta: float, accountant: str = "pld",
+              overflow_probability_target: float = DEFAULT_OVERFLOW_PROBABILITY,
+              spec: Optional[RunSpec] = None, **run) -> Calibration:
     """Calibrate σ and report q, compositions, re-checked ε, padding and overflow.
 
     Same arguments as :func:`calibrate_noise_multiplier`, plus the overflow target
-    of the sampler's padded batch size.
+    of the sampler's padded batch size (cyclic Poisson; fixed epochs pad to B).
     """
     epsilon = check_float("epsilon", epsilon, positive=True)
     delta = check_float("delta", delta, open_unit=True)
     accountant = check_choice("accountant", accountant, ACCOUNTANTS)
-    setup = accounting_setup(
-        num_examples=num_examples, batch_size=batch_size, steps=steps, bands=bands,
-        sampling=sampling, epochs=epochs, mixing=mixing,
-    )
-    sigma = _calibrate(setup, epsilon, delta, accountant)
-    eps = epsilon_of_event(event_for_setup(setup, sigma), delta, accountant)
-    if setup.sampling == "cyclic_poisson":
-        padded = padded_batch_size(
-            num_examples=setup.num_examples, batch_size=setup.batch_size, steps=setup.steps,
-            bands=setup.bands, overflow_probability=overflow_probability_target,
-        )
-        p_over = overflow_probability(
-            num_examples=setup.num_examples, batch_size=setup.batch_size, steps=setup.steps,
-            bands=setup.bands, padded_size=padded,
-        )
+    spec = as_spec(spec, run, caller="calibrate")
+    sigma = noise_multiplier_for(spec, epsilon, delta, accountant)
+    eps = epsilon_of_event(event_of(spec, sigma), delta, accountant)
+    if spec.sampling == "cyclic_poisson":
+        padded, p_over = padding(spec=spec, overflow_probability=overflow_probability_target)
     else:
-        padded, p_over = setup.batch_size, 0.0
+        padded, p_over = spec.batch_size, 0.0
     return Calibration(
         noise_multiplier=sigma, epsilon=eps, target_epsilon=epsilon, delta=delta,
-        sampling_probability=setup.sampling_probability, compositions=setup.compositions,
-        steps=setup.steps, bands=setup.bands, epochs=setup.epochs, steps_per_epoch=setup.steps_per_epoch,
-        sampling=setup.sampling, accountant=accountant, sensitivity=setup.sensitivity,
+        sampling_probability=spec.sampling_probability, compositions=spec.compositions,
+        steps=spec.steps, bands=spec.bands, epochs=spec.epochs, steps_per_epoch=spec.steps_per_epoch,
+        sampling=spec.sampling, accountant=accountant, sensitivity=spec.sensitivity,
         padded_batch_size=padded, overflow_probability=p_over,
         total_delta=delta + overflow_delta(epsilon=eps, overflow_probability=p_over),
     )

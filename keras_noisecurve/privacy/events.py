@@ -1,4 +1,4 @@
-"""The ``dp_accounting`` event that dominates a training run, and its ε.
+"""The run spec (:class:`RunSpec`), the ``dp_accounting`` event that dominates the run, and its ε.
 
 numpy/scipy + ``dp_accounting`` only: this module never imports TensorFlow.
 
@@ -60,20 +60,22 @@ __all__ = [
     "ACCOUNTANTS",
     "PLD_VALUE_DISCRETIZATION",
     "RDP_ORDERS",
+    "RUN_ARGUMENTS",
     "SAMPLINGS",
-    "AccountingSetup",
-    "accounting_setup",
+    "RunSpec",
+    "as_spec",
     "compute_epsilon",
     "dp_event",
-    "epsilon_for_setup",
     "epsilon_of_event",
-    "event_for_setup",
+    "event_of",
     "make_accountant",
-    "sampling_probability",
     "steps_for_epochs",
 ]
 
 SAMPLINGS = ("cyclic_poisson", "fixed_epochs")
+
+#: The keyword arguments that describe a run: those of :class:`RunSpec`.
+RUN_ARGUMENTS = ("num_examples", "batch_size", "steps", "epochs", "bands", "sampling", "mixing")
 ACCOUNTANTS = ("pld", "rdp")
 
 #: Value discretisation interval of the PLD accountant (privacy-loss grid step).
@@ -85,28 +87,48 @@ PLD_VALUE_DISCRETIZATION = 1e-4
 RDP_ORDERS = tuple(_rdp.rdp_privacy_accountant.DEFAULT_RDP_ORDERS)
 
 
-@dataclasses.dataclass(frozen=True)
-class AccountingSetup:
-    """The validated description of a training run that the accountant needs.
+@dataclasses.dataclass(frozen=True, init=False)
+class RunSpec:
+    """The run description, validated once: everything calibration, ε, padding, the
+    sampler and the ``PrivacyBudget`` callback need to know about a training run.
 
-    Attributes:
-      sampling: ``"cyclic_poisson"`` or ``"fixed_epochs"``.
-      num_examples: n, size of the private training set.
-      batch_size: B, the expected (cyclic Poisson) or fixed batch size.
-      steps: T, number of optimizer steps.
-      bands: b, band width of C.
-      epochs: k for ``fixed_epochs`` (= ⌈T / steps_per_epoch⌉), else None.
+    Immutable; build it with the keyword arguments below (the one place where n, B, T,
+    b, the sampling and the mixing's accounting facts are checked against each other).
+    Every function that works on a run takes a ``RunSpec`` (``spec=``) or, for
+    planning, these same keyword arguments (:func:`as_spec`).
+
+    Args (keyword-only):
+      num_examples: n, size of the private training set (int ≥ 1).
+      batch_size: B ≤ n, the expected (cyclic Poisson) or fixed batch size.
+      steps: T, the number of optimizer steps; ``None`` with ``epochs``: T = epochs·⌈n/B⌉
+        (:func:`steps_for_epochs`).
+      epochs: for ``fixed_epochs``, k = ⌈T / ⌈n/B⌉⌉ (the number of times the first example
+        of the fixed order participates; derived from ``steps`` when not given, checked
+        against it when both are); for ``cyclic_poisson`` only as an alternative to ``steps``.
+      bands: b ≤ T; ``None``: 1, or the mixing's bands when ``mixing`` is given.
+      sampling: ``"cyclic_poisson"`` (default) or ``"fixed_epochs"``.
+      mixing: optional mixing strategy (``MixingMatrix`` or a strategy of
+        ``keras_noisecurve.mixing.strategies``) of at least T steps: sets b (must equal
+        ``bands`` if both are given) and the sensitivity s. Only its accounting facts are
+        kept, not the matrix.
+
+    Attributes (derived):
+      sampling, num_examples, batch_size, steps, bands: as validated.
+      epochs: k for ``fixed_epochs``, else None.
       steps_per_epoch: ⌈n/B⌉ for ``fixed_epochs``, else None.
-      sampling_probability: q = B·b/n for ``cyclic_poisson``, else None.
+      sampling_probability: q = B·b/n for ``cyclic_poisson`` (must be < 1), else None.
       compositions: ⌈T/b⌉ for ``cyclic_poisson`` (Poisson-subsampled Gaussians);
         1 for ``fixed_epochs`` (one Gaussian mechanism of sensitivity s·√k).
-      sensitivity: s, the largest column norm of C's leading T×T block (1.0 when no
-        mixing matrix is given, i.e. a valid artifact is assumed only if none is given).
+      sensitivity: s, the largest column norm of C's leading T×T block (1.0 without mixing).
       strategy: the kind of C (``"banded"``, ``"toeplitz"``, ``"blt"``, ``"bisr"``).
       participation_sensitivities: for a C that is not banded (BLT, BISR; ``fixed_epochs``
         only), the L2 sensitivity of k = 1 … epochs participations ``steps_per_epoch``
         steps apart, computed from C (its columns overlap, so √k·s does not hold);
         ``None`` for banded kinds.
+
+    Raises:
+      ValueError / TypeError with a one-line message naming the argument, what was
+      received and what is allowed.
     """
 
     sampling: str
@@ -122,6 +144,20 @@ class AccountingSetup:
     strategy: str = "banded"
     participation_sensitivities: Optional[tuple] = None
 
+    def __init__(self, *, num_examples: int, batch_size: int, steps: Optional[int] = None,
+                 epochs: Optional[int] = None, bands: Optional[int] = None, sampling: str = "cyclic_poisson",
+                 mixing=None):
+        values = _describe_run(num_examples=num_examples, batch_size=batch_size, steps=steps, bands=bands,
+                               sampling=sampling, epochs=epochs, mixing=mixing)
+        for field, value in zip(dataclasses.fields(self), values):
+            object.__setattr__(self, field.name, value)
+
+    @property
+    def separation(self) -> int:
+        """Smallest number of steps between two participations of one example: b (cyclic
+        Poisson) or ``steps_per_epoch`` (fixed epochs)."""
+        return self.bands if self.sampling == "cyclic_poisson" else self.steps_per_epoch
+
     def fixed_epoch_sensitivity(self, k: int) -> float:
         """L2 sensitivity of k ≥ 1 fixed-epoch participations: s·√k for a banded C (its
         participations touch disjoint rows), the computed value for BLT and BISR."""
@@ -130,32 +166,62 @@ class AccountingSetup:
         return self.sensitivity * math.sqrt(k)
 
     def participations(self, steps: Optional[int] = None) -> int:
-        """Number of times one example can participate in the first ``steps`` steps."""
+        """Number of times one example can participate in the first ``steps`` steps:
+        ⌈steps / separation⌉ (default: all T steps)."""
         steps = self.steps if steps is None else steps
-        if self.sampling == "cyclic_poisson":
-            return -(-steps // self.bands)
-        return -(-steps // self.steps_per_epoch)
+        return -(-steps // self.separation)
+
+
+def as_spec(spec=None, run: Optional[dict] = None, *, caller: str) -> RunSpec:
+    """The :class:`RunSpec` of a planning call: ``spec`` itself, or ``RunSpec(**run)``.
+
+    ``caller`` names the function in the messages. Exactly one of ``spec`` and the run's
+    keyword arguments (:data:`RUN_ARGUMENTS`) must be given.
+    """
+    run = {} if run is None else run
+    if spec is not None:
+        if not isinstance(spec, RunSpec):
+            raise TypeError(f"{caller}: spec must be a keras_noisecurve.RunSpec, got {type(spec).__name__}.")
+        if run:
+            raise ValueError(
+                f"{caller}: give spec= or the run's keyword arguments, not both; got spec and "
+                f"{', '.join(sorted(run))}."
+            )
+        return spec
+    unknown = sorted(set(run) - set(RUN_ARGUMENTS))
+    if unknown:
+        raise TypeError(
+            f"{caller}() got unexpected keyword argument(s) {', '.join(unknown)}; the run is described by "
+            f"{', '.join(RUN_ARGUMENTS)} (or spec=)."
+        )
+    if not run:
+        raise TypeError(f"{caller}() needs the run: spec= or its keyword arguments ({', '.join(RUN_ARGUMENTS)}).")
+    return RunSpec(**run)
 
 
 def steps_for_epochs(*, num_examples: int, batch_size: int, epochs: int) -> int:
     """T for ``epochs`` passes over the data: ``T = epochs · ⌈n/B⌉``.
 
-    The one definition of epochs → steps of the package (``PrivateRun(epochs=)``,
-    ``noisecurve calibrate --epochs``, ``compute_epsilon``/``calibrate_noise_multiplier``
-    with ``epochs`` and no ``steps``): one pass is ⌈n/B⌉ steps, what ``fit`` calls an
+    The one definition of epochs → steps of the package (``RunSpec(epochs=)`` and so
+    ``PrivateRun(epochs=)``, ``compute_epsilon``, ``calibrate_noise_multiplier``;
+    ``noisecurve calibrate --epochs``): one pass is ⌈n/B⌉ steps, what ``fit`` calls an
     epoch, for cyclic Poisson and fixed-epoch sampling alike. ``epochs`` must be a
     positive integer.
     """
     n = check_int("num_examples", num_examples, minimum=1)
     batch = check_int("batch_size", batch_size, minimum=1)
+    return _steps_for_epochs(n, batch, epochs)
+
+
+def _steps_for_epochs(n: int, batch: int, epochs) -> int:
+    """epochs · ⌈n/B⌉ for validated n, B; validates ``epochs`` (an integral float is accepted)."""
     if isinstance(epochs, float) and epochs.is_integer():
         epochs = int(epochs)
-    k = check_int("epochs", epochs, minimum=1)
-    return k * -(-n // batch)
+    return check_int("epochs", epochs, minimum=1) * -(-n // batch)
 
 
-def sampling_probability(*, num_examples: int, batch_size: int, bands: int = 1) -> float:
-    """Per-step inclusion probability ``q = B·b/n`` of cyclic Poisson sampling.
+def _sampling_probability(n: int, batch: int, b: int) -> float:
+    """Per-step inclusion probability ``q = B·b/n`` of cyclic Poisson sampling (validated ints).
 
     Each partition holds about n/b examples and is visited every b steps; including
     each of them with probability q gives an expected batch of B examples.
@@ -165,9 +231,6 @@ def sampling_probability(*, num_examples: int, batch_size: int, bands: int = 1) 
         n/b examples cannot yield B examples in expectation without including every
         example (no amplification). Use fewer bands or a smaller batch.
     """
-    n = check_int("num_examples", num_examples, minimum=1)
-    batch = check_int("batch_size", batch_size, minimum=1)
-    b = check_int("bands", bands, minimum=1)
     q = batch * b / n
     if q >= 1.0:
         raise ValueError(
@@ -223,40 +286,15 @@ def _mixing_sensitivity(mixing, steps: int, bands: Optional[int]) -> tuple[int, 
     return mixing.bands, sensitivity
 
 
-def accounting_setup(
-    *,
-    num_examples: int,
-    batch_size: int,
-    steps: Optional[int] = None,
-    bands: Optional[int] = None,
-    sampling: str = "cyclic_poisson",
-    epochs: Optional[int] = None,
-    mixing=None,
-) -> AccountingSetup:
-    """Validate a run description and derive q, compositions and sensitivity.
-
-    Args:
-      num_examples, batch_size, steps: positive ints n, B, T. ``steps=None`` with
-        ``epochs``: T = epochs·⌈n/B⌉ (:func:`steps_for_epochs`).
-      bands: positive int b ≤ T; None means 1, or the mixing matrix's bands when
-        ``mixing`` is given.
-      sampling: ``"cyclic_poisson"`` or ``"fixed_epochs"``.
-      epochs: required iff ``sampling == "fixed_epochs"``; must equal
-        ``⌈T / ⌈n/B⌉⌉``, the number of (possibly partial) epochs the T steps touch,
-        which is the number of times the first example of the fixed order participates.
-      mixing: optional ``MixingMatrix``; its bands (must equal ``bands`` if both are
-        given) and the largest column norm of its leading T×T block set b and s.
-
-    Raises:
-      ValueError / TypeError with a message naming the argument.
-    """
+def _describe_run(*, num_examples, batch_size, steps, bands, sampling, epochs, mixing) -> tuple:
+    """:class:`RunSpec`'s validation: its field values, in field order (see its docstring)."""
     sampling = check_choice("sampling", sampling, SAMPLINGS)
     n = check_int("num_examples", num_examples, minimum=1)
     batch = check_int("batch_size", batch_size, minimum=1)
     if steps is None:
         if epochs is None:
             raise ValueError("give steps (T) or epochs (T = epochs * ceil(num_examples/batch_size)); got neither.")
-        steps = steps_for_epochs(num_examples=n, batch_size=batch, epochs=epochs)
+        steps = _steps_for_epochs(n, batch, epochs)
         if sampling == "cyclic_poisson":
             epochs = None  # it only named T
     steps = check_int("steps", steps, minimum=1)
@@ -289,15 +327,13 @@ def accounting_setup(
             raise ValueError(
                 f"epochs={epochs!r} is only meaningful for sampling='fixed_epochs'; for cyclic_poisson give steps only."
             )
-        q = sampling_probability(num_examples=n, batch_size=batch, bands=bands)
-        return AccountingSetup(
-            sampling, n, batch, steps, bands, None, None, q, -(-steps // bands), sensitivity, strategy
-        )
+        q = _sampling_probability(n, batch, bands)
+        return (sampling, n, batch, steps, bands, None, None, q, -(-steps // bands), sensitivity, strategy, None)
 
-    if epochs is None:
-        raise ValueError("sampling='fixed_epochs' requires epochs (the number of passes over the data).")
-    epochs = check_int("epochs", epochs, minimum=1)
     per_epoch = -(-n // batch)
+    if epochs is None:  # the epochs the T steps touch
+        epochs = -(-steps // per_epoch)
+    epochs = check_int("epochs", epochs, minimum=1)
     if per_epoch < bands:
         raise ValueError(
             f"fixed_epochs needs steps_per_epoch = ceil(num_examples/batch_size) = {per_epoch} >= bands = {bands}: "
@@ -315,19 +351,19 @@ def accounting_setup(
     if strategy in ("blt", "bisr"):
         multi = tuple(mixing.sensitivity(participations=k, separation=per_epoch) if k > 1 else sensitivity
                       for k in range(1, epochs + 1))
-    return AccountingSetup(sampling, n, batch, steps, bands, epochs, per_epoch, None, 1, sensitivity, strategy,
-                           multi)
+    return (sampling, n, batch, steps, bands, epochs, per_epoch, None, 1, sensitivity, strategy, multi)
 
 
-def event_for_setup(setup: AccountingSetup, noise_multiplier: float, participations: Optional[int] = None):
-    """The dominating DpEvent of ``setup`` at noise multiplier σ (σ ≥ 0)."""
-    k = setup.participations() if participations is None else participations
-    if setup.sampling == "cyclic_poisson":
+def event_of(spec: RunSpec, noise_multiplier: float, participations: Optional[int] = None):
+    """The dominating DpEvent of ``spec`` at noise multiplier σ, after ``participations``
+    participations (default: all of the run's). Internal: arguments already validated."""
+    k = spec.participations() if participations is None else participations
+    if spec.sampling == "cyclic_poisson":
         inner = dp_accounting.PoissonSampledDpEvent(
-            setup.sampling_probability, dp_accounting.GaussianDpEvent(noise_multiplier / setup.sensitivity)
+            spec.sampling_probability, dp_accounting.GaussianDpEvent(noise_multiplier / spec.sensitivity)
         )
         return dp_accounting.SelfComposedDpEvent(inner, k)
-    return dp_accounting.GaussianDpEvent(noise_multiplier / setup.fixed_epoch_sensitivity(k))
+    return dp_accounting.GaussianDpEvent(noise_multiplier / spec.fixed_epoch_sensitivity(k))
 
 
 def make_accountant(accountant: str):
@@ -340,17 +376,7 @@ def epsilon_of_event(event, delta: float, accountant: str) -> float:
     return float(make_accountant(accountant).compose(event).get_epsilon(delta))
 
 
-def dp_event(
-    *,
-    num_examples: int,
-    batch_size: int,
-    steps: Optional[int] = None,
-    bands: Optional[int] = None,
-    noise_multiplier: float,
-    sampling: str = "cyclic_poisson",
-    epochs: Optional[int] = None,
-    mixing=None,
-) -> dp_accounting.DpEvent:
+def dp_event(*, noise_multiplier: float, spec: Optional[RunSpec] = None, **run) -> dp_accounting.DpEvent:
     """The ``dp_accounting`` event that dominates a training run.
 
     - ``cyclic_poisson``: ``SelfComposedDpEvent(PoissonSampledDpEvent(q,
@@ -359,45 +385,39 @@ def dp_event(
       not banded (BLT, BISR) ``GaussianDpEvent(σ / Δ_k)`` with Δ_k the sensitivity of
       k participations ``steps_per_epoch`` apart computed from C.
 
-    s is the largest column norm of ``mixing`` (1 without one). Neighbouring relation:
+    s is the largest column norm of the mixing (1 without one). Neighbouring relation:
     add-or-remove-one example.
 
     Args:
       noise_multiplier: σ > 0, noise standard deviation divided by the clip norm.
-      Others: see :func:`accounting_setup`.
+      spec: the :class:`RunSpec`, or instead its keyword arguments (``num_examples=``,
+        ``batch_size=``, ``steps=``/``epochs=``, ``bands=``, ``sampling=``, ``mixing=``).
     """
     sigma = check_float("noise_multiplier", noise_multiplier, positive=True)
-    setup = accounting_setup(
-        num_examples=num_examples, batch_size=batch_size, steps=steps, bands=bands,
-        sampling=sampling, epochs=epochs, mixing=mixing,
-    )
-    return event_for_setup(setup, sigma)
+    spec = as_spec(spec, run, caller="dp_event")
+    return event_of(spec, sigma)
 
 
-def compute_epsilon(
-    *,
-    noise_multiplier: float,
-    delta: float,
-    num_examples: int,
-    batch_size: int,
-    steps: Optional[int] = None,
-    bands: Optional[int] = None,
-    sampling: str = "cyclic_poisson",
-    epochs: Optional[int] = None,
-    mixing=None,
-    accountant: str = "pld",
-) -> float:
-    """ε of a training run at accounting δ (add-or-remove-one adjacency).
+def compute_epsilon(*, noise_multiplier: float, delta: float, accountant: str = "pld",
+                    spec: Optional[RunSpec] = None, **run) -> float:
+    """ε of a planned training run at accounting δ (add-or-remove-one adjacency).
 
-    Accountants: ``"pld"`` — ``dp_accounting.pld.PLDAccountant`` with value
-    discretisation interval ``PLD_VALUE_DISCRETIZATION = 1e-4`` (pessimistic
-    rounding, so an upper bound; seconds per call for thousands of compositions);
-    ``"rdp"`` — ``dp_accounting.rdp.RdpAccountant`` with ``RDP_ORDERS`` (looser,
-    milliseconds).
+    The planning entry point (no ``PrivateRun`` needed); for a run, ``run.epsilon(step)``.
 
-    The batches of :func:`keras_noisecurve.privacy.sampler.banded_poisson_dataset`
-    are padded to a fixed size and truncated in the (tiny-probability) event of
-    overflow; the run is then (ε, δ + overflow_delta)-DP, see :func:`overflow_delta`.
+    Args:
+      noise_multiplier: σ > 0, noise standard deviation divided by the clip norm.
+      delta: accounting δ in (0, 1).
+      accountant: ``"pld"`` — ``dp_accounting.pld.PLDAccountant`` with value
+        discretisation interval ``PLD_VALUE_DISCRETIZATION = 1e-4`` (pessimistic
+        rounding, so an upper bound; seconds per call for thousands of compositions);
+        ``"rdp"`` — ``dp_accounting.rdp.RdpAccountant`` with ``RDP_ORDERS`` (looser,
+        milliseconds).
+      spec: the :class:`RunSpec`, or instead its keyword arguments (``num_examples=``,
+        ``batch_size=``, ``steps=``/``epochs=``, ``bands=``, ``sampling=``, ``mixing=``).
+
+    The batches of the sampler are padded to a fixed size and truncated in the
+    (tiny-probability) event of overflow; the run is then (ε, δ + overflow_delta)-DP,
+    see :func:`keras_noisecurve.privacy.overflow.overflow_delta`.
 
     Returns:
       ε (float; ``inf`` is impossible for σ > 0).
@@ -405,25 +425,5 @@ def compute_epsilon(
     sigma = check_float("noise_multiplier", noise_multiplier, positive=True)
     delta = check_float("delta", delta, open_unit=True)
     accountant = check_choice("accountant", accountant, ACCOUNTANTS)
-    setup = accounting_setup(
-        num_examples=num_examples, batch_size=batch_size, steps=steps, bands=bands,
-        sampling=sampling, epochs=epochs, mixing=mixing,
-    )
-    return epsilon_of_event(event_for_setup(setup, sigma), delta, accountant)
-
-
-def epsilon_for_setup(setup: AccountingSetup, *, noise_multiplier: float, delta: float,
-                      accountant: str = "pld", participations: Optional[int] = None) -> float:
-    """ε for an already validated ``setup``, optionally after fewer participations.
-
-    ``participations`` = k counts the compositions actually run: ⌈t/b⌉ after t steps of
-    cyclic Poisson sampling, ⌈t/steps_per_epoch⌉ for fixed epochs. 0 gives ε = 0.
-    Used by the ``PrivacyBudget`` callback.
-    """
-    sigma = check_float("noise_multiplier", noise_multiplier, positive=True)
-    delta = check_float("delta", delta, open_unit=True)
-    accountant = check_choice("accountant", accountant, ACCOUNTANTS)
-    k = setup.participations() if participations is None else check_int("participations", participations, minimum=0)
-    if k == 0:
-        return 0.0
-    return epsilon_of_event(event_for_setup(setup, sigma, k), delta, accountant)
+    spec = as_spec(spec, run, caller="compute_epsilon")
+    return epsilon_of_event(event_of(spec, sigma), delta, accountant)

@@ -4,9 +4,9 @@ numpy/scipy + ``dp_accounting`` only: this module never imports TensorFlow or Ke
 
 After t optimizer steps an example has participated at most k = ⌈t/b⌉ times (cyclic
 Poisson) or ⌈t/steps_per_epoch⌉ times (fixed epochs); ε(t) is the ε of the dominating
-event with k participations (:func:`keras_noisecurve.privacy.events.event_for_setup`),
+event with k participations (:func:`keras_noisecurve.privacy.events.event_of`),
 at the accounting δ. The ledger answers ε(t) for every t = 0 … T of the plan and
-computes ε_k for each k = 0 … K (K = ``setup.participations()``) at most once, on the
+computes ε_k for each k = 0 … K (K = ``spec.participations()``) at most once, on the
 first query that needs it (``epsilons()`` computes the whole table).
 
 How ε_k is computed (sampling × accountant):
@@ -19,7 +19,7 @@ How ε_k is computed (sampling × accountant):
   its real FFT. ε_k is then one power of that spectrum, one inverse FFT and a vectorised
   ε(δ) read-out: ``dp_accounting``'s ``self_compose(k)`` (same truncation window, tail mass
   1e-15 moved to infinity) without its per-element Python loops. Agrees with
-  :func:`~keras_noisecurve.privacy.events.epsilon_for_setup` to ``PLD_RTOL`` (FFT round-off;
+  :func:`~keras_noisecurve.privacy.events.compute_epsilon` to ``PLD_RTOL`` (FFT round-off;
   measured ≤ 3e-10 absolute for ε ≤ 3, either side).
 ``cyclic_poisson``, ``"rdp"``
   RDP is additive: the per-composition RDP curve once, ε_k for all k at once with
@@ -40,7 +40,6 @@ no query blocks long; the whole table costs K of those.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Optional
 
@@ -51,7 +50,6 @@ from dp_accounting.rdp import rdp_privacy_accountant as _rdp_acc
 from scipy import fft as _fft
 from scipy import optimize, special
 
-from keras_noisecurve._validation import check_choice, check_float, check_int
 from keras_noisecurve.privacy import events
 
 __all__ = ["EpsilonLedger", "PLD_RTOL", "TAIL_MASS_TRUNCATION"]
@@ -60,7 +58,7 @@ __all__ = ["EpsilonLedger", "PLD_RTOL", "TAIL_MASS_TRUNCATION"]
 #: infinite loss, so ε stays an upper bound): ``dp_accounting``'s default for ``self_compose``.
 TAIL_MASS_TRUNCATION = 1e-15
 
-#: Relative tolerance between the ledger's PLD ε and ``epsilon_for_setup`` (tested).
+#: Relative tolerance between the ledger's PLD ε and dp_accounting's PLD accountant (tested).
 PLD_RTOL = 1e-8
 
 #: Growth factor between the FFT lengths the ledger uses (one cached spectrum per length).
@@ -73,37 +71,34 @@ _PROGRESS_DELAY_S = 3.0
 class EpsilonLedger:
     """ε after each of the T optimizer steps of one planned run.
 
-    Args (keyword-only):
-      setup: an :class:`~keras_noisecurve.privacy.events.AccountingSetup` (from
-        :func:`~keras_noisecurve.privacy.events.accounting_setup`): n, B, T, b, sampling,
-        q and the sensitivity s.
+    Internal to :class:`~keras_noisecurve.privacy.run.PrivateRun`, which validates every
+    argument and builds one per run (``run.epsilon(step)`` reads it; the ``PrivacyBudget``
+    callback shares it).
+
+    Args (keyword-only, already validated):
+      spec: the run's :class:`~keras_noisecurve.privacy.events.RunSpec` (n, B, T, b,
+        sampling, q and the sensitivity s).
       noise_multiplier: σ > 0 (noise std / clip norm).
       delta: accounting δ in (0, 1).
-      accountant: ``"pld"`` (default) or ``"rdp"``.
+      accountant: ``"pld"`` or ``"rdp"``.
 
     Nothing is computed in the constructor; the first query builds what every ε_k shares
     (for PLD, the mechanism's privacy loss distribution) and each ε_k is computed once.
 
     Attributes:
-      setup, noise_multiplier, delta, accountant: as given.
-      steps: T. num_participations: K = ``setup.participations()``.
+      spec, noise_multiplier, delta, accountant: as given.
+      steps: T. num_participations: K = ``spec.participations()``.
       evaluations: how many ε_k (k ≥ 1) have been computed so far (each k at most once).
       mechanism_builds: how many times the shared per-mechanism state was built (0 or 1).
     """
 
-    def __init__(self, *, setup: events.AccountingSetup, noise_multiplier: float, delta: float,
-                 accountant: str = "pld"):
-        if not isinstance(setup, events.AccountingSetup):
-            raise TypeError(
-                "setup must be a keras_noisecurve.privacy.AccountingSetup (from accounting_setup(...)), "
-                f"got {type(setup).__name__}."
-            )
-        self.setup = setup
-        self.noise_multiplier = check_float("noise_multiplier", noise_multiplier, positive=True)
-        self.delta = check_float("delta", delta, open_unit=True)
-        self.accountant = check_choice("accountant", accountant, events.ACCOUNTANTS)
-        self.steps = setup.steps
-        self.num_participations = setup.participations()
+    def __init__(self, *, spec: events.RunSpec, noise_multiplier: float, delta: float, accountant: str):
+        self.spec = spec
+        self.noise_multiplier = noise_multiplier
+        self.delta = delta
+        self.accountant = accountant
+        self.steps = spec.steps
+        self.num_participations = spec.participations()
         self._eps = np.full(self.num_participations + 1, np.nan)  # ε_k, NaN = not computed yet
         self._eps[0] = 0.0
         self._core = None
@@ -111,7 +106,7 @@ class EpsilonLedger:
         self.mechanism_builds = 0
 
     def __repr__(self) -> str:
-        s = self.setup
+        s = self.spec
         return (f"EpsilonLedger(sampling={s.sampling!r}, n={s.num_examples}, B={s.batch_size}, T={s.steps}, "
                 f"b={s.bands}, K={self.num_participations}, noise_multiplier={self.noise_multiplier:g}, "
                 f"delta={self.delta:g}, accountant={self.accountant!r})")
@@ -119,8 +114,7 @@ class EpsilonLedger:
     # ---------------------------------------------------------------- queries
     def participations(self, steps_done: int) -> int:
         """k: participations of one example after ``steps_done`` ∈ [0, T] steps (0 → 0)."""
-        steps_done = check_int("steps_done", steps_done, minimum=0, maximum=self.steps)
-        return self.setup.participations(steps_done) if steps_done > 0 else 0
+        return self.spec.participations(steps_done) if steps_done > 0 else 0
 
     def epsilon(self, steps_done: Optional[int] = None) -> float:
         """ε spent after ``steps_done`` ∈ [0, T] optimizer steps (default T; 0 → 0.0)."""
@@ -129,7 +123,6 @@ class EpsilonLedger:
 
     def epsilon_of_participations(self, k: int) -> float:
         """ε_k: ε of the dominating event with k ∈ [0, K] participations (computed once)."""
-        k = check_int("participations", k, minimum=0, maximum=self.num_participations)
         if np.isnan(self._eps[k]):
             self._eps[k] = self._compute(k)
         return float(self._eps[k])
@@ -156,39 +149,11 @@ class EpsilonLedger:
                     self._eps[k] = self._compute(int(k))
         return self._eps.copy()
 
-    # ---------------------------------------------------------------- config
-    def get_config(self) -> dict:
-        """JSON-able description; ``EpsilonLedger.from_config`` rebuilds an equal ledger."""
-        s = self.setup
-        return {
-            "num_examples": s.num_examples, "batch_size": s.batch_size, "steps": s.steps, "bands": s.bands,
-            "sampling": s.sampling, "epochs": s.epochs, "sensitivity": s.sensitivity,
-            "noise_multiplier": self.noise_multiplier, "delta": self.delta, "accountant": self.accountant,
-            **({"strategy": s.strategy, "participation_sensitivities": list(s.participation_sensitivities)}
-               if s.participation_sensitivities is not None else {}),
-        }
-
-    @classmethod
-    def from_config(cls, config: dict) -> "EpsilonLedger":
-        config = dict(config)
-        sensitivity = check_float("sensitivity", config.pop("sensitivity", 1.0), positive=True)
-        run = {k: config.pop(k) for k in ("num_examples", "batch_size", "steps", "bands", "sampling", "epochs")
-               if k in config}
-        setup = events.accounting_setup(**run)
-        strategy = config.pop("strategy", "banded")
-        multi = config.pop("participation_sensitivities", None)
-        if sensitivity != 1.0:  # from a mixing matrix: accounting_setup(mixing=...) derived it
-            setup = dataclasses.replace(setup, sensitivity=sensitivity)
-        if multi is not None:  # a BLT or BISR C: the sensitivity of k epochs was computed from C
-            setup = dataclasses.replace(setup, strategy=strategy, participation_sensitivities=tuple(
-                check_float("participation_sensitivities", v, positive=True) for v in multi))
-        return cls(setup=setup, **config)
-
     # -------------------------------------------------------------- internals
     def _get_core(self):
         if self._core is None:
-            s = self.setup
-            sigma = self.noise_multiplier / s.sensitivity  # as events.event_for_setup
+            s = self.spec
+            sigma = self.noise_multiplier / s.sensitivity  # as events.event_of
             if s.sampling == "cyclic_poisson" and self.accountant == "pld":
                 self._core = _PoissonPld(sigma, s.sampling_probability, self.delta, self.num_participations)
             elif s.sampling == "cyclic_poisson":
@@ -386,11 +351,11 @@ def _rdp_epsilon(orders: np.ndarray, rdp: np.ndarray, delta: float) -> np.ndarra
 class _FixedEpochs:
     """One Gaussian mechanism of noise multiplier σ/Δ_k after k epochs (Δ_k = s·√k for a banded C)."""
 
-    def __init__(self, noise_multiplier: float, setup, delta: float, accountant: str):
-        self.sigma, self.setup, self.delta, self.accountant = noise_multiplier, setup, delta, accountant
+    def __init__(self, noise_multiplier: float, spec, delta: float, accountant: str):
+        self.sigma, self.spec, self.delta, self.accountant = noise_multiplier, spec, delta, accountant
 
     def epsilon(self, k: int) -> float:
-        sigma_k = self.sigma / self.setup.fixed_epoch_sensitivity(k)  # as events.event_for_setup
+        sigma_k = self.sigma / self.spec.fixed_epoch_sensitivity(k)  # as events.event_of
         if self.accountant == "rdp":
             return events.epsilon_of_event(dp_accounting.GaussianDpEvent(sigma_k), self.delta, "rdp")
         return _gaussian_epsilon(1.0 / sigma_k, self.delta)

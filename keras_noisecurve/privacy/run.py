@@ -11,8 +11,8 @@ its sensitivity), the noise multiplier σ — given, or calibrated here from a t
 - ``run.dataset(x, y)``: the batches ``(x, y, mask, step)`` of the plan, starting at
   the optimizer's step (so a resumed run continues the exact batch sequence) and
   carrying each batch's step index, which the private model checks;
-- ``run.epsilon(step)``, ``run.budget(...)``: the privacy ledger and the
-  ``PrivacyBudget`` callback;
+- ``run.epsilon(step)``: ε after any step of the plan (the run's ledger, which the
+  ``PrivacyBudget(run=run)`` callback shares);
 - ``run.fingerprint()``: a hash of the public plan, compared across workers.
 
 This module imports TensorFlow only inside the methods that build TensorFlow objects.
@@ -28,18 +28,20 @@ from typing import Optional
 import numpy as np
 
 from keras_noisecurve._validation import check_choice, check_float, check_int, check_memory
-from keras_noisecurve.privacy import accounting
-from keras_noisecurve.privacy.sampler import BatchSampler, check_key, key_from_seed, padded_size_for
+from keras_noisecurve.privacy.calibration import noise_multiplier_for
+from keras_noisecurve.privacy.events import ACCOUNTANTS, RunSpec
+from keras_noisecurve.privacy.overflow import overflow_delta, padding
+from keras_noisecurve.privacy.sampler import BatchSampler, check_key, key_from_seed
 
 __all__ = ["PrivateRun"]
 
 
-def _resolve_mixing(mixing, steps: int):
-    from keras_noisecurve.mixing.matrix import MixingMatrix, load_mixing
+def _resolve_mixing(mixing):
+    """The mixing strategy, or None for C = I (DP-SGD), built once T is known."""
+    from keras_noisecurve.mixing.matrix import load_mixing
 
     if mixing is None or (isinstance(mixing, str) and mixing == "dpsgd"):
-        check_memory(f"C = I for steps={steps}", 8 * steps, hint="Use fewer steps.")
-        return MixingMatrix.identity(steps)
+        return None
     return load_mixing(mixing)
 
 
@@ -71,7 +73,9 @@ class PrivateRun:
 
     Raises ``ValueError`` naming the argument for any inconsistent plan (b > T, q ≥ 1,
     a C shorter than T, both or neither of ``steps``/``epochs`` or
-    ``noise_multiplier``/``epsilon``, …); all validation happens here, once.
+    ``noise_multiplier``/``epsilon``, …); all validation happens here, once: the run's
+    description becomes ``run.spec`` (a :class:`~keras_noisecurve.privacy.events.RunSpec`),
+    which every part of the run (calibration, ε, padding, the sampler, the budget) takes.
     """
 
     def __init__(
@@ -91,25 +95,22 @@ class PrivateRun:
         overflow_probability: Optional[float] = None,
         seed=None,
     ):
-        n = check_int("num_examples", num_examples, minimum=1)
-        batch = check_int("batch_size", batch_size, minimum=1)
-        self._sampling = check_choice("sampling", sampling, accounting.SAMPLINGS)
-        per_pass = -(-n // batch)
         if (steps is None) == (epochs is None):
             raise ValueError(
                 f"give exactly one of steps (the number of optimizer steps T) and epochs (passes over the "
                 f"data, T = epochs * ceil(n/B)); got steps={steps!r}, epochs={epochs!r}."
             )
-        if steps is None:
-            steps = accounting.steps_for_epochs(num_examples=n, batch_size=batch, epochs=epochs)
-        steps = check_int("steps", steps, minimum=1)
-        self._mixing = _resolve_mixing(mixing, steps)
-        self._setup = accounting.accounting_setup(
-            num_examples=n, batch_size=batch, steps=steps, sampling=self._sampling,
-            epochs=-(-steps // per_pass) if self._sampling == "fixed_epochs" else None, mixing=self._mixing,
-        )
+        loaded = _resolve_mixing(mixing)
+        self._spec = RunSpec(num_examples=num_examples, batch_size=batch_size, steps=steps, epochs=epochs,
+                             sampling=sampling, mixing=loaded)
+        if loaded is None:  # C = I: DP-SGD, same facts as no mixing (b = 1, s = 1)
+            from keras_noisecurve.mixing.matrix import MixingMatrix
+
+            check_memory(f"C = I for steps={self._spec.steps}", 8 * self._spec.steps, hint="Use fewer steps.")
+            loaded = MixingMatrix.identity(self._spec.steps)
+        self._mixing = loaded
         self._delta = check_float("delta", delta, open_unit=True)
-        self._accountant = check_choice("accountant", accountant, accounting.ACCOUNTANTS)
+        self._accountant = check_choice("accountant", accountant, ACCOUNTANTS)
         if (noise_multiplier is None) == (epsilon is None):
             raise ValueError(
                 "give exactly one of noise_multiplier (sigma) and epsilon (a target, sigma is then "
@@ -118,16 +119,11 @@ class PrivateRun:
         self._target_epsilon = None
         if epsilon is not None:
             self._target_epsilon = check_float("epsilon", epsilon, positive=True)
-            noise_multiplier = accounting.calibrate_noise_multiplier(
-                epsilon=self._target_epsilon, delta=self._delta, num_examples=n, batch_size=batch, steps=steps,
-                sampling=self._sampling, epochs=self._setup.epochs, mixing=self._mixing,
-                accountant=self._accountant,
-            )
+            noise_multiplier = noise_multiplier_for(self._spec, self._target_epsilon, self._delta, self._accountant)
+        # sigma = 0 is no privacy: refused (as by compute_epsilon and calibration)
         self._sigma = check_float("noise_multiplier", noise_multiplier, positive=True)
-        self._padded, self._overflow = padded_size_for(
-            num_examples=n, batch_size=batch, bands=self.bands, steps=steps, sampling=self._sampling,
-            max_batch_size=max_batch_size, overflow_probability=overflow_probability,
-        )
+        self._padded, self._overflow = padding(spec=self._spec, max_batch_size=max_batch_size,
+                                               overflow_probability=overflow_probability)
         self._max_batch_size = None if max_batch_size is None else self._padded
         self._overflow_target = None if overflow_probability is None else float(overflow_probability)
         self._key = key_from_seed(seed)
@@ -137,26 +133,26 @@ class PrivateRun:
     # ------------------------------------------------------------------ plan
     @property
     def num_examples(self) -> int:
-        return self._setup.num_examples
+        return self._spec.num_examples
 
     @property
     def batch_size(self) -> int:
         """B, the expected batch size (the optimizer's divisor)."""
-        return self._setup.batch_size
+        return self._spec.batch_size
 
     @property
     def steps(self) -> int:
         """T, the number of optimizer steps of the plan."""
-        return self._setup.steps
+        return self._spec.steps
 
     @property
     def bands(self) -> int:
         """b, the number of bands of C (= the number of cyclic Poisson partitions)."""
-        return self._setup.bands
+        return self._spec.bands
 
     @property
     def sampling(self) -> str:
-        return self._sampling
+        return self._spec.sampling
 
     @property
     def mixing(self):
@@ -182,9 +178,10 @@ class PrivateRun:
         return self._accountant
 
     @property
-    def setup(self):
-        """The validated ``AccountingSetup`` (q, compositions, sensitivity s of C)."""
-        return self._setup
+    def spec(self) -> RunSpec:
+        """The validated :class:`~keras_noisecurve.privacy.events.RunSpec` (n, B, T, b,
+        sampling, q, compositions, the sensitivity s of C)."""
+        return self._spec
 
     @property
     def padded_batch_size(self) -> int:
@@ -209,33 +206,28 @@ class PrivateRun:
     # ------------------------------------------------------------- accounting
     @property
     def ledger(self):
-        """The ``EpsilonLedger`` of the plan (ε after every step), built on first use."""
+        """The run's ε table (ε after every step, each participation count computed once),
+        built on first use; :meth:`epsilon` reads it and ``PrivacyBudget(run=run)`` shares it."""
         if self._ledger is None:
             from keras_noisecurve.privacy.ledger import EpsilonLedger
 
             self._ledger = EpsilonLedger(
-                setup=self._setup, noise_multiplier=self._sigma, delta=self._delta, accountant=self._accountant
+                spec=self._spec, noise_multiplier=self._sigma, delta=self._delta, accountant=self._accountant
             )
         return self._ledger
 
     def epsilon(self, step: Optional[int] = None) -> float:
-        """ε spent after ``step`` optimizer steps (default: the whole plan, T), at δ."""
+        """ε spent after ``step`` ∈ [0, T] optimizer steps (default: the whole plan, T), at δ.
+
+        The one way to ask for ε of a run (``compute_epsilon`` plans without one). With
+        ``"pld"`` it equals dp_accounting's PLD accountant on the same event to ``PLD_RTOL``
+        (``keras_noisecurve.privacy.ledger``)."""
         step = self.steps if step is None else check_int("step", step, minimum=0, maximum=self.steps)
         return float(self.ledger.epsilon(step))
 
     def total_delta(self) -> float:
         """δ of the whole run: the accounting δ plus the sampler's overflow term."""
-        return self._delta + accounting.overflow_delta(
-            epsilon=self.epsilon(), overflow_probability=self._overflow
-        )
-
-    def budget(self, *, target_epsilon: Optional[float] = None, log_every_step: bool = False, verbose: int = 1):
-        """A ``PrivacyBudget`` callback for this run (stops at T, or before ε passes
-        ``target_epsilon``), sharing the run's ledger."""
-        from keras_noisecurve.privacy.budget import PrivacyBudget
-
-        return PrivacyBudget(ledger=self.ledger, target_epsilon=target_epsilon, log_every_step=log_every_step,
-                             verbose=verbose)
+        return self._delta + overflow_delta(epsilon=self.epsilon(), overflow_probability=self._overflow)
 
     # --------------------------------------------------------- config / hash
     def get_config(self) -> dict:
@@ -247,7 +239,7 @@ class PrivateRun:
             "mixing": self._mixing.to_config(),
             "noise_multiplier": self._sigma,
             "delta": self._delta,
-            "sampling": self._sampling,
+            "sampling": self._spec.sampling,
             "accountant": self._accountant,
             "max_batch_size": self._max_batch_size,
             "overflow_probability": self._overflow_target,
@@ -276,7 +268,7 @@ class PrivateRun:
         eps = f", epsilon={self._target_epsilon:g}" if self._target_epsilon is not None else ""
         return (
             f"PrivateRun(num_examples={self.num_examples}, batch_size={self.batch_size}, steps={self.steps}, "
-            f"bands={self.bands}, sampling={self._sampling!r}, noise_multiplier={self._sigma:.6g}{eps}, "
+            f"bands={self.bands}, sampling={self._spec.sampling!r}, noise_multiplier={self._sigma:.6g}{eps}, "
             f"delta={self._delta:g})"
         )
 
@@ -326,8 +318,7 @@ class PrivateRun:
         """The random-access :class:`BatchSampler` of the plan for ``key`` (default: the
         current key, :meth:`position`)."""
         key = self.position()[1] if key is None else check_key(key)
-        return BatchSampler(num_examples=self.num_examples, batch_size=self.batch_size, bands=self.bands,
-                            steps=self.steps, padded_size=self._padded, sampling=self._sampling, key=key)
+        return BatchSampler(spec=self._spec, padded_size=self._padded, key=key)
 
     # ------------------------------------------------------------ the batches
     def dataset(self, x, y=None, *, sample_weight=None, example_fn=None, input_context=None):

@@ -31,8 +31,9 @@ from typing import Optional
 
 import numpy as np
 
-from keras_noisecurve._validation import check_choice, check_float, check_int
-from keras_noisecurve.privacy import accounting
+from keras_noisecurve._validation import check_int
+from keras_noisecurve.privacy.events import RunSpec, as_spec
+from keras_noisecurve.privacy.overflow import padding
 
 
 #: The secret sampling key is two 64-bit words (stored as int64, e.g. in an optimizer
@@ -128,29 +129,27 @@ class BatchSampler:
     exactly ``steps_per_epoch`` apart. P = B.
 
     Args:
-      num_examples: n. batch_size: B. bands: b. steps: T. padded_size: P.
-      sampling: ``"cyclic_poisson"`` or ``"fixed_epochs"``.
+      spec: the run's :class:`~keras_noisecurve.privacy.events.RunSpec` (n, B, b, T, the
+        sampling and q). padded_size: P ≥ 1 (:func:`~keras_noisecurve.privacy.overflow.padding`).
       key: the secret sampling key, int64 (2,) (:func:`key_from_seed`).
 
     The permutation (O(n) memory) is computed on first use and kept; ``batch`` is
     thread-safe.
     """
 
-    def __init__(self, *, num_examples: int, batch_size: int, bands: int, steps: int, padded_size: int,
-                 sampling: str = "cyclic_poisson", key):
-        self.sampling = check_choice("sampling", sampling, accounting.SAMPLINGS)
-        self.num_examples = check_int("num_examples", num_examples, minimum=1)
-        self.batch_size = check_int("batch_size", batch_size, minimum=1)
-        self.bands = check_int("bands", bands, minimum=1)
-        self.steps = check_int("steps", steps, minimum=1)
+    def __init__(self, *, spec: RunSpec, padded_size: int, key):
+        if not isinstance(spec, RunSpec):
+            raise TypeError(f"BatchSampler: spec must be a keras_noisecurve.RunSpec, got {type(spec).__name__}.")
+        self.spec = spec
+        self.sampling = spec.sampling
+        self.num_examples = spec.num_examples
+        self.batch_size = spec.batch_size
+        self.bands = spec.bands
+        self.steps = spec.steps
+        self.sampling_probability = spec.sampling_probability
         self.padded_size = check_int("padded_size", padded_size, minimum=1)
         self._key = check_key(key)
         self._words = [int(w) for w in self._key.view(np.uint64)]
-        self.sampling_probability = (
-            accounting.sampling_probability(num_examples=self.num_examples, batch_size=self.batch_size,
-                                            bands=self.bands)
-            if self.sampling == "cyclic_poisson" else None
-        )
         self._partitions = None
         self._lock = threading.Lock()
         self.truncated_steps = 0
@@ -215,85 +214,29 @@ def truncation_warning(*, truncated: int, steps: int, padded_size: int, dropped:
     )
 
 
-def padded_size_for(*, num_examples: int, batch_size: int, bands: int, steps: int, sampling: str,
-                    max_batch_size: Optional[int] = None,
-                    overflow_probability: Optional[float] = None) -> tuple[int, float]:
-    """(P, overflow probability of P) for a plan; validates the arguments.
-
-    Cyclic Poisson: P is the smallest size whose union-bound overflow probability is ≤
-    ``overflow_probability`` (default ``accounting.DEFAULT_OVERFLOW_PROBABILITY =
-    1e-12``), or ``max_batch_size`` if given (its overflow probability is reported).
-    Fixed epochs: P = B, probability 0.
-    """
-    sampling = check_choice("sampling", sampling, accounting.SAMPLINGS)
-    n = check_int("num_examples", num_examples, minimum=1)
-    batch = check_int("batch_size", batch_size, minimum=1)
-    bands = check_int("bands", bands, minimum=1)
-    steps = check_int("steps", steps, minimum=1)
-    if bands > steps:
-        raise ValueError(f"bands={bands} cannot exceed steps={steps}.")
-    if batch > n:
-        raise ValueError(f"batch_size={batch} cannot exceed num_examples={n}.")
-    if max_batch_size is not None and overflow_probability is not None:
-        raise ValueError("give max_batch_size or overflow_probability, not both.")
-    if sampling == "fixed_epochs":
-        if max_batch_size is not None or overflow_probability is not None:
-            raise ValueError("max_batch_size / overflow_probability apply to cyclic_poisson only; fixed_epochs pads to batch_size.")
-        per_epoch = -(-n // batch)
-        if per_epoch < bands:
-            raise ValueError(
-                f"fixed_epochs needs steps_per_epoch = ceil({n}/{batch}) = {per_epoch} >= bands = {bands}: "
-                "participations of an example are steps_per_epoch apart and must be at least b apart."
-            )
-        return batch, 0.0
-    accounting.sampling_probability(num_examples=n, batch_size=batch, bands=bands)  # validates q < 1
-    if max_batch_size is not None:
-        padded = check_int("max_batch_size", max_batch_size, minimum=1)
-    else:
-        target = accounting.DEFAULT_OVERFLOW_PROBABILITY if overflow_probability is None else overflow_probability
-        target = check_float("overflow_probability", target, open_unit=True)
-        padded = accounting.padded_batch_size(
-            num_examples=n, batch_size=batch, steps=steps, bands=bands, overflow_probability=target
-        )
-    p_over = accounting.overflow_probability(
-        num_examples=n, batch_size=batch, steps=steps, bands=bands, padded_size=padded
-    )
-    return padded, p_over
-
-
-def sampling_plan(
-    *,
-    num_examples: int,
-    batch_size: int,
-    bands: int,
-    steps: int,
-    seed=None,
-    sampling: str = "cyclic_poisson",
-    max_batch_size: Optional[int] = None,
-    overflow_probability: Optional[float] = None,
-) -> SamplingPlan:
+def sampling_plan(*, spec: Optional[RunSpec] = None, seed=None, max_batch_size: Optional[int] = None,
+                  overflow_probability: Optional[float] = None, **run) -> SamplingPlan:
     """Draw the partitions and the (T, P) index/mask arrays of a whole run at once.
 
     The batches are those of :class:`BatchSampler` (see it for the distribution) with
-    the key of ``seed``; P from :func:`padded_size_for`. Truncations are counted and
-    warned about (``RuntimeWarning``).
+    the key of ``seed``; P from :func:`~keras_noisecurve.privacy.overflow.padding`.
+    Truncations are counted and warned about (``RuntimeWarning``).
 
     Args:
-      num_examples: n. batch_size: B (expected size for cyclic Poisson). bands: b.
-      steps: T, number of batches. seed: None (OS entropy, the private default), an
-        int or a ``np.random.SeedSequence`` (tests only: a known seed weakens DP).
+      spec: the :class:`~keras_noisecurve.privacy.events.RunSpec`, or instead its keyword
+        arguments (``num_examples=``, ``batch_size=``, ``steps=``, ``bands=``,
+        ``sampling=``, ``epochs=``, ``mixing=``).
+      seed: None (OS entropy, the private default), an int or a
+        ``np.random.SeedSequence`` (tests only: a known seed weakens DP).
       max_batch_size: P for cyclic Poisson (mutually exclusive with
         ``overflow_probability``).
 
     Returns:
       SamplingPlan.
     """
-    padded, p_over = padded_size_for(
-        num_examples=num_examples, batch_size=batch_size, bands=bands, steps=steps, sampling=sampling,
-        max_batch_size=max_batch_size, overflow_probability=overflow_probability,
-    )
-    sampler = BatchSampler(num_examples=num_examples, batch_size=batch_size, bands=bands, steps=steps,
-                           padded_size=padded, sampling=sampling, key=key_from_seed(seed))
+    spec = as_spec(spec, run, caller="sampling_plan")
+    padded, p_over = padding(spec=spec, max_batch_size=max_batch_size, overflow_probability=overflow_probability)
+    sampler = BatchSampler(spec=spec, padded_size=padded, key=key_from_seed(seed))
     rows = [sampler.batch(t) for t in range(sampler.steps)]
     indices = np.stack([r[0] for r in rows])
     mask = np.stack([r[1] for r in rows])
@@ -309,20 +252,9 @@ def sampling_plan(
 
 
 # ------------------------------------------------------------------ tf.data
-def banded_poisson_dataset(
-    x,
-    y=None,
-    *,
-    batch_size: int,
-    bands: int,
-    steps: int,
-    seed=None,
-    sampling: str = "cyclic_poisson",
-    sample_weight=None,
-    max_batch_size: Optional[int] = None,
-    overflow_probability: Optional[float] = None,
-    return_plan: bool = False,
-):
+def banded_poisson_dataset(x, y=None, *, spec: Optional[RunSpec] = None, seed=None, sample_weight=None,
+                           max_batch_size: Optional[int] = None, overflow_probability: Optional[float] = None,
+                           return_plan: bool = False, **run):
     """A ``tf.data.Dataset`` of exactly ``steps`` fixed-shape batches ``(x, y, mask)``.
 
     LOW LEVEL, for custom loops that do their own accounting: the sampler alone,
@@ -340,8 +272,11 @@ def banded_poisson_dataset(
       y: labels (n, ...) or a structure of them, or None (the dataset then yields
         ``(x, None, mask)``, which Keras reads as no targets plus per-example
         weights).
-      batch_size, bands, steps, seed, sampling, max_batch_size,
-        overflow_probability: see :func:`sampling_plan`.
+      spec: the :class:`~keras_noisecurve.privacy.events.RunSpec`, or instead its keyword
+        arguments (``batch_size=``, ``steps=``, ``bands=``, ``sampling=``, ...;
+        ``num_examples`` defaults to the number of examples in ``x``). The data must hold
+        exactly ``spec.num_examples`` examples.
+      seed, max_batch_size, overflow_probability: see :func:`sampling_plan`.
       sample_weight: optional (n,) weights, multiplied into the mask.
       return_plan: also return the :class:`SamplingPlan` (for tests/inspection).
 
@@ -354,10 +289,16 @@ def banded_poisson_dataset(
     from keras_noisecurve.privacy.sources import as_source
 
     source = as_source(x, y, sample_weight=sample_weight)
-    plan = sampling_plan(
-        num_examples=source.num_examples, batch_size=batch_size, bands=bands, steps=steps, seed=seed,
-        sampling=sampling, max_batch_size=max_batch_size, overflow_probability=overflow_probability,
-    )
+    if spec is None:
+        run.setdefault("num_examples", source.num_examples)
+    spec = as_spec(spec, run, caller="banded_poisson_dataset")
+    if source.num_examples != spec.num_examples:
+        raise ValueError(
+            f"the data has {source.num_examples} examples but the spec was planned for num_examples="
+            f"{spec.num_examples}: the sampling probability and the privacy guarantee assume n examples."
+        )
+    plan = sampling_plan(spec=spec, seed=seed, max_batch_size=max_batch_size,
+                         overflow_probability=overflow_probability)
     mask = plan.mask
     if source.sample_weight is not None:
         mask = mask * source.sample_weight[plan.indices]

@@ -108,7 +108,7 @@ def test_steps_not_divisible_by_bands_rounds_compositions_up():
     # 10 steps: partition 0 is used at steps 0, 3, 6, 9 -> 4 participations, like 12 steps.
     assert e10 == pytest.approx(e12, rel=1e-12)
     assert e9 < e10
-    assert acc.accounting_setup(num_examples=3000, batch_size=30, steps=10, bands=3).compositions == 4
+    assert acc.RunSpec(num_examples=3000, batch_size=30, steps=10, bands=3).compositions == 4
 
 
 def test_bands_equal_steps_is_one_poisson_gaussian():
@@ -131,7 +131,7 @@ def test_fixed_epochs_is_gaussian_with_sqrt_k_sensitivity():
         ref = a.compose(dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(3.0), k)).get_epsilon(DELTA)
         assert ours == pytest.approx(ref, rel=2e-3 if accountant == "pld" else 1e-9)
     # a partial last epoch still counts as an epoch
-    assert acc.accounting_setup(num_examples=n, batch_size=B, steps=31, sampling="fixed_epochs", epochs=4).epochs == 4
+    assert acc.RunSpec(num_examples=n, batch_size=B, steps=31, sampling="fixed_epochs", epochs=4).epochs == 4
 
 
 def _random_banded_c(T, b, seed):
@@ -166,7 +166,6 @@ def test_mixing_matrix_sets_bands_and_sensitivity():
         (dict(num_examples=1000, batch_size=10, steps=3, bands=4), "cannot exceed steps"),
         (dict(num_examples=1000, batch_size=10, steps=10, sampling="shuffle"), "sampling must be one of"),
         (dict(num_examples=1000, batch_size=10, steps=10, epochs=2), "only meaningful"),
-        (dict(num_examples=1000, batch_size=10, steps=10, sampling="fixed_epochs"), "requires epochs"),
         (dict(num_examples=1000, batch_size=10, steps=150, sampling="fixed_epochs", epochs=1), "inconsistent"),
         (dict(num_examples=100, batch_size=50, steps=4, bands=3, sampling="fixed_epochs", epochs=2), "steps_per_epoch"),
         (dict(num_examples=1000, batch_size=0, steps=10), "batch_size must be >= 1"),
@@ -200,12 +199,14 @@ def _exact_tail(m, q, P):
 
 @pytest.mark.parametrize("n,B,T,b,target", [(1000, 20, 100, 5, 1e-12), (500, 10, 50, 1, 1e-6)])
 def test_padded_batch_size_is_smallest_with_overflow_bound(n, B, T, b, target):
-    P = acc.padded_batch_size(num_examples=n, batch_size=B, steps=T, bands=b, overflow_probability=target)
+    spec = acc.RunSpec(num_examples=n, batch_size=B, steps=T, bands=b)
+    P = acc.padded_batch_size(spec=spec, overflow_probability=target)
     m = -(-n // b) + 1  # largest partition of a neighbouring dataset
     q = B * b / n
     assert T * _exact_tail(m, q, P) <= target
     assert T * _exact_tail(m, q, P - 1) > target
-    p = acc.overflow_probability(num_examples=n, batch_size=B, steps=T, bands=b, padded_size=P)
+    p = acc.overflow_probability(spec=spec, padded_size=P)
+    assert acc.padding(spec=spec, overflow_probability=target) == (P, p)
     assert p == pytest.approx(T * _exact_tail(m, q, P), rel=1e-6)
     assert acc.overflow_delta(epsilon=2.0, overflow_probability=p) == pytest.approx((1 + math.e**2) * p)
 

@@ -5,11 +5,21 @@ import numpy as np
 import pytest
 
 from keras_noisecurve.callbacks import PrivacyBudget
+from keras_noisecurve.mixing import MixingMatrix
 from keras_noisecurve.privacy import compute_epsilon
 from keras_noisecurve.privacy.ledger import PLD_RTOL
+from keras_noisecurve.privacy.run import PrivateRun
 from keras_noisecurve.privacy.sampler import banded_poisson_dataset
 
 N, B, BANDS, T, SIGMA, DELTA = 400, 20, 2, 40, 1.0, 1e-5
+
+
+def _run(steps=T, accountant="pld"):
+    """A run with a b = 2 banded C of unit columns (sensitivity 1, as compute_epsilon without mixing)."""
+    dense = np.tril(np.ones((steps, steps))) - np.tril(np.ones((steps, steps)), -BANDS)
+    mixing = MixingMatrix.from_dense(dense / np.linalg.norm(dense, axis=0), bands=BANDS)
+    return PrivateRun(num_examples=N, batch_size=B, steps=steps, mixing=mixing, noise_multiplier=SIGMA, delta=DELTA,
+                      accountant=accountant, seed=0)
 
 
 def _data():
@@ -35,8 +45,7 @@ def test_stops_before_target_epsilon_and_logs_it(accountant, target, capsys):
     x, y = _data()
     ds = banded_poisson_dataset(x, y, batch_size=B, bands=BANDS, steps=T, seed=1)
     model = _model()
-    cb = PrivacyBudget(noise_multiplier=SIGMA, delta=DELTA, num_examples=N, batch_size=B, steps=T, bands=BANDS,
-                       target_epsilon=target, accountant=accountant)
+    cb = PrivacyBudget(run=_run(accountant=accountant), target_epsilon=target)
     history = model.fit(ds, epochs=4, steps_per_epoch=10, callbacks=[cb], verbose=0)
     done = int(model.optimizer.iterations.numpy())
     assert done < T
@@ -56,8 +65,7 @@ def test_stops_at_step_plan_and_counts_across_fits():
     steps = 12
     ds = banded_poisson_dataset(x, y, batch_size=B, bands=BANDS, steps=steps, seed=2).repeat()
     model = _model()
-    cb = PrivacyBudget(noise_multiplier=SIGMA, delta=DELTA, num_examples=N, batch_size=B, steps=steps, bands=BANDS,
-                       accountant="rdp", log_every_step=True, verbose=0)
+    cb = PrivacyBudget(run=_run(steps, "rdp"), log_every_step=True, verbose=0)
     seen = []
     recorder = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: seen.append(logs["epsilon"]))
     model.fit(ds, epochs=1, steps_per_epoch=5, callbacks=[cb, recorder], verbose=0)
@@ -72,41 +80,33 @@ def test_stops_at_step_plan_and_counts_across_fits():
 
 
 def test_get_config_round_trip_and_validation():
-    cb = PrivacyBudget(noise_multiplier=1.3, delta=1e-6, num_examples=1000, batch_size=10, steps=300, bands=1,
-                       sampling="fixed_epochs", epochs=3, target_epsilon=5.0, accountant="rdp", verbose=0)
+    run = PrivateRun(num_examples=1000, batch_size=10, steps=300, sampling="fixed_epochs", noise_multiplier=1.3,
+                     delta=1e-6, accountant="rdp", seed=0)
+    cb = PrivacyBudget(run=run, target_epsilon=5.0, verbose=0)
+    assert cb.ledger is run.ledger and cb.spec is run.spec  # shared, not rebuilt
     clone = PrivacyBudget.from_config(cb.get_config())
     assert clone.get_config() == cb.get_config()
+    assert clone.run.same_plan(run) and clone.allowed_steps() == cb.allowed_steps()
     assert clone.epsilon_at(150) == pytest.approx(
         compute_epsilon(noise_multiplier=1.3, delta=1e-6, num_examples=1000, batch_size=10, steps=200,
                         sampling="fixed_epochs", epochs=2, accountant="rdp"), rel=1e-12)
     assert clone.epsilon_at(0) == 0.0
-    with pytest.raises(ValueError, match="must be < 1"):
-        PrivacyBudget(noise_multiplier=1.0, delta=1e-5, num_examples=100, batch_size=60, steps=10, bands=2)
 
 
-def test_budget_from_a_ledger():
-    from keras_noisecurve.privacy import accounting_setup
-    from keras_noisecurve.privacy.ledger import EpsilonLedger
-
-    setup = accounting_setup(num_examples=N, batch_size=B, steps=T, bands=BANDS)
-    ledger = EpsilonLedger(setup=setup, noise_multiplier=SIGMA, delta=DELTA, accountant="rdp")
-    cb = PrivacyBudget(ledger=ledger, target_epsilon=3.0, verbose=0)
-    assert cb.ledger is ledger and cb.setup == setup and cb.accountant == "rdp"
-    same = PrivacyBudget(noise_multiplier=SIGMA, delta=DELTA, num_examples=N, batch_size=B, steps=T, bands=BANDS,
-                         accountant="rdp", target_epsilon=3.0, verbose=0)
-    assert cb.allowed_steps() == same.allowed_steps() < T
-    assert cb.epsilon_at(7) == same.epsilon_at(7) == pytest.approx(_eps(7, "rdp"), rel=1e-12)
-    clone = PrivacyBudget.from_config(cb.get_config())
-    assert clone.get_config() == cb.get_config() and clone.allowed_steps() == cb.allowed_steps()
-
-    with pytest.raises(ValueError, match=r"not both; got ledger=EpsilonLedger\(.*\) and steps=40, bands=2\."):
-        PrivacyBudget(ledger=ledger, steps=T, bands=BANDS)
-    with pytest.raises(ValueError, match="missing delta, steps \\(got batch_size, noise_multiplier, num_examples\\)"):
-        PrivacyBudget(noise_multiplier=SIGMA, num_examples=N, batch_size=B)
-    with pytest.raises(ValueError, match="missing .*got none of them"):
-        PrivacyBudget()
-    with pytest.raises(TypeError, match="ledger must be .*EpsilonLedger, got dict"):
-        PrivacyBudget(ledger={"steps": T})
+@pytest.mark.parametrize(
+    "kwargs,error,match",
+    [
+        (dict(run={"steps": T}), TypeError, "run must be a keras_noisecurve.PrivateRun, got dict"),
+        (dict(run=None), TypeError, "run must be a keras_noisecurve.PrivateRun, got NoneType"),
+        (dict(target_epsilon=0.0), ValueError, "target_epsilon must be > 0, got 0.0"),
+        (dict(verbose=-1), ValueError, "verbose must be >= 0, got -1"),
+    ],
+)
+def test_validation_messages(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        PrivacyBudget(**{"run": _run(12, "rdp"), **kwargs})
+    with pytest.raises(TypeError):
+        PrivacyBudget(noise_multiplier=SIGMA, delta=DELTA, num_examples=N, batch_size=B, steps=T)  # no loose run
 
 
 class _Optimizer:
@@ -122,8 +122,7 @@ class _Model:
 
 def test_no_epsilon_is_computed_after_train_begin_except_new_epoch_ends():
     """The end of fit costs nothing: on_train_begin computed epsilon at the last allowed step."""
-    cb = PrivacyBudget(noise_multiplier=SIGMA, delta=DELTA, num_examples=N, batch_size=B, steps=T, bands=BANDS,
-                       verbose=0)
+    cb = PrivacyBudget(run=_run(), verbose=0)
     cb.set_model(_Model(np.int64(0)))
     cb.on_train_begin()
     ledger = cb.ledger

@@ -16,7 +16,7 @@ N, B, E, DELTA, TARGET = 1000, 30, 3, 1e-5, 2.0
 def test_steps_for_epochs_is_epochs_times_ceil_n_over_b():
     assert accounting.steps_for_epochs(num_examples=N, batch_size=B, epochs=E) == 3 * 34
     assert PrivateRun(num_examples=N, batch_size=B, epochs=E, noise_multiplier=1.0, delta=DELTA).steps == 102
-    setup = accounting.accounting_setup(num_examples=N, batch_size=B, epochs=E)
+    setup = accounting.RunSpec(num_examples=N, batch_size=B, epochs=E)
     assert setup.steps == 102
     with pytest.raises((TypeError, ValueError), match="epochs"):
         accounting.steps_for_epochs(num_examples=N, batch_size=B, epochs=1.5)

@@ -1,11 +1,12 @@
-"""EpsilonLedger: every ε_k against a from-scratch ``epsilon_for_setup`` (the reference), the
-table's shape and monotonicity, how often the expensive parts run, and argument checks."""
+"""EpsilonLedger (the ε table behind ``run.epsilon``): every ε_k against dp_accounting's own
+accountant on the same event (the reference, built here independently), the table's shape and
+monotonicity, how often the expensive parts run, and the run's argument checks."""
 
-import dataclasses
 import math
 import subprocess
 import sys
 
+import dp_accounting
 import numpy as np
 import pytest
 from dp_accounting.pld import privacy_loss_distribution as pld_dist
@@ -25,18 +26,36 @@ CYCLIC = [
 ]
 
 
-def _setup(n, B, T, b, sampling="cyclic_poisson", epochs=None):
-    return acc.accounting_setup(num_examples=n, batch_size=B, steps=T, bands=b, sampling=sampling, epochs=epochs)
+def _setup(n, B, T, b, sampling="cyclic_poisson", epochs=None, mixing=None):
+    return acc.RunSpec(num_examples=n, batch_size=B, steps=T, bands=b, sampling=sampling, epochs=epochs,
+                       mixing=mixing)
 
 
-def _reference(setup, sigma, k, accountant, delta=DELTA):
-    return acc.epsilon_for_setup(setup, noise_multiplier=sigma, delta=delta, accountant=accountant, participations=k)
+def _reference(setup, sigma, k, accountant, delta=DELTA, sensitivity=1.0):
+    """dp_accounting's accountant on the dominating event of k participations, written out here:
+    k self-compositions of PoissonSampled(q = B·b/n, Gaussian(σ/s)) (cyclic Poisson) or one
+    Gaussian of noise multiplier σ/(s·√k) (fixed epochs, banded C)."""
+    n, B, b = setup.num_examples, setup.batch_size, setup.bands
+    if setup.sampling == "cyclic_poisson":
+        event = dp_accounting.SelfComposedDpEvent(
+            dp_accounting.PoissonSampledDpEvent(B * b / n, dp_accounting.GaussianDpEvent(sigma / sensitivity)), k)
+    else:
+        event = dp_accounting.GaussianDpEvent(sigma / (sensitivity * math.sqrt(k)))
+    if accountant == "pld":
+        accountant = dp_accounting.pld.PLDAccountant(value_discretization_interval=1e-4)
+    else:
+        accountant = dp_accounting.rdp.RdpAccountant(list(dp_accounting.rdp.rdp_privacy_accountant.DEFAULT_RDP_ORDERS))
+    return accountant.compose(event).get_epsilon(delta)
+
+
+def _ledger(setup, sigma, accountant="pld", delta=DELTA):
+    return EpsilonLedger(spec=setup, noise_multiplier=sigma, delta=delta, accountant=accountant)
 
 
 @pytest.mark.parametrize("n,B,T,b,sigma,ks", CYCLIC)
 def test_cyclic_poisson_pld_agrees_with_the_reference(n, B, T, b, sigma, ks):
     setup = _setup(n, B, T, b)
-    led = EpsilonLedger(setup=setup, noise_multiplier=sigma, delta=DELTA)
+    led = _ledger(setup, sigma, delta=DELTA)
     table = led.epsilons(progress=False)
     assert table.shape == (setup.participations() + 1,)
     for k in ks:
@@ -48,7 +67,7 @@ def test_cyclic_poisson_pld_agrees_with_the_reference(n, B, T, b, sigma, ks):
 @pytest.mark.parametrize("n,B,T,b,sigma,ks", CYCLIC[:3])
 def test_cyclic_poisson_rdp_equals_the_reference(n, B, T, b, sigma, ks):
     setup = _setup(n, B, T, b)
-    led = EpsilonLedger(setup=setup, noise_multiplier=sigma, delta=DELTA, accountant="rdp")
+    led = _ledger(setup, sigma, "rdp", delta=DELTA)
     table = led.epsilons()
     for k in ks:
         assert table[k] == pytest.approx(_reference(setup, sigma, k, "rdp"), rel=1e-12)
@@ -56,19 +75,21 @@ def test_cyclic_poisson_rdp_equals_the_reference(n, B, T, b, sigma, ks):
 
 def test_sensitivity_of_a_mixing_matrix_is_used():
     plain = _setup(3_500, 250, 140, 4)
-    setup = dataclasses.replace(plain, sensitivity=1.3)
+    # A valid artifact has unit columns, so s = 1.3 is set by hand (a RunSpec is frozen):
+    # the ledger must divide σ by whatever s the spec carries.
+    setup = _setup(3_500, 250, 140, 4)
+    object.__setattr__(setup, "sensitivity", 1.3)
     for accountant in ("pld", "rdp"):
-        led = EpsilonLedger(setup=setup, noise_multiplier=3.6, delta=DELTA, accountant=accountant)
-        ref = _reference(setup, 3.6, 35, accountant)
+        led = _ledger(setup, 3.6, accountant, delta=DELTA)
+        ref = _reference(setup, 3.6, 35, accountant, sensitivity=1.3)
         assert abs(led.epsilon() - ref) <= PLD_RTOL * ref
-        assert led.epsilon() > EpsilonLedger(setup=plain, noise_multiplier=3.6, delta=DELTA,
-                                             accountant=accountant).epsilon()
+        assert led.epsilon() > _ledger(plain, 3.6, accountant).epsilon()
 
 
 @pytest.mark.parametrize("accountant", ["pld", "rdp"])
 def test_fixed_epochs_agrees_with_the_reference(accountant):
     setup = _setup(1_000, 10, 300, 1, sampling="fixed_epochs", epochs=3)
-    led = EpsilonLedger(setup=setup, noise_multiplier=1.3, delta=DELTA, accountant=accountant)
+    led = _ledger(setup, 1.3, accountant, delta=DELTA)
     refs = {k: _reference(setup, 1.3, k, accountant) for k in (1, 2, 3)}
     for steps, k in ((1, 1), (100, 1), (101, 2), (250, 3), (300, 3)):
         ref = refs[k]
@@ -82,7 +103,7 @@ def test_fixed_epochs_agrees_with_the_reference(accountant):
 
 def test_steps_read_the_participation_table():
     setup = _setup(1_000, 20, 50, 3)
-    led = EpsilonLedger(setup=setup, noise_multiplier=1.5, delta=DELTA)
+    led = _ledger(setup, 1.5, delta=DELTA)
     table = led.epsilons()
     assert table[0] == 0.0 and led.epsilon(0) == 0.0
     assert np.all(np.diff(table) > 0)  # strictly more participations, strictly more epsilon
@@ -104,10 +125,9 @@ def test_each_participation_count_is_computed_once_from_one_pld(monkeypatch):
         raise AssertionError("the ledger must not compose a PLD accountant from scratch")
 
     monkeypatch.setattr(pld_dist, "from_gaussian_mechanism", counting)
-    monkeypatch.setattr(acc, "epsilon_for_setup", no_accountant)
     monkeypatch.setattr(ledger_module.events, "epsilon_of_event", no_accountant)
     setup = _setup(3_500, 250, 140, 4)
-    led = EpsilonLedger(setup=setup, noise_multiplier=3.6, delta=DELTA)
+    led = _ledger(setup, 3.6, delta=DELTA)
     assert led.evaluations == 0 and led.mechanism_builds == 0 and not builds  # the constructor is cheap
     last = led.epsilon(140)
     assert led.evaluations == 1 and len(builds) == 1
@@ -144,40 +164,28 @@ def test_exact_gaussian_epsilon_is_an_upper_bound():
         assert ledger_module._gaussian_delta(eps - 1e-9 * max(1.0, eps), mu) > DELTA
 
 
-def test_config_round_trip():
-    setup = dataclasses.replace(_setup(1_000, 20, 50, 3), sensitivity=1.25)
-    led = EpsilonLedger(setup=setup, noise_multiplier=0.9, delta=1e-6, accountant="rdp")
-    clone = EpsilonLedger.from_config(led.get_config())
-    assert clone.setup == setup and clone.get_config() == led.get_config()
-    assert clone.epsilon(20) == led.epsilon(20)
+def test_run_validates_the_ledger_queries_once():
+    from keras_noisecurve.privacy.run import PrivateRun
 
-
-def test_validation_messages():
-    setup = _setup(1_000, 20, 50, 3)
-    with pytest.raises(TypeError, match="setup must be .*got dict"):
-        EpsilonLedger(setup={"steps": 50}, noise_multiplier=1.0, delta=DELTA)
+    run = PrivateRun(num_examples=1_000, batch_size=20, steps=50, noise_multiplier=1.0, delta=DELTA,
+                     accountant="rdp", seed=0)
+    with pytest.raises(ValueError, match="step must be <= 50, got 51"):
+        run.epsilon(51)
+    with pytest.raises(ValueError, match="step must be >= 0, got -1"):
+        run.epsilon(-1)
+    with pytest.raises(TypeError, match="step must be an integer, got 2.5"):
+        run.epsilon(2.5)
     with pytest.raises(ValueError, match="noise_multiplier must be > 0, got 0.0"):
-        EpsilonLedger(setup=setup, noise_multiplier=0.0, delta=DELTA)
-    with pytest.raises(ValueError, match="delta must lie strictly between 0 and 1, got 1.0"):
-        EpsilonLedger(setup=setup, noise_multiplier=1.0, delta=1.0)
+        PrivateRun(num_examples=1_000, batch_size=20, steps=50, noise_multiplier=0.0, delta=DELTA)
     with pytest.raises(ValueError, match="accountant must be one of 'pld', 'rdp'; got 'moments'"):
-        EpsilonLedger(setup=setup, noise_multiplier=1.0, delta=DELTA, accountant="moments")
-    with pytest.raises(TypeError):
-        EpsilonLedger(setup, noise_multiplier=1.0, delta=DELTA)  # keyword-only
-    led = EpsilonLedger(setup=setup, noise_multiplier=1.0, delta=DELTA, accountant="rdp")
-    with pytest.raises(ValueError, match="steps_done must be <= 50, got 51"):
-        led.epsilon(51)
-    with pytest.raises(ValueError, match="steps_done must be >= 0, got -1"):
-        led.epsilon(-1)
-    with pytest.raises(TypeError, match="steps_done must be an integer, got 2.5"):
-        led.epsilon(2.5)
-    with pytest.raises(ValueError, match="participations must be <= 17, got 18"):
-        led.epsilon_of_participations(18)
+        PrivateRun(num_examples=1_000, batch_size=20, steps=50, noise_multiplier=1.0, delta=DELTA,
+                   accountant="moments")
+    assert run.epsilon(50) == run.ledger.epsilon_of_participations(50)
 
 
 def test_module_does_not_import_tensorflow_or_keras():
     code = ("import sys, keras_noisecurve.privacy.ledger as l, keras_noisecurve.privacy as p; "
-            "l.EpsilonLedger(setup=p.accounting_setup(num_examples=100, batch_size=10, steps=5), "
-            "noise_multiplier=1.0, delta=1e-5).epsilons(); "
+            "l.EpsilonLedger(spec=p.RunSpec(num_examples=100, batch_size=10, steps=5), "
+            "noise_multiplier=1.0, delta=1e-5, accountant='pld').epsilons(); "
             "bad = [m for m in sys.modules if m.split('.')[0] in ('tensorflow', 'keras')]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -4,7 +4,10 @@ import numpy as np
 import pytest
 
 from keras_noisecurve.mixing import MixingMatrix
+import dp_accounting
+
 from keras_noisecurve.privacy import accounting
+from keras_noisecurve.privacy.events import RunSpec
 from keras_noisecurve.privacy.run import PrivateRun
 from keras_noisecurve.privacy.sampler import BatchSampler, key_from_seed, sampling_plan
 
@@ -15,13 +18,13 @@ BANDED = MixingMatrix.from_dense(_DENSE / np.linalg.norm(_DENSE, axis=0), bands=
 def test_random_access_equals_the_whole_plan_in_any_order():
     key = key_from_seed(5)
     plan = sampling_plan(num_examples=300, batch_size=12, bands=3, steps=40, seed=5)
-    sampler = BatchSampler(num_examples=300, batch_size=12, bands=3, steps=40, padded_size=plan.padded_size, key=key)
+    spec = RunSpec(num_examples=300, batch_size=12, bands=3, steps=40)
+    sampler = BatchSampler(spec=spec, padded_size=plan.padded_size, key=key)
     for t in np.random.default_rng(0).permutation(40):  # resumed anywhere, in any order
         indices, mask, _ = sampler.batch(t)
         np.testing.assert_array_equal(indices, plan.indices[t])
         np.testing.assert_array_equal(mask, plan.mask[t])
-    other = BatchSampler(num_examples=300, batch_size=12, bands=3, steps=40, padded_size=plan.padded_size,
-                         key=key_from_seed(6))
+    other = BatchSampler(spec=spec, padded_size=plan.padded_size, key=key_from_seed(6))
     assert not all(np.array_equal(other.batch(t)[0], plan.indices[t]) for t in range(40))
     with pytest.raises(ValueError, match="outside the plan of 40 steps"):
         sampler.batch(40)
@@ -31,11 +34,19 @@ def test_plan_fields_and_steps_or_epochs():
     run = PrivateRun(num_examples=1000, batch_size=50, epochs=3, noise_multiplier=1.2, delta=1e-6, seed=1)
     assert (run.steps, run.bands, run.steps_per_epoch, run.epochs) == (60, 1, 20, 3)
     assert run.mixing == MixingMatrix.identity(60)
-    assert run.setup.sampling_probability == pytest.approx(0.05)
-    assert run.padded_batch_size == accounting.padded_batch_size(num_examples=1000, batch_size=50, steps=60)
+    assert run.spec.sampling_probability == pytest.approx(0.05)
+    assert run.padded_batch_size == accounting.padded_batch_size(spec=run.spec)
     fixed = PrivateRun(num_examples=1000, batch_size=50, steps=50, noise_multiplier=1.0, delta=1e-6,
                        sampling="fixed_epochs")
-    assert (fixed.setup.epochs, fixed.padded_batch_size, fixed.overflow_probability) == (3, 50, 0.0)
+    assert (fixed.spec.epochs, fixed.padded_batch_size, fixed.overflow_probability) == (3, 50, 0.0)
+
+
+def _dp_accounting_epsilon(*, q, sigma, compositions, delta):
+    """dp_accounting's own PLD accountant on ``compositions`` Poisson-subsampled Gaussians."""
+    event = dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), compositions)
+    accountant = dp_accounting.pld.PLDAccountant(value_discretization_interval=1e-4)
+    return accountant.compose(event).get_epsilon(delta)
 
 
 def test_epsilon_of_the_ledger_matches_the_accountant():
@@ -43,9 +54,8 @@ def test_epsilon_of_the_ledger_matches_the_accountant():
     for step in (0, 1, 3, 4, 8):
         expected = 0.0 if step == 0 else accounting.compute_epsilon(
             noise_multiplier=1.0, delta=1e-5, num_examples=200, batch_size=10, steps=8, mixing=BANDED,
-        ) if step == 8 else accounting.epsilon_for_setup(
-            run.setup, noise_multiplier=1.0, delta=1e-5, participations=-(-step // 2)
-        )
+        ) if step == 8 else _dp_accounting_epsilon(q=run.spec.sampling_probability, sigma=1.0,
+                                                    compositions=-(-step // 2), delta=1e-5)
         assert run.epsilon(step) == pytest.approx(expected, rel=1e-3, abs=1e-9)
     assert run.total_delta() > 1e-5
 

@@ -90,7 +90,7 @@ def test_fixed_epochs_repeats_the_same_order():
     gaps = {g for ts in steps_of.values() for g in np.diff(ts)}
     assert gaps == {per_epoch}
     with pytest.raises(ValueError, match="steps_per_epoch"):
-        sampling_plan(num_examples=20, batch_size=10, bands=3, steps=6, sampling="fixed_epochs")
+        sampling_plan(num_examples=20, batch_size=10, bands=3, steps=6, sampling="fixed_epochs", epochs=3)
 
 
 def test_tf_data_input_gives_the_same_batches_as_numpy():

@@ -4,8 +4,6 @@ The sensitivities are checked against dense column sums of C (an independent
 computation), the ε against the exact Gaussian mechanism and against a banded C.
 """
 
-import dataclasses
-
 import numpy as np
 import pytest
 from scipy import special
@@ -14,7 +12,6 @@ import keras_noisecurve as knc
 from keras_noisecurve.mixing.matrix import MixingMatrix
 from keras_noisecurve.mixing.strategies import BISRMixing, BLTMixing, ToeplitzMixing
 from keras_noisecurve.privacy import events
-from keras_noisecurve.privacy.ledger import EpsilonLedger
 
 N, B = 3500, 250  # 14 steps per epoch
 PER_EPOCH = 14
@@ -43,8 +40,8 @@ def test_fixed_epoch_sensitivity_is_the_worst_start_of_dense_columns(make):
     steps = 5 * PER_EPOCH
     mixing = make(steps)
     C = mixing.to_dense()
-    setup = events.accounting_setup(num_examples=N, batch_size=B, steps=steps, sampling="fixed_epochs", epochs=5,
-                                    mixing=mixing)
+    setup = events.RunSpec(num_examples=N, batch_size=B, steps=steps, sampling="fixed_epochs", epochs=5,
+                           mixing=mixing)
     assert setup.strategy == mixing.kind and setup.bands == 1
     for k in range(1, 6):
         assert setup.fixed_epoch_sensitivity(k) == pytest.approx(_dense_worst(C, k, PER_EPOCH), rel=1e-12)
@@ -86,8 +83,8 @@ def test_cyclic_poisson_is_refused_for_a_c_that_is_not_banded(make):
 
 def test_bands_is_refused_for_a_c_that_is_not_banded():
     with pytest.raises(ValueError, match="bands=4 does not apply to a blt"):
-        events.accounting_setup(num_examples=N, batch_size=B, steps=56, bands=4, sampling="fixed_epochs",
-                                epochs=4, mixing=_blt(56))
+        events.RunSpec(num_examples=N, batch_size=B, steps=56, bands=4, sampling="fixed_epochs",
+                       epochs=4, mixing=_blt(56))
 
 
 def test_banded_toeplitz_is_accounted_as_any_banded_c():
@@ -104,14 +101,13 @@ def test_banded_toeplitz_is_accounted_as_any_banded_c():
         assert a == b
 
 
-def test_ledger_config_round_trips_the_strategy_sensitivities():
+def test_run_config_round_trips_the_strategy_sensitivities():
     steps = 5 * PER_EPOCH
     run = knc.PrivateRun(num_examples=N, batch_size=B, steps=steps, mixing=_blt(steps), noise_multiplier=6.0,
                          delta=1e-5, sampling="fixed_epochs", seed=0)
-    config = run.ledger.get_config()
-    assert config["strategy"] == "blt" and len(config["participation_sensitivities"]) == 5
-    again = EpsilonLedger.from_config(config)
-    assert dataclasses.asdict(again.setup) == dataclasses.asdict(run.setup)
+    assert run.spec.strategy == "blt" and len(run.spec.participation_sensitivities) == 5
+    again = knc.PrivateRun.from_config(run.get_config())
+    assert again.spec == run.spec
     assert again.epsilon() == run.epsilon()
 
 

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import keras_noisecurve as knc
 from keras_noisecurve.training.distributed import (
     assert_same_on_all_workers,
     fit_distributed,
@@ -179,10 +180,10 @@ def test_stop_training_and_privacy_budget():
     fit_distributed(model, mw.shard_fn(*mw.global_batches()), steps=3, callbacks=[StopAt()], verbose=0)
     assert int(model.optimizer.iterations.numpy()) == 1
 
-    plan = dict(noise_multiplier=1.0, delta=1e-5, num_examples=40, batch_size=mw.B, steps=mw.STEPS, bands=mw.BANDS,
-                accountant="rdp")
-    eps = PrivacyBudget(**plan).epsilon_at
-    budget = PrivacyBudget(**plan, target_epsilon=(eps(2) + eps(3)) / 2, verbose=0)
+    run = knc.PrivateRun(num_examples=40, batch_size=mw.B, steps=mw.STEPS, mixing=mw.mixing(), noise_multiplier=1.0,
+                         delta=1e-5, accountant="rdp", seed=0)
+    eps = run.epsilon
+    budget = PrivacyBudget(run=run, target_epsilon=(eps(2) + eps(3)) / 2, verbose=0)
     model = mw.build_model()
     history = fit_distributed(model, mw.shard_fn(*mw.global_batches()), callbacks=[budget], verbose=0)
     assert int(model.optimizer.iterations.numpy()) == 2 == budget.stopped_at_step

@@ -1,0 +1,161 @@
+"""The :class:`ExampleSource` interface and the helpers every kind of source shares.
+
+An example source gathers training examples by index (``keras_noisecurve.privacy.sources``
+documents the kinds and their costs). Importing this module does not import TensorFlow.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["KINDS", "ExampleSource"]
+
+KINDS = ("memory", "memmap", "sequence", "py_dataset")
+
+
+def _leading_length(name, structure) -> int:
+    import tensorflow as tf
+
+    lengths = {int(np.shape(a)[0]) if np.ndim(a) else -1 for a in tf.nest.flatten(structure)}
+    if len(lengths) != 1 or -1 in lengths:
+        raise ValueError(
+            f"every array in {name} must have the same leading (example) dimension; got lengths "
+            f"{sorted(lengths)} (-1: a scalar)."
+        )
+    return lengths.pop()
+
+
+def _native(dtype: np.dtype) -> np.dtype:
+    dtype = np.dtype(dtype)
+    return dtype if dtype.kind in "USO" else dtype.newbyteorder("=")
+
+
+def _tf_dtype(dtype: np.dtype):
+    import tensorflow as tf
+
+    dtype = np.dtype(dtype)
+    if dtype.kind in "USO":
+        return tf.string
+    return tf.as_dtype(_native(dtype))
+
+
+def _spec(shape, dtype):
+    import tensorflow as tf
+
+    return tf.TensorSpec(tuple(shape), _tf_dtype(dtype))
+
+
+def _describe(obj) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def _is_tuple(obj) -> bool:
+    return isinstance(obj, tuple) and not hasattr(obj, "_fields")  # a namedtuple is one structure
+
+
+def _split(element, *, what: str):
+    """``x`` / ``(x,)`` / ``(x, y)`` -> (x, y or None); ``(x, y, w)`` refused."""
+    if _is_tuple(element):
+        if len(element) == 1:
+            return element[0], None
+        if len(element) == 2:
+            return element[0], element[1]
+        if len(element) == 3:
+            raise ValueError(
+                f"{what} is a 3-tuple (x, y, sample_weight); weights inside a streamed source are not read "
+                "(they are needed for every example up front): pass them as as_source(..., sample_weight=) "
+                "— an (n,) array — and return (x, y)."
+            )
+        raise ValueError(f"{what} must be x, (x,) or (x, y); got a tuple of {len(element)} parts.")
+    return element, None
+
+
+class ExampleSource:
+    """Training examples that can be gathered by index.
+
+    Attributes:
+      kind: one of :data:`KINDS` (see the module docstring for their costs).
+      num_examples: n.
+      has_labels: whether ``tf_gather`` returns labels (``y``).
+      element_spec: ``(x_spec, y_spec or None)``, nested ``tf.TensorSpec`` of ONE
+        example (no batch dimension).
+      sample_weight: None or a float32 numpy array (n,).
+    """
+
+    kind: str = ""
+
+    def __init__(self, x_spec, y_spec, num_examples: int, sample_weight):
+        self.element_spec = (x_spec, y_spec)
+        self.num_examples = int(num_examples)
+        self.has_labels = y_spec is not None
+        self.sample_weight = _check_weights(sample_weight, self.num_examples)
+
+    def __len__(self) -> int:
+        return self.num_examples
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(kind={self.kind!r}, num_examples={self.num_examples}, "
+                f"has_labels={self.has_labels})")
+
+    # --- subclasses implement _flat_gather (numpy, any thread); gather and tf_gather wrap it
+    def _flat_gather(self, indices: np.ndarray) -> list:
+        """The leaves of x then of y (``tf.nest.flatten`` order) for int64 indices (P,)."""
+        raise NotImplementedError
+
+    def gather(self, indices) -> tuple:
+        """``(x_batch, y_batch or None)`` numpy structures for int indices (P,).
+
+        Any thread may call it. Leaves have shape (P, *spec.shape) and the spec's
+        dtype (strings as bytes objects).
+        """
+        import tensorflow as tf
+
+        flat = self._flat_gather(np.asarray(indices, dtype=np.int64))
+        x_spec, y_spec = self.element_spec
+        num_x = len(tf.nest.flatten(x_spec))
+        xb = tf.nest.pack_sequence_as(x_spec, flat[:num_x])
+        return xb, (None if y_spec is None else tf.nest.pack_sequence_as(y_spec, flat[num_x:]))
+
+    def tf_gather(self, indices) -> tuple:
+        """``(x_batch, y_batch or None)`` tensors for an int64 tensor ``indices`` (P,).
+
+        For a ``tf.data`` map function (graph mode) or eager use. Every leaf has the
+        static shape ``(P, *spec.shape)`` (P static when ``indices``' shape is) and
+        the spec's dtype. Streamed kinds run ONE ``tf.numpy_function`` per call.
+        """
+        import tensorflow as tf
+
+        indices = tf.convert_to_tensor(indices)
+        if indices.dtype != tf.int64:
+            indices = tf.cast(indices, tf.int64)
+        x_spec, y_spec = self.element_spec
+        specs = tf.nest.flatten(x_spec) + ([] if y_spec is None else tf.nest.flatten(y_spec))
+        num_x = len(tf.nest.flatten(x_spec))
+        flat = tf.numpy_function(
+            self._flat_gather, [indices], [s.dtype for s in specs], stateful=False, name=f"gather_{self.kind}"
+        )
+        lead = indices.shape[:1]
+        for tensor, spec in zip(flat, specs):
+            tensor.set_shape(lead.concatenate(spec.shape))
+        xb = tf.nest.pack_sequence_as(x_spec, flat[:num_x])
+        yb = None if y_spec is None else tf.nest.pack_sequence_as(y_spec, flat[num_x:])
+        return xb, yb
+
+
+def _check_weights(sample_weight, n: int):
+    if sample_weight is None:
+        return None
+    weights = np.array(sample_weight, dtype=np.float32)  # a copy, held in memory
+    if weights.shape != (n,):
+        raise ValueError(f"sample_weight must have shape ({n},) (one weight per example), got {weights.shape}.")
+    if not np.all(np.isfinite(weights)) or np.any(weights < 0):
+        raise ValueError("sample_weight must be finite and >= 0.")
+    return weights
+
+def _for_tf(array: np.ndarray) -> np.ndarray:
+    """An array ``tf.numpy_function`` accepts for its spec: native byte order, text as bytes."""
+    if array.dtype.kind == "U":
+        return np.char.encode(array, "utf-8")
+    if array.dtype.kind in "SO" or array.dtype.isnative:
+        return array
+    return array.astype(array.dtype.newbyteorder("="))
