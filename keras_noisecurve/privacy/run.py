@@ -35,12 +35,13 @@ __all__ = ["PrivateRun"]
 
 
 def _resolve_mixing(mixing, steps: int):
-    from keras_noisecurve.mixing.matrix import MixingMatrix, load_mixing
+    from keras_noisecurve.mixing.strategies import MixingMatrix, load_mixing
 
-    if mixing is None or (isinstance(mixing, str) and mixing == "dpsgd"):
+    mixing = load_mixing("dpsgd" if mixing is None else mixing)
+    if not mixing.has_plan:  # C = I without a limit: the run plans its T steps
         check_memory(f"C = I for steps={steps}", 8 * steps, hint="Use fewer steps.")
         return MixingMatrix.identity(steps)
-    return load_mixing(mixing)
+    return mixing
 
 
 class PrivateRun:
