@@ -21,7 +21,6 @@ Code outside ``keras_noisecurve/mixing/strategies*`` asks these attributes and m
 from __future__ import annotations
 
 import json
-import math
 
 import numpy as np
 
@@ -97,9 +96,12 @@ class Strategy:
         """The b of cyclic Poisson sampling: the bands of a banded C, 1 otherwise."""
         return self.bands if self.banded else 1
 
-    def allows_sampling(self, sampling: str) -> bool:
-        """Whether the accounting of C covers ``sampling`` (one of ``ALL_SAMPLINGS``)."""
-        return sampling in self.samplings
+    @classmethod
+    def allows_sampling(cls, sampling: str) -> bool:
+        """Whether the accounting of this kind of C covers ``sampling`` (one of
+        ``ALL_SAMPLINGS``). A class method: ``strategy_class(kind).allows_sampling(s)``
+        answers before C is solved."""
+        return sampling in cls.samplings
 
     def inverse_apply(self, z) -> np.ndarray:
         """z̃ = C⁻¹z by the online recurrence (``stream_apply``); z of shape (T', …), float64."""
@@ -145,10 +147,3 @@ class Strategy:
         return all(np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b for a, b in zip(mine, theirs))
 
     __hash__ = None
-
-
-def check_norm(value: float, what: str) -> float:
-    """``value`` if it is a finite positive column norm, else one ValueError line."""
-    if not value > 0 or not math.isfinite(value):
-        raise ValueError(f"the mixing matrix has an invalid column norm {value!r} ({what}).")
-    return float(value)

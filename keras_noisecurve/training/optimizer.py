@@ -271,8 +271,8 @@ class DPOptimizer(keras.optimizers.Optimizer):
     # ------------------------------------------------------------- noise source
     @property
     def mixing(self):
-        """The mixing strategy: a ``MixingMatrix`` (banded), ``ToeplitzMixing``, ``BLTMixing``
-        or ``BISRMixing``, or ``"dpsgd"`` (C = I, no step plan)."""
+        """The mixing strategy: a ``MixingMatrix`` (banded), ``ToeplitzMixing``, ``BLTMixing``,
+        ``BISRMixing`` or ``IdentityMixing`` (``"dpsgd"``: C = I, no step plan)."""
         return self._mixing
 
     @property
