@@ -50,7 +50,6 @@ import math
 from typing import Optional
 
 import dp_accounting
-import numpy as np
 from dp_accounting import pld as _pld
 from dp_accounting import rdp as _rdp
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 import secrets
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import numpy as np
 import tensorflow as tf
