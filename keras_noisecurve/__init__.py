@@ -19,6 +19,7 @@ _EXPORTS = {
     "ToeplitzMixing": "keras_noisecurve.mixing",
     "BLTMixing": "keras_noisecurve.mixing",
     "BISRMixing": "keras_noisecurve.mixing",
+    "IdentityMixing": "keras_noisecurve.mixing",
     "STRATEGIES": "keras_noisecurve.mixing",
     "UpdateRule": "keras_noisecurve.mixing",
     "InvalidMixingMatrixError": "keras_noisecurve.mixing",

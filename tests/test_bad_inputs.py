@@ -10,7 +10,7 @@ import pytest
 
 import keras_noisecurve as knc
 from keras_noisecurve.cli import main
-from keras_noisecurve.mixing.matrix import MixingMatrix, load_mixing
+from keras_noisecurve.mixing.strategies import MixingMatrix, load_mixing
 from keras_noisecurve.privacy import accounting
 from keras_noisecurve.spectrum.artifact import Spectrum
 

@@ -59,20 +59,16 @@ CANARY_TARGET = 1.0e4
 
 def build_mixing(*, strategy: str, steps: int, bands: int = 4, buffers: int = 2, participations: int = 1,
                  separation: Optional[int] = None):
-    """The mixing strategy of an audit: C = I (``"dpsgd"``), DP-BandMF (``"banded"``,
-    b bands), banded Toeplitz (``"toeplitz"``, b coefficients) or BLT (``"blt"``, d
-    buffers, solved for ``participations`` fixed-epoch participations ``separation`` apart)."""
-    import keras_noisecurve as knc
+    """The mixing strategy of an audit: C = I for T steps (``"dpsgd"``), DP-BandMF
+    (``"banded"``, b bands), banded Toeplitz (``"toeplitz"``, b coefficients) or BLT
+    (``"blt"``, d buffers, solved for ``participations`` fixed-epoch participations
+    ``separation`` apart): the registry's solver of that kind, under the bandmf objective,
+    given the arguments that kind takes (the others are ignored)."""
+    from keras_noisecurve.mixing.strategies_solve import solve_strategy
 
     strategy = check_choice("strategy", strategy, STRATEGIES)
-    if strategy == "dpsgd":
-        return knc.MixingMatrix.identity(steps)
-    if strategy == "banded":
-        return knc.solve_mixing_matrix(steps=steps, bands=bands, objective="bandmf")
-    if strategy == "toeplitz":
-        return knc.solve_mixing_matrix(steps=steps, bands=bands, strategy="toeplitz", objective="bandmf")
-    return knc.solve_mixing_matrix(steps=steps, strategy="blt", buffers=buffers, objective="bandmf",
-                                   participations=participations, separation=separation)
+    return solve_strategy(strategy, steps=steps, objective="bandmf", bands=bands, buffers=buffers,
+                          participations=participations, separation=separation, ignore_unused=True)
 
 
 @dataclasses.dataclass

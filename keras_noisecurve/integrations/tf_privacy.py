@@ -40,7 +40,7 @@ import tensorflow as tf
 
 from keras_noisecurve._validation import check_float
 from keras_noisecurve.integrations._tf_privacy_import import import_tf_privacy
-from keras_noisecurve.mixing.matrix import load_mixing
+from keras_noisecurve.mixing.strategies import load_mixing
 from keras_noisecurve.training.noise import StreamNoise, key_from_seed
 
 _dp_query = import_tf_privacy("privacy.dp_query.dp_query")

@@ -1,19 +1,23 @@
 """Mixing strategies C: workloads, the solvers and the files (banded ``MixingMatrix``,
-``ToeplitzMixing``, ``BLTMixing``, ``BISRMixing``).
+``ToeplitzMixing``, ``BLTMixing``, ``BISRMixing``, ``IdentityMixing``).
 
 numpy/scipy only: nothing here imports TensorFlow.
 """
 
-from keras_noisecurve.mixing.matrix import (
-    COLUMN_NORM_TOLERANCE,
-    InvalidMixingMatrixError,
-    MixingMatrix,
-    load_mixing,
-)
+from keras_noisecurve.mixing.matrix import COLUMN_NORM_TOLERANCE, InvalidMixingMatrixError, MixingMatrix
 from keras_noisecurve.mixing.api import TOEPLITZ_OBJECTIVES, objective_value, solve_mixing_matrix
 from keras_noisecurve.mixing.solver import AUTO_BLEND_FACTOR, RIDGE_RELATIVE, TRUNCATION_RELATIVE, prefix_noise_std
 from keras_noisecurve.mixing.stream import NoiseStream, stream_apply
-from keras_noisecurve.mixing.strategies import STRATEGIES, BISRMixing, BLTMixing, ToeplitzMixing
+from keras_noisecurve.mixing.strategies import (
+    STRATEGIES,
+    STRATEGY_CLASSES,
+    BISRMixing,
+    BLTMixing,
+    IdentityMixing,
+    Strategy,
+    ToeplitzMixing,
+    load_mixing,
+)
 from keras_noisecurve.mixing.update_rule import SCHEDULES, UpdateRule
 from keras_noisecurve.mixing.workloads import (
     AUTO_BLEND_GRID,
@@ -27,8 +31,11 @@ __all__ = [
     "AUTO_BLEND_FACTOR",
     "BISRMixing",
     "BLTMixing",
+    "IdentityMixing",
     "NoiseStream",
     "STRATEGIES",
+    "STRATEGY_CLASSES",
+    "Strategy",
     "TOEPLITZ_OBJECTIVES",
     "ToeplitzMixing",
     "stream_apply",

@@ -38,6 +38,7 @@ import scipy.sparse.linalg as sparse_linalg
 from keras_noisecurve._validation import check_float
 from keras_noisecurve.mixing.banded import band_values_to_ab, solve_lower
 from keras_noisecurve.mixing.matrix import MixingMatrix
+from keras_noisecurve.mixing.strategies import is_mixing_matrix
 
 __all__ = [
     "EXACT_CONDITION_MAX_STEPS",
@@ -68,7 +69,7 @@ class NoiseExcursionWarning(UserWarning):
 
 
 def _check_mixing(name: str, mixing) -> MixingMatrix:
-    if not isinstance(mixing, MixingMatrix):
+    if not is_mixing_matrix(mixing):
         raise TypeError(
             f"{name} must be a keras_noisecurve.MixingMatrix, got {type(mixing).__name__}. "
             "Build one with MixingMatrix.from_dense / MixingMatrix.load or solve_mixing_matrix."

@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import reprlib
 from typing import Any, Mapping
 
 import numpy as np
@@ -24,8 +23,10 @@ import numpy as np
 from keras_noisecurve._npz import one_line, read_npz
 from keras_noisecurve._validation import check_int
 from keras_noisecurve.mixing.errors import COLUMN_NORM_TOLERANCE, InvalidMixingMatrixError
+from keras_noisecurve.mixing.stream import BandedStream
+from keras_noisecurve.mixing.strategies_base import Strategy
 
-__all__ = ["COLUMN_NORM_TOLERANCE", "InvalidMixingMatrixError", "MixingMatrix", "load_mixing"]
+__all__ = ["COLUMN_NORM_TOLERANCE", "InvalidMixingMatrixError", "MixingMatrix"]
 
 _FORMAT = "keras-noisecurve/mixing-matrix"
 _FORMAT_VERSION = 1
@@ -44,7 +45,7 @@ def _column_norms(band_values: np.ndarray) -> np.ndarray:
     return np.sqrt(sq)
 
 
-class MixingMatrix:
+class MixingMatrix(Strategy):
     """A lower-triangular, b-banded mixing matrix C with unit-norm columns.
 
     Args:
@@ -106,7 +107,7 @@ class MixingMatrix:
         # Fail early, not at save time, if the metadata cannot be stored.
         json.dumps(self._metadata)
 
-    #: The strategy kind (``keras_noisecurve.mixing.strategies.STRATEGIES``).
+    #: The strategy kind (``keras_noisecurve.mixing.strategies.STRATEGY_CLASSES``).
     kind = "banded"
     #: C is b-banded: participations at least b steps apart touch disjoint rows.
     banded = True
@@ -151,56 +152,17 @@ class MixingMatrix:
         """L2 norms of the columns of C, shape (T,). All 1 for a valid artifact."""
         return _column_norms(self._band_values)
 
-    def max_column_norm(self) -> float:
-        """Largest column norm: the per-participation sensitivity factor of C."""
-        return float(self.column_norms().max())
+    def leading_column_norm(self, steps: int) -> float:
+        """Largest column norm of the leading ``steps``×``steps`` block of C."""
+        return float(_column_norms(self._band_values[:steps]).max())
 
-    def inverse_apply(self, z) -> np.ndarray:
-        """Correlated noise ``z̃ = C⁻¹ z`` by the online recurrence the optimizer runs.
+    def stream(self) -> BandedStream:
+        """The online recurrence ``z̃_t = (z_t − Σ_{j=1}^{b−1} C[t, t−j] · z̃_{t−j}) / C[t, t]``
+        (``keras_noisecurve.mixing.stream.BandedStream``; ``inverse_apply`` runs it in numpy)."""
+        return BandedStream(self._band_values)
 
-        ``z̃_t = (z_t − Σ_{j=1}^{b−1} C[t, t−j] · z̃_{t−j}) / C[t, t]``.
-
-        Args:
-          z: array of shape (T,) or (T, p).
-
-        Returns:
-          array of the same shape, float64. Cost O(T·b·p), memory O(T·p).
-        """
-        z = np.asarray(z, dtype=np.float64)
-        if z.shape[:1] != (self.steps,):
-            raise ValueError(f"z must have {self.steps} rows (one per step), got shape {z.shape}.")
-        out = np.empty_like(z)
-        bv = self._band_values
-        for t in range(self.steps):
-            acc = z[t].copy()
-            for j in range(1, min(self.bands, t + 1)):
-                acc -= bv[t, j] * out[t - j]
-            out[t] = acc / bv[t, 0]
-        return out
-
-    def stream(self):
-        """The online recurrence (``keras_noisecurve.mixing.stream``, kind ``"banded"``)."""
-        from keras_noisecurve.mixing.stream import NoiseStream
-
-        return NoiseStream("banded", self.steps, self._band_values)
-
-    @property
-    def buffers(self) -> int:
-        """Noise-state arrays the size of the model that the optimizer keeps: b − 1."""
-        return self.bands - 1
-
-    def sensitivity(self, *, participations: int = 1, separation: int | None = None) -> float:
-        """L2 sensitivity of k = ``participations`` participations ``separation`` ≥ b steps
-        apart: √k × the largest column norm (the columns they touch do not overlap)."""
-        k = check_int("participations", participations, minimum=1)
-        if k > 1:
-            s = check_int("separation", separation, minimum=1)
-            if s < self.bands:
-                raise ValueError(
-                    f"participations {s} steps apart overlap in a C with {self.bands} bands; the separation "
-                    f"must be at least b = {self.bands}."
-                )
-        return float(np.sqrt(k)) * self.max_column_norm()
+    def _identity_key(self):
+        return (self._band_values,)
 
     def to_config(self) -> dict:
         """A JSON-serialisable dict that ``load_mixing`` turns back into this matrix."""
@@ -305,13 +267,6 @@ class MixingMatrix:
         objective = self._metadata.get("objective", "?")
         return f"MixingMatrix(steps={self.steps}, bands={self.bands}, objective={objective!r})"
 
-    def __eq__(self, other) -> bool:
-        if not isinstance(other, MixingMatrix):
-            return NotImplemented
-        return np.array_equal(self._band_values, other._band_values)
-
-    __hash__ = None
-
 
 def _file_format(path) -> str:
     """The ``format`` field of an ``.npz`` file ('' when there is none or it is unreadable)."""
@@ -320,78 +275,3 @@ def _file_format(path) -> str:
         return str(fields["format"]) if "format" in fields else ""
     except Exception:  # noqa: BLE001 - unreadable: MixingMatrix.load then says why, in one line
         return ""
-
-
-def load_mixing(mixing):
-    """Resolve a ``mixing=`` argument to a ``MixingMatrix`` (or the string ``"dpsgd"``).
-
-    ``NoiseCurveOptimizer(mixing=...)`` and the TensorFlow Privacy query
-    ``BandedMatrixFactorizationQuery(mixing=...)`` accept a mixing matrix in any of the
-    forms below; this function is the one place that reads them. numpy only.
-
-    Args:
-      mixing: one of
-
-        - a ``MixingMatrix`` or a Toeplitz-family strategy (``ToeplitzMixing``,
-          ``BLTMixing``, ``BISRMixing``): returned as it is;
-        - the string ``"dpsgd"``: returned as it is. It means independent noise (C = I)
-          with no step limit; ``MixingMatrix.identity(T)`` is the same noise for T steps;
-        - a path (``str`` or ``os.PathLike``) of a ``.npz`` artifact written by
-          ``MixingMatrix.save`` or ``noisecurve solve``: loaded and re-validated by
-          ``MixingMatrix.load``;
-        - a dict ``{"band_values": (T, b) array-like, "metadata": dict}`` (the form
-          ``NoiseCurveOptimizer.get_config()`` stores; ``metadata`` may be missing);
-          ``{"kind": "toeplitz" | "blt" | "bisr", "steps": T, <parameters>, "metadata": …}``
-          for the other strategies (their ``to_config()``).
-
-    Returns:
-      The strategy (``MixingMatrix`` for a banded C), or the string ``"dpsgd"``.
-
-    Raises:
-      ValueError: a path that is not a file or not a valid artifact, a dict without
-        ``"band_values"``, a numpy array (ambiguous: band values (T, b) or a dense C;
-        wrap it in ``MixingMatrix(band_values)`` or ``MixingMatrix.from_dense(C)``), or
-        any other type. Each message names the value received and the forms allowed.
-        Band values that break a constraint of C raise ``InvalidMixingMatrixError``, a
-        ``ValueError``.
-    """
-    from keras_noisecurve.mixing import strategies
-
-    if isinstance(mixing, (MixingMatrix, strategies._ToeplitzFamily)):
-        return mixing
-    if isinstance(mixing, str) and mixing == "dpsgd":
-        return "dpsgd"
-    if isinstance(mixing, dict) and mixing.get("kind", "banded") != "banded":
-        params = {k: v for k, v in mixing.items() if k not in ("kind", "steps", "metadata")}
-        if "steps" not in mixing:
-            raise ValueError(f"a {mixing['kind']!r} mixing dict needs 'steps'; got keys {sorted(mixing)}.")
-        return strategies.strategy_from_fields(mixing["kind"], steps=mixing["steps"], params=params,
-                                               metadata=mixing.get("metadata") or {})
-    if isinstance(mixing, dict):
-        if "band_values" not in mixing:
-            raise ValueError(f"mixing dict must have 'band_values' (and 'metadata'), got keys {sorted(mixing)}.")
-        return MixingMatrix(np.asarray(mixing["band_values"], dtype=np.float64), mixing.get("metadata") or {})
-    if isinstance(mixing, (str, os.PathLike)):
-        if not os.path.isfile(mixing):
-            raise ValueError(
-                f"mixing={str(mixing)!r}: no such file. Pass a MixingMatrix, the path of a .npz "
-                "written by MixingMatrix.save / `noisecurve solve`, or 'dpsgd'."
-            )
-        try:
-            if _file_format(mixing) == "keras-noisecurve/mixing-strategy":
-                from keras_noisecurve.mixing.strategies import load_strategy
-
-                return load_strategy(mixing)
-            return MixingMatrix.load(mixing)
-        except InvalidMixingMatrixError as exc:
-            raise ValueError(f"mixing={str(mixing)!r} is not a valid mixing-matrix artifact: {exc}") from exc
-    if isinstance(mixing, np.ndarray):
-        raise ValueError(
-            f"mixing must be a MixingMatrix, a path to a .npz artifact or 'dpsgd'; got a numpy array of shape "
-            f"{mixing.shape}. Wrap band values (band_values[t, j] = C[t, t - j]) as MixingMatrix(band_values), "
-            "or a dense lower-triangular C as MixingMatrix.from_dense(C)."
-        )
-    raise ValueError(
-        f"mixing must be a MixingMatrix, a path to a .npz artifact or 'dpsgd'; got {reprlib.repr(mixing)} "
-        f"({type(mixing).__name__})."
-    )

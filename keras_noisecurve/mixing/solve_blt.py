@@ -57,7 +57,7 @@ import scipy.special
 
 from keras_noisecurve._validation import check_float, check_int
 from keras_noisecurve.mixing.kernels import binomial_coefficients, library_version
-from keras_noisecurve.mixing.strategies import BLTMixing
+from keras_noisecurve.mixing.strategies_toeplitz import BLTMixing
 from keras_noisecurve.mixing.toeplitz_loss import (
     TOEPLITZ_OBJECTIVES,
     ToeplitzWorkload,

@@ -34,7 +34,7 @@ import scipy.signal
 
 from keras_noisecurve._validation import check_choice, check_float, check_int
 from keras_noisecurve.mixing.kernels import binomial_coefficients, library_version
-from keras_noisecurve.mixing.strategies import ToeplitzMixing
+from keras_noisecurve.mixing.strategies_toeplitz import ToeplitzMixing
 from keras_noisecurve.mixing.toeplitz_loss import (
     LFILTER_MAX_SUPPORT,
     TOEPLITZ_OBJECTIVES,

@@ -38,6 +38,7 @@ from keras_noisecurve._validation import check_float, check_int
 from keras_noisecurve.mixing.kernels import binomial_coefficients, library_version
 from keras_noisecurve.mixing.banded import ab_to_band_values, band_values_to_ab, prefix_noise_std, valid_mask
 from keras_noisecurve.mixing.matrix import MixingMatrix
+from keras_noisecurve.mixing.strategies import is_mixing_matrix
 from keras_noisecurve.mixing.objectives import get_objective
 from keras_noisecurve.mixing.optimize import minimize_band_values, normalise_columns, relative_optimality
 from keras_noisecurve.mixing.rule_workloads import PrefixMap, is_identity_rule, resolve_update_rule
@@ -185,7 +186,7 @@ def solve_mixing_matrix(*, steps, bands, objective=DEFAULT_OBJECTIVE, spectrum=N
         lam = check_blend_weight(blend_weight, allow_auto=True)
     start_ab = None
     if initial is not None:
-        if not isinstance(initial, MixingMatrix):
+        if not is_mixing_matrix(initial):
             raise ValueError(f"initial must be a MixingMatrix or None; got {type(initial).__name__}.")
         if (initial.steps, initial.bands) != (steps, bands):
             raise ValueError(
@@ -287,7 +288,7 @@ def objective_value(mixing, *, objective, spectrum=None, learning_rate=None, ble
         ``UpdateRule.from_metadata(mixing.metadata.get("update_rule"))`` to score C
         under the rule it was solved for.
     """
-    if not isinstance(mixing, MixingMatrix):
+    if not is_mixing_matrix(mixing):
         raise ValueError(f"mixing must be a MixingMatrix; got {type(mixing).__name__}.")
     spec = get_objective(objective)
     spec.check_unused(spectrum=spectrum, learning_rate=learning_rate, blend_weight=blend_weight)

@@ -50,7 +50,7 @@ Both paths are tested against dense ``np.linalg.inv`` in ``tests/mixing/test_toe
 
 Sensitivity (:func:`participation_sensitivity`): for k participations ``separation``
 steps apart starting at step 0, ``‖Σ_{i<k} shift(c, i·sep)‖²`` with each shifted copy
-truncated at T — the square of ``_ToeplitzFamily.sensitivity`` whenever that one uses
+truncated at T — the square of ``ToeplitzFamily.sensitivity`` whenever that one uses
 the shifted-sum formula.
 """
 
@@ -336,7 +336,7 @@ def participation_sensitivity(column, *, participations, separation=None, gradie
 
     ``sens² = ‖Σ_{i<k} shift(c, i·sep)‖²``, each shifted copy truncated at T (k = 1:
     ``‖c‖²``), and its gradient ``2 Σ_{i<k} s[j + i·sep]`` (s the shifted sum). Equals
-    ``_ToeplitzFamily.sensitivity(...)²`` where that uses the shifted-sum formula
+    ``ToeplitzFamily.sensitivity(...)²`` where that uses the shifted-sum formula
     (non-negative coefficients; for a b-banded C with sep ≥ b and every participation
     starting before T − b + 1 both give k·‖c‖²).
 

@@ -74,7 +74,7 @@ def run(args) -> int:
     try:
         mixing = None
         if args.mixing is not None:
-            from keras_noisecurve.mixing.matrix import load_mixing
+            from keras_noisecurve.mixing.strategies import load_mixing
 
             mixing = load_mixing(args.mixing)  # any strategy file `noisecurve solve` writes
         steps, epochs = _resolve_steps(args)

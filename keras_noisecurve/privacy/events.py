@@ -50,7 +50,6 @@ import math
 from typing import Optional
 
 import dp_accounting
-import numpy as np
 from dp_accounting import pld as _pld
 from dp_accounting import rdp as _rdp
 
@@ -241,49 +240,29 @@ def _sampling_probability(n: int, batch: int, b: int) -> float:
     return q
 
 
-def _strategy_sensitivity(mixing, steps: int, bands: Optional[int]) -> tuple[int, float]:
-    """(1, ‖C[:steps, 0]‖) for a non-banded Toeplitz-family C (BLT, BISR)."""
-    if bands is not None and bands != 1:
+def _mixing_sensitivity(mixing, steps: int, bands: Optional[int]) -> tuple[int, float]:
+    """(b, s): the bands of cyclic Poisson sampling (``mixing.accounting_bands``: 1 for a C
+    that is not banded) and the largest column norm of C[:steps, :steps]."""
+    if not callable(getattr(mixing, "sensitivity", None)):
+        raise TypeError(
+            f"mixing must be a keras_noisecurve.MixingMatrix or a mixing strategy, got {type(mixing).__name__}."
+        )
+    if not mixing.banded and bands is not None and bands != 1:
         raise ValueError(
             f"bands={bands} does not apply to a {mixing.kind} mixing strategy: its C is not banded, so there are "
             "no partitions; leave bands unset."
         )
-    if steps > mixing.steps:
-        raise ValueError(
-            f"steps={steps} exceeds the mixing strategy's {mixing.steps} steps: C defines the noise of "
-            f"{mixing.steps} steps only."
-        )
-    return 1, float(np.linalg.norm(mixing.first_column()[:steps]))
-
-
-def _mixing_sensitivity(mixing, steps: int, bands: Optional[int]) -> tuple[int, float]:
-    """(bands, max column norm of C[:steps, :steps]) from a banded strategy."""
-    from keras_noisecurve.mixing.matrix import MixingMatrix
-    from keras_noisecurve.mixing.strategies import ToeplitzMixing
-
-    if not isinstance(mixing, (MixingMatrix, ToeplitzMixing)):
-        raise TypeError(
-            f"mixing must be a keras_noisecurve.MixingMatrix or a mixing strategy, got {type(mixing).__name__}."
-        )
-    if bands is not None and bands != mixing.bands:
+    if mixing.banded and bands is not None and bands != mixing.bands:
         raise ValueError(f"bands={bands} does not match the mixing matrix, which has {mixing.bands} bands.")
-    if steps > mixing.steps:
+    if mixing.has_plan and steps > mixing.steps:
         raise ValueError(
             f"steps={steps} exceeds the mixing matrix's {mixing.steps} steps: C defines the noise of "
             f"{mixing.steps} steps only."
         )
-    if isinstance(mixing, ToeplitzMixing):  # column 0 of the leading block is the longest
-        sensitivity = float(np.linalg.norm(mixing.coefficients[:steps]))
-    else:
-        values = np.asarray(mixing.band_values)[:steps]
-        sq = np.zeros(steps)
-        for j in range(values.shape[1]):
-            # C[t, t-j] = values[t, j] lies in column t-j; keep rows t < steps.
-            sq[: max(steps - j, 0)] += values[j:steps, j] ** 2
-        sensitivity = float(np.sqrt(sq.max()))
+    sensitivity = mixing.sensitivity(steps=steps)
     if not sensitivity > 0 or not math.isfinite(sensitivity):
         raise ValueError(f"the mixing matrix has an invalid column norm {sensitivity!r}.")
-    return mixing.bands, sensitivity
+    return mixing.accounting_bands, sensitivity
 
 
 def _describe_run(*, num_examples, batch_size, steps, bands, sampling, epochs, mixing) -> tuple:
@@ -301,9 +280,7 @@ def _describe_run(*, num_examples, batch_size, steps, bands, sampling, epochs, m
     if bands is not None:
         bands = check_int("bands", bands, minimum=1)
     strategy = "banded" if mixing is None else getattr(mixing, "kind", "banded")
-    if mixing is not None and not getattr(mixing, "banded", True):
-        bands, sensitivity = _strategy_sensitivity(mixing, steps, bands)
-    elif mixing is not None:
+    if mixing is not None:
         bands, sensitivity = _mixing_sensitivity(mixing, steps, bands)
     else:
         bands = 1 if bands is None else bands
@@ -315,9 +292,9 @@ def _describe_run(*, num_examples, batch_size, steps, bands, sampling, epochs, m
     if batch > n:
         raise ValueError(f"batch_size={batch} cannot exceed num_examples={n}.")
 
-    if sampling == "cyclic_poisson" and strategy in ("blt", "bisr"):
+    if mixing is not None and not mixing.allows_sampling(sampling):
         raise ValueError(
-            f"sampling='cyclic_poisson' needs a banded C (its amplification assumes participations at least b "
+            f"sampling={sampling!r} needs a banded C (its amplification assumes participations at least b "
             f"steps apart touch disjoint rows of C); a {strategy} C is not banded. Use sampling='fixed_epochs' "
             "(no amplification: one Gaussian mechanism with the sensitivity of all epochs), or a banded or "
             "toeplitz strategy."
@@ -348,7 +325,7 @@ def _describe_run(*, num_examples, batch_size, steps, bands, sampling, epochs, m
             f"Require (epochs-1)*{per_epoch} < steps <= epochs*{per_epoch}; e.g. steps={epochs * per_epoch}."
         )
     multi = None
-    if strategy in ("blt", "bisr"):
+    if mixing is not None and not mixing.banded:
         multi = tuple(mixing.sensitivity(participations=k, separation=per_epoch) if k > 1 else sensitivity
                       for k in range(1, epochs + 1))
     return (sampling, n, batch, steps, bands, epochs, per_epoch, None, 1, sensitivity, strategy, multi)

@@ -37,12 +37,11 @@ __all__ = ["PrivateRun"]
 
 
 def _resolve_mixing(mixing):
-    """The mixing strategy, or None for C = I (DP-SGD), built once T is known."""
-    from keras_noisecurve.mixing.matrix import load_mixing
+    """The mixing strategy, or None for C = I without a step plan (built once T is known)."""
+    from keras_noisecurve.mixing.strategies import load_mixing
 
-    if mixing is None or (isinstance(mixing, str) and mixing == "dpsgd"):
-        return None
-    return load_mixing(mixing)
+    mixing = load_mixing("dpsgd" if mixing is None else mixing)
+    return mixing if mixing.has_plan else None
 
 
 class PrivateRun:

@@ -182,9 +182,7 @@ def _optimizer_fingerprint(optimizer) -> int:
     seed (the key is the chief's) nor any name (Keras numbers the names of unnamed
     objects per process)."""
     config = _without(optimizer.get_config(), {"seed", "name"})
-    mixing = optimizer.mixing
-    if not (isinstance(mixing, str) and mixing == "dpsgd"):
-        config["mixing"] = mixing.digest()
+    config["mixing"] = optimizer.mixing.digest()
     if optimizer.run is not None:  # C by its values, never its metadata (solver timings)
         config["run"] = optimizer.run.fingerprint()
     return _hash64(config)

@@ -11,25 +11,17 @@ only on (key, step t, variable index k), so it is identical on every replica of 
 step counter and the noise state from any checkpoint.
 
 :class:`StreamNoise` runs the recurrence of a ``keras_noisecurve.mixing.stream.NoiseStream``
-(the module docstring there states the four recurrences; ``stream_apply`` is their
-float64 numpy reference). Each variable keeps ONE state array of shape
-``(buffers, *variable_shape)`` (none when ``buffers == 0``):
+(``strategy.stream()``): the stream's ``init``/``coefficients``/``next`` are written once
+against a tiny array namespace and run here with :class:`TensorFlowOps` (the module
+docstring of ``keras_noisecurve.mixing.stream`` states the recurrences; ``stream_apply``
+runs the same code in float64 numpy, the reference). Each variable keeps ONE state
+array of shape ``(buffers, *variable_shape)`` (none when ``buffers == 0``): a ring of
+the last b − 1 values z̃ (banded, Toeplitz; slot ``t mod (b − 1)``), a ring of the last
+p − 1 draws (BISR's FIR form), or the d accumulators of BLT. With no state (b = 1,
+p = 1, or C = I) z̃_t is z_t times a scalar, folded into the draw.
 
-- ``"banded"`` / ``"toeplitz"`` (paper App. C): a ring of the last b − 1 values z̃;
-  slot ``s = t mod (b − 1)`` holds z̃_t until it is overwritten by z̃_{t+b−1}::
-
-      z̃_t = (z_t − Σ_{j=1}^{b−1} V[t, j] · z̃_{t−j}) / V[t, 0]
-
-  (``"toeplitz"``: the constant row c instead of the (T, b) table V);
-- ``"fir"`` (BISR): a ring of the last p − 1 DRAWS z (same slots),
-  ``z̃_t = Σ_{j<p} f_j z_{t−j}``;
-- ``"blt"``: the d accumulators S (a full update of the state every step)::
-
-      y = z_t − Σ_i ω_i S_i,   z̃_t = scale · y,   S_i ← θ_i S_i + y.
-
-With no state (b = 1, p = 1, or DP-SGD) z̃_t is z_t times a scalar.
-
-The optimizer runs a step in place (:meth:`StreamNoise.advance_in_place`): one
+The optimizer runs a step in place (:meth:`StreamNoise.advance_in_place`, the stream's
+``next_in_place``, which picks ``fused_ring_step`` or ``fused_blt_step``): one
 XLA-compiled function per variable reads the state once (the Σ over the buffers is one
 reduction fused with the rest of the arithmetic) and writes only what changes (a ring
 slot, or the BLT accumulators) into the same buffer. The unfused form (:meth:`advance`
@@ -43,19 +35,21 @@ from __future__ import annotations
 
 import math
 import secrets
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import numpy as np
 import tensorflow as tf
 
 from keras_noisecurve._validation import check_int
-from keras_noisecurve.mixing.stream import STREAM_KINDS, NoiseStream
+from keras_noisecurve.mixing.stream import BandedStream, IdentityStream, NoiseStream, StateWrite, StepCoefficients
+from keras_noisecurve.mixing.strategies import load_mixing
 
 __all__ = [
     "BandedNoise",
     "StateWrite",
     "StepCoefficients",
     "StreamNoise",
+    "TensorFlowOps",
     "fused_ring_step",
     "fused_blt_step",
     "key_from_seed",
@@ -239,40 +233,6 @@ def standard_normal(key, step, index, shape, dtype=tf.float32):
     return normal_from_seed(variable_seed(step_seed(key, step), index), shape, dtype)
 
 
-class StepCoefficients(NamedTuple):
-    """What every variable of one step shares (tensors in the noise dtype).
-
-    Attributes:
-      lead: ``"banded"``/``"toeplitz"``: the divisor V[t, 0]; ``"fir"``: f_0;
-        ``"blt"``: ``scale``. A scalar tensor.
-      mix: the coefficients applied to the state, shape (buffers,) (``None`` when
-        there is no state): for the rings, the coefficient of SLOT s at step t
-        (V[t, j], c_j or f_j with s = (t − j) mod (b − 1)); for ``"blt"``, ω.
-      theta: θ, shape (d,), for ``"blt"``; ``None`` otherwise.
-      slot: the ring slot ``t mod (b − 1)`` that receives this step's value (int32
-        scalar); ``None`` for ``"blt"`` and without state.
-    """
-
-    lead: tf.Tensor
-    mix: Optional[tf.Tensor] = None
-    theta: Optional[tf.Tensor] = None
-    slot: Optional[tf.Tensor] = None
-
-
-class StateWrite(NamedTuple):
-    """How one step changes a variable's noise state.
-
-    ``slot`` not ``None`` (rings): write ``value`` (the variable's shape) into
-    ``state[slot]`` only. ``slot`` ``None`` (``"blt"``): ``value`` is the whole new state.
-    """
-
-    slot: Optional[tf.Tensor]
-    value: tf.Tensor
-
-
-_RINGS = ("banded", "toeplitz", "fir")
-
-
 def _broadcast(vector, rank):
     """A (m,) vector reshaped to (m, 1, …, 1) against a (m, *shape) state of ``rank`` + 1 axes."""
     return tf.reshape(vector, [-1] + [1] * rank)
@@ -326,65 +286,114 @@ def fused_blt_step(z, state, omega, theta, scale):
     return y * scale
 
 
+class TensorFlowOps:
+    """The array namespace that runs a ``NoiseStream``'s recurrence in TensorFlow
+    (``keras_noisecurve.mixing.stream.NumpyOps`` is the numpy one), with the XLA-compiled
+    in-place steps ``fused_ring_step`` and ``fused_blt_step``."""
+
+    fused_ring_step = staticmethod(fused_ring_step)
+    fused_blt_step = staticmethod(fused_blt_step)
+
+    @staticmethod
+    def constant(value, dtype):
+        return tf.constant(value, dtype=dtype)
+
+    @staticmethod
+    def gather(table, index):
+        return tf.gather(table, tf.cast(index, tf.int32))
+
+    @staticmethod
+    def slot(step, buffers):
+        return tf.math.floormod(tf.cast(step, tf.int32), buffers)
+
+    @staticmethod
+    def slot_coefficients(tail, step, buffers):
+        """(m,) vector whose entry s = (t − j) mod m is ``tail[j − 1]``, j = 1 … m."""
+        t = tf.cast(step, tf.int32)
+        slots = tf.math.floormod(t - tf.range(1, buffers + 1, dtype=tf.int32), buffers)
+        return tf.scatter_nd(slots[:, None], tail, [buffers])
+
+    @staticmethod
+    def tensordot(vector, state):
+        return tf.tensordot(vector, state, axes=1)
+
+    @staticmethod
+    def broadcast(vector, rank):
+        return _broadcast(vector, rank)
+
+    @staticmethod
+    def rank(x):
+        return x.shape.rank
+
+    @staticmethod
+    def expand(x):
+        return x[None]
+
+    @staticmethod
+    def apply_write(state, write):
+        """The new state after ``write`` (functional; ``state`` unchanged)."""
+        if write is None:
+            return state
+        if write.slot is None:
+            return write.value
+        return tf.tensor_scatter_nd_update(state, tf.reshape(write.slot, [1, 1]), write.value[None])
+
+
 class StreamNoise:
-    """The online recurrence z̃ = C⁻¹z of any ``NoiseStream`` (see the module docstring).
+    """The online recurrence z̃ = C⁻¹z of any ``NoiseStream``, run in TensorFlow.
+
+    The recurrence itself is the stream's (``init``/``coefficients``/``next``, written
+    once in ``keras_noisecurve.mixing.stream`` and run here with :class:`TensorFlowOps`);
+    this class adds the plan limit, the state variables and the fused in-place step.
 
     Args:
       stream: a ``keras_noisecurve.mixing.stream.NoiseStream`` (``strategy.stream()``);
         an array (T, b) of band values ``band_values[t, j] == C[t, t − j]`` (a
-        ``MixingMatrix.band_values``; the ``"banded"`` stream); or ``None`` for
+        ``MixingMatrix.band_values``; a ``BandedStream``); or ``None`` for
         independent noise with no step limit (DP-SGD, C = I of unbounded size).
       fused: ``True`` (default): :meth:`advance_in_place` runs the XLA-compiled
-        in-place step (``fused_ring_step`` / ``fused_blt_step``) outside
-        ``tf.distribute``; ``False``: always the unfused reference (:meth:`advance` and a
-        TensorFlow scatter). Both give the same noise up to float round-off (the order
-        of the sum over the buffers).
+        in-place step (the stream's ``next_in_place``: ``fused_ring_step`` /
+        ``fused_blt_step``) outside ``tf.distribute``; ``False``: always the unfused
+        reference (:meth:`advance` and a TensorFlow scatter). Both give the same noise up
+        to float round-off (the order of the sum over the buffers).
 
     Attributes:
-      kind: the stream kind, ``None`` for DP-SGD without a plan.
+      stream: the ``NoiseStream``.
+      kind: the stream's label (``stream.kind``).
       steps: T, or ``None`` when unlimited.
       buffers: state arrays per variable (0: no state).
-      bands: width of the coefficient row for the ring kinds (b, or p for ``"fir"``;
-        1 without a plan); T for ``"blt"``.
+      bands: width of the coefficient row for the rings (b, or p for FIR; 1 without
+        state); T for BLT.
+      state_name: suffix of the optimizer's state variables (``"noise_ring"`` for a
+        banded C, whose checkpoints carry that name; ``"noise_state"`` otherwise).
     """
+
+    ops = TensorFlowOps
 
     def __init__(self, stream=None, fused=True):
         if not isinstance(fused, bool):
             raise ValueError(f"fused must be True or False, got {fused!r}.")
         self.fused = fused
         if stream is None:
-            self.stream, self.kind, self.steps, self.buffers, self.bands = None, None, None, 0, 1
-            return
-        if not isinstance(stream, NoiseStream):
-            values = np.asarray(stream, dtype=np.float64)
-            if values.ndim != 2 or values.shape[0] < 1 or values.shape[1] < 1:
-                raise ValueError(f"band_values must have shape (T, b), got {values.shape}.")
-            stream = NoiseStream("banded", int(values.shape[0]), values)
-        if stream.kind not in STREAM_KINDS:
-            raise ValueError(f"unknown stream kind {stream.kind!r}; expected one of {STREAM_KINDS}.")
+            stream = IdentityStream(None)
+        elif not isinstance(stream, NoiseStream):
+            stream = BandedStream(stream)
         self.stream = stream
         self.kind = stream.kind
-        self.steps = int(stream.steps)
+        self.steps = stream.steps
         self.buffers = int(stream.buffers)
-        self.bands = self.buffers + 1 if self.kind in _RINGS else self.steps
-        self._coefficients = np.asarray(stream.coefficients, dtype=np.float64)
-        if self.kind == "banded" and self._coefficients.shape[0] != self.steps:
-            raise ValueError(f"a banded stream needs a ({self.steps}, b) table, got {self._coefficients.shape}.")
-        self._theta = None if stream.theta is None else np.asarray(stream.theta, dtype=np.float64)
+        self.bands = int(stream.bands)
+        self.state_name = stream.state_name
 
     @classmethod
     def from_mixing(cls, mixing) -> "StreamNoise":
-        """The generator of a resolved mixing (``load_mixing``'s result; ``"dpsgd"``: no plan)."""
-        if isinstance(mixing, str) and mixing == "dpsgd":
-            return cls(None)
-        return cls(mixing.stream())
+        """The generator of a strategy (anything ``load_mixing`` reads; ``"dpsgd"``: no plan)."""
+        return cls(load_mixing(mixing).stream())
 
     # ------------------------------------------------------------------ helpers
     def state_shape(self, shape) -> tuple | None:
         """Shape of the noise state of a variable of ``shape``; ``None`` without state."""
-        if self.buffers == 0:
-            return None
-        return (self.buffers,) + tuple(int(d) for d in shape)
+        return self.stream.init(shape)
 
     def state_bytes(self, shapes, dtype_size: int = 4) -> int:
         """Bytes of the noise state of variables of ``shapes`` (buffers × parameters × size)."""
@@ -401,14 +410,8 @@ class StreamNoise:
 
     def row(self, step, dtype):
         """The coefficient vector used at step t: banded, row t of the table
-        ``(C[t, t], C[t, t − 1], …)``; toeplitz, c; fir, f; blt, ω. ``None`` for DP-SGD
-        without a plan."""
-        if self.kind is None:
-            return None
-        if self.kind == "banded":
-            table = tf.constant(self._coefficients, dtype=dtype)
-            return tf.gather(table, tf.cast(step, tf.int32))
-        return tf.constant(self._coefficients, dtype=dtype)
+        ``(C[t, t], C[t, t − 1], …)``; toeplitz, c; fir, f; blt, ω. ``None`` for C = I."""
+        return self.stream.row(step, self.ops, dtype)
 
     def assert_in_plan(self, step):
         """An op that fails when ``step >= T`` (privacy plan used up); ``None`` if unlimited."""
@@ -427,38 +430,18 @@ class StreamNoise:
     def slot(self, step):
         """Ring slot ``t mod (b − 1)`` that receives step t's value (int32 scalar); ring kinds
         with state only."""
-        return tf.math.floormod(tf.cast(step, tf.int32), self.buffers)
+        return self.ops.slot(step, self.buffers)
 
     # --------------------------------------------------------------- recurrence
     def step_coefficients(self, step, dtype) -> Optional[StepCoefficients]:
         """The :class:`StepCoefficients` of step t (shared by all variables of the step);
-        ``None`` for DP-SGD without a plan."""
-        if self.kind is None:
-            return None
-        row = self.row(step, dtype)
-        if self.kind == "blt":
-            scale = tf.constant(self.stream.scale, dtype=dtype)
-            return StepCoefficients(lead=scale, mix=row, theta=tf.constant(self._theta, dtype=dtype))
-        if self.buffers == 0:
-            return StepCoefficients(lead=row[0])
-        m = self.buffers
-        t = tf.cast(step, tf.int32)
-        # coefficient of slot s: row[j] with s = (t − j) mod m, j = 1 … m
-        j = tf.range(1, m + 1, dtype=tf.int32)
-        slots = tf.math.floormod(t - j, m)
-        mix = tf.scatter_nd(slots[:, None], row[1:], [m])
-        return StepCoefficients(lead=row[0], mix=mix, slot=self.slot(step))
+        ``None`` for C = I."""
+        return self.stream.coefficients(step, self.ops, dtype)
 
     def folded_scale(self, std, coefficients):
         """The factor a stateless step applies to z_t, times ``std`` (folded into the
-        draw): std (DP-SGD), std / V[t, 0] (banded, toeplitz), std · f_0 (fir)."""
-        if coefficients is None:
-            return std
-        if self.buffers != 0:
-            raise ValueError(f"a {self.kind} stream with {self.buffers} buffers has state; use advance().")
-        if self.kind == "fir":
-            return std * coefficients.lead
-        return std / coefficients.lead
+        draw): std (C = I), std / V[t, 0] (banded, toeplitz), std · f_0 (fir)."""
+        return self.stream.fold(std, coefficients)
 
     def advance(self, z, step, state=None, coefficients=None):
         """One step of the recurrence: z̃_t from z_t and the state, and how the state changes.
@@ -474,27 +457,13 @@ class StreamNoise:
           ``(z_tilde, write)``: z̃_t and a :class:`StateWrite` (``None`` without state);
           apply it (:meth:`apply_write`, or an in-place slot update) before step t + 1.
         """
-        if self.kind is None:
-            return z, None
         if coefficients is None:
             coefficients = self.step_coefficients(step, z.dtype)
-        if self.buffers == 0:
-            if self.kind == "fir":
-                return z * coefficients.lead, None
-            return z / coefficients.lead, None
-        past = tf.tensordot(coefficients.mix, state, axes=1)
-        if self.kind == "blt":
-            y = z - past
-            theta = tf.reshape(coefficients.theta, [-1] + [1] * z.shape.rank)
-            return y * coefficients.lead, StateWrite(None, theta * state + y[None])
-        if self.kind == "fir":
-            return coefficients.lead * z + past, StateWrite(coefficients.slot, z)
-        z_tilde = (z - past) / coefficients.lead
-        return z_tilde, StateWrite(coefficients.slot, z_tilde)
+        return self.stream.next(z, state, coefficients, self.ops)
 
     def fuses(self, state) -> bool:
         """Whether :meth:`advance_in_place` takes the XLA-compiled path for ``state``:
-        ``fused`` is set, the kind has state, no ``tf.distribute`` strategy is active (a
+        ``fused`` is set, the stream has state, no ``tf.distribute`` strategy is active (a
         distributed variable is updated by the unfused reference), and :meth:`advance` is
         this class's (a subclass that redefines the recurrence gets the unfused path, which
         calls its ``advance``)."""
@@ -508,7 +477,7 @@ class StreamNoise:
         Args:
           z: fresh N(0, I) draw z_t (the variable's shape).
           step: scalar integer tensor t.
-          state: ``tf.Variable`` of shape ``state_shape(z.shape)`` (the kind must have state).
+          state: ``tf.Variable`` of shape ``state_shape(z.shape)`` (the stream must have state).
           coefficients: ``step_coefficients(step, z.dtype)`` if already computed.
           scale: optional scalar (e.g. the noise standard deviation ζσ) multiplying the
             result, folded into the fused step; the state holds the unscaled values.
@@ -516,8 +485,9 @@ class StreamNoise:
         Returns:
           z̃_t, or scale·z̃_t. Afterwards the state is the one of step t + 1: the ring slot t mod (b − 1)
           holds z̃_t (banded, toeplitz) or z_t (fir); the BLT accumulators are
-          θ_i S_i + y_t. Fused (:meth:`fuses`): one XLA function reads the state once and
-          writes in place; otherwise :meth:`advance` and a scatter (or assign).
+          θ_i S_i + y_t. Fused (:meth:`fuses`): the stream's ``next_in_place`` (one XLA
+          function reads the state once and writes in place); otherwise :meth:`advance`
+          and a scatter (or assign).
         """
         if self.buffers == 0:
             raise ValueError(f"advance_in_place needs a stream with state; this {self.kind} stream has none.")
@@ -525,11 +495,7 @@ class StreamNoise:
             coefficients = self.step_coefficients(step, z.dtype)
         if self.fuses(state):
             factor = tf.ones([], z.dtype) if scale is None else tf.cast(scale, z.dtype)
-            if self.kind == "blt":
-                return fused_blt_step(z, state.handle, coefficients.mix, coefficients.theta,
-                                      coefficients.lead * factor)
-            return fused_ring_step(z, state.handle, coefficients.mix, coefficients.lead, coefficients.slot,
-                                   self.kind == "fir", factor)
+            return self.stream.next_in_place(z, state.handle, coefficients, factor, self.ops)
         z_tilde, write = self.advance(z, step, state.read_value(), coefficients)
         if write.slot is None:
             state.assign(write.value)
@@ -540,11 +506,7 @@ class StreamNoise:
     @staticmethod
     def apply_write(state, write):
         """The new state after ``write`` (functional; ``state`` unchanged)."""
-        if write is None:
-            return state
-        if write.slot is None:
-            return write.value
-        return tf.tensor_scatter_nd_update(state, tf.reshape(write.slot, [1, 1]), write.value[None])
+        return TensorFlowOps.apply_write(state, write)
 
     def combine(self, z, step, state=None, coefficients=None):
         """z̃_t from z_t and the state, WITHOUT the state update (see :meth:`advance`)."""

@@ -38,7 +38,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_noisecurve._validation import check_float, check_int
-from keras_noisecurve.mixing.matrix import load_mixing
+from keras_noisecurve.mixing.strategies import load_mixing
 from keras_noisecurve.mixing.update_rule import UpdateRule
 from keras_noisecurve.training.noise import StreamNoise, key_from_seed, normal_from_seed, step_seed, variable_seed
 
@@ -260,7 +260,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
         self.noise_multiplier = noise_multiplier
         self.expected_batch_size = expected_batch_size
         self.seed = seed
-        self._mixing = "dpsgd"  # C = I without a step plan; NoiseCurveOptimizer sets its C
+        self._mixing = load_mixing("dpsgd")  # C = I without a step plan; NoiseCurveOptimizer sets its C
         self._noise = _noise_of(self._mixing)
         self._initial_key = key_from_seed(seed)
         self._run = None  # a PrivateRun: NoiseCurveOptimizer(run=...)
@@ -271,8 +271,8 @@ class DPOptimizer(keras.optimizers.Optimizer):
     # ------------------------------------------------------------- noise source
     @property
     def mixing(self):
-        """The mixing strategy: a ``MixingMatrix`` (banded), ``ToeplitzMixing``, ``BLTMixing``
-        or ``BISRMixing``, or ``"dpsgd"`` (C = I, no step plan)."""
+        """The mixing strategy: a ``MixingMatrix`` (banded), ``ToeplitzMixing``, ``BLTMixing``,
+        ``BISRMixing`` or ``IdentityMixing`` (``"dpsgd"``: C = I, no step plan)."""
         return self._mixing
 
     @property
@@ -364,7 +364,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
         # state: the banded ring keeps its historical name (checkpoints load), the other
         # kinds are "<path>_noise_state".
         self._rings = []
-        suffix = "noise_ring" if self._noise.kind == "banded" else "noise_state"
+        suffix = self._noise.state_name
         for var in variables:
             shape = self._noise.state_shape(var.shape)
             if shape is None:
@@ -708,7 +708,7 @@ class NoiseCurveOptimizer(DPOptimizer):
     def _update_rule_warning(self):
         """The construction warning (a string), or ``None`` when the optimizer runs the
         update rule C was optimised for."""
-        if self._mixing == "dpsgd":
+        if not self._mixing.has_plan:  # C = I without a plan
             return None
         meta = self._mixing.metadata
         objective = meta.get("objective", "unknown")
@@ -752,10 +752,7 @@ class NoiseCurveOptimizer(DPOptimizer):
                 config.pop(name, None)
             config["run"] = self.run.get_config()
             return config
-        if self._mixing == "dpsgd":
-            config["mixing"] = "dpsgd"
-        else:
-            # banded: {"band_values", "metadata"}; other kinds: {"kind", "steps", <parameters>,
-            # "metadata"}; load_mixing reads both back
-            config["mixing"] = self._mixing.to_config()
+        # banded: {"band_values", "metadata"}; other kinds: {"kind", "steps", <parameters>,
+        # "metadata"}; load_mixing reads both back
+        config["mixing"] = self._mixing.to_config()
         return config

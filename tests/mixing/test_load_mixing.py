@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import keras_noisecurve as knc
-from keras_noisecurve.mixing import InvalidMixingMatrixError, MixingMatrix, load_mixing
+from keras_noisecurve.mixing import IdentityMixing, InvalidMixingMatrixError, MixingMatrix, load_mixing
 
 
 def _banded():
@@ -18,10 +18,11 @@ def test_exported_at_the_top_level():
     assert knc.load_mixing is load_mixing
 
 
-def test_object_and_dpsgd_are_returned_as_they_are():
+def test_object_is_returned_as_it_is_and_dpsgd_is_the_identity_without_a_plan():
     c = _banded()
     assert load_mixing(c) is c
-    assert load_mixing("dpsgd") == "dpsgd"
+    identity = load_mixing("dpsgd")
+    assert identity == IdentityMixing() and identity.is_identity and not identity.has_plan
 
 
 @pytest.mark.parametrize("as_path", [str, pathlib.Path])

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from keras_noisecurve.mixing import MixingMatrix
+from keras_noisecurve.mixing import IdentityMixing, MixingMatrix
 from keras_noisecurve.training import DPOptimizer, NoiseCurveOptimizer, make_private
 from keras_noisecurve.training.noise import key_from_seed, standard_normal
 from tests.training.helpers import bandmf_like_c, random_banded_c
@@ -119,7 +119,7 @@ def test_dpoptimizer_is_dpsgd_without_limit():
         b.apply_clipped_sum([tf.ones(30)], [v2])
     np.testing.assert_array_equal(v1.numpy(), v2.numpy())
     assert a.noise.steps is None
-    assert a.mixing == b.mixing == "dpsgd"
+    assert a.mixing == b.mixing == IdentityMixing() and not a.mixing.has_plan
 
 
 def test_step_past_plan_fails_in_eager_apply():
