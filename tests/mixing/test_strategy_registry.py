@@ -23,7 +23,7 @@ from keras_noisecurve.mixing import (
     load_mixing,
 )
 from keras_noisecurve.mixing.stream import stream_apply
-from keras_noisecurve.privacy.events import accounting_setup
+from keras_noisecurve.privacy.events import RunSpec
 
 STEPS = 12
 
@@ -142,14 +142,14 @@ def test_samplings_follow_bandedness_and_the_accountant_asks_the_strategy(kind):
     assert strategy.allows_sampling("fixed_epochs")
     assert strategy.allows_sampling("cyclic_poisson") == strategy.banded
     if strategy.banded:
-        setup = accounting_setup(num_examples=60, batch_size=5, steps=STEPS, sampling="cyclic_poisson",
+        setup = RunSpec(num_examples=60, batch_size=5, steps=STEPS, sampling="cyclic_poisson",
                                  mixing=strategy)
         assert setup.bands == strategy.bands and setup.sensitivity == pytest.approx(1.0, rel=1e-12)
     else:
         with pytest.raises(ValueError, match="needs a banded C"):
-            accounting_setup(num_examples=60, batch_size=5, steps=STEPS, sampling="cyclic_poisson", mixing=strategy)
+            RunSpec(num_examples=60, batch_size=5, steps=STEPS, sampling="cyclic_poisson", mixing=strategy)
     # fixed epochs: ⌈24/4⌉ = 6 steps per epoch, so T = 12 steps are 2 epochs 6 steps apart
-    setup = accounting_setup(num_examples=24, batch_size=4, steps=STEPS, sampling="fixed_epochs", epochs=2,
+    setup = RunSpec(num_examples=24, batch_size=4, steps=STEPS, sampling="fixed_epochs", epochs=2,
                              mixing=strategy)
     dense = strategy.to_dense()
     assert setup.fixed_epoch_sensitivity(2) == pytest.approx(_brute_force(dense, 2, 6), rel=1e-10)
