@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from keras_noisecurve.cli import main
+from keras_noisecurve.apps.cli import main
 from keras_noisecurve.mixing import MixingMatrix
 from keras_noisecurve.spectrum.artifact import Spectrum
 
@@ -123,7 +123,7 @@ def test_solve_quiet_prints_nothing(capsys, workdir):
 
 
 def test_inspect_bandmf_recomputes_against_dense(capsys, bandmf_file, monkeypatch):
-    from keras_noisecurve.mixing import cli_inspect
+    from keras_noisecurve.apps import cli_inspect
 
     monkeypatch.setattr(cli_inspect, "_ANNOUNCE_REFERENCE_STEPS", STEPS)
     code, out, err = _run(capsys, ["inspect", str(bandmf_file), "--json"])
@@ -212,7 +212,7 @@ def test_inspect_plot(capsys, noisecurve_file, bandmf_file, workdir):
 
 
 def test_block_image_of_large_c_is_the_block_maximum():
-    from keras_noisecurve.mixing.cli_inspect import _abs_image
+    from keras_noisecurve.apps.cli_inspect import _abs_image
 
     rng = np.random.default_rng(5)
     steps, bands = 23, 3
@@ -358,7 +358,7 @@ def test_installed_script_inspect(bandmf_file, workdir):
 def test_cli_does_not_import_tensorflow(bandmf_file, workdir):
     code = (
         "import sys\n"
-        "from keras_noisecurve.cli import main\n"
+        "from keras_noisecurve.apps.cli import main\n"
         f"assert main(['solve', '--steps', '6', '--bands', '2', '--objective', 'bandmf', '--quiet', "
         f"'--out', {str(workdir / 'notf.npz')!r}]) == 0\n"
         f"assert main(['inspect', {str(bandmf_file)!r}, '--no-reference', '--plot', "

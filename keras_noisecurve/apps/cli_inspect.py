@@ -59,7 +59,7 @@ import warnings
 import numpy as np
 
 from keras_noisecurve.mixing.api import TOEPLITZ_OBJECTIVES
-from keras_noisecurve.mixing.cli_solve import (
+from keras_noisecurve.apps.cli_solve import (
     CommandError,
     diagnostics_lines,
     fail,

@@ -3,9 +3,9 @@
 1. Data: private = the bundled MNIST-5k training split (3,500 images, labels
    used); public = scikit-learn's digits in MNIST format (no labels), or an
    unlabeled held-out MNIST slice with ``--public mnist-heldout``
-   (``keras_noisecurve.data``).
+   (``keras_noisecurve.apps.data``).
 2. Model: the paper's small GroupNorm CNN adapted to 28×28×1
-   (``keras_noisecurve.models.small_groupnorm_cnn``).
+   (``keras_noisecurve.apps.models.small_groupnorm_cnn``).
 3. Spectrum: random-label pre-training on the public images, then Lanczos top-k +
    SLQ count + power-law tail (paper §4), scaled by the public clipping factor.
 4. Mixing matrices: NoiseCurve (its objective, default ``NOISECURVE_OBJECTIVE``) and
@@ -14,7 +14,7 @@
 5. Accounting: σ calibrated for (ε, δ) under cyclic Poisson sampling (b bands for
    the matrix-factorisation methods, b = 1 for DP-SGD).
 6. Training: DP-SGD, DP-BandMF and NoiseCurve side by side, each with its training
-   configuration from ``keras_noisecurve.demo_configs`` (learning rate, clip norm,
+   configuration from ``keras_noisecurve.apps.demo_configs`` (learning rate, clip norm,
    momentum, schedule, b; flags override every method), the same batch size and
    steps, ``--seeds N`` times with paired seeds (seed s: the same initial weights for
    every method and, with ``--deterministic``, the same batches and raw noise). The
@@ -37,19 +37,19 @@ import os
 import sys
 import time
 
-from keras_noisecurve import demo_configs
-from keras_noisecurve.demo_configs import CONFIGS, CURVATURE_OBJECTIVES, METHODS, PROVENANCE
+from keras_noisecurve.apps import demo_configs
+from keras_noisecurve.apps.demo_configs import CONFIGS, CURVATURE_OBJECTIVES, METHODS, PROVENANCE
 from keras_noisecurve.mixing.rule_workloads import check_rule_objective
 
 #: The curvature objective the demo uses for its NoiseCurve row: the "objective" of
-#: ``keras_noisecurve.demo_configs.CONFIGS["NoiseCurve"]`` (by default
+#: ``keras_noisecurve.apps.demo_configs.CONFIGS["NoiseCurve"]`` (by default
 #: ``keras_noisecurve.mixing.DEFAULT_OBJECTIVE`` when that is a curvature objective, else
 #: the curvature objective that did best on VALIDATION data in the accuracy benchmark's
 #: non-convex model; see ``demo_configs.NOISECURVE_OBJECTIVE``).
 NOISECURVE_OBJECTIVE = CONFIGS["NoiseCurve"]["objective"]
 _OBJECTIVE_SOURCE = (
     demo_configs.OBJECTIVE_SOURCE if NOISECURVE_OBJECTIVE == demo_configs.NOISECURVE_OBJECTIVE
-    else "keras_noisecurve.demo_configs.CONFIGS"
+    else "keras_noisecurve.apps.demo_configs.CONFIGS"
 )
 
 #: Correlated methods (b >= 2, a solved C).
@@ -86,20 +86,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bands", type=int, default=None,
                         help="band width b of DP-BandMF and NoiseCurve, overriding both methods' configuration "
                              f"(DP-SGD is b=1; B*b must not exceed the 3,500 training images). Default from "
-                             f"keras_noisecurve.demo_configs: {_per_method('bands')}")
+                             f"keras_noisecurve.apps.demo_configs: {_per_method('bands')}")
     parser.add_argument("--batch-size", type=int, default=250, help="expected batch size B (default 250)")
     parser.add_argument("--learning-rate", type=float, default=None,
                         help="SGD learning rate eta of EVERY method, overriding the per-method configuration. "
-                             f"Default from keras_noisecurve.demo_configs: {_per_method('learning_rate')}")
+                             f"Default from keras_noisecurve.apps.demo_configs: {_per_method('learning_rate')}")
     parser.add_argument("--clip", type=float, default=None,
                         help="per-example L2 clip norm of EVERY method, overriding the per-method configuration. "
-                             f"Default from keras_noisecurve.demo_configs: {_per_method('clip')}")
+                             f"Default from keras_noisecurve.apps.demo_configs: {_per_method('clip')}")
     parser.add_argument("--momentum", type=float, default=None,
                         help="heavy-ball momentum beta in [0, 1) of EVERY method, overriding the per-method "
                              "configuration (recorded in results.json); momentum > 0 trains with "
                              "NoiseCurveOptimizer(inner=keras.optimizers.SGD(lr, momentum=beta)) and the mixing "
                              "matrices are solved for that update rule. Default from "
-                             f"keras_noisecurve.demo_configs: {_per_method('momentum')}")
+                             f"keras_noisecurve.apps.demo_configs: {_per_method('momentum')}")
     parser.add_argument("--objective", default=None, choices=CURVATURE_OBJECTIVES,
                         help=f"curvature objective of the NoiseCurve row (default {NOISECURVE_OBJECTIVE})")
     parser.add_argument("--public", default="digits", choices=("digits", "mnist-heldout"),
@@ -189,7 +189,7 @@ def _validate(args, cfg) -> None:
 
 def _source(name, field, cfg) -> str:
     flag = _OVERRIDES.get(field, "--objective" if field == "objective" else None)
-    return flag if flag in cfg["overridden"].get(name, ()) else "keras_noisecurve.demo_configs"
+    return flag if flag in cfg["overridden"].get(name, ()) else "keras_noisecurve.apps.demo_configs"
 
 
 def _is_plain(m) -> bool:
@@ -245,7 +245,7 @@ def _run(args, cfg) -> int:
         raise _Fail(f"--out {args.out!r} cannot be created: {exc}") from exc
     import numpy as np
 
-    from keras_noisecurve import data as kdata
+    from keras_noisecurve.apps import data as kdata
 
     methods = cfg["methods"]
     objective = methods["NoiseCurve"]["objective"]
@@ -290,7 +290,7 @@ def _run(args, cfg) -> int:
     from keras_noisecurve.mixing.diagnostics import noise_diagnostics
 
     tf.get_logger().setLevel("ERROR")  # vectorized_map's "uses a while_loop" notices are not progress
-    from keras_noisecurve.models import small_groupnorm_cnn
+    from keras_noisecurve.apps.models import small_groupnorm_cnn
     from keras_noisecurve.spectrum import clipping_scale
 
     keras.utils.set_random_seed(args.seed)
@@ -479,7 +479,7 @@ def _private_cnn(*, run, config, seed, noise_seed):
     import keras
 
     import keras_noisecurve as knc
-    from keras_noisecurve.models import small_groupnorm_cnn
+    from keras_noisecurve.apps.models import small_groupnorm_cnn
 
     model = small_groupnorm_cnn((28, 28, 1), num_classes=10, dense_size=32, seed=seed)
     private = knc.make_private(model)

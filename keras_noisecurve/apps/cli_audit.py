@@ -88,7 +88,7 @@ def run(args) -> int:
     except ValueError as err:
         print(f"noisecurve audit: error: {err}", file=sys.stderr)
         return 2
-    from keras_noisecurve.cli import _start_tensorflow, quiet_startup
+    from keras_noisecurve.apps.cli import _start_tensorflow, quiet_startup
 
     quiet_startup(_start_tensorflow)  # TensorFlow's C++ start-up notices silenced, as for `demo`
     try:
