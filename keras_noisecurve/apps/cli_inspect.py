@@ -73,14 +73,17 @@ from keras_noisecurve.apps.cli_solve import (
     update_rule_text,
 )
 from keras_noisecurve.mixing.errors import InvalidMixingMatrixError
-from keras_noisecurve.mixing.matrix import MixingMatrix
+from keras_noisecurve.mixing.objectives import get_objective
 from keras_noisecurve.mixing.update_rule import UpdateRule
 from keras_noisecurve.mixing.workloads import CURVATURE_OBJECTIVES, OBJECTIVES
+from keras_noisecurve.apps import cli_inspect_plot
+from keras_noisecurve.apps.strategy_table import kind_of
 
 PROG = "noisecurve inspect"
 
-# |C| is drawn at most this many pixels wide (block maxima above it).
-_MAX_IMAGE_PIXELS = 800
+#: objectives that take a blend weight λ
+_BLEND_OBJECTIVES = tuple(name for name in OBJECTIVES if get_objective(name).blend)
+
 # From this T on, say on stderr that the DP-BandMF reference is being solved (it takes a while).
 _ANNOUNCE_REFERENCE_STEPS = 500
 
@@ -191,7 +194,7 @@ def _missing_curvature_inputs(objective, spectrum, learning_rate, blend_weight) 
         missing.append("--spectrum FILE (the file stores only the spectrum digest, not the spectrum)")
     if learning_rate is None:
         missing.append("--learning-rate ETA (none stored)")
-    if objective == "noisecurve-blend" and blend_weight is None:
+    if objective in _BLEND_OBJECTIVES and blend_weight is None:
         missing.append("a numeric blend weight in the metadata")
     return missing
 
@@ -223,7 +226,7 @@ def _expected_error(args, mixing, spectrum, reference, rule=None) -> dict:
     result = {"objective": objective, "stored_objective": stored_objective,
               "update_rule": (rule or UpdateRule()).describe()}
     learning_rate = args.learning_rate if args.learning_rate is not None else meta.get("learning_rate")
-    blend_weight = _stored_blend_weight(meta) if objective == "noisecurve-blend" else None
+    blend_weight = _stored_blend_weight(meta) if objective in _BLEND_OBJECTIVES else None
 
     missing = []
     if objective is None:
@@ -249,7 +252,7 @@ def _expected_error(args, mixing, spectrum, reference, rule=None) -> dict:
         kwargs = dict(objective=objective, update_rule=rule)
         if objective in CURVATURE_OBJECTIVES:
             kwargs.update(spectrum=spectrum, learning_rate=learning_rate)
-        if objective == "noisecurve-blend":
+        if objective in _BLEND_OBJECTIVES:
             kwargs.update(blend_weight=blend_weight)
         result["source"] = "recomputed"
         result["learning_rate"] = learning_rate
@@ -270,74 +273,24 @@ def _expected_error(args, mixing, spectrum, reference, rule=None) -> dict:
     return result
 
 
-# ----------------------------------------------------------------------------- plot
-def _abs_image(mixing, max_pixels: int = _MAX_IMAGE_PIXELS) -> tuple[np.ndarray, int]:
-    """|C| as an image, block maxima over k×k blocks when T > max_pixels; (image, k)."""
-    steps, bands = mixing.steps, mixing.bands
-    k = max(1, math.ceil(steps / max_pixels))
-    size = math.ceil(steps / k)
-    image = np.zeros((size, size))
-    bv = np.abs(mixing.band_values)
-    rows = np.arange(steps)
-    for j in range(bands):
-        t = rows[j:]
-        np.maximum.at(image, (t // k, (t - j) // k), bv[j:, j])
-    return image, k
-
-
-def write_plot(path: str, mixing, diag: dict, reference_diag: dict | None, title: str) -> None:
-    """Figure: |C| (log colour scale), per-step noise std, running-sum noise std."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.colors import LogNorm
-
-    image, k = _abs_image(mixing)
-    positive = image[image > 0]
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
-    ax = axes[0]
-    masked = np.ma.masked_where(image <= 0, image)
-    shown = ax.imshow(
-        masked,
-        norm=LogNorm(vmin=max(positive.min(), positive.max() * 1e-8), vmax=positive.max()),
-        cmap="viridis",
-        interpolation="nearest",
-        extent=(0, mixing.steps, mixing.steps, 0),
-    )
-    fig.colorbar(shown, ax=ax, label="|C[t, s]|" + (f" (max over {k}x{k} blocks)" if k > 1 else ""))
-    ax.set_xlabel("s (noise draw)")
-    ax.set_ylabel("t (step)")
-    ax.set_title(f"|C|, T = {mixing.steps}, b = {mixing.bands}")
-
-    t = np.arange(mixing.steps)
-    for ax, key, label, sgd in (
-        (axes[1], "step_std", "per-step noise std ||C^-1[t,:]||", np.ones(mixing.steps)),
-        (axes[2], "prefix_std", "running-sum noise std ||(A C^-1)[t,:]||", np.sqrt(t + 1.0)),
-    ):
-        ax.plot(t, diag[key], label="this C", color="C0")
-        if reference_diag is not None:
-            ax.plot(t, reference_diag[key], label="DP-BandMF", color="C1", linestyle="--")
-        ax.plot(t, sgd, label="DP-SGD", color="0.5", linestyle=":")
-        ax.set_yscale("log")
-        ax.set_xlabel("step t")
-        ax.set_title(label)
-        ax.legend()
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
 # ----------------------------------------------------------- the other strategies
+def _format_field(path: str) -> str:
+    """The ``format`` field of an ``.npz`` file ('' when there is none or it is unreadable:
+    ``MixingMatrix.load`` then says why)."""
+    try:
+        with np.load(path, allow_pickle=False) as fields:
+            return str(fields["format"]) if "format" in fields.files else ""
+    except Exception:  # noqa: BLE001 - any unreadable file
+        return ""
+
+
 def _read_file(path: str):
     """A banded ``MixingMatrix`` or a Toeplitz-family strategy, by the file's format."""
-    from keras_noisecurve.mixing.matrix import _file_format
     from keras_noisecurve.mixing.strategies import STRATEGY_FORMAT, load_strategy
 
     if not os.path.isfile(path):
         raise CommandError(f"{path!r} does not exist.")
-    if _file_format(path) != STRATEGY_FORMAT:
+    if _format_field(path) != STRATEGY_FORMAT:
         return _read_mixing_file(path)
     try:
         return load_strategy(path)
@@ -369,30 +322,9 @@ def _sensitivity_lines(sens: dict) -> list[str]:
     return lines
 
 
-def _abbreviated(values, *, head: int = 8, tail: int = 4) -> str:
-    values = [float(v) for v in values]
-    text = lambda vs: ", ".join(f"{v:.6g}" for v in vs)  # noqa: E731
-    if len(values) <= head + tail:
-        return text(values)
-    return f"{text(values[:head])}, …, {text(values[-tail:])} ({len(values) - head - tail} more not shown)"
-
-
-def _parameter_lines(mixing) -> list[str]:
-    if mixing.kind == "toeplitz":
-        return [f"  coefficients c_0 … c_{{b-1}} (b = {mixing.bands}): {_abbreviated(mixing.coefficients)}"]
-    if mixing.kind == "blt":
-        return [f"  theta (d = {mixing.theta.shape[0]}): {_abbreviated(mixing.theta)}",
-                f"  omega (d = {mixing.omega.shape[0]}): {_abbreviated(mixing.omega)}"]
-    return [f"  p = {mixing.inverse_bands}: C^-1 is p-banded Toeplitz with the first p coefficients of (1 - x)^(1/2)",
-            f"  C^-1 first column (up to scale): {_abbreviated(mixing.inverse_coefficients)}"]
-
-
 def _size(mixing) -> dict:
-    if mixing.kind == "blt":
-        return {"buffers": int(mixing.theta.shape[0])}
-    if mixing.kind == "bisr":
-        return {"inverse_bands": int(mixing.inverse_bands)}
-    return {"bands": int(mixing.bands)}
+    kind = kind_of(mixing)
+    return {kind.size_attribute: kind.size(mixing)}
 
 
 def _strategy_expected(args, mixing, spectrum) -> dict:
@@ -407,7 +339,7 @@ def _strategy_expected(args, mixing, spectrum) -> dict:
     objective = args.objective or stored_objective
     result = {"objective": objective, "stored_objective": stored_objective}
     learning_rate = args.learning_rate if args.learning_rate is not None else meta.get("learning_rate")
-    blend_weight = _stored_blend_weight(meta) if objective == "noisecurve-blend" else None
+    blend_weight = _stored_blend_weight(meta) if objective in _BLEND_OBJECTIVES else None
     same = objective == stored_objective
     baselines = (meta.get("baseline_losses") or {}) if same else {}
     if same and meta.get("loss") is not None:
@@ -431,7 +363,7 @@ def _strategy_expected(args, mixing, spectrum) -> dict:
         if objective in CURVATURE_OBJECTIVES:
             kwargs.update(spectrum=spectrum, learning_rate=learning_rate)
             result["learning_rate"] = learning_rate
-        if objective == "noisecurve-blend":
+        if objective in _BLEND_OBJECTIVES:
             kwargs.update(blend_weight=blend_weight)
             result["blend_weight"] = blend_weight
         result["source"] = "recomputed"
@@ -439,16 +371,16 @@ def _strategy_expected(args, mixing, spectrum) -> dict:
         result["dpsgd"] = float(objective_value(ToeplitzMixing([1.0], steps=mixing.steps), **kwargs))
     if result["dpsgd"] is None and baselines.get("dpsgd") is not None:
         # blt stores the baseline of its participation pattern, k·Tr(W); one participation is Tr(W)
-        k = (meta.get("participations") or 1) if mixing.kind == "blt" else 1
+        k = (meta.get("participations") or 1) if kind_of(mixing).optimises_participations else 1
         result["dpsgd"] = baselines["dpsgd"] / k
-    if mixing.kind == "toeplitz" and baselines.get("bandmf") is not None:
+    if kind_of(mixing).stores_bandmf_baseline and baselines.get("bandmf") is not None:
         result["bandmf"] = baselines["bandmf"]
     trace, dpsgd = result.get("trace"), result.get("dpsgd")
     result["ratio_vs_dpsgd"] = trace / dpsgd if (trace is not None and dpsgd) else None
     result["ratio_vs_bandmf"] = trace / result["bandmf"] if (trace is not None and result.get("bandmf")) else None
 
     patterns = []
-    if mixing.kind == "blt" and (meta.get("participations") or 1) > 1:
+    if kind_of(mixing).optimises_participations and (meta.get("participations") or 1) > 1:
         patterns.append(("optimised for", meta["participations"], meta.get("separation")))
     if args.participations is not None and args.participations > 1:
         patterns.append(("--participations", args.participations, args.separation))
@@ -471,14 +403,14 @@ def _strategy_expected_lines(mixing, expected) -> list[str]:
         lines.append(f"  note: {expected['note']}")
     trace = expected.get("trace")
     lines.append(f"  {'this C (one participation)':<30} " + (f"{trace:.6g}" if trace is not None else "n/a"))
-    for name, label in (("dpsgd", "DP-SGD (C = I)"), ("bandmf", f"Toeplitz DP-BandMF (b = {mixing.bands})")):
+    for name, label, extra in (("dpsgd", "DP-SGD (C = I)", ""),
+                               ("bandmf", f"Toeplitz DP-BandMF (b = {mixing.bands})", " [stored]")):
         if name not in expected:
             continue
         base, ratio = expected.get(name), expected.get(f"ratio_vs_{name}")
         if base is None:
             lines.append(f"  {label:<30} n/a")
             continue
-        extra = " [stored]" if name == "bandmf" else ""
         ratio_text = f"   this C / baseline = {ratio:.4f}" if ratio is not None else ""
         lines.append(f"  {label:<30} {base:.6g}{ratio_text}{extra}")
     for entry in expected["patterns"]:
@@ -494,7 +426,7 @@ def _strategy_expected_lines(mixing, expected) -> list[str]:
         lines.append(line)
     if expected.get("stored_loss") is not None:
         meta = mixing.metadata
-        k = meta.get("participations") or 1 if mixing.kind == "blt" else 1
+        k = meta.get("participations") or 1 if kind_of(mixing).optimises_participations else 1
         pattern = f" (sensitivity^2 x Tr(W X^-1), {participation_text(k, meta.get('separation'))})" if k > 1 else ""
         lines.append(f"  {'stored loss':<30} {expected['stored_loss']:.6g}{pattern}")
     return lines
@@ -545,7 +477,7 @@ def _run_strategy(args, mixing, caught) -> int:
              f"digest {mixing.digest()[:16]}…",
              f"noise state: {noise_state_text(mixing)}",
              "parameters:"]
-    lines.extend(_parameter_lines(mixing))
+    lines.extend(kind_of(mixing).parameter_lines(mixing))
     lines.extend(_sensitivity_lines(sens))
     lines.extend(_metadata_lines(mixing.metadata))
     lines.append(f"update rule: {UpdateRule().describe()} (the {mixing.kind} strategy is solved for plain SGD)")
@@ -594,7 +526,7 @@ def _text_report(path, mixing, norms, expected, diag, ref_diag, reference_how) -
             lines.append(f"  {label:<22} n/a")
             continue
         ratio = expected.get(f"ratio_vs_{name}")
-        extra = " [stored]" if name == "bandmf" and expected.get("bandmf_source") == "stored" else ""
+        extra = " [stored]" if expected.get(f"{name}_source") == "stored" else ""
         ratio_text = f"   this C / baseline = {ratio:.4f}" if ratio is not None else ""
         lines.append(f"  {label:<22} {base:.6g}{ratio_text}{extra}")
     lines.append(f"DP-BandMF reference: {reference_how}")
@@ -616,7 +548,7 @@ def run(args) -> int:
                 if not os.path.isdir(plot_dir):
                     raise CommandError(f"the directory of --plot {args.plot!r} does not exist.")
             mixing = _read_file(args.file)
-            if not isinstance(mixing, MixingMatrix):
+            if not kind_of(mixing).matrix_file:
                 return _run_strategy(args, mixing, caught)
             sens = _sensitivity(args, mixing)
             rule = _update_rule(mixing)
@@ -636,7 +568,7 @@ def run(args) -> int:
     if args.plot is not None:
         title = f"{os.path.basename(args.file)}: objective {mixing.metadata.get('objective', '?')!r}"
         try:
-            write_plot(args.plot, mixing, diag, ref_diag, title)
+            cli_inspect_plot.write_plot(args.plot, mixing, diag, ref_diag, title)
         except OSError as exc:
             return fail(PROG, f"cannot write --plot {args.plot!r}: {exc}")
 

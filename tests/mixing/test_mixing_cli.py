@@ -212,13 +212,13 @@ def test_inspect_plot(capsys, noisecurve_file, bandmf_file, workdir):
 
 
 def test_block_image_of_large_c_is_the_block_maximum():
-    from keras_noisecurve.apps.cli_inspect import _abs_image
+    from keras_noisecurve.apps.cli_inspect_plot import abs_image
 
     rng = np.random.default_rng(5)
     steps, bands = 23, 3
     raw = np.tril(rng.uniform(0.1, 1.0, (steps, steps))) * (np.subtract.outer(np.arange(steps), np.arange(steps)) < bands)
     dense = raw / np.linalg.norm(raw, axis=0)
-    image, k = _abs_image(MixingMatrix.from_dense(dense, bands=bands), max_pixels=5)
+    image, k = abs_image(MixingMatrix.from_dense(dense, bands=bands), max_pixels=5)
     assert k == 5 and image.shape == (5, 5)
     padded = np.zeros((25, 25))
     padded[:steps, :steps] = np.abs(dense)
