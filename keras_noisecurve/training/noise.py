@@ -48,6 +48,7 @@ from typing import NamedTuple, Optional
 import numpy as np
 import tensorflow as tf
 
+from keras_noisecurve import _compat
 from keras_noisecurve._validation import check_int
 from keras_noisecurve.mixing.stream import STREAM_KINDS, NoiseStream
 
@@ -169,13 +170,7 @@ def fold_in(seed, data) -> tf.Tensor:
 def _in_xla_context() -> bool:
     """Whether the graph being built is compiled by XLA (``jit_compile=True``); True
     when TensorFlow's (private) test is unavailable, which is correct either way."""
-    try:
-        from tensorflow.python.ops import control_flow_util
-    except ImportError:  # pragma: no cover - a TensorFlow without the module
-        return True
-    if tf.executing_eagerly():
-        return False
-    return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
+    return _compat.in_xla_context()
 
 
 def _box_muller(seed, n, compute, scale=None):
