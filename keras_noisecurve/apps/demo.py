@@ -23,9 +23,8 @@
    correlated C, per-step and running-sum noise std, test accuracy per epoch) in
    ``--out``; results.json keeps every run.
 
-Default run (one seed) ≈ 10 min on a 2-core CPU, most of it the spectrum; each further
-seed adds the three trainings (about 40 % of a one-seed run); ``--quick`` ≈ 1–2 min (fewer public images, steps
-and Lanczos iterations: a smoke test, not a meaningful comparison).
+``--quick`` runs fewer public images, steps and Lanczos iterations: a smoke test, not a
+meaningful comparison. Run times: docs/performance.md.
 """
 
 from __future__ import annotations

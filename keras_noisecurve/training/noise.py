@@ -53,7 +53,6 @@ from keras_noisecurve._validation import check_int
 from keras_noisecurve.mixing.stream import STREAM_KINDS, NoiseStream
 
 __all__ = [
-    "BandedNoise",
     "StateWrite",
     "StepCoefficients",
     "StreamNoise",
@@ -390,10 +389,6 @@ class StreamNoise:
                 total += int(np.prod(ss)) * dtype_size
         return total
 
-    # the banded names
-    ring_shape = state_shape
-    ring_bytes = state_bytes
-
     def row(self, step, dtype):
         """The coefficient vector used at step t: banded, row t of the table
         ``(C[t, t], C[t, t − 1], …)``; toeplitz, c; fir, f; blt, ω. ``None`` for DP-SGD
@@ -557,15 +552,10 @@ class StreamNoise:
             return z_tilde, None
         return z_tilde, self.apply_write(state, write)
 
-    def sample(self, key, step, index, shape, dtype=tf.float32, state=None, ring=None):
+    def sample(self, key, step, index, shape, dtype=tf.float32, state=None):
         """z̃_t for variable ``index``: draw z_t (``standard_normal``) and ``correlate`` it.
 
-        ``ring`` is the former name of ``state``. Returns ``(z_tilde, new_state)`` as
-        ``correlate``.
+        Returns ``(z_tilde, new_state)`` as ``correlate``.
         """
         z = standard_normal(key, step, index, shape, dtype)
-        return self.correlate(z, step, ring if state is None else state)
-
-
-#: The former name (banded only): ``BandedNoise(band_values)`` is ``StreamNoise(band_values)``.
-BandedNoise = StreamNoise
+        return self.correlate(z, step, state)
