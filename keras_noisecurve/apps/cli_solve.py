@@ -53,11 +53,11 @@ import sys
 import time
 import warnings
 
-from keras_noisecurve.mixing.api import TOEPLITZ_OBJECTIVES
-from keras_noisecurve.mixing.update_rule import SCHEDULES, UpdateRule
-from keras_noisecurve.mixing.objectives import get_objective
-from keras_noisecurve.mixing.workloads import CURVATURE_OBJECTIVES, OBJECTIVES
 from keras_noisecurve.apps.strategy_table import KINDS, SOLVE_KINDS, kind_of, options_for
+from keras_noisecurve.mixing.api import TOEPLITZ_OBJECTIVES
+from keras_noisecurve.mixing.objectives import get_objective
+from keras_noisecurve.mixing.update_rule import SCHEDULES, UpdateRule
+from keras_noisecurve.mixing.workloads import CURVATURE_OBJECTIVES, OBJECTIVES
 
 PROG = "noisecurve solve"
 

@@ -31,14 +31,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
 
 from keras_noisecurve.apps import demo_configs
 from keras_noisecurve.apps import demo_report
-from keras_noisecurve.apps.demo_report import CORRELATED, PLOT_FILES
+from keras_noisecurve.apps.demo_report import PLOT_FILES
 from keras_noisecurve.apps.demo_configs import CONFIGS, CURVATURE_OBJECTIVES, METHODS, PROVENANCE
 from keras_noisecurve.mixing.objectives import get_objective
 from keras_noisecurve.mixing.rule_workloads import check_rule_objective

@@ -8,6 +8,7 @@ diagnostics. ``PLOT_FILES`` names the files ``write_plots`` writes into the outp
 from __future__ import annotations
 
 import math
+import os
 
 from keras_noisecurve.apps.demo_configs import METHODS
 
