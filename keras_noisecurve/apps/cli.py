@@ -1,8 +1,10 @@
 """The ``noisecurve`` command line: ``spectrum | solve | calibrate | inspect | demo``.
 
-Each subcommand lives next to the code it drives, in a module that defines
-``add_arguments(parser)`` and ``run(args) -> int``; this file only dispatches, and
-imports a subcommand's module (and so TensorFlow) only when that subcommand runs.
+Each subcommand is a module of ``keras_noisecurve.apps`` (``cli_spectrum``,
+``cli_solve``, ``cli_calibrate``, ``cli_inspect``, ``demo``, ``cli_audit``) that defines
+``add_arguments(parser)`` and ``run(args) -> int`` and calls the library's public API;
+this file only dispatches, and imports a subcommand's module (and so TensorFlow) only
+when that subcommand runs.
 """
 
 from __future__ import annotations
