@@ -27,7 +27,7 @@ class Problem:
 
 def build_problem(pca_dim: int, split_seed: int = 0) -> Problem:
     """PCA features fitted on the public digits; MNIST-5k splits projected on them."""
-    from keras_noisecurve.data import load_mnist5k, load_public_digits
+    from keras_noisecurve.apps.data import load_mnist5k, load_public_digits
 
     splits = load_mnist5k(seed=split_seed)
     public = load_public_digits().reshape(-1, 784).astype(np.float64)

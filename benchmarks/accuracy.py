@@ -3,7 +3,7 @@
 Protocol (paper §5 and App. A, scaled to a 2-core CPU):
 
 - Private data: the bundled MNIST-5k, fixed stratified split 3,500 train / 500
-  validation / 1,000 test (``keras_noisecurve.data.load_mnist5k(seed=0)``).
+  validation / 1,000 test (``keras_noisecurve.apps.data.load_mnist5k(seed=0)``).
 - Public data: scikit-learn's 1,797 digits, unlabeled, in MNIST format
   (``load_public_digits``). Features: PCA with ``--pca-dim`` components fitted on the
   PUBLIC images only, each feature vector scaled to unit L2 norm, plus a bias 1.

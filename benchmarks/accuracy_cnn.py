@@ -125,8 +125,8 @@ class Setup:
         import keras
 
         import keras_noisecurve as knc
-        from keras_noisecurve import data as kdata
-        from keras_noisecurve.models import small_groupnorm_cnn
+        from keras_noisecurve.apps import data as kdata
+        from keras_noisecurve.apps.models import small_groupnorm_cnn
         from keras_noisecurve.spectrum import clipping_scale
 
         self.args = args
@@ -215,7 +215,7 @@ def train_one(setup, *, method, momentum, eta, seed):
     import keras
 
     import keras_noisecurve as knc
-    from keras_noisecurve.models import small_groupnorm_cnn
+    from keras_noisecurve.apps.models import small_groupnorm_cnn
 
     args = setup.args
     bands = 1 if method == "dpsgd" else args.bands

@@ -1,6 +1,6 @@
 """Throughput of the private input pipeline: in-memory vs streamed example sources.
 
-The bundled MNIST training split (``keras_noisecurve.data.load_mnist5k``: 3,500
+The bundled MNIST training split (``keras_noisecurve.apps.data.load_mnist5k``: 3,500
 images 28×28×1 float32 and int64 labels) is gathered in batches of P random
 indices (with repeats, as the sampler's padding has) by ``ExampleSource.tf_gather``
 in a ``tf.data`` map (``num_parallel_calls=AUTOTUNE``, ``prefetch``), from
@@ -38,7 +38,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from keras_noisecurve.data import load_mnist5k  # noqa: E402
+from keras_noisecurve.apps.data import load_mnist5k  # noqa: E402
 from keras_noisecurve.privacy.sources import as_source  # noqa: E402
 
 SOURCES = ("memory", "memmap", "sequence")

@@ -30,8 +30,8 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import keras_noisecurve as knc  # noqa: E402
-from keras_noisecurve import data  # noqa: E402
-from keras_noisecurve.models import small_groupnorm_cnn  # noqa: E402
+from keras_noisecurve.apps import data  # noqa: E402
+from keras_noisecurve.apps.models import small_groupnorm_cnn  # noqa: E402
 
 
 def steps_per_second(x, y, *, batch, steps, warmup):

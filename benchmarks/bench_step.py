@@ -1,6 +1,6 @@
 """Step time of non-private training, DP-SGD (b = 1), banded noise (b = 16) and BLT (d = 4).
 
-Models (defined here; see keras_noisecurve.models for the shared builders):
+Models (defined here; see keras_noisecurve.apps.models for the shared builders):
 - the paper's small GroupNorm CNN on 32×32×3 (≈41k parameters), batch 256;
 - an MLP (784 → 128 → 10), batch 256; ``mlp512``: 784 → 512 → 512 → 10 (≈670k parameters);
 - a 1-block transformer on (32, 64) inputs; ``transformer64``: on (64, 64) inputs.

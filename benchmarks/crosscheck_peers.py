@@ -1,7 +1,7 @@
 """Correctness cross-check against TF Privacy: the same DP-SGD reaches the same accuracy distribution.
 
 Softmax regression (784 → 10, zero weights) on the bundled MNIST images
-(``keras_noisecurve.data.load_mnist5k``: 3,500 train / 1,000 test), trained with DP-SGD
+(``keras_noisecurve.apps.data.load_mnist5k``: 3,500 train / 1,000 test), trained with DP-SGD
 by this library (``make_private`` + ``NoiseCurveOptimizer(mixing="dpsgd")``) and by
 TensorFlow Privacy 0.9 (``make_dp_model_class``, fast clipping), at the same clip ζ,
 noise multiplier σ, learning rate η (plain SGD), batch size B and number of steps.
@@ -114,7 +114,7 @@ def main(argv=None):
               "tensorflow==2.15.1 tf-keras==2.15.1\nor pass --tfp-python PATH. Skipped.")
         return 0
     sys.path.insert(0, str(ROOT))
-    from keras_noisecurve.data import load_mnist5k
+    from keras_noisecurve.apps.data import load_mnist5k
 
     splits = load_mnist5k()
     x = splits.x_train.reshape(len(splits.x_train), -1)

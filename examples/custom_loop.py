@@ -41,7 +41,7 @@ def ensure_two_devices():
 
 
 def build(seed):
-    from keras_noisecurve.models import mlp
+    from keras_noisecurve.apps.models import mlp
 
     return mlp((28, 28, 1), 10, (64,), seed=seed)
 
@@ -85,7 +85,7 @@ def main(argv=None) -> int:
     import tensorflow as tf
 
     import keras_noisecurve as knc
-    from keras_noisecurve import data
+    from keras_noisecurve.apps import data
 
     splits = data.load_mnist5k()
     x, y = splits.x_train, splits.y_train

@@ -65,9 +65,9 @@ def main(argv=None) -> int:
     import numpy as np
 
     import keras_noisecurve as knc
-    from keras_noisecurve import data
-    from keras_noisecurve.demo import NOISECURVE_OBJECTIVE
-    from keras_noisecurve.models import softmax_regression
+    from keras_noisecurve.apps import data
+    from keras_noisecurve.apps.demo import NOISECURVE_OBJECTIVE
+    from keras_noisecurve.apps.models import softmax_regression
     from keras_noisecurve.spectrum import clipping_scale
 
     objective = args.objective or NOISECURVE_OBJECTIVE

@@ -48,7 +48,7 @@ def load_tfds_images(name, split, data_dir, limit=None):
 
 
 def load_data(args):
-    from keras_noisecurve import data
+    from keras_noisecurve.apps import data
 
     if args.dataset == "mnist":
         splits = data.load_mnist5k()
@@ -92,8 +92,8 @@ def main(argv=None) -> int:
     import numpy as np
 
     import keras_noisecurve as knc
-    from keras_noisecurve.demo import NOISECURVE_OBJECTIVE
-    from keras_noisecurve.models import small_groupnorm_cnn
+    from keras_noisecurve.apps.demo import NOISECURVE_OBJECTIVE
+    from keras_noisecurve.apps.models import small_groupnorm_cnn
     from keras_noisecurve.spectrum import clipping_scale
 
     objective = args.objective or NOISECURVE_OBJECTIVE

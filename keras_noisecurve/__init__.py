@@ -54,7 +54,7 @@ _EXPORTS = {
     "BandedMatrixFactorizationQuery": "keras_noisecurve.integrations.tf_privacy",
 }
 
-_SUBMODULES = {"audit", "callbacks", "layers", "mixing", "privacy", "spectrum", "training", "integrations", "cli"}
+_SUBMODULES = {"apps", "audit", "callbacks", "mixing", "privacy", "spectrum", "training", "integrations"}
 
 #: exports that need an optional extra: left out of ``__all__`` (so ``import *`` works)
 #: when the extra's package is not installed; accessing them then names the extra.

@@ -185,7 +185,7 @@ def test_numpy_parts_do_not_import_tensorflow():
 
 def test_cli_version_and_unknown_command(capsys):
     from keras_noisecurve import __version__
-    from keras_noisecurve.cli import main
+    from keras_noisecurve.apps.cli import main
 
     with pytest.raises(SystemExit) as exc:
         main(["--version"])

@@ -1,6 +1,6 @@
 """The bad-input catalogue: every file and number a user can pass, wrong, gives ONE line
 of error (no traceback) — a non-zero exit status from the CLI (run in-process through
-``keras_noisecurve.cli.main``), a ``ValueError``/``TypeError`` from the Python API."""
+``keras_noisecurve.apps.cli.main``), a ``ValueError``/``TypeError`` from the Python API."""
 
 import os
 import zipfile
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import keras_noisecurve as knc
-from keras_noisecurve.cli import main
+from keras_noisecurve.apps.cli import main
 from keras_noisecurve.mixing.strategies import MixingMatrix, load_mixing
 from keras_noisecurve.privacy import accounting
 from keras_noisecurve.spectrum.artifact import Spectrum

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from keras_noisecurve import cli
+from keras_noisecurve.apps import cli
 
 _WRITE_TO_FD2 = "import os; os.write(2, b'E0000 failed call to cuInit\\n')"
 
@@ -21,7 +21,7 @@ def _run(code, env_updates):
 
 def test_startup_output_is_silenced_and_the_level_set():
     code = (
-        "import os; from keras_noisecurve.cli import quiet_startup\n"
+        "import os; from keras_noisecurve.apps.cli import quiet_startup\n"
         f"def start():\n    {_WRITE_TO_FD2}\n"
         "assert quiet_startup(start) is True\n"
         "print(os.environ['TF_CPP_MIN_LOG_LEVEL'])\n"
@@ -35,7 +35,7 @@ def test_startup_output_is_silenced_and_the_level_set():
 
 def test_startup_output_is_replayed_when_the_start_fails():
     code = (
-        "from keras_noisecurve.cli import quiet_startup\n"
+        "from keras_noisecurve.apps.cli import quiet_startup\n"
         f"def start():\n    {_WRITE_TO_FD2}\n    raise RuntimeError('start failed')\n"
         "quiet_startup(start)\n"
     )
@@ -46,7 +46,7 @@ def test_startup_output_is_replayed_when_the_start_fails():
 
 def test_a_level_the_user_set_is_left_alone():
     code = (
-        "import os; from keras_noisecurve.cli import quiet_startup\n"
+        "import os; from keras_noisecurve.apps.cli import quiet_startup\n"
         f"def start():\n    {_WRITE_TO_FD2}\n"
         "assert quiet_startup(start) is False\n"
         "print(os.environ['TF_CPP_MIN_LOG_LEVEL'])\n"
@@ -60,7 +60,7 @@ def test_a_level_the_user_set_is_left_alone():
 def test_real_tensorflow_start_prints_nothing():
     # On a machine without a GPU, TensorFlow's start-up prints CUDA notices
     # ("failed call to cuInit", "Could not find cuda drivers") to file descriptor 2.
-    proc = _run("from keras_noisecurve import cli; cli.quiet_startup(cli._start_tensorflow); print('ok')", {})
+    proc = _run("from keras_noisecurve.apps import cli; cli.quiet_startup(cli._start_tensorflow); print('ok')", {})
     assert proc.returncode == 0, proc.stderr
     noisy = [line for line in proc.stderr.splitlines() if line.strip()]
     assert noisy == [], noisy

@@ -1,5 +1,5 @@
-"""keras_noisecurve.layers: the layers that moved out of keras_noisecurve.models keep
-their import path there and their Keras serialization names, so saved models load."""
+"""keras_noisecurve.apps.layers: the bundled layers keep their Keras serialization names, so
+saved models load, also from a file written when they lived in ``keras_noisecurve.layers``."""
 
 import io
 import json
@@ -8,14 +8,13 @@ import zipfile
 import keras
 import numpy as np
 
-from keras_noisecurve import layers as knc_layers
-from keras_noisecurve import models
+from keras_noisecurve.apps import layers as knc_layers
 
 
 def _model():
     inputs = keras.Input((6, 6, 4))
-    x = models.GroupNorm(groups=2, name="gn")(inputs)  # the old import path
-    x = models.AdaptiveAveragePooling2D((2, 2), name="pool")(x)
+    x = knc_layers.GroupNorm(groups=2, name="gn")(inputs)
+    x = knc_layers.AdaptiveAveragePooling2D((2, 2), name="pool")(x)
     outputs = keras.layers.Dense(3, name="out")(keras.layers.Flatten()(x))
     return keras.Model(inputs, outputs)
 
@@ -33,9 +32,7 @@ def _rename_module(src, dst, old, new):
             zout.writestr(item, data)
 
 
-def test_layers_are_the_same_classes_under_both_paths():
-    assert models.GroupNorm is knc_layers.GroupNorm
-    assert models.AdaptiveAveragePooling2D is knc_layers.AdaptiveAveragePooling2D
+def test_layers_keep_their_registered_names():
     assert keras.saving.get_registered_name(knc_layers.GroupNorm) == "keras_noisecurve>GroupNorm"
     assert (
         keras.saving.get_registered_name(knc_layers.AdaptiveAveragePooling2D)
@@ -56,10 +53,21 @@ def test_saved_model_with_groupnorm_loads_also_from_a_file_written_before_the_mo
     assert layers["pool"]["registered_name"] == "keras_noisecurve>AdaptiveAveragePooling2D"
 
     old = tmp_path / "old.keras"
-    _rename_module(path, old, "keras_noisecurve.layers", "keras_noisecurve.models")
+    _rename_module(path, old, "keras_noisecurve.apps.layers", "keras_noisecurve.layers")
     for file in (path, old):
         loaded = keras.models.load_model(file)
         assert isinstance(loaded.get_layer("gn"), knc_layers.GroupNorm)
         assert isinstance(loaded.get_layer("pool"), knc_layers.AdaptiveAveragePooling2D)
         assert loaded.get_layer("gn").groups == 2
         np.testing.assert_allclose(loaded(x).numpy(), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_groupnorm_ghost_rule_is_registered_from_the_apps_side():
+    from keras_noisecurve.training import ghost, ghost_layers
+
+    model = _model()
+    rule = ghost_layers.find_rule(model.get_layer("gn"))
+    assert isinstance(rule, knc_layers.GroupNormRule)
+    assert ("gn", "GroupNorm", "GroupNorm") in ghost.describe(model)
+    # the core's own rules know nothing of the apps' layer
+    assert not any(rule.matches(model.get_layer("gn")) for rule in ghost_layers.RULES)

@@ -38,12 +38,8 @@ hi ∈ {0.5, 0.8}, each with ω the non-negative least-squares fit (relative err
 matrix, the coefficients of (1 − x)^{−1/2}; every ω is kept ≥ 1 % of the largest (a
 buffer started at ω = 0 would stay unused). The ``INITIAL_STARTS`` candidates with the
 lowest loss are optimised and the best result is kept (``metadata["solver"]["starts"]``
-records each run).
-
-Measured (prefix sums, one pass, d = 4, a 2-core machine with a load average of about
-9): T = 10⁴ in 2–3 s, T = 10⁵ in 9–12 s (about 55 L-BFGS-B iterations over two starts),
-at the loss of jax_privacy 2.0.0's ``buffered_toeplitz.optimize_loss`` (88 s and
-1015 s on the same machine) or slightly below it (by < 1e-9 relative).
+records each run). Timings, and a comparison with jax_privacy's BLT optimiser:
+docs/performance.md.
 """
 
 from __future__ import annotations

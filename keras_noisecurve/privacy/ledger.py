@@ -50,6 +50,7 @@ from dp_accounting.rdp import rdp_privacy_accountant as _rdp_acc
 from scipy import fft as _fft
 from scipy import optimize, special
 
+from keras_noisecurve import _compat
 from keras_noisecurve.privacy import events
 
 __all__ = ["EpsilonLedger", "PLD_RTOL", "TAIL_MASS_TRUNCATION"]
@@ -200,21 +201,21 @@ class _PoissonPld:
 def _dense_pmfs(pld) -> list:
     """The remove (and, if different, add) pmf of a dp_accounting PLD as DensePLDPmf.
 
-    dp_accounting 0.4 has no public accessor; the attributes read here are pinned by
-    tests/privacy/test_ledger.py (the ledger's ε against dp_accounting's own).
+    dp_accounting 0.4 has no public accessor (``_compat.pld_pmfs``, pinned by
+    tests/test_compat.py; tests/privacy/test_ledger.py checks the ledger's ε against dp_accounting's own).
     """
-    pmfs = [pld._pmf_remove] if pld._symmetric else [pld._pmf_remove, pld._pmf_add]  # noqa: SLF001
-    return [p.to_dense_pmf() for p in pmfs]
+    return [p.to_dense_pmf() for p in _compat.pld_pmfs(pld)]
 
 
 class _DensePmf:
     """One dense privacy-loss pmf (losses (lower + i)·Δ, i < L) and its k-fold self-convolutions."""
 
     def __init__(self, pmf):
-        self.disc = float(pmf._discretization)  # noqa: SLF001
-        self.lower = int(pmf._lower_loss)  # noqa: SLF001
-        self.probs = np.asarray(pmf._probs, dtype=np.float64)  # noqa: SLF001
-        self.inf_mass = float(pmf._infinity_mass)  # noqa: SLF001
+        disc, lower, probs, inf_mass = _compat.dense_pmf_fields(pmf)
+        self.disc = float(disc)
+        self.lower = int(lower)
+        self.probs = np.asarray(probs, dtype=np.float64)
+        self.inf_mass = float(inf_mass)
         size = len(self.probs)
         # Chernoff bounds on the k-fold sum's support, as dp_accounting's compute_self_convolve_bounds.
         self.orders = np.concatenate((np.arange(-20, 0), np.arange(1, 21))) / size

@@ -16,8 +16,7 @@ Accepted inputs (``kind``) and what each costs:
   anything ``np.asarray`` turns into one: tensors, DataFrames). ``tf.gather`` on
   constant tensors captured by the map function: the fastest path; the data must
   fit in memory. (With tf.data's default static optimizations, creating an
-  iterator copies the captured tensors once, transiently: measured, a 1 GiB
-  array raised the peak memory by 1 GiB; none with
+  iterator copies the captured tensors once, transiently; none with
   ``experimental_optimization.apply_default_optimizations=False``.)
 - ``"memory"`` from a ``tf.data.Dataset`` of examples ``x``, ``(x,)``, ``(x, y)``
   or ``(x, y, sample_weight)`` (a batched dataset — every component with an
@@ -31,23 +30,14 @@ Accepted inputs (``kind``) and what each costs:
   The source reads through its own read-only map of the file, advised
   ``MADV_RANDOM`` (a page fault reads one page, not a read-ahead window; the
   user's map is left as it is). The trade: on a cold file that fits in memory,
-  read-ahead warms the cache faster (measured: first reads 3× faster on a 1.3 GiB
-  file; no difference once cached), but on a file larger than memory it reads and
-  maps ~32× the bytes used (measured: 2.9 GiB mapped for 77k random rows of
-  1 KiB). Data that fits in memory is fastest as in-memory arrays anyway.
+  read-ahead warms the cache faster, but on a file larger than memory it reads and
+  maps many times the bytes used. Data that fits in memory is fastest as in-memory arrays anyway.
   Memory: the batches in flight, plus the pages of the file touched so far,
   mapped from the kernel's page cache (reclaimable, but counted in the
   process's RSS while mapped: about one page per distinct row read;
   tests/privacy/test_sources_big.py streams a 4.3 GiB file with a peak RSS growth
-  near 100 MiB). Throughput on the bundled MNIST split, P = 256
-  (benchmarks/bench_data.py, a 2-core machine): 1.56×, 1.64× and 1.78× the in-memory time
-  per batch; the extra is the Python call and the copy of the rows by
-  ``np.take``. Measured and NOT kept: reading the rows in
-  sorted index order and un-sorting them (no gain on a cold 2 GiB file, one more
-  copy per batch); writing into a 64-byte aligned buffer that ``numpy_function``
-  passes on uncopied (slower: TensorFlow frees it late, so every batch faults in
-  fresh pages); a zero-copy tensor over the map (DLPack: creating the iterator
-  copied the whole file into memory once, as tf.data does with captured tensors).
+  near 100 MiB). Throughput, and the alternatives tried and not kept:
+  docs/performance.md ("Example sources").
 - ``"sequence"`` — any random-access sequence with ``__len__`` and
   ``__getitem__(i)`` returning ONE example: ``x``, ``(x,)`` or ``(x, y)`` (a dict
   needs ``example_fn``: it maps one raw example to ``(x, y)`` or ``x``).
@@ -56,8 +46,7 @@ Accepted inputs (``kind``) and what each costs:
   ``{"image": ..., "label": ...}``). Shapes and dtypes are those of example 0
   (after ``example_fn``); every example must match them. Cost: one Python call
   per example (or per batch with ``__getitems__``) plus a ``np.stack``, in one
-  ``tf.numpy_function`` per batch: about 1.4 ms per batch of 256 MNIST examples,
-  6–8× the in-memory time (benchmarks/bench_data.py).
+  ``tf.numpy_function`` per batch (its cost: docs/performance.md).
 - ``"py_dataset"`` — a ``keras.utils.PyDataset`` (whose ``__getitem__`` returns a
   BATCH ``x``, ``(x,)`` or ``(x, y)``): example i is row ``i % k`` of batch
   ``i // k``, k = the size of batch 0; every batch but the last must have k rows

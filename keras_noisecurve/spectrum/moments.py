@@ -20,6 +20,8 @@ import contextlib
 import threading
 import warnings
 
+from keras_noisecurve import _compat
+
 _LOCK = threading.RLock()
 _DEPTH = [0]
 _ORIGINAL = [None]
@@ -40,13 +42,7 @@ def _exact_compute_moments(x, axes, keepdims):
 
 
 def _backend_module():
-    try:
-        from keras.src.backend.tensorflow import nn as tf_nn
-    except ImportError:  # pragma: no cover - other Keras layouts
-        return None
-    if not hasattr(tf_nn, "_compute_moments"):
-        return None
-    return tf_nn
+    return _compat.keras_tf_nn_module()
 
 
 def exact_moments_available() -> bool:
@@ -73,15 +69,14 @@ def exact_moments():
         return
     with _LOCK:
         if _DEPTH[0] == 0:
-            _ORIGINAL[0] = module._compute_moments
-            module._compute_moments = _exact_compute_moments
+            _ORIGINAL[0] = _compat.swap_compute_moments(module, _exact_compute_moments)
         _DEPTH[0] += 1
         try:
             yield True
         finally:
             _DEPTH[0] -= 1
             if _DEPTH[0] == 0:
-                module._compute_moments = _ORIGINAL[0]
+                _compat.swap_compute_moments(module, _ORIGINAL[0])
                 _ORIGINAL[0] = None
 
 
@@ -93,7 +88,9 @@ def moment_layers(model) -> list:
     moments in training mode; HVPs run in inference mode, so it is listed but harmless).
     """
     found = []
-    layers = model._flatten_layers(include_self=False, recursive=True) if hasattr(model, "_flatten_layers") else model.layers
+    import keras
+
+    layers = _compat.flatten_layers(model, include_self=False) if isinstance(model, keras.layers.Layer) else model.layers
     for layer in layers:
         cls = type(layer).__name__
         if cls in AFFECTED_LAYERS or any(base.__name__ in AFFECTED_LAYERS for base in type(layer).__mro__):

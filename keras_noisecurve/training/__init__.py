@@ -18,12 +18,11 @@ from keras_noisecurve.training.batchnorm import replace_batch_normalization
 from keras_noisecurve.training.clipping import ClippedSum, get_engine, vectorized_clipped_sum
 from keras_noisecurve.training.distributed import fit_distributed
 from keras_noisecurve.training.dp_model import DPModel, PrivateModel, make_private
-from keras_noisecurve.training.noise import BandedNoise
+from keras_noisecurve.training.noise import StreamNoise
 from keras_noisecurve.training.optimizer import DPOptimizer, NoiseCurveOptimizer
 from keras_noisecurve.training.schedules import LinearCooldown, MultiplierSchedule, learning_rate_schedule
 
 __all__ = [
-    "BandedNoise",
     "ClippedSum",
     "DPModel",
     "DPOptimizer",
@@ -31,6 +30,7 @@ __all__ = [
     "MultiplierSchedule",
     "NoiseCurveOptimizer",
     "PrivateModel",
+    "StreamNoise",
     "fit_distributed",
     "get_engine",
     "learning_rate_schedule",

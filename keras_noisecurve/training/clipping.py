@@ -20,6 +20,7 @@ from typing import Callable
 import keras
 import tensorflow as tf
 
+from keras_noisecurve import _compat
 from keras_noisecurve._losses import per_example_loss_fn
 from keras_noisecurve._validation import check_choice, check_float, check_int
 from keras_noisecurve.training import ghost
@@ -47,7 +48,7 @@ def check_model_is_clippable(model) -> None:
         batch, so per-example clipping would not bound one example's influence) and
         for activity regularizers (data-dependent losses outside the clipped loss).
     """
-    for layer in model._flatten_layers(include_self=True):
+    for layer in _compat.flatten_layers(model):
         if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable:
             raise ValueError(
                 f"layer {layer.name!r} is a BatchNormalization layer: in training mode it mixes "
@@ -167,7 +168,7 @@ def add_regularization(model, clipped: ClippedSum, *, expected_batch_size: int, 
     """
     variables = _trainable(model)
     with tf.GradientTape() as tape:
-        reg_losses = model._get_regularization_losses()
+        reg_losses = _compat.regularization_losses(model)
         if not reg_losses:
             return clipped
         reg = tf.add_n([tf.cast(r, tf.float32) for r in reg_losses])

@@ -45,6 +45,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_noisecurve import _compat
 from keras_noisecurve._validation import check_int
 from keras_noisecurve.training.optimizer import DPOptimizer
 
@@ -209,9 +210,9 @@ def _validate_model(model, strategy):
         raise TypeError(
             f"strategy must be a tf.distribute.Strategy or None, got {strategy!r} ({type(strategy).__name__})."
         )
-    if optimizer._distribution_strategy is not strategy:
+    if _compat.distribution_strategy(optimizer) is not strategy:
         raise ValueError(
-            f"the optimizer was created under another strategy ({type(optimizer._distribution_strategy).__name__}) "
+            f"the optimizer was created under another strategy ({type(_compat.distribution_strategy(optimizer)).__name__}) "
             f"than the one given ({type(strategy).__name__}): create the model, the optimizer and compile() inside "
             "`with strategy.scope():` of the strategy you train with."
         )
@@ -222,7 +223,7 @@ def _replica_spec(spec):
     """The element spec of one replica's batch (``PerReplicaSpec`` -> its first value)."""
 
     def one(s):
-        values = getattr(s, "_value_specs", None)
+        values = _compat.replica_value_specs(s)
         return values[0] if values else s
 
     return tf.nest.map_structure(one, spec)
@@ -251,8 +252,9 @@ def _run_dataset_fn(model, run, x, y, sample_weight, example_fn, skip_done_steps
 
 
 def _needs_build(model) -> bool:
-    metrics_unbuilt = model._compile_metrics is not None and not model._compile_metrics.built
-    layers_unbuilt = not all(layer.built for layer in model._flatten_layers())
+    metrics = _compat.compile_metrics(model)
+    metrics_unbuilt = metrics is not None and not metrics.built
+    layers_unbuilt = not all(layer.built for layer in _compat.flatten_layers(model))
     return layers_unbuilt or metrics_unbuilt or not model.optimizer.built
 
 
@@ -261,7 +263,7 @@ def _build(model, strategy, element_spec):
     outside the training function, from the spec of one replica's batch (what Keras's
     ``fit`` does, through the same ``Trainer._symbolic_build``)."""
     with strategy.scope():
-        model._symbolic_build(data_batch=_replica_spec(element_spec))
+        _compat.symbolic_build(model, data_batch=_replica_spec(element_spec))
         if not model.optimizer.built:
             model.optimizer.build(model.trainable_variables)
 

@@ -18,6 +18,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_noisecurve import _compat
 from keras_noisecurve._validation import check_choice, check_float, check_int
 from keras_noisecurve.training.clipping import (
     ENGINES,
@@ -356,7 +357,7 @@ class _PrivateTraining:
 
         losses = tf.cast(clipped.per_example_loss, tf.float32)
         weights = tf.ones_like(losses) if sample_weight is None else sample_weight
-        self._loss_tracker.update_state(losses, sample_weight=weights)
+        _compat.loss_tracker(self).update_state(losses, sample_weight=weights)
         y_pred = clipped.y_pred
         if sample_weight is not None:
             # Padding rows of the batch sampler (weight 0) are copies of real examples:
@@ -399,7 +400,7 @@ class _PrivateTraining:
 
 def _check_xla(model):
     """Refuse ``jit_compile=True`` for layers whose clipping path XLA cannot compile."""
-    for layer in model._flatten_layers(include_self=False):
+    for layer in _compat.flatten_layers(model, include_self=False):
         if isinstance(layer, keras.layers.RNN):
             raise ValueError(
                 f"layer {layer.name!r} ({type(layer).__name__}) is recurrent: its per-example clipping loops "
@@ -415,7 +416,7 @@ DEFAULT_FLOAT16_LOSS_SCALE = 128.0
 def _loss_scale(model, loss_scale, auto_scale_loss):
     """The static loss scale S (a power of two; 1.0: none) of ``model``'s ``compile``."""
     float16 = any(
-        getattr(layer, "compute_dtype", None) == "float16" for layer in model._flatten_layers(include_self=True)
+        getattr(layer, "compute_dtype", None) == "float16" for layer in _compat.flatten_layers(model)
     )
     if loss_scale is None:
         return DEFAULT_FLOAT16_LOSS_SCALE if (float16 and auto_scale_loss) else 1.0

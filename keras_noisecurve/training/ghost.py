@@ -53,6 +53,7 @@ import weakref
 
 import tensorflow as tf
 
+from keras_noisecurve import _compat
 from keras_noisecurve._validation import check_int
 from keras_noisecurve.training.clipped_sum import ClippedSum, chunked_clipped_sum
 from keras_noisecurve.training.ghost_generic import GenericRule, owned_trainable
@@ -78,7 +79,7 @@ def _layer_label(layer) -> str:
 
 
 def _children(layer):
-    return layer._flatten_layers(include_self=False, recursive=False)
+    return _compat.flatten_layers(layer, include_self=False, recursive=False)
 
 
 def plan(model):

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from keras_noisecurve import _compat
+
 
 def norm_dtype(dtype) -> tf.DType:
     """float64 stays float64; everything else is computed in float32."""
@@ -125,7 +127,7 @@ class Rule:
 
     def variables(self, layer, trainable_ids):
         """The trainable variables this rule clips for ``layer``, among ``trainable_ids``."""
-        source = layer.trainable_variables if self.covers_sublayers else getattr(layer, "_trainable_variables", [])
+        source = layer.trainable_variables if self.covers_sublayers else _compat.own_trainable_variables(layer)
         return [v for v in source if id(v) in trainable_ids]
 
     def matches(self, layer) -> bool:
@@ -142,7 +144,7 @@ class Rule:
         if getattr(layer, "lora_enabled", False):
             return "LoRA is enabled"
         expected = {id(v) for v in self.expected_variables(layer) if v is not None}
-        extra = [v.path for v in layer._trainable_variables if id(v) not in expected]
+        extra = [v.path for v in _compat.own_trainable_variables(layer) if id(v) not in expected]
         if extra:
             return f"unexpected own trainable variables {extra}"
         return None

@@ -9,6 +9,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
+from keras_noisecurve import _compat
 from keras_noisecurve.training import kernels as _kernels
 from keras_noisecurve.training.ghost_common import (
     Rule,
@@ -136,7 +137,7 @@ class ConvRule(Rule):
     def forward(self, layer, original_call, record, inputs, *args, **kwargs):
         x, padding = inputs, layer.padding
         if padding == "causal":
-            x, padding = keras.ops.pad(x, layer._compute_causal_padding()), "valid"
+            x, padding = keras.ops.pad(x, _compat.causal_padding(layer)), "valid"
         z = keras.ops.conv(
             x,
             layer.kernel,

@@ -175,12 +175,10 @@ class EinsumDenseRule(DenseRule):
 
     def equation_reason(self, layer):
         """Why the layer's equation is not a batched dense map (``None`` if it is)."""
-        rank = getattr(layer, "_ghost_input_rank", None)
-        if rank is None:
-            try:
-                rank = len(layer.input.shape)
-            except Exception:  # unbuilt graph, shared layer, ...
-                rank = None
+        try:
+            rank = len(layer.input.shape)
+        except Exception:  # unbuilt graph, shared layer, ...
+            rank = None
         if rank is None:
             inp = layer.equation.split(",")[0]
             if "..." in inp:

@@ -35,6 +35,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
+from keras_noisecurve import _compat
 from keras_noisecurve.training.ghost_common import Rule, norm_dtype, per_example_sq, weighted_sum
 
 __all__ = ["GenericRule", "RNNFallbackRule", "TimeDistributedRule", "owned_trainable"]
@@ -42,7 +43,7 @@ __all__ = ["GenericRule", "RNNFallbackRule", "TimeDistributedRule", "owned_train
 
 def owned_trainable(layer, trainable_ids) -> list:
     """The trainable variables ``layer`` itself owns (not its sublayers'), among ``trainable_ids``."""
-    return [v for v in getattr(layer, "_trainable_variables", []) if id(v) in trainable_ids]
+    return [v for v in _compat.own_trainable_variables(layer) if id(v) in trainable_ids]
 
 
 def _tape_variable(v):
@@ -75,7 +76,7 @@ class GenericRule(Rule):
         return None
 
     def expected_variables(self, layer):
-        return list(getattr(layer, "_trainable_variables", []))
+        return list(_compat.own_trainable_variables(layer))
 
     def forward(self, layer, original_call, record, inputs, *args, **kwargs):
         out = original_call(inputs, *args, **kwargs)

@@ -42,17 +42,13 @@ from keras_noisecurve.training.ghost_dense import (
     einsum_structure,
     token_sq_norms,
 )
-from keras_noisecurve.training.ghost_norm import (
-    ChannelsLastGroupNormRule,
-    GroupNormalizationRule,
-    LayerNormalizationRule,
-)
+from keras_noisecurve.training.ghost_norm import GroupNormalizationRule, LayerNormalizationRule
 from keras_noisecurve.training.ghost_rnn import RecurrentRule
 
 __all__ = [
-    "CONV_CHUNK", "RULES", "ChannelsLastGroupNormRule", "ConvRule", "DenseRule", "DiagonalScaleRule", "EinsumDenseRule", "EmbeddingRule",
+    "CONV_CHUNK", "RULES", "ConvRule", "DenseRule", "DiagonalScaleRule", "EinsumDenseRule", "EmbeddingRule",
     "GenericRule", "GroupNormalizationRule", "LayerNormalizationRule", "LoRARule", "PositionEmbeddingRule", "RNNFallbackRule", "RecurrentRule", "ReversibleEmbeddingRule", "Rule", "TimeDistributedRule", "conv_chunk", "conv_sq_norms", "einsum_structure",
-    "find_rule", "sequence_sq_norms", "token_sq_norms",
+    "find_rule", "register_rule", "sequence_sq_norms", "token_sq_norms",
 ]
 
 RULES = (
@@ -66,17 +62,37 @@ RULES = (
     ConvRule(),
     LayerNormalizationRule(),
     GroupNormalizationRule(),
-    ChannelsLastGroupNormRule(),
     RecurrentRule(),  # LSTM / GRU / SimpleRNN (ghost_rnn)
     TimeDistributedRule(),
     RNNFallbackRule(),  # any other RNN, or one RecurrentRule refuses
 )
 
 
+#: rules added with :func:`register_rule`, tried before :data:`RULES`
+_REGISTERED: list = []
+
+
+def register_rule(rule) -> None:
+    """Add a ghost-norm ``rule`` (a :class:`Rule` instance) for a layer class outside Keras.
+
+    Registered rules are tried before the built-in :data:`RULES`, in the order they were
+    registered; registering a rule of the same type and ``classes`` again is a no-op (a
+    module that registers its rule at import may be reloaded).
+    """
+    if not isinstance(rule, Rule):
+        raise TypeError(f"rule must be a ghost_layers.Rule instance, got {type(rule).__name__}")
+    if not rule.classes:
+        raise ValueError(f"rule {type(rule).__name__} names no layer classes (its `classes` is empty)")
+    if any(type(r) is type(rule) and r.classes == rule.classes for r in _REGISTERED):
+        return
+    _REGISTERED.append(rule)
+
+
 def find_rule(layer):
-    """The first rule of :data:`RULES` that matches ``layer`` and accepts its configuration
-    (``check`` returns no reason), or ``None`` (the engine then uses :class:`GenericRule`)."""
-    for rule in RULES:
+    """The first registered rule (:func:`register_rule`), then of :data:`RULES`, that matches
+    ``layer`` and accepts its configuration (``check`` returns no reason), or ``None`` (the
+    engine then uses :class:`GenericRule`)."""
+    for rule in (*_REGISTERED, *RULES):
         if rule.matches(layer) and not rule.check(layer):
             return rule
     return None

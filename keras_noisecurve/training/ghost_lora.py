@@ -23,6 +23,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
+from keras_noisecurve import _compat
 from keras_noisecurve.training.ghost_common import (
     bias_grad,
     norm_dtype,
@@ -55,7 +56,7 @@ class LoRARule(EinsumDenseRule):
         if getattr(layer, "quantization_mode", None) is not None:
             return f"quantized ({layer.quantization_mode})"
         expected = {id(v) for v in self.expected_variables(layer) if v is not None}
-        extra = [v.path for v in layer._trainable_variables if v.trainable and id(v) not in expected]
+        extra = [v.path for v in _compat.own_trainable_variables(layer) if v.trainable and id(v) not in expected]
         if extra:
             return f"unexpected own trainable variables {extra}"
         if isinstance(layer, keras.layers.EinsumDense):

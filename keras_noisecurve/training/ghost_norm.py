@@ -1,7 +1,9 @@
 """Ghost-clipping rules for per-example normalisation layers (scale ``gamma``, offset ``beta``).
 
-``LayerNormalization``, ``GroupNormalization`` and the library's exact-second-derivative
-``GroupNorm``; BatchNormalization mixes examples and has no rule.
+``LayerNormalization`` and ``GroupNormalization``; BatchNormalization mixes examples and
+has no rule. Other channels-last group normalisations subclass :class:`GroupNormalizationRule`
+and register through :func:`keras_noisecurve.training.ghost_layers.register_rule` (the bundled
+``keras_noisecurve.apps.layers.GroupNorm`` does).
 """
 
 from __future__ import annotations
@@ -9,7 +11,6 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from keras_noisecurve.layers import GroupNorm as _PaperGroupNorm
 from keras_noisecurve.training.ghost_common import Rule, norm_dtype, per_example_sq, sum_over, weighted_sum
 
 
@@ -202,31 +203,3 @@ class GroupNormalizationRule(_ChannelsLastGroupsRule):
         mean, variance = tf.nn.moments(grouped, axes=reduce_axes, keepdims=True)
         xhat = (grouped - mean) * tf.math.rsqrt(variance + layer.epsilon)
         return tf.reshape(xhat, shape)
-
-
-class ChannelsLastGroupNormRule(_ChannelsLastGroupsRule):
-    """``keras_noisecurve.layers.GroupNorm`` (the paper CNN's GroupNorm, channels last).
-
-    Same x̂ as its ``call``: ``(x − mean_g) / sqrt(var_g + ε)`` over the spatial axes
-    and the channels of each group; ``gamma``/``beta`` per channel (last axis).
-    """
-
-    kind = "GroupNorm"
-    classes = (_PaperGroupNorm,)
-
-    def param_axes(self, layer, rank):
-        return [rank - 1]
-
-    def normalised(self, layer, inputs):
-        compute = tf.float64 if tf.as_dtype(inputs.dtype) == tf.float64 else tf.float32
-        x = tf.cast(inputs, compute)
-        channels = x.shape[-1]
-        spatial = x.shape[1:-1].as_list()
-        grouped = tf.reshape(x, [-1, *spatial, layer.groups, channels // layer.groups])
-        axes = list(range(1, len(spatial) + 1)) + [len(spatial) + 2]
-        mean = tf.reduce_mean(grouped, axis=axes, keepdims=True)
-        centred = grouped - mean
-        var = tf.reduce_mean(centred * centred, axis=axes, keepdims=True)
-        return tf.reshape(centred / tf.sqrt(var + layer.epsilon), tf.shape(x))
-
-

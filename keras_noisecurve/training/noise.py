@@ -40,12 +40,12 @@ from typing import Optional
 import numpy as np
 import tensorflow as tf
 
+from keras_noisecurve import _compat
 from keras_noisecurve._validation import check_int
 from keras_noisecurve.mixing.stream import BandedStream, IdentityStream, NoiseStream, StateWrite, StepCoefficients
 from keras_noisecurve.mixing.strategies import load_mixing
 
 __all__ = [
-    "BandedNoise",
     "StateWrite",
     "StepCoefficients",
     "StreamNoise",
@@ -163,13 +163,7 @@ def fold_in(seed, data) -> tf.Tensor:
 def _in_xla_context() -> bool:
     """Whether the graph being built is compiled by XLA (``jit_compile=True``); True
     when TensorFlow's (private) test is unavailable, which is correct either way."""
-    try:
-        from tensorflow.python.ops import control_flow_util
-    except ImportError:  # pragma: no cover - a TensorFlow without the module
-        return True
-    if tf.executing_eagerly():
-        return False
-    return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
+    return _compat.in_xla_context()
 
 
 def _box_muller(seed, n, compute, scale=None):
@@ -404,10 +398,6 @@ class StreamNoise:
                 total += int(np.prod(ss)) * dtype_size
         return total
 
-    # the banded names
-    ring_shape = state_shape
-    ring_bytes = state_bytes
-
     def row(self, step, dtype):
         """The coefficient vector used at step t: banded, row t of the table
         ``(C[t, t], C[t, t − 1], …)``; toeplitz, c; fir, f; blt, ω. ``None`` for C = I."""
@@ -524,15 +514,10 @@ class StreamNoise:
             return z_tilde, None
         return z_tilde, self.apply_write(state, write)
 
-    def sample(self, key, step, index, shape, dtype=tf.float32, state=None, ring=None):
+    def sample(self, key, step, index, shape, dtype=tf.float32, state=None):
         """z̃_t for variable ``index``: draw z_t (``standard_normal``) and ``correlate`` it.
 
-        ``ring`` is the former name of ``state``. Returns ``(z_tilde, new_state)`` as
-        ``correlate``.
+        Returns ``(z_tilde, new_state)`` as ``correlate``.
         """
         z = standard_normal(key, step, index, shape, dtype)
-        return self.correlate(z, step, ring if state is None else state)
-
-
-#: The former name (banded only): ``BandedNoise(band_values)`` is ``StreamNoise(band_values)``.
-BandedNoise = StreamNoise
+        return self.correlate(z, step, state)

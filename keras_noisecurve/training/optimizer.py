@@ -37,6 +37,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_noisecurve import _compat
 from keras_noisecurve._validation import check_float, check_int
 from keras_noisecurve.mixing.strategies import load_mixing
 from keras_noisecurve.mixing.update_rule import UpdateRule
@@ -248,11 +249,11 @@ class DPOptimizer(keras.optimizers.Optimizer):
             ):
                 learning_rate = check_float("learning_rate", learning_rate, positive=True)
         super().__init__(learning_rate=learning_rate, name=name, **kwargs)
-        if inner is not None and inner._distribution_strategy is not self._distribution_strategy:
+        if inner is not None and _compat.distribution_strategy(inner) is not _compat.distribution_strategy(self):
             raise ValueError(
                 f"the inner optimizer {type(inner).__name__} was created under another tf.distribute "
-                f"strategy ({type(inner._distribution_strategy).__name__}) than this optimizer "
-                f"({type(self._distribution_strategy).__name__}): its slot variables would not be "
+                f"strategy ({type(_compat.distribution_strategy(inner)).__name__}) than this optimizer "
+                f"({type(_compat.distribution_strategy(self)).__name__}): its slot variables would not be "
                 "mirrored like the model's. Create both inside the same `with strategy.scope():`."
             )
         self._inner = inner
@@ -310,7 +311,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
         inner = self.inner
         if inner is not None:
             return inner.learning_rate
-        return self._get_current_learning_rate()
+        return _compat.current_learning_rate(self)
 
     @learning_rate.setter
     def learning_rate(self, learning_rate):
@@ -324,7 +325,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
     def variables(self):
         """This optimizer's variables, then the inner optimizer's (as ``LossScaleOptimizer``)."""
         inner = self.inner
-        return self._variables[:] + (inner.variables if inner is not None else [])
+        return _compat.optimizer_variables(self)[:] + (inner.variables if inner is not None else [])
 
     def _apply_weight_decay(self, variables):
         # Weight decay is the inner optimizer's (this optimizer refuses weight_decay):
@@ -371,7 +372,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
                 self._rings.append(None)
                 continue
             colocate = var.value if isinstance(var, keras.Variable) else var
-            with self._distribution_strategy.extended.colocate_vars_with(colocate):
+            with _compat.distribution_strategy(self).extended.colocate_vars_with(colocate):
                 state = self.add_variable(
                     shape=shape,
                     dtype=var.dtype,
@@ -384,11 +385,11 @@ class DPOptimizer(keras.optimizers.Optimizer):
     def _check_built_inner(self, inner, variables):
         """An inner optimizer built before this one must be built on exactly ``variables``
         and not have stepped on its own."""
-        ours = {self._var_key(v) for v in variables}
-        if set(inner._trainable_variables_indices) != ours:
+        ours = {_compat.variable_key(self, v) for v in variables}
+        if set(_compat.trainable_variable_keys(inner)) != ours:
             raise ValueError(
                 f"the inner optimizer {type(inner).__name__} is already built on other variables "
-                f"({len(inner._trainable_variables)} variables, not the {len(variables)} this optimizer "
+                f"({len(_compat.trainable_variables(inner))} variables, not the {len(variables)} this optimizer "
                 "trains): its slots belong to another model. Pass a fresh (unbuilt) optimizer as inner."
             )
         if tf.executing_eagerly() and int(inner.iterations.numpy()) != int(self.iterations.numpy()):
@@ -434,7 +435,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
         result = super().apply(grads, trainable_variables)
         # the inner optimizer's step counter (its schedule, Adam's bias correction)
         # advances with ours, as Keras's own apply() advances it
-        inner._iterations.assign_add(1)
+        _compat.iterations_variable(inner).assign_add(1)
         return result
 
     def apply_gradients(self, grads_and_vars):
@@ -470,7 +471,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
         slot t mod (b − 1) overwritten, in place; the BLT accumulators are rewritten in
         place. Under ``tf.distribute`` the unfused ``StreamNoise.advance`` and a scatter.
         """
-        index = self._get_variable_index(variable)
+        index = _compat.variable_index(self, variable)
         noise = self._step_noise or _StepNoise(self)
         dtype = variable.dtype
         std = self.l2_norm_clip * self.noise_multiplier
@@ -537,9 +538,9 @@ class DPOptimizer(keras.optimizers.Optimizer):
         learning_rates (shape (steps,)) is ``None`` when it cannot be evaluated."""
         inner = self.inner
         if inner is None:
-            return "sgd", 0.0, False, _learning_rates(self._learning_rate, steps)
+            return "sgd", 0.0, False, _learning_rates(_compat.learning_rate_value(self), steps)
         if isinstance(inner, keras.optimizers.SGD):
-            return "sgd", float(inner.momentum), bool(inner.nesterov), _learning_rates(inner._learning_rate, steps)
+            return "sgd", float(inner.momentum), bool(inner.nesterov), _learning_rates(_compat.learning_rate_value(inner), steps)
         return type(inner).__name__, None, None, None
 
 

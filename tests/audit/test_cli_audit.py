@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from keras_noisecurve.cli import main
+from keras_noisecurve.apps.cli import main
 
 
 def test_audit_prints_claim_bound_interval_and_verdict(tmp_path, capsys):

@@ -5,7 +5,7 @@ import hashlib
 import numpy as np
 import pytest
 
-from keras_noisecurve import data
+from keras_noisecurve.apps import data
 
 
 def _hashes(x):

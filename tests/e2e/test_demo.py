@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from keras_noisecurve import cli, demo_configs
+from keras_noisecurve.apps import cli, demo_configs
 
 
 @pytest.mark.parametrize(
@@ -51,7 +51,7 @@ def test_unknown_choice_is_an_argparse_error(capsys):
 
 
 def test_demo_objective_comes_from_one_constant():
-    from keras_noisecurve import demo
+    from keras_noisecurve.apps import demo, demo_report
     from keras_noisecurve.mixing import CURVATURE_OBJECTIVES
 
     assert demo.NOISECURVE_OBJECTIVE in CURVATURE_OBJECTIVES
@@ -131,10 +131,10 @@ def test_quick_demo_end_to_end(tmp_path, capsys):
     assert summary["results"]["DP-SGD"]["bands"] == 1 and summary["results"]["NoiseCurve"]["bands"] == 4
     # the demo learned something: better than chance (10 %) for DP-SGD after 2 epochs
     assert summary["results"]["DP-SGD"]["test_accuracy"] > 0.2
-    from keras_noisecurve import demo
+    from keras_noisecurve.apps import demo, demo_report
 
-    assert "mixing_bands.png" in demo.PLOT_FILES
-    for name in (*demo.PLOT_FILES, "spectrum.npz", "mixing_dpbandmf.npz", "mixing_noisecurve.npz"):
+    assert "mixing_bands.png" in demo_report.PLOT_FILES
+    for name in (*demo_report.PLOT_FILES, "spectrum.npz", "mixing_dpbandmf.npz", "mixing_noisecurve.npz"):
         assert os.path.getsize(out / name) > 0
 
 
@@ -178,7 +178,7 @@ def test_band_plot_draws_each_diagonal_of_each_correlated_c(tmp_path):
     import numpy as np
 
     import keras_noisecurve as knc
-    from keras_noisecurve import demo
+    from keras_noisecurve.apps import demo, demo_report
 
     mixings = {"DP-BandMF": knc.solve_mixing_matrix(steps=20, bands=3, objective="bandmf"),
                "NoiseCurve": knc.solve_mixing_matrix(steps=20, bands=4, objective="bandmf")}
@@ -193,7 +193,7 @@ def test_band_plot_draws_each_diagonal_of_each_correlated_c(tmp_path):
     path = tmp_path / "mixing_bands.png"
     plt.subplots = spy
     try:
-        demo._plot_bands(plt, np, str(path), mixings)
+        demo_report.plot_bands(plt, np, str(path), mixings)
     finally:
         plt.subplots = real_subplots
     assert os.path.getsize(path) > 0

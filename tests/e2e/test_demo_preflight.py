@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from keras_noisecurve import cli, demo
+from keras_noisecurve.apps import cli, demo
 
 
 class _Broken(RuntimeError):

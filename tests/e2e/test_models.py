@@ -8,7 +8,7 @@ import pytest
 keras = pytest.importorskip("keras")
 tf = pytest.importorskip("tensorflow")
 
-from keras_noisecurve import models  # noqa: E402
+from keras_noisecurve.apps import layers, models  # noqa: E402
 
 
 def _cnn_params(channels_in, dense_size, classes):
@@ -41,7 +41,7 @@ def test_mlp_and_softmax_regression_counts():
 def test_adaptive_pool_matches_pytorch_rule():
     rng = np.random.default_rng(1)
     x = rng.standard_normal((2, 7, 5, 3)).astype(np.float32)
-    out = models.AdaptiveAveragePooling2D((2, 3))(x).numpy()
+    out = layers.AdaptiveAveragePooling2D((2, 3))(x).numpy()
     ref = np.zeros((2, 2, 3, 3))
     for i in range(2):
         r0, r1 = (i * 7) // 2, -((-(i + 1) * 7) // 2)
@@ -55,7 +55,7 @@ def test_adaptive_pool_matches_pytorch_rule():
 def test_groupnorm_forward_matches_keras_and_numpy():
     rng = np.random.default_rng(2)
     x = rng.standard_normal((3, 4, 5, 8)).astype(np.float32)
-    ours = models.GroupNorm(groups=2)(x).numpy()
+    ours = layers.GroupNorm(groups=2)(x).numpy()
     g = x.reshape(3, 4, 5, 2, 4)
     ref = ((g - g.mean(axis=(1, 2, 4), keepdims=True)) / np.sqrt(g.var(axis=(1, 2, 4), keepdims=True) + 1e-5)).reshape(x.shape)
     np.testing.assert_allclose(ours, ref, atol=1e-5)
@@ -68,7 +68,7 @@ def test_groupnorm_second_derivative_is_exact():
     x = tf.constant(rng.standard_normal((2, 3, 3, 4)), dtype=tf.float64)
     w = tf.constant(rng.standard_normal((2, 3, 3, 4)), dtype=tf.float64)
     v = tf.constant(rng.standard_normal((2, 3, 3, 4)), dtype=tf.float64)
-    layer = models.GroupNorm(groups=2, dtype="float64")
+    layer = layers.GroupNorm(groups=2, dtype="float64")
 
     def grad(inp):
         with tf.GradientTape() as tape:

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from keras_noisecurve.cli import main
+from keras_noisecurve.apps.cli import main
 from keras_noisecurve.mixing import MixingMatrix
 from keras_noisecurve.spectrum.artifact import Spectrum
 
@@ -123,7 +123,7 @@ def test_solve_quiet_prints_nothing(capsys, workdir):
 
 
 def test_inspect_bandmf_recomputes_against_dense(capsys, bandmf_file, monkeypatch):
-    from keras_noisecurve.mixing import cli_inspect
+    from keras_noisecurve.apps import cli_inspect
 
     monkeypatch.setattr(cli_inspect, "_ANNOUNCE_REFERENCE_STEPS", STEPS)
     code, out, err = _run(capsys, ["inspect", str(bandmf_file), "--json"])
@@ -212,13 +212,13 @@ def test_inspect_plot(capsys, noisecurve_file, bandmf_file, workdir):
 
 
 def test_block_image_of_large_c_is_the_block_maximum():
-    from keras_noisecurve.mixing.cli_inspect import _abs_image
+    from keras_noisecurve.apps.cli_inspect_plot import abs_image
 
     rng = np.random.default_rng(5)
     steps, bands = 23, 3
     raw = np.tril(rng.uniform(0.1, 1.0, (steps, steps))) * (np.subtract.outer(np.arange(steps), np.arange(steps)) < bands)
     dense = raw / np.linalg.norm(raw, axis=0)
-    image, k = _abs_image(MixingMatrix.from_dense(dense, bands=bands), max_pixels=5)
+    image, k = abs_image(MixingMatrix.from_dense(dense, bands=bands), max_pixels=5)
     assert k == 5 and image.shape == (5, 5)
     padded = np.zeros((25, 25))
     padded[:steps, :steps] = np.abs(dense)
@@ -358,7 +358,7 @@ def test_installed_script_inspect(bandmf_file, workdir):
 def test_cli_does_not_import_tensorflow(bandmf_file, workdir):
     code = (
         "import sys\n"
-        "from keras_noisecurve.cli import main\n"
+        "from keras_noisecurve.apps.cli import main\n"
         f"assert main(['solve', '--steps', '6', '--bands', '2', '--objective', 'bandmf', '--quiet', "
         f"'--out', {str(workdir / 'notf.npz')!r}]) == 0\n"
         f"assert main(['inspect', {str(bandmf_file)!r}, '--no-reference', '--plot', "

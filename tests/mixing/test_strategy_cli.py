@@ -1,6 +1,6 @@
 """``noisecurve solve --strategy …`` and ``noisecurve inspect`` for every strategy kind.
 
-Run in-process (``keras_noisecurve.cli.main``) as in test_mixing_cli.py. The loss each
+Run in-process (``keras_noisecurve.apps.cli.main``) as in test_mixing_cli.py. The loss each
 command prints is checked against an independent re-evaluation of the saved file:
 ``api.objective_value`` of the file read back with ``load_mixing``, and a dense numpy
 ``Tr(W (CᵀC)⁻¹)`` with W built here from its definition (docs/mixing.md §2).
@@ -14,7 +14,7 @@ import re
 import numpy as np
 import pytest
 
-from keras_noisecurve.cli import main
+from keras_noisecurve.apps.cli import main
 from keras_noisecurve.mixing import api, load_mixing
 from keras_noisecurve.mixing.matrix import MixingMatrix
 from keras_noisecurve.spectrum.artifact import Spectrum

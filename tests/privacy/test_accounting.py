@@ -225,7 +225,7 @@ def test_accounting_and_cli_do_not_import_tensorflow():
     import sys
 
     code = (
-        "import sys, keras_noisecurve as knc, keras_noisecurve.privacy.cli, keras_noisecurve.privacy.sampler;"
+        "import sys, keras_noisecurve as knc, keras_noisecurve.apps.cli_calibrate, keras_noisecurve.privacy.sampler;"
         "knc.compute_epsilon; knc.calibrate_noise_multiplier; knc.dp_event;"
         "assert 'tensorflow' not in sys.modules, 'tensorflow imported'"
     )

@@ -5,7 +5,7 @@ and an unreachable target is one line saying what is possible."""
 import dp_accounting
 import pytest
 
-from keras_noisecurve.cli import main
+from keras_noisecurve.apps.cli import main
 from keras_noisecurve.privacy import accounting, calibration
 
 PLAN = dict(num_examples=1000, batch_size=30, steps=102)

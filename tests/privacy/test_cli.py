@@ -6,7 +6,7 @@ import dp_accounting
 import pytest
 from dp_accounting import rdp
 
-from keras_noisecurve.cli import main
+from keras_noisecurve.apps.cli import main
 
 
 def test_calibrate_json_rechecks_independently(capsys):

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from keras_noisecurve.cli import main
+from keras_noisecurve.apps.cli import main
 from keras_noisecurve.privacy import accounting
 from keras_noisecurve.privacy.run import PrivateRun
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import scipy.linalg
 
-from keras_noisecurve import cli
+from keras_noisecurve.apps import cli
 from keras_noisecurve.callbacks import DominanceCertificate
 from keras_noisecurve.spectrum.artifact import Spectrum
 

@@ -408,9 +408,9 @@ def test_sequence_sq_norms_both_forms_agree_with_materialised():
 
 
 def test_paper_cnn_with_its_groupnorm_layer():
-    # keras_noisecurve.models.small_groupnorm_cnn uses its own GroupNorm layer (exact
+    # keras_noisecurve.apps.models.small_groupnorm_cnn uses its own GroupNorm layer (exact
     # second derivatives); ghost clipping has a rule for it, so "auto" picks ghost.
-    from keras_noisecurve.models import small_groupnorm_cnn
+    from keras_noisecurve.apps.models import small_groupnorm_cnn
 
     rng = np.random.default_rng(15)
     model = small_groupnorm_cnn(input_shape=(8, 8, 3), num_classes=3, dense_size=8, groups=4, seed=1)

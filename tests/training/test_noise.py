@@ -6,7 +6,7 @@ import tensorflow as tf
 
 from keras_noisecurve.mixing import MixingMatrix
 from keras_noisecurve.training.noise import (
-    BandedNoise,
+    StreamNoise,
     key_from_seed,
     normal_from_seed,
     standard_normal,
@@ -22,8 +22,8 @@ def test_recurrence_equals_dense_solve(bands):
     rng = np.random.default_rng(bands)
     c = random_banded_c(11, bands, rng=rng, diag_scale=0.3)
     z = rng.normal(size=(11, 3, 2))
-    noise = BandedNoise(c.band_values)
-    ring = None if bands == 1 else tf.zeros(noise.ring_shape((3, 2)), tf.float64)
+    noise = StreamNoise(c.band_values)
+    ring = None if bands == 1 else tf.zeros(noise.state_shape((3, 2)), tf.float64)
     out = []
     for t in range(11):
         zt, ring = noise.correlate(tf.constant(z[t]), tf.constant(t), ring)
@@ -49,15 +49,15 @@ def test_default_key_is_secret_and_random():
 
 
 def test_dpsgd_noise_has_no_limit_and_no_buffer():
-    noise = BandedNoise(None)
-    assert noise.steps is None and noise.bands == 1 and noise.ring_shape((3,)) is None
+    noise = StreamNoise(None)
+    assert noise.steps is None and noise.bands == 1 and noise.state_shape((3,)) is None
     assert noise.assert_in_plan(10**9) is None
-    assert BandedNoise(MixingMatrix.identity(4).band_values).ring_bytes([(10,), (3, 3)]) == 0
-    assert BandedNoise(np.ones((4, 3)) * [1, 0, 0]).ring_bytes([(10,), (3, 3)]) == 2 * 19 * 4
+    assert StreamNoise(MixingMatrix.identity(4).band_values).state_bytes([(10,), (3, 3)]) == 0
+    assert StreamNoise(np.ones((4, 3)) * [1, 0, 0]).state_bytes([(10,), (3, 3)]) == 2 * 19 * 4
 
 
 def test_assert_in_plan_refuses_step_t():
-    noise = BandedNoise(MixingMatrix.identity(3).band_values)
+    noise = StreamNoise(MixingMatrix.identity(3).band_values)
     noise.assert_in_plan(tf.constant(2))
     with pytest.raises(tf.errors.InvalidArgumentError, match="privacy plan is spent"):
         noise.assert_in_plan(tf.constant(3))

@@ -18,10 +18,9 @@
 - ``mlp``: a fully connected ReLU network.
 - ``softmax_regression``: multinomial logistic regression (convex).
 
-The CNN normalises with :class:`keras_noisecurve.layers.GroupNorm` (exact second
+The CNN normalises with :class:`keras_noisecurve.apps.layers.GroupNorm` (exact second
 derivatives, for the spectrum of a Hessian upper bound) and pools with
-:class:`keras_noisecurve.layers.AdaptiveAveragePooling2D`; both layers are re-exported
-here, where they used to live.
+:class:`keras_noisecurve.apps.layers.AdaptiveAveragePooling2D`.
 """
 
 from __future__ import annotations
@@ -30,9 +29,9 @@ import keras
 from keras import layers
 
 from keras_noisecurve._validation import check_int
-from keras_noisecurve.layers import AdaptiveAveragePooling2D, GroupNorm
+from keras_noisecurve.apps.layers import AdaptiveAveragePooling2D, GroupNorm
 
-__all__ = ["AdaptiveAveragePooling2D", "GroupNorm", "mlp", "small_groupnorm_cnn", "softmax_regression"]
+__all__ = ["mlp", "small_groupnorm_cnn", "softmax_regression"]
 
 
 def _check_shape(input_shape, ndim):

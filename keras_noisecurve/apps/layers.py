@@ -13,9 +13,11 @@
   pools its last feature map to 2×2 with it).
 
 Both are registered for Keras serialization as ``keras_noisecurve>GroupNorm`` and
-``keras_noisecurve>AdaptiveAveragePooling2D`` (the names they had when they lived in
-``keras_noisecurve.models``, which still re-exports them), so saved ``.keras`` files
-load after ``import keras_noisecurve.layers`` (or ``keras_noisecurve.models``).
+``keras_noisecurve>AdaptiveAveragePooling2D``, so saved ``.keras`` files load after
+``import keras_noisecurve.apps.layers`` (``keras_noisecurve.apps.models`` imports it).
+Importing this module also registers :class:`GroupNormRule`, the ghost-norm rule of
+``GroupNorm`` (``keras_noisecurve.training.ghost_layers.register_rule``), so the per-layer
+clipping engine clips it exactly instead of with its generic fallback.
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ import keras
 from keras import ops
 
 from keras_noisecurve._validation import check_int
+from keras_noisecurve.training.ghost_layers import register_rule
+from keras_noisecurve.training.ghost_norm import GroupNormalizationRule
 
-__all__ = ["AdaptiveAveragePooling2D", "GroupNorm"]
+__all__ = ["AdaptiveAveragePooling2D", "GroupNorm", "GroupNormRule"]
 
 
 @keras.saving.register_keras_serializable(package="keras_noisecurve")
@@ -112,3 +116,34 @@ class AdaptiveAveragePooling2D(keras.layers.Layer):
 
     def get_config(self):
         return {**super().get_config(), "output_size": self.output_size}
+
+
+class GroupNormRule(GroupNormalizationRule):
+    """Ghost-norm rule of :class:`GroupNorm` (the paper CNN's GroupNorm, channels last).
+
+    Same x̂ as its ``call``: ``(x − mean_g) / sqrt(var_g + ε)`` over the spatial axes
+    and the channels of each group; ``gamma``/``beta`` per channel (last axis).
+    """
+
+    kind = "GroupNorm"
+    classes = (GroupNorm,)
+
+    def param_axes(self, layer, rank):
+        return [rank - 1]
+
+    def normalised(self, layer, inputs):
+        import tensorflow as tf
+
+        compute = tf.float64 if tf.as_dtype(inputs.dtype) == tf.float64 else tf.float32
+        x = tf.cast(inputs, compute)
+        channels = x.shape[-1]
+        spatial = x.shape[1:-1].as_list()
+        grouped = tf.reshape(x, [-1, *spatial, layer.groups, channels // layer.groups])
+        axes = list(range(1, len(spatial) + 1)) + [len(spatial) + 2]
+        mean = tf.reduce_mean(grouped, axis=axes, keepdims=True)
+        centred = grouped - mean
+        var = tf.reduce_mean(centred * centred, axis=axes, keepdims=True)
+        return tf.reshape(centred / tf.sqrt(var + layer.epsilon), tf.shape(x))
+
+
+register_rule(GroupNormRule())

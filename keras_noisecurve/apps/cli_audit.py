@@ -12,6 +12,8 @@ import json
 import math
 import sys
 
+from keras_noisecurve.apps.strategy_table import AUDIT_KINDS, options_for
+
 __all__ = ["add_arguments", "run"]
 
 
@@ -36,7 +38,7 @@ def _positive_float(text):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--strategy", choices=("dpsgd", "banded", "toeplitz", "blt"), default="banded",
+    parser.add_argument("--strategy", choices=AUDIT_KINDS, default="banded",
                         help="the mixing strategy C (default banded: DP-BandMF)")
     parser.add_argument("--epsilon", type=_positive_float, default=4.0, help="target epsilon (sigma is calibrated)")
     parser.add_argument("--delta", type=_positive_float, default=1e-5, help="delta, in (0, 1)")
@@ -63,8 +65,10 @@ def _check(args):
         raise ValueError(f"--canaries must be >= 2, got {args.canaries}")
     if args.seed < 0:
         raise ValueError(f"--seed must be >= 0, got {args.seed}")
-    if args.sampling == "cyclic_poisson" and args.strategy == "blt":
-        raise ValueError("--strategy blt needs --sampling fixed_epochs (its C is not banded: no amplification)")
+    allowed = options_for(args.strategy).samplings
+    if args.sampling not in allowed:
+        raise ValueError(f"--strategy {args.strategy} needs --sampling {' or '.join(allowed)} (its C is not banded: "
+                         "no amplification)")
 
 
 def _audit(args):
@@ -88,7 +92,7 @@ def run(args) -> int:
     except ValueError as err:
         print(f"noisecurve audit: error: {err}", file=sys.stderr)
         return 2
-    from keras_noisecurve.cli import _start_tensorflow, quiet_startup
+    from keras_noisecurve.apps.cli import _start_tensorflow, quiet_startup
 
     quiet_startup(_start_tensorflow)  # TensorFlow's C++ start-up notices silenced, as for `demo`
     try:

@@ -1,15 +1,16 @@
 """The ``noisecurve`` command line: ``spectrum | solve | calibrate | inspect | demo``.
 
-Each subcommand lives next to the code it drives, in a module that defines
-``add_arguments(parser)`` and ``run(args) -> int``; this file only dispatches, and
-imports a subcommand's module (and so TensorFlow) only when that subcommand runs.
+Each subcommand is a module of ``keras_noisecurve.apps`` (``cli_spectrum``,
+``cli_solve``, ``cli_calibrate``, ``cli_inspect``, ``demo``, ``cli_audit``) that defines
+``add_arguments(parser)`` and ``run(args) -> int`` and calls the library's public API;
+this file only dispatches, and imports a subcommand's module (and so TensorFlow) only
+when that subcommand runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
 
 from keras_noisecurve import __version__
@@ -17,12 +18,12 @@ from keras_noisecurve._quiet import quiet_startup  # noqa: F401 - used by main, 
 
 # name -> (module, one-line help)
 SUBCOMMANDS = {
-    "spectrum": ("keras_noisecurve.spectrum.cli", "estimate a Hessian-upper-bound spectrum from public data"),
-    "solve": ("keras_noisecurve.mixing.cli_solve", "solve a mixing strategy C (banded, toeplitz, blt, bisr) and save it"),
-    "calibrate": ("keras_noisecurve.privacy.cli", "calibrate the noise multiplier for a target (epsilon, delta)"),
-    "inspect": ("keras_noisecurve.mixing.cli_inspect", "show a mixing-matrix file: metadata, norms, expected error"),
-    "demo": ("keras_noisecurve.demo", "run the whole pipeline end to end on bundled MNIST data"),
-    "audit": ("keras_noisecurve.cli_audit", "audit a training configuration: empirical epsilon lower bound"),
+    "spectrum": ("keras_noisecurve.apps.cli_spectrum", "estimate a Hessian-upper-bound spectrum from public data"),
+    "solve": ("keras_noisecurve.apps.cli_solve", "solve a mixing strategy C (banded, toeplitz, blt, bisr) and save it"),
+    "calibrate": ("keras_noisecurve.apps.cli_calibrate", "calibrate the noise multiplier for a target (epsilon, delta)"),
+    "inspect": ("keras_noisecurve.apps.cli_inspect", "show a mixing-matrix file: metadata, norms, expected error"),
+    "demo": ("keras_noisecurve.apps.demo", "run the whole pipeline end to end on bundled MNIST data"),
+    "audit": ("keras_noisecurve.apps.cli_audit", "audit a training configuration: empirical epsilon lower bound"),
 }
 
 #: subcommands that start TensorFlow (the others are numpy/scipy only)

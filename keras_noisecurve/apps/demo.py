@@ -3,9 +3,9 @@
 1. Data: private = the bundled MNIST-5k training split (3,500 images, labels
    used); public = scikit-learn's digits in MNIST format (no labels), or an
    unlabeled held-out MNIST slice with ``--public mnist-heldout``
-   (``keras_noisecurve.data``).
+   (``keras_noisecurve.apps.data``).
 2. Model: the paper's small GroupNorm CNN adapted to 28×28×1
-   (``keras_noisecurve.models.small_groupnorm_cnn``).
+   (``keras_noisecurve.apps.models.small_groupnorm_cnn``).
 3. Spectrum: random-label pre-training on the public images, then Lanczos top-k +
    SLQ count + power-law tail (paper §4), scaled by the public clipping factor.
 4. Mixing matrices: NoiseCurve (its objective, default ``NOISECURVE_OBJECTIVE``) and
@@ -14,7 +14,7 @@
 5. Accounting: σ calibrated for (ε, δ) under cyclic Poisson sampling (b bands for
    the matrix-factorisation methods, b = 1 for DP-SGD).
 6. Training: DP-SGD, DP-BandMF and NoiseCurve side by side, each with its training
-   configuration from ``keras_noisecurve.demo_configs`` (learning rate, clip norm,
+   configuration from ``keras_noisecurve.apps.demo_configs`` (learning rate, clip norm,
    momentum, schedule, b; flags override every method), the same batch size and
    steps, ``--seeds N`` times with paired seeds (seed s: the same initial weights for
    every method and, with ``--deterministic``, the same batches and raw noise). The
@@ -23,37 +23,35 @@
    correlated C, per-step and running-sum noise std, test accuracy per epoch) in
    ``--out``; results.json keeps every run.
 
-Default run (one seed) ≈ 10 min on a 2-core CPU, most of it the spectrum; each further
-seed adds the three trainings (about 40 % of a one-seed run); ``--quick`` ≈ 1–2 min (fewer public images, steps
-and Lanczos iterations: a smoke test, not a meaningful comparison).
+``--quick`` runs fewer public images, steps and Lanczos iterations: a smoke test, not a
+meaningful comparison. Run times: docs/performance.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
 
-from keras_noisecurve import demo_configs
-from keras_noisecurve.demo_configs import CONFIGS, CURVATURE_OBJECTIVES, METHODS, PROVENANCE
+from keras_noisecurve.apps import demo_configs
+from keras_noisecurve.apps import demo_report
+from keras_noisecurve.apps.demo_report import PLOT_FILES
+from keras_noisecurve.apps.demo_configs import CONFIGS, CURVATURE_OBJECTIVES, METHODS, PROVENANCE
+from keras_noisecurve.mixing.objectives import get_objective
 from keras_noisecurve.mixing.rule_workloads import check_rule_objective
 
 #: The curvature objective the demo uses for its NoiseCurve row: the "objective" of
-#: ``keras_noisecurve.demo_configs.CONFIGS["NoiseCurve"]`` (by default
+#: ``keras_noisecurve.apps.demo_configs.CONFIGS["NoiseCurve"]`` (by default
 #: ``keras_noisecurve.mixing.DEFAULT_OBJECTIVE`` when that is a curvature objective, else
 #: the curvature objective that did best on VALIDATION data in the accuracy benchmark's
 #: non-convex model; see ``demo_configs.NOISECURVE_OBJECTIVE``).
 NOISECURVE_OBJECTIVE = CONFIGS["NoiseCurve"]["objective"]
 _OBJECTIVE_SOURCE = (
     demo_configs.OBJECTIVE_SOURCE if NOISECURVE_OBJECTIVE == demo_configs.NOISECURVE_OBJECTIVE
-    else "keras_noisecurve.demo_configs.CONFIGS"
+    else "keras_noisecurve.apps.demo_configs.CONFIGS"
 )
-
-#: Correlated methods (b >= 2, a solved C).
-CORRELATED = tuple(m for m in METHODS if m != "DP-SGD")
 
 #: Command-line flags that override a field of every method's configuration.
 _OVERRIDES = {"learning_rate": "--learning-rate", "clip": "--clip", "momentum": "--momentum", "bands": "--bands"}
@@ -86,20 +84,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bands", type=int, default=None,
                         help="band width b of DP-BandMF and NoiseCurve, overriding both methods' configuration "
                              f"(DP-SGD is b=1; B*b must not exceed the 3,500 training images). Default from "
-                             f"keras_noisecurve.demo_configs: {_per_method('bands')}")
+                             f"keras_noisecurve.apps.demo_configs: {_per_method('bands')}")
     parser.add_argument("--batch-size", type=int, default=250, help="expected batch size B (default 250)")
     parser.add_argument("--learning-rate", type=float, default=None,
                         help="SGD learning rate eta of EVERY method, overriding the per-method configuration. "
-                             f"Default from keras_noisecurve.demo_configs: {_per_method('learning_rate')}")
+                             f"Default from keras_noisecurve.apps.demo_configs: {_per_method('learning_rate')}")
     parser.add_argument("--clip", type=float, default=None,
                         help="per-example L2 clip norm of EVERY method, overriding the per-method configuration. "
-                             f"Default from keras_noisecurve.demo_configs: {_per_method('clip')}")
+                             f"Default from keras_noisecurve.apps.demo_configs: {_per_method('clip')}")
     parser.add_argument("--momentum", type=float, default=None,
                         help="heavy-ball momentum beta in [0, 1) of EVERY method, overriding the per-method "
                              "configuration (recorded in results.json); momentum > 0 trains with "
                              "NoiseCurveOptimizer(inner=keras.optimizers.SGD(lr, momentum=beta)) and the mixing "
                              "matrices are solved for that update rule. Default from "
-                             f"keras_noisecurve.demo_configs: {_per_method('momentum')}")
+                             f"keras_noisecurve.apps.demo_configs: {_per_method('momentum')}")
     parser.add_argument("--objective", default=None, choices=CURVATURE_OBJECTIVES,
                         help=f"curvature objective of the NoiseCurve row (default {NOISECURVE_OBJECTIVE})")
     parser.add_argument("--public", default="digits", choices=("digits", "mnist-heldout"),
@@ -189,7 +187,7 @@ def _validate(args, cfg) -> None:
 
 def _source(name, field, cfg) -> str:
     flag = _OVERRIDES.get(field, "--objective" if field == "objective" else None)
-    return flag if flag in cfg["overridden"].get(name, ()) else "keras_noisecurve.demo_configs"
+    return flag if flag in cfg["overridden"].get(name, ()) else "keras_noisecurve.apps.demo_configs"
 
 
 def _is_plain(m) -> bool:
@@ -245,7 +243,7 @@ def _run(args, cfg) -> int:
         raise _Fail(f"--out {args.out!r} cannot be created: {exc}") from exc
     import numpy as np
 
-    from keras_noisecurve import data as kdata
+    from keras_noisecurve.apps import data as kdata
 
     methods = cfg["methods"]
     objective = methods["NoiseCurve"]["objective"]
@@ -290,7 +288,7 @@ def _run(args, cfg) -> int:
     from keras_noisecurve.mixing.diagnostics import noise_diagnostics
 
     tf.get_logger().setLevel("ERROR")  # vectorized_map's "uses a while_loop" notices are not progress
-    from keras_noisecurve.models import small_groupnorm_cnn
+    from keras_noisecurve.apps.models import small_groupnorm_cnn
     from keras_noisecurve.spectrum import clipping_scale
 
     keras.utils.set_random_seed(args.seed)
@@ -335,7 +333,7 @@ def _run(args, cfg) -> int:
         "DP-SGD": knc.MixingMatrix.identity(steps),
         "DP-BandMF": _solve(steps=steps, bands=bm["bands"], objective="bandmf", m=bm),
     }
-    kwargs = {"blend_weight": "auto"} if objective == "noisecurve-blend" else {}
+    kwargs = {"blend_weight": "auto"} if get_objective(objective).blend else {}
     import warnings
 
     with warnings.catch_warnings(record=True) as caught:
@@ -405,23 +403,23 @@ def _run(args, cfg) -> int:
         accs = [run_["test_accuracy"] for run_ in runs[name]]
         curves = np.array([run_["accuracy_per_epoch"] for run_ in runs[name]], dtype=np.float64)
         results[name] = {
-            "test_accuracy": _mean(accs), "test_accuracy_std": _std(accs), "n": len(accs),
+            "test_accuracy": demo_report.mean(accs), "test_accuracy_std": demo_report.std(accs), "n": len(accs),
             "epsilon": epsilons[b], "sigma": sigmas[b], "bands": b, "config": methods[name],
-            "seconds": _mean([run_["seconds"] for run_ in runs[name]]),
+            "seconds": demo_report.mean([run_["seconds"] for run_ in runs[name]]),
             "accuracy_per_epoch": curves.mean(axis=0).tolist(),
             "runs": runs[name],
         }
-    paired = _paired_differences(runs) if len(seeds) > 1 else {}
+    paired = demo_report.paired_differences(runs) if len(seeds) > 1 else {}
 
     # ------------------------------------------------------------------ output
-    table = _table(results)
+    table = demo_report.table(results)
     print()
     print(f"Results (eps={args.epsilon}, delta={args.delta}; MNIST-5k, {n} private / {len(y_test)} test images; "
           f"NoiseCurve objective {objective!r}"
           + (f"; mean ± std over {len(seeds)} paired seeds {seeds[0]}..{seeds[-1]}" if len(seeds) > 1 else "")
           + "):")
     print(table)
-    for line in _paired_lines(paired):
+    for line in demo_report.paired_lines(paired):
         print(line)
     print(f"Training configuration: {PROVENANCE}.")
     summary = {
@@ -435,41 +433,12 @@ def _run(args, cfg) -> int:
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(summary, f, indent=1)
     with open(os.path.join(args.out, "results.md"), "w") as f:
-        f.write(table + "\n" + "".join(line + "\n" for line in _paired_lines(paired)))
+        f.write(table + "\n" + "".join(line + "\n" for line in demo_report.paired_lines(paired)))
     if not args.no_plots:
-        _plots(args.out, spectrum, mixings, diagnostics, results, steps_per_epoch)
+        demo_report.write_plots(args.out, spectrum, mixings, diagnostics, results, steps_per_epoch)
         _log(f"plots: {', '.join(PLOT_FILES)} in {args.out}/")
     _log(f"done in {time.perf_counter() - started:.0f}s; results in {args.out}/results.json")
     return 0
-
-
-def _mean(values) -> float:
-    return float(sum(values) / len(values))
-
-
-def _std(values):
-    """Sample standard deviation (n − 1 in the denominator); None for a single value."""
-    if len(values) < 2:
-        return None
-    mu = _mean(values)
-    return float(math.sqrt(sum((v - mu) ** 2 for v in values) / (len(values) - 1)))
-
-
-def _paired_differences(runs) -> dict:
-    """Per-seed accuracy differences of each correlated method against DP-SGD (same seed)."""
-    out = {}
-    base = {r["seed"]: r["test_accuracy"] for r in runs["DP-SGD"]}
-    for name in CORRELATED:
-        diffs = [r["test_accuracy"] - base[r["seed"]] for r in runs[name]]
-        out[f"{name} - DP-SGD"] = {"mean": _mean(diffs), "std": _std(diffs), "n": len(diffs), "per_seed": diffs}
-    return out
-
-
-def _paired_lines(paired) -> list:
-    if not paired:
-        return []
-    return ["Paired differences (same seed): " + "; ".join(
-        f"{k} {100 * d['mean']:+.2f} ± {100 * d['std']:.2f} pp" for k, d in paired.items())]
 
 
 def _private_cnn(*, run, config, seed, noise_seed):
@@ -479,7 +448,7 @@ def _private_cnn(*, run, config, seed, noise_seed):
     import keras
 
     import keras_noisecurve as knc
-    from keras_noisecurve.models import small_groupnorm_cnn
+    from keras_noisecurve.apps.models import small_groupnorm_cnn
 
     model = small_groupnorm_cnn((28, 28, 1), num_classes=10, dense_size=32, seed=seed)
     private = knc.make_private(model)
@@ -556,108 +525,3 @@ def _epoch_accuracy_callback(model, x, y, steps_per_epoch, name):
                 _log(f"  {name} epoch {len(self.history)}: test accuracy {100 * acc:.2f} %")
 
     return EpochAccuracy()
-
-
-def _table(results) -> str:
-    """One row per method. One seed: the accuracy of that run (as before ``--seeds``); N seeds:
-    mean ± sample std over the N runs, N in the header, wall time per run."""
-    n = next(iter(results.values()))["n"]
-    if n == 1:
-        lines = ["| method | test accuracy | epsilon | sigma | b | wall time |", "|---|---|---|---|---|---|"]
-    else:
-        lines = [f"| method | test accuracy (mean ± std, N = {n}) | epsilon | sigma | b | wall time per run |",
-                 "|---|---|---|---|---|---|"]
-    for name, r in results.items():
-        acc = f"{100 * r['test_accuracy']:.2f} %" if n == 1 else \
-            f"{100 * r['test_accuracy']:.2f} ± {100 * r['test_accuracy_std']:.2f} %"
-        lines.append(f"| {name} | {acc} | {r['epsilon']:.3f} | {r['sigma']:.3f} | {r['bands']} | {r['seconds']:.0f} s |")
-    return "\n".join(lines)
-
-
-PLOT_FILES = ("spectrum.png", "mixing_bands.png", "noise.png", "accuracy.png")
-
-
-def _plots(out, spectrum, mixings, diagnostics, results, steps_per_epoch) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    # spectrum: eigenvalue vs index (cumulative multiplicity), Lanczos part and fitted tail
-    values, mults = spectrum.eigenvalues, spectrum.multiplicities
-    index = np.cumsum(mults)
-    tail = spectrum.tail_info()
-    fig, ax = plt.subplots(figsize=(6, 4))
-    keep = values > 0
-    if tail:
-        first = tail["first_index"]
-        top = keep & (index < first)
-        rest = keep & (index >= first)
-        ax.loglog(index[top], values[top], "o", ms=3, label="Lanczos top-k")
-        ax.loglog(index[rest], values[rest], "-", label=f"fitted tail (alpha={tail.get('alpha', float('nan')):.2f})")
-    else:
-        ax.loglog(index[keep], values[keep], "o-", ms=3, label="eigenvalues")
-    ax.set_xlabel("index i (cumulative multiplicity)")
-    ax.set_ylabel("eigenvalue mu_i of the Hessian upper bound")
-    ax.set_title("Spectrum (public data, random-label pre-training)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(os.path.join(out, "spectrum.png"), dpi=110)
-    plt.close(fig)
-
-    _plot_bands(plt, np, os.path.join(out, "mixing_bands.png"), {k: v for k, v in mixings.items() if k != "DP-SGD"})
-
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
-    for name, d in diagnostics.items():
-        a1.plot(d["step_std"], label=name)
-        a2.plot(d["prefix_std"], label=name)
-    a1.set_title("per-step noise std ||C^-1[t,:]||")
-    a2.set_title("running-sum noise std ||(A C^-1)[t,:]||")
-    for ax in (a1, a2):
-        ax.set_xlabel("step t")
-        ax.legend()
-    a1.set_yscale("log")
-    fig.tight_layout()
-    fig.savefig(os.path.join(out, "noise.png"), dpi=110)
-    plt.close(fig)
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name, r in results.items():
-        hist = np.array(r["accuracy_per_epoch"]) * 100
-        epochs = np.arange(1, len(hist) + 1)
-        if r["n"] > 1:
-            runs = np.array([run_["accuracy_per_epoch"] for run_ in r["runs"]]) * 100
-            std = runs.std(axis=0, ddof=1)
-            line, = ax.plot(epochs, hist, "o-", label=f"{name} (mean ± std, N = {r['n']})")
-            ax.fill_between(epochs, hist - std, hist + std, color=line.get_color(), alpha=0.2)
-        else:
-            ax.plot(epochs, hist, "o-", label=name)
-    ax.set_xlabel("epoch")
-    ax.set_ylabel("test accuracy (%)")
-    ax.set_title("Accuracy per epoch")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(os.path.join(out, "accuracy.png"), dpi=110)
-    plt.close(fig)
-
-
-def _plot_bands(plt, np, path, mixings) -> None:
-    """One panel per correlated C: the band values C[t, t − j] against the step t, one curve
-    per diagonal j = 0 … b − 1 (j = 0 the diagonal; a curve starts at t = j)."""
-    fig, axes = plt.subplots(1, len(mixings), figsize=(5.5 * len(mixings), 4.2), sharey=True, squeeze=False)
-    for ax, (name, mixing) in zip(axes[0], mixings.items()):
-        values = np.asarray(mixing.band_values)
-        steps, bands = values.shape
-        for j in range(bands):
-            t = np.arange(j, steps)
-            ax.plot(t, values[j:, j], lw=1.4, label=f"j = {j}" + (": diagonal C[t, t]" if j == 0 else f": C[t, t-{j}]"))
-        ax.axhline(0.0, color="0.6", lw=0.8)
-        ax.set_title(f"{name}: band values of C (T = {steps}, b = {bands})")
-        ax.set_xlabel("step t")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize="small", ncol=1 if bands <= 6 else 2)
-    axes[0][0].set_ylabel("C[t, t - j]")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)

@@ -67,7 +67,7 @@ NOISECURVE_OBJECTIVE = (
 OBJECTIVE_SOURCE = (
     "keras_noisecurve.mixing.DEFAULT_OBJECTIVE"
     if _LIBRARY_DEFAULT in CURVATURE_OBJECTIVES
-    else "keras_noisecurve.demo_configs.NOISECURVE_OBJECTIVE"
+    else "keras_noisecurve.apps.demo_configs.NOISECURVE_OBJECTIVE"
 )
 
 #: Where the numbers in ``CONFIGS`` come from. Printed by the demo and stored in results.json.

@@ -53,8 +53,9 @@ import sys
 import time
 import warnings
 
+from keras_noisecurve.apps.strategy_table import KINDS, SOLVE_KINDS, kind_of, options_for
 from keras_noisecurve.mixing.api import TOEPLITZ_OBJECTIVES
-from keras_noisecurve.mixing.strategies import STRATEGIES
+from keras_noisecurve.mixing.objectives import get_objective
 from keras_noisecurve.mixing.update_rule import SCHEDULES, UpdateRule
 from keras_noisecurve.mixing.workloads import CURVATURE_OBJECTIVES, OBJECTIVES
 
@@ -111,7 +112,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, required=True, metavar="T", help="number of training steps T (>= 1)")
     parser.add_argument(
         "--strategy",
-        choices=STRATEGIES,
+        choices=SOLVE_KINDS,
         default="banded",
         help="family of C: %(choices)s (default banded; docs/mixing.md, 'Command line: the other strategies')",
     )
@@ -188,17 +189,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="print nothing but warnings and errors")
 
 
-#: Options that only some strategies take: option -> (attribute, strategies that take it).
+#: Options that only some strategies take (``StrategyOptions.options``): option -> attribute.
 _ONLY_FOR = {
-    "--bands": ("bands", ("banded", "toeplitz", "bisr")),
-    "--buffers": ("buffers", ("blt",)),
-    "--participations": ("participations", ("blt",)),
-    "--separation": ("separation", ("blt",)),
-    "--momentum": ("momentum", ("banded",)),
-    "--schedule": ("schedule", ("banded",)),
-    "--cooldown-fraction": ("cooldown_fraction", ("banded",)),
-    "--tol": ("tol", ("banded", "toeplitz", "blt")),
-    "--max-iterations": ("max_iterations", ("banded", "toeplitz", "blt")),
+    "--bands": "bands",
+    "--buffers": "buffers",
+    "--participations": "participations",
+    "--separation": "separation",
+    "--momentum": "momentum",
+    "--schedule": "schedule",
+    "--cooldown-fraction": "cooldown_fraction",
+    "--tol": "tol",
+    "--max-iterations": "max_iterations",
 }
 
 _WHY_NOT = {
@@ -220,13 +221,15 @@ _WHY_NOT = {
 def _check_strategy(args) -> None:
     """Refuse options the strategy does not take; sizes and blt's participation pattern."""
     strategy = args.strategy
-    for option, (attr, allowed) in _ONLY_FOR.items():
-        if getattr(args, attr) is not None and strategy not in allowed:
+    kind = options_for(strategy)
+    for option, attr in _ONLY_FOR.items():
+        if getattr(args, attr) is not None and attr not in kind.options:
+            allowed = [name for name in SOLVE_KINDS if attr in KINDS[name].options]
             raise CommandError(
                 f"{option} does not apply to --strategy {strategy} ({_WHY_NOT[option]}); it is used by "
                 f"--strategy {'/'.join(allowed)} only."
             )
-    if strategy != "banded":
+    if not kind.every_objective:
         if args.objective not in TOEPLITZ_OBJECTIVES:
             raise CommandError(
                 f"--strategy {strategy} supports --objective {', '.join(TOEPLITZ_OBJECTIVES)}; got "
@@ -237,18 +240,17 @@ def _check_strategy(args) -> None:
                 f"--blend-weight auto is only supported by --strategy banded; give --strategy {strategy} "
                 "a number in [0, 1]."
             )
-    if strategy in ("banded", "toeplitz", "bisr"):
+    if kind.size_option == "--bands":
         if args.bands is None:
-            what = "p (the bands of C^-1), 1 <= p" if strategy == "bisr" else "b, 1 <= b"
-            raise CommandError(f"--strategy {strategy} needs --bands {what} <= steps ({args.steps}).")
+            raise CommandError(f"--strategy {strategy} needs --bands {kind.size_requirement} <= steps ({args.steps}).")
         if not 1 <= args.bands <= args.steps:
             raise CommandError(f"--bands must satisfy 1 <= b <= steps ({args.steps}), got {args.bands}.")
         return
-    # blt
-    if args.steps < 2:
-        raise CommandError(f"--strategy blt needs --steps >= 2, got {args.steps}.")
+    # sized by --buffers (blt)
+    if args.steps < kind.min_steps:
+        raise CommandError(f"--strategy {strategy} needs --steps >= {kind.min_steps}, got {args.steps}.")
     if args.buffers is None:
-        raise CommandError("--strategy blt needs --buffers d (the optimizer keeps d noise buffers), 1 <= d < steps.")
+        raise CommandError(f"--strategy {strategy} needs --buffers {kind.size_requirement} < steps.")
     max_buffers = _blt_max_buffers()
     if not 1 <= args.buffers < args.steps or args.buffers > max_buffers:
         raise CommandError(
@@ -288,7 +290,7 @@ _WORKING_ARRAYS = 16
 def _check_memory(args) -> None:
     from keras_noisecurve._validation import check_memory
 
-    width = args.bands if args.strategy == "banded" and args.bands else 1
+    width = args.bands if options_for(args.strategy).dense_bands and args.bands else 1
     try:
         check_memory(f"solving --strategy {args.strategy} for --steps {args.steps}",
                      _WORKING_ARRAYS * 8 * args.steps * width,
@@ -314,15 +316,17 @@ def _check_args(args) -> None:
     if not curvature and args.spectrum is not None:
         raise CommandError(f"--spectrum is only used by the curvature objectives {CURVATURE_OBJECTIVES}, "
                            f"not by {args.objective!r}.")
-    if not curvature and args.learning_rate is not None and args.strategy != "banded":
+    if not curvature and args.learning_rate is not None and not options_for(args.strategy).update_rule:
         raise CommandError(f"--learning-rate is only used by the curvature objectives {CURVATURE_OBJECTIVES}, "
                            f"not by {args.objective!r}.")
     if args.learning_rate is not None and not (math.isfinite(args.learning_rate) and args.learning_rate > 0):
         raise CommandError(f"--learning-rate must be a finite number > 0, got {args.learning_rate}.")
-    if args.objective == "noisecurve-blend" and args.blend_weight is None:
-        raise CommandError("objective 'noisecurve-blend' needs --blend-weight LAMBDA (in [0, 1]) or 'auto'.")
-    if args.objective != "noisecurve-blend" and args.blend_weight is not None:
-        raise CommandError(f"--blend-weight is only used by objective 'noisecurve-blend', not {args.objective!r}.")
+    blend = get_objective(args.objective).blend
+    if blend and args.blend_weight is None:
+        raise CommandError(f"objective {args.objective!r} needs --blend-weight LAMBDA (in [0, 1]) or 'auto'.")
+    if not blend and args.blend_weight is not None:
+        blends = ", ".join(repr(name) for name in OBJECTIVES if get_objective(name).blend)
+        raise CommandError(f"--blend-weight is only used by objective {blends}, not {args.objective!r}.")
     if args.momentum is not None and not (math.isfinite(args.momentum) and 0.0 <= args.momentum < 1.0):
         raise CommandError(f"--momentum must lie in [0, 1), got {args.momentum}.")
     if args.cooldown_fraction is not None:
@@ -336,8 +340,8 @@ def _check_args(args) -> None:
         raise CommandError(f"the directory of --out {args.out!r} does not exist.")
     if os.path.isdir(args.out):
         raise CommandError(f"--out {args.out!r} is a directory; give a file name.")
-    if args.strategy in ("toeplitz", "blt"):
-        module = f"keras_noisecurve.mixing.solve_{args.strategy}"
+    module = options_for(args.strategy).solver_module
+    if module is not None:
         if importlib.util.find_spec(module) is None:
             raise CommandError(f"--strategy {args.strategy} is not available: its solver ({module}) is not installed.")
 
@@ -442,12 +446,7 @@ def noise_state_text(mixing) -> str:
 
 def size_text(mixing) -> str:
     """The size of a strategy: ``bands b = …``, ``buffers d = …`` or ``C^-1 bands p = …``."""
-    kind = getattr(mixing, "kind", "banded")
-    if kind == "blt":
-        return f"buffers d = {mixing.buffers}"
-    if kind == "bisr":
-        return f"C^-1 bands p = {mixing.inverse_bands}"
-    return f"bands b = {mixing.bands}"
+    return kind_of(mixing).size_text(mixing)
 
 
 def participation_text(participations, separation) -> str:
@@ -469,7 +468,8 @@ def strategy_summary_lines(mixing, *, seconds: float | None = None) -> list[str]
     loss = meta.get("loss")
     lines = [f"noise state: {noise_state_text(mixing)}"]
     baselines = dict(meta.get("baseline_losses") or {})
-    if mixing.kind == "blt":
+    kind = kind_of(mixing)
+    if kind.optimises_participations:
         k, s = meta.get("participations") or 1, meta.get("separation")
         sens = mixing.sensitivity(participations=k, separation=s) if k > 1 else mixing.max_column_norm()
         one = "" if k == 1 else f" (one participation {mixing.max_column_norm():.6g})"
@@ -484,7 +484,7 @@ def strategy_summary_lines(mixing, *, seconds: float | None = None) -> list[str]
         else:
             lines.append(f"objective {objective!r}: Tr(W X^-1) = {_fmt(loss)}")
     else:
-        how = " (closed form, scored under the objective; nothing optimised)" if mixing.kind == "bisr" else ""
+        how = " (closed form, scored under the objective; nothing optimised)" if kind.closed_form else ""
         lines.append(f"objective {objective!r}: Tr(W X^-1) = {_fmt(loss)}{how}")
     labels = (("dpsgd", "DP-SGD (C = I)"), ("bandmf", f"Toeplitz DP-BandMF (b = {getattr(mixing, 'bands', '?')})"))
     for name, label in labels:
@@ -507,26 +507,17 @@ def strategy_summary_lines(mixing, *, seconds: float | None = None) -> list[str]
 def _solve_kwargs(args, spectrum, rule) -> dict:
     kwargs = dict(steps=args.steps, strategy=args.strategy, objective=args.objective, spectrum=spectrum,
                   learning_rate=args.learning_rate, blend_weight=args.blend_weight, verbose=not args.quiet)
-    if args.strategy == "banded":
-        kwargs.update(bands=args.bands, tol=1e-6 if args.tol is None else args.tol,
-                      max_iterations=10_000 if args.max_iterations is None else args.max_iterations,
-                      update_rule=rule)
-    elif args.strategy == "toeplitz":
-        kwargs.update(bands=args.bands, max_iterations=args.max_iterations)
-    elif args.strategy == "blt":
-        kwargs.update(buffers=args.buffers, participations=args.participations, separation=args.separation,
-                      max_iterations=args.max_iterations)
-    else:
-        kwargs.update(bands=args.bands)
-    if args.strategy in ("toeplitz", "blt") and args.tol is not None:
-        kwargs.update(tol=args.tol)
+    kind = options_for(args.strategy)
+    kwargs.update(kind.solve_kwargs(args))
+    if kind.update_rule:
+        kwargs.update(update_rule=rule)
     return kwargs
 
 
 def _complete_metadata(mixing, args, spectrum):
     """BISR: record what the scoring used (the closed form does not), so ``inspect`` can
     re-evaluate it, and the DP-SGD baseline under the same workload."""
-    if args.strategy != "bisr":
+    if not options_for(args.strategy).closed_form:
         return mixing
     from keras_noisecurve.mixing.api import objective_value
     from keras_noisecurve.mixing.strategies import ToeplitzMixing
@@ -550,7 +541,7 @@ def run(args) -> int:
         _check_args(args)
         spectrum = load_spectrum(args.spectrum) if args.spectrum is not None else None
         rule = None
-        if args.strategy == "banded":
+        if options_for(args.strategy).update_rule:
             try:
                 rule = UpdateRule(momentum=0.0 if args.momentum is None else args.momentum,
                                   schedule=args.schedule or "constant", cooldown_fraction=args.cooldown_fraction)
@@ -577,7 +568,7 @@ def run(args) -> int:
     except OSError as exc:
         return fail(PROG, f"cannot write {args.out!r}: {exc}")
     if not args.quiet:
-        if args.strategy == "banded":
+        if kind_of(mixing).matrix_file:
             print(f"saved {args.out}: steps T = {mixing.steps}, bands b = {mixing.bands}")
             print(f"noise state: {noise_state_text(mixing)}")
             lines = summary_lines(mixing, seconds=seconds)

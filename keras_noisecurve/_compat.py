@@ -1,0 +1,203 @@
+"""Every use of a private name of Keras, TensorFlow or dp-accounting, in one place.
+
+The library reads a few attributes and calls a few methods that Keras, TensorFlow and
+dp-accounting do not document, where no public API gives the same thing; and it
+overrides three private Keras methods (:data:`PRIVATE_OVERRIDES`). Each access is one
+function here, named for what it returns, and each is pinned by ``tests/test_compat.py``
+against the installed versions (so an upgrade that renames or changes one fails there,
+with the name, instead of deep inside a training step). No other module of
+``keras_noisecurve`` names a private third-party attribute or imports ``keras.src`` /
+``tensorflow.python``.
+
+Nothing is imported at module level: TensorFlow and the Keras backend modules are
+imported inside the functions that need them, so numpy-only callers (the privacy
+ledger) import this module without starting TensorFlow.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "PRIVATE_OVERRIDES",
+    "causal_padding",
+    "compile_metrics",
+    "current_learning_rate",
+    "dense_pmf_fields",
+    "distribution_strategy",
+    "flatten_layers",
+    "in_xla_context",
+    "iterations_variable",
+    "keras_tf_nn_module",
+    "learning_rate_value",
+    "loss_tracker",
+    "optimizer_variables",
+    "own_trainable_variables",
+    "pld_pmfs",
+    "regularization_losses",
+    "replica_value_specs",
+    "swap_compute_moments",
+    "symbolic_build",
+    "trainable_variable_keys",
+    "trainable_variables",
+    "variable_index",
+    "variable_key",
+]
+
+#: Private methods of Keras that classes of this package override, as
+#: ``(our class, the Keras class that defines the method, method, its parameters)``.
+#: Keras calls them itself (no public hook runs at that point); tests/test_compat.py
+#: checks that Keras still defines each with these parameters and that our class still
+#: overrides it.
+PRIVATE_OVERRIDES = (
+    # weight decay is delegated to the inner optimizer (Keras applies it before update_step)
+    ("keras_noisecurve.training.optimizer.DPOptimizer", "keras.optimizers.Optimizer",
+     "_apply_weight_decay", ("self", "variables")),
+    # once per step in cross-replica context, around the per-variable update_step calls
+    ("keras_noisecurve.training.optimizer.DPOptimizer", "keras.optimizers.Optimizer",
+     "_distributed_tf_update_step", ("self", "distribution", "grads_and_vars", "learning_rate")),
+    # the model is built from one batch under a tf.distribute strategy (a run's step index left out)
+    ("keras_noisecurve.training.dp_model.DPModel", "keras.Model",
+     "_symbolic_build", ("self", "iterator", "data_batch")),
+)
+
+
+# ------------------------------------------------------------------ Keras layers/models
+def flatten_layers(model, *, include_self: bool = True, recursive: bool = True):
+    """The layers of ``model`` (a Keras layer or model), depth first, as Keras tracks them
+    (``Layer._flatten_layers``: also layers held in attributes, lists and dicts)."""
+    return model._flatten_layers(include_self=include_self, recursive=recursive)
+
+
+def own_trainable_variables(layer) -> list:
+    """The trainable variables ``layer`` itself created (not its sublayers'): Keras's
+    ``Layer._trainable_variables`` (empty when the layer has none)."""
+    return getattr(layer, "_trainable_variables", [])
+
+
+def causal_padding(layer):
+    """The ``keras.ops.pad`` widths that make a ``Conv1D(padding="causal")`` a "valid"
+    convolution: ``[[0, 0], [(kernel_size − 1)·dilation_rate, 0], [0, 0]]`` for channels last."""
+    return layer._compute_causal_padding()
+
+
+def regularization_losses(model) -> list:
+    """The weight-regularization losses of ``model`` (kernel/bias regularizers), without
+    activity regularization: ``Layer._get_regularization_losses``."""
+    return model._get_regularization_losses()
+
+
+def compile_metrics(model):
+    """The ``CompileMetrics`` that ``compile(metrics=...)`` created (None before compile)."""
+    return model._compile_metrics
+
+
+def loss_tracker(model):
+    """The ``Mean`` metric behind the ``loss`` that ``fit`` reports (Trainer._loss_tracker)."""
+    return model._loss_tracker
+
+
+def symbolic_build(model, *, data_batch) -> None:
+    """Create ``model``'s, its metrics' and its optimizer's variables from the spec of one
+    batch, as ``fit`` does under a ``tf.distribute`` strategy (Trainer._symbolic_build)."""
+    model._symbolic_build(data_batch=data_batch)
+
+
+# ------------------------------------------------------------------------ optimizers
+def distribution_strategy(optimizer):
+    """The ``tf.distribute.Strategy`` ``optimizer`` was created under."""
+    return optimizer._distribution_strategy
+
+
+def current_learning_rate(optimizer):
+    """The learning rate of the current step: the schedule evaluated at ``iterations``, or
+    the learning-rate variable."""
+    return optimizer._get_current_learning_rate()
+
+
+def learning_rate_value(optimizer):
+    """What ``optimizer`` was given as learning rate, unevaluated: a ``LearningRateSchedule``,
+    a callable, or the learning-rate variable."""
+    return optimizer._learning_rate
+
+
+def optimizer_variables(optimizer) -> list:
+    """The optimizer's own variables (iterations, learning rate, slots), not an inner one's."""
+    return optimizer._variables
+
+
+def iterations_variable(optimizer):
+    """The step counter variable (``optimizer.iterations`` reads it; this one can be assigned)."""
+    return optimizer._iterations
+
+
+def variable_key(optimizer, variable):
+    """The key under which ``optimizer`` indexes ``variable`` (its slots, its index)."""
+    return optimizer._var_key(variable)
+
+
+def variable_index(optimizer, variable) -> int:
+    """The position of ``variable`` among the variables ``optimizer`` was built on."""
+    return optimizer._get_variable_index(variable)
+
+
+def trainable_variable_keys(optimizer):
+    """Keys (:func:`variable_key`) of the variables ``optimizer`` was built on."""
+    return optimizer._trainable_variables_indices
+
+
+def trainable_variables(optimizer) -> list:
+    """The variables ``optimizer`` was built on (``build(variables)``), in order."""
+    return optimizer._trainable_variables
+
+
+# ------------------------------------------------------------------- tf.distribute / XLA
+def replica_value_specs(spec):
+    """The per-replica specs of a ``PerReplicaSpec`` (None for any other spec)."""
+    return getattr(spec, "_value_specs", None)
+
+
+def in_xla_context() -> bool:
+    """Whether the graph being built is compiled by XLA (``jit_compile=True``); True when
+    TensorFlow's test is unavailable (the conservative answer for its callers)."""
+    import tensorflow as tf
+
+    try:
+        from tensorflow.python.ops import control_flow_util
+    except ImportError:  # pragma: no cover - a TensorFlow without the module
+        return True
+    if tf.executing_eagerly():
+        return False
+    return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
+
+
+# ------------------------------------------------------------------ Keras moments patch
+def keras_tf_nn_module():
+    """Keras's TensorFlow-backend ``nn`` module when it computes ``keras.ops.moments``
+    through a module-level ``_compute_moments`` (which can be swapped), else None."""
+    try:
+        from keras.src.backend.tensorflow import nn as tf_nn
+    except ImportError:  # pragma: no cover - other Keras layouts
+        return None
+    if not hasattr(tf_nn, "_compute_moments"):
+        return None
+    return tf_nn
+
+
+def swap_compute_moments(module, function):
+    """Make ``keras.ops.moments`` compute with ``function(x, axes, keepdims, synchronized)``
+    (module from :func:`keras_tf_nn_module`); returns the function it replaced."""
+    previous = module._compute_moments
+    module._compute_moments = function
+    return previous
+
+
+# ------------------------------------------------------------------------ dp-accounting
+def pld_pmfs(pld) -> list:
+    """The privacy-loss pmfs of a dp-accounting ``PrivacyLossDistribution``: ``[remove]``
+    when it is symmetric, else ``[remove, add]`` (dp-accounting has no public accessor)."""
+    return [pld._pmf_remove] if pld._symmetric else [pld._pmf_remove, pld._pmf_add]
+
+
+def dense_pmf_fields(pmf) -> tuple:
+    """``(discretization Δ, lower_loss L0, probs, infinity_mass)`` of a dp-accounting
+    ``DensePLDPmf``: ``probs[i]`` is the mass at privacy loss ``(L0 + i)·Δ``."""
+    return pmf._discretization, pmf._lower_loss, pmf._probs, pmf._infinity_mass
