@@ -12,7 +12,7 @@ Measures:
   objective name (``"dpsgd"``, ``"bandmf"``, ``"noisecurve"``, …) outside the registries
   that define them (``REGISTRY_MODULES``).
 - ``strategy_isinstance``: ``isinstance``/``issubclass`` on a strategy class outside the
-  modules that define strategy classes.
+  modules that define strategy classes and their registries.
 - ``private_names``: uses of a private name of Keras, TensorFlow or dp-accounting outside
   ``keras_noisecurve/_compat.py``: imports of ``keras.src``/``tensorflow.python``/
   ``tensorflow.core``/a private ``dp_accounting`` module; reads of ``obj._name`` (also through
@@ -130,8 +130,8 @@ def strategy_isinstance() -> list[str]:
     out = []
     for path, tree in _trees():
         defined = {n.name for n in ast.walk(tree) if isinstance(n, ast.ClassDef)}
-        if defined & STRATEGY_CLASSES:
-            continue  # a module that defines strategy classes
+        if defined & STRATEGY_CLASSES or _matches(_rel(path), REGISTRY_MODULES):
+            continue  # a module that defines strategy classes, or their registry
         for node in ast.walk(tree):
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
                     and node.func.id in ("isinstance", "issubclass") and len(node.args) == 2):

@@ -34,6 +34,7 @@ import scipy.signal
 
 from keras_noisecurve._validation import check_choice, check_float, check_int
 from keras_noisecurve.mixing.kernels import binomial_coefficients, library_version
+from keras_noisecurve.mixing.objectives import get_objective
 from keras_noisecurve.mixing.strategies_toeplitz import ToeplitzMixing
 from keras_noisecurve.mixing.toeplitz_loss import (
     LFILTER_MAX_SUPPORT,
@@ -251,9 +252,10 @@ def solve_toeplitz(*, steps, bands, objective="bandmf", spectrum=None, learning_
                                                learning_rate=learning_rate, blend_weight=blend_weight)
     t_start = time.perf_counter()
     bandmf_x, bandmf_stats = _solve_bandmf(steps, bands, tol=tol, max_iterations=max_iterations, verbose=verbose)
-    if objective == "bandmf" or (objective == "noisecurve-blend" and workload.blend_weight == 1.0):
+    chosen = get_objective(objective)
+    if chosen.reduces_to_bandmf(workload.blend_weight):
         x, stats = bandmf_x, bandmf_stats
-        if objective != "bandmf":
+        if chosen.blend:
             stats = dict(stats, message="blend_weight=1 is the bandmf workload up to scale: " + stats["message"])
     else:
         x, stats = _minimise(workload, bandmf_x, tol=tol, max_iterations=max_iterations, verbose=verbose,
