@@ -73,6 +73,175 @@ def _trees():
         yield path, ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
 
 
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted((ROOT / PACKAGE).rglob("*.py"))}
+
+
+def _resolve(name: str, known) -> str | None:
+    """The longest known module that ``name`` is or lies in (``a.b.attr`` -> ``a.b``)."""
+    parts = name.split(".")
+    while parts:
+        candidate = ".".join(parts)
+        if candidate in known:
+            return candidate
+        parts.pop()
+    return None
+
+
+def _is_package(module: str, modules) -> bool:
+    return modules[module].name == "__init__.py"
+
+
+def imports(module: str, modules) -> set[str]:
+    """The keras_noisecurve modules that ``module`` imports anywhere in its source."""
+    tree = ast.parse(modules[module].read_text(encoding="utf-8"), filename=str(modules[module]))
+    package = module if _is_package(module, modules) else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == PACKAGE:
+                    found.add(_resolve(alias.name, modules))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base_parts = package.split(".")
+                base_parts = base_parts[: len(base_parts) - (node.level - 1)]
+                base = ".".join(base_parts + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            if base.split(".")[0] != PACKAGE:
+                continue
+            for alias in node.names:
+                submodule = f"{base}.{alias.name}"
+                found.add(submodule if submodule in modules else _resolve(base, modules))
+        elif isinstance(node, ast.Call) and node.args:
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+            first = node.args[0]
+            if (
+                name == "import_module"
+                and isinstance(first, ast.Constant)
+                and isinstance(first.value, str)
+                and first.value.split(".")[0] == PACKAGE
+            ):
+                found.add(_resolve(first.value, modules))
+    found.discard(None)
+    found.discard(module)
+    return found
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle per strongly connected component with more than one module (Tarjan)."""
+    index, low, stack, on_stack, components = {}, {}, [], set(), []
+    counter = [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                components.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+
+    return [_cycle_through(component[0], graph, set(component)) for component in components]
+
+
+def _cycle_through(start: str, graph, members) -> list[str]:
+    """A shortest import chain start -> ... -> start inside one strongly connected component."""
+    parents, queue = {start: None}, [start]
+    for v in queue:  # breadth first; the component guarantees a way back to start
+        for w in sorted(graph[v] & members):
+            if w == start:
+                path = [v]
+                while parents[path[-1]] is not None:
+                    path.append(parents[path[-1]])
+                return list(reversed(path)) + [start]
+            if w not in parents:
+                parents[w] = v
+                queue.append(w)
+    raise AssertionError(f"{start} is in a cycle but no path back was found")
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the package modules it imports (anywhere in its source)."""
+    found = modules()
+    return {m: imports(m, found) for m in found}
+
+
+#: The layers of the package, bottom to top: a package may import only packages of its own
+#: or a lower layer (``_validation``, ``_npz``, ``_quiet``, ``_losses``, ``_compat`` and the
+#: package root are shared helpers, importable from everywhere).
+LAYERS = (
+    ("spectrum",),
+    ("mixing",),
+    ("privacy",),
+    ("training",),
+    ("audit", "integrations", "callbacks"),
+    ("apps",),
+)
+
+
+def package_of(module: str) -> str:
+    """``keras_noisecurve.mixing.matrix`` -> ``mixing``; top-level helpers -> their own name."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def package_graph() -> dict[str, set[str]]:
+    """package -> the other packages its modules import (helpers and the root left out)."""
+    layer_of = {name: i for i, layer in enumerate(LAYERS) for name in layer}
+    graph: dict[str, set[str]] = {name: set() for name in layer_of}
+    for module, targets in import_graph().items():
+        source = package_of(module)
+        if source not in layer_of:
+            continue
+        for target in targets:
+            other = package_of(target)
+            if other in layer_of and other != source:
+                graph[source].add(other)
+    return graph
+
+
+def layer_violations() -> list[str]:
+    """Imports from a package to one of a higher layer, or sideways within a layer."""
+    layer_of = {name: i for i, layer in enumerate(LAYERS) for name in layer}
+    out = []
+    for module, targets in sorted(import_graph().items()):
+        source = package_of(module)
+        if source not in layer_of:
+            continue
+        for target in sorted(targets):
+            other = package_of(target)
+            if other in layer_of and other != source and layer_of[other] >= layer_of[source]:
+                out.append(f"{module} imports {target} ({other} is not below {source})")
+    return out
+
+
 def long_modules(max_lines: int = MAX_LINES) -> list[str]:
     out = []
     for path in package_files():
@@ -268,6 +437,7 @@ def largest_modules(count: int = 5) -> list[str]:
 
 
 MEASURES = {
+    "layer_violations": layer_violations,
     "long_modules": long_modules,
     "kind_comparisons": kind_comparisons,
     "strategy_isinstance": strategy_isinstance,

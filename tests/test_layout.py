@@ -16,125 +16,9 @@
 
 from __future__ import annotations
 
-import ast
-from pathlib import Path
+from tests import layout_rules
+from tests.layout_rules import PACKAGE, ROOT, cycles as _cycles, imports as _imports, modules as _modules
 
-ROOT = Path(__file__).resolve().parents[1]
-PACKAGE = "keras_noisecurve"
-
-
-def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
-
-
-def _modules() -> dict[str, Path]:
-    return {_module_name(p): p for p in sorted((ROOT / PACKAGE).rglob("*.py"))}
-
-
-def _resolve(name: str, known) -> str | None:
-    """The longest known module that ``name`` is or lies in (``a.b.attr`` -> ``a.b``)."""
-    parts = name.split(".")
-    while parts:
-        candidate = ".".join(parts)
-        if candidate in known:
-            return candidate
-        parts.pop()
-    return None
-
-
-def _is_package(module: str, modules) -> bool:
-    return modules[module].name == "__init__.py"
-
-
-def _imports(module: str, modules) -> set[str]:
-    """The keras_noisecurve modules that ``module`` imports anywhere in its source."""
-    tree = ast.parse(modules[module].read_text(encoding="utf-8"), filename=str(modules[module]))
-    package = module if _is_package(module, modules) else module.rpartition(".")[0]
-    found = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            for alias in node.names:
-                if alias.name.split(".")[0] == PACKAGE:
-                    found.add(_resolve(alias.name, modules))
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base_parts = package.split(".")
-                base_parts = base_parts[: len(base_parts) - (node.level - 1)]
-                base = ".".join(base_parts + ([node.module] if node.module else []))
-            else:
-                base = node.module or ""
-            if base.split(".")[0] != PACKAGE:
-                continue
-            for alias in node.names:
-                submodule = f"{base}.{alias.name}"
-                found.add(submodule if submodule in modules else _resolve(base, modules))
-        elif isinstance(node, ast.Call) and node.args:
-            func = node.func
-            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
-            first = node.args[0]
-            if (
-                name == "import_module"
-                and isinstance(first, ast.Constant)
-                and isinstance(first.value, str)
-                and first.value.split(".")[0] == PACKAGE
-            ):
-                found.add(_resolve(first.value, modules))
-    found.discard(None)
-    found.discard(module)
-    return found
-
-
-def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """One cycle per strongly connected component with more than one module (Tarjan)."""
-    index, low, stack, on_stack, components = {}, {}, [], set(), []
-    counter = [0]
-
-    def visit(v):
-        index[v] = low[v] = counter[0]
-        counter[0] += 1
-        stack.append(v)
-        on_stack.add(v)
-        for w in sorted(graph[v]):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on_stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            component = []
-            while True:
-                w = stack.pop()
-                on_stack.discard(w)
-                component.append(w)
-                if w == v:
-                    break
-            if len(component) > 1:
-                components.append(sorted(component))
-
-    for v in sorted(graph):
-        if v not in index:
-            visit(v)
-
-    return [_cycle_through(component[0], graph, set(component)) for component in components]
-
-
-def _cycle_through(start: str, graph, members) -> list[str]:
-    """A shortest import chain start -> ... -> start inside one strongly connected component."""
-    parents, queue = {start: None}, [start]
-    for v in queue:  # breadth first; the component guarantees a way back to start
-        for w in sorted(graph[v] & members):
-            if w == start:
-                path = [v]
-                while parents[path[-1]] is not None:
-                    path.append(parents[path[-1]])
-                return list(reversed(path)) + [start]
-            if w not in parents:
-                parents[w] = v
-                queue.append(w)
-    raise AssertionError(f"{start} is in a cycle but no path back was found")
 
 
 def test_import_graph_is_built_from_every_module():
@@ -170,3 +54,87 @@ def test_nothing_cites_the_internal_design_brief():
             if "DESIGN.md" in line or "../shared" in line or "/work/shared" in line:
                 offenders.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
     assert not offenders, "the repository must not cite the internal design brief:\n" + "\n".join(offenders)
+
+
+# --------------------------------------------------------------- the house rules
+# Measured by tests/layout_rules.py (run it to print the counts and every offender).
+
+
+
+def _report(title, found):
+    return f"{title}:\n" + "\n".join(f"  {line}" for line in found)
+
+
+def test_no_module_is_over_600_lines():
+    found = layout_rules.long_modules()
+    assert not found, _report(f"modules over {layout_rules.MAX_LINES} lines (split them by job)", found)
+
+
+def test_kinds_and_objectives_are_compared_only_in_their_registries():
+    found = layout_rules.kind_comparisons()
+    assert not found, _report(
+        "strategy kinds / objective names compared outside their registries (ask the strategy or "
+        "objective object instead)", found)
+
+
+def test_no_isinstance_on_strategy_classes_outside_their_modules():
+    found = layout_rules.strategy_isinstance()
+    assert not found, _report("isinstance on strategy classes (use the strategy's own attributes)", found)
+
+
+def test_private_third_party_names_only_in_compat():
+    found = layout_rules.private_names()
+    assert not found, _report(
+        "private names of Keras / TensorFlow / dp-accounting outside keras_noisecurve/_compat.py", found)
+
+
+def test_packages_import_only_lower_layers():
+    found = layout_rules.layer_violations()
+    assert not found, _report("imports against the layers (tests/layout_rules.py LAYERS)", found)
+
+
+def _documented_graph() -> dict[str, set[str]]:
+    text = (ROOT / "docs" / "design.md").read_text(encoding="utf-8")
+    block = text.split("<!-- import-graph -->", 2)
+    assert len(block) == 3, "docs/design.md must hold the package graph between two <!-- import-graph --> markers"
+    graph = {}
+    for line in block[1].splitlines():
+        if "->" in line:
+            source, _, targets = line.partition("->")
+            graph[source.strip()] = {t.strip() for t in targets.split(",") if t.strip() and t.strip() != "(nothing)"}
+    return graph
+
+
+def test_the_documented_import_graph_is_the_code_s():
+    assert _documented_graph() == layout_rules.package_graph(), (
+        "docs/design.md's import graph is stale; the code's is:\n"
+        + "\n".join(f"{k} -> {', '.join(sorted(v)) or '(nothing)'}" for k, v in layout_rules.package_graph().items()))
+
+
+def test_the_measures_see_what_they_claim(tmp_path, monkeypatch):
+    """Each measure flags a planted offender (so a rule cannot pass by measuring nothing)."""
+    package = tmp_path / layout_rules.PACKAGE
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "bad.py").write_text(
+        "import keras\n"
+        "from keras.src.backend import tensorflow\n"
+        "def f(mixing, x):\n"
+        "    if mixing.kind == 'blt':\n"
+        "        return isinstance(x, BLTMixing)\n"
+        "    return x._private_thing\n"
+        "class O(keras.optimizers.Optimizer):\n"
+        "    def _hook(self):\n"
+        "        return super()._hook()\n"
+        + "\n" * 600
+    )
+    (package / "_compat.py").write_text("def g(x):\n    return x._allowed_here\n")
+    monkeypatch.setattr(layout_rules, "ROOT", tmp_path)
+    assert layout_rules.long_modules() == ["bad.py: 609 lines"]
+    assert [line.split(": ", 1)[0] for line in layout_rules.kind_comparisons()] == ["bad.py:4"]
+    assert [line.split(": ", 1)[0] for line in layout_rules.strategy_isinstance()] == ["bad.py:5"]
+    private = layout_rules.private_names()
+    assert any("keras.src" in line for line in private), private
+    assert any("._private_thing" in line for line in private), private
+    assert any("overrides O._hook" in line for line in private), private
+    assert not any("_allowed_here" in line for line in private), private
