@@ -36,11 +36,11 @@ _EXPORTS = {
     "compute_epsilon": "keras_noisecurve.privacy",
     "calibrate_noise_multiplier": "keras_noisecurve.privacy",
     "PrivateRun": "keras_noisecurve.privacy.run",
+    "RunData": "keras_noisecurve.privacy.run_data",
     # TensorFlow / Keras parts
     "banded_poisson_dataset": "keras_noisecurve.privacy.sampler",
     "Spectrum": "keras_noisecurve.spectrum.artifact",
     "estimate_spectrum": "keras_noisecurve.spectrum",
-    "DPOptimizer": "keras_noisecurve.training",
     "NoiseCurveOptimizer": "keras_noisecurve.training",
     "DPModel": "keras_noisecurve.training",
     "make_private": "keras_noisecurve.training",

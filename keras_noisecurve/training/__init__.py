@@ -1,8 +1,9 @@
 """Private training in Keras 3 (TensorFlow backend).
 
-- :class:`NoiseCurveOptimizer` (and its base :class:`DPOptimizer`, C = I without a
-  step plan): the noisy SGD step from a clipped sum (``optimizer.py``), with the
-  online banded noise of ``noise.py``.
+- :class:`NoiseCurveOptimizer`: the noisy SGD step from a clipped sum for every
+  mixing strategy, C = I (DP-SGD) by default (``optimizer.py``; its argument checks in
+  ``optimizer_args.py``, its update-rule warning in ``update_rule_check.py``), with the
+  online noise of ``noise.py``.
 - :class:`DPModel` / :func:`make_private`: per-example clipping in ``train_step``
   (``dp_model.py``) through a clipping engine: ``clipping.py`` (vectorized engine and
   the registry), ``ghost.py`` (ghost norms, rules in ``ghost_layers.py``), both
@@ -19,14 +20,13 @@ from keras_noisecurve.training.clipping import ClippedSum, get_engine, vectorize
 from keras_noisecurve.training.distributed import fit_distributed
 from keras_noisecurve.training.dp_model import DPModel, PrivateModel, make_private
 from keras_noisecurve.training.noise import BandedNoise
-from keras_noisecurve.training.optimizer import DPOptimizer, NoiseCurveOptimizer
+from keras_noisecurve.training.optimizer import NoiseCurveOptimizer
 from keras_noisecurve.training.schedules import LinearCooldown, MultiplierSchedule, learning_rate_schedule
 
 __all__ = [
     "BandedNoise",
     "ClippedSum",
     "DPModel",
-    "DPOptimizer",
     "LinearCooldown",
     "MultiplierSchedule",
     "NoiseCurveOptimizer",
