@@ -42,7 +42,6 @@ _EXPORTS = {
     "Spectrum": "keras_noisecurve.spectrum.artifact",
     "estimate_spectrum": "keras_noisecurve.spectrum",
     "NoiseCurveOptimizer": "keras_noisecurve.training",
-    "DPModel": "keras_noisecurve.training",
     "make_private": "keras_noisecurve.training",
     "replace_batch_normalization": "keras_noisecurve.training",
     "fit_distributed": "keras_noisecurve.training",

@@ -193,11 +193,11 @@ def _optimizer_fingerprint(optimizer) -> int:
 
 # --------------------------------------------------------------------- the loop
 def _validate_model(model, strategy):
-    from keras_noisecurve.training.dp_model import _PrivateTraining
+    from keras_noisecurve.training.dp_model import PrivateModel
 
-    if not isinstance(model, keras.Model) or not isinstance(model, _PrivateTraining):
+    if not isinstance(model, PrivateModel):
         raise TypeError(
-            "model must be a private model (keras_noisecurve.make_private(model) or a DPModel) compiled with a "
+            "model must be a private model (keras_noisecurve.make_private(model)) compiled with a "
             f"NoiseCurveOptimizer; got {model!r} ({type(model).__name__})."
         )
     optimizer = getattr(model, "optimizer", None)
@@ -374,7 +374,7 @@ def fit_distributed(
       from 0), e.g. ``(x, y, mask)`` rows of ``banded_poisson_dataset``.
 
     Args:
-      model: a private model (``make_private(...)`` or ``DPModel``) created and compiled
+      model: a private model (``make_private(...)``) created and compiled
         with a ``NoiseCurveOptimizer`` inside ``strategy.scope()``. It is built here (from the
         batch spec, as ``fit`` does) if it is not yet.
       data: the examples x (with ``run``), else ``dataset_fn``.

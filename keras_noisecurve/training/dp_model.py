@@ -1,5 +1,5 @@
-"""``DPModel``: a Keras model whose ``train_step`` clips per example, and
-``make_private`` to wrap any model.
+"""``make_private``: wrap any Keras model in a ``PrivateModel``, whose ``train_step``
+clips per example.
 
 One training step (docs/design.md#update-rule):
 
@@ -28,7 +28,7 @@ from keras_noisecurve.training.clipping import (
 )
 from keras_noisecurve.training.optimizer import NoiseCurveOptimizer
 
-__all__ = ["DPModel", "PrivateModel", "make_private"]
+__all__ = ["PrivateModel", "make_private"]
 
 _PACKAGE = "keras_noisecurve"
 
@@ -190,12 +190,61 @@ class _RefuseBadSteps(keras.callbacks.Callback):
             raise RuntimeError(_refusal_message(state, self._loss_scale))
 
 
-class _PrivateTraining:
-    """The private ``train_step`` and ``compile`` shared by ``DPModel`` and ``PrivateModel``.
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class PrivateModel(keras.Model):
+    """A private model wrapping an existing model (what :func:`make_private` returns):
+    ``fit`` clips per example and the ``NoiseCurveOptimizer`` adds the noise.
 
-    (A mixin rather than a base class: Keras turns ``DPModel`` into a ``Functional``
-    subclass when it is built from inputs/outputs, which must not affect ``PrivateModel``.)
+    Args:
+      model: any Keras model (Sequential, functional or subclassed). Its weights
+        are shared, not copied.
+      clipping: the clipping engine: ``"auto"`` (ghost-norm clipping when
+        ``keras_noisecurve.training.ghost`` supports the model, else vectorized),
+        ``"vectorized"`` or ``"ghost"``.
+      microbatch_size: evaluate per-example gradients in chunks of this many
+        examples to bound memory (``None``: the whole batch at once).
+
+    ``compile`` requires a ``NoiseCurveOptimizer`` and a single loss; BatchNormalization
+    layers and activity regularizers are refused. The logged ``loss`` is
+    Σ_i w_i·loss_i / Σ_i w_i over the batch (mask-weighted, without the regularisation
+    term).
     """
+
+    def __init__(self, model, clipping="auto", microbatch_size=None, **kwargs):
+        super().__init__(**kwargs)
+        self._dp_setup(clipping, microbatch_size)
+        if not isinstance(model, keras.Model):
+            raise ValueError(f"model must be a keras.Model, got {type(model).__name__}.")
+        self.inner = model
+        check_model_is_clippable(model)
+        if model.built:  # nothing to create: the wrapper owns no weights of its own
+            self.built = True
+
+    def call(self, inputs, training=None):
+        return self.inner(inputs, training=training)
+
+    def build(self, input_shape=None):
+        if not self.inner.built and input_shape is not None:
+            if type(self.inner).build is not keras.Model.build:
+                self.inner.build(input_shape)
+            else:  # a subclassed model without build(): create its weights by a call
+                shape = [1 if d is None else d for d in input_shape]
+                self.inner(tf.zeros(shape))
+        self.built = True
+
+    def get_config(self):
+        return {
+            "name": self.name,
+            "model": keras.saving.serialize_keras_object(self.inner),
+            "clipping": self._dp_clipping,
+            "microbatch_size": self._dp_microbatch_size,
+        }
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        model = keras.saving.deserialize_keras_object(config.pop("model"), custom_objects=custom_objects)
+        return cls(model, **config)
 
     def _dp_setup(self, clipping, microbatch_size):
         self._dp_clipping = check_choice("clipping", clipping, ENGINES)
@@ -250,7 +299,7 @@ class _PrivateTraining:
             )
         kwargs.setdefault("jit_compile", False)
         if kwargs.get("loss_weights") is not None:
-            raise ValueError("loss_weights are not supported by DPModel (single loss only).")
+            raise ValueError("loss_weights are not supported by private models (single loss only).")
         self._dp_loss_fn = per_example_loss_fn(loss)
         self._dp_loss_scale = _loss_scale(self, loss_scale, auto_scale_loss)
         check_model_is_clippable(self)
@@ -456,89 +505,12 @@ def _train_loss(loss_fn, scale):
     return loss
 
 
-@keras.saving.register_keras_serializable(package=_PACKAGE)
-class DPModel(_PrivateTraining, keras.Model):
-    """A ``keras.Model`` trained with per-example clipping and a ``NoiseCurveOptimizer``.
-
-    Use it as a functional model, ``DPModel(inputs, outputs, clipping="auto")``, or
-    wrap any model with :func:`make_private`.
-
-    Args:
-      clipping: the clipping engine: ``"auto"`` (ghost-norm clipping when
-        ``keras_noisecurve.training.ghost`` supports the model, else vectorized),
-        ``"vectorized"`` or ``"ghost"``.
-      microbatch_size: evaluate per-example gradients in chunks of this many
-        examples to bound memory (``None``: the whole batch at once).
-      *args, **kwargs: as ``keras.Model``.
-
-    ``compile`` requires a ``NoiseCurveOptimizer`` and a single loss; BatchNormalization layers and activity regularizers are refused.
-    The logged ``loss`` is Σ_i w_i·loss_i / Σ_i w_i over the batch (mask-weighted,
-    without the regularisation term).
-    """
-
-    def __init__(self, *args, clipping="auto", microbatch_size=None, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._dp_setup(clipping, microbatch_size)
-
-    def get_config(self):
-        config = super().get_config()
-        config.update({"clipping": self._dp_clipping, "microbatch_size": self._dp_microbatch_size})
-        return config
-
-
-@keras.saving.register_keras_serializable(package=_PACKAGE)
-class PrivateModel(_PrivateTraining, keras.Model):
-    """A private model wrapping an existing model (what :func:`make_private` returns).
-
-    Args:
-      model: any Keras model (Sequential, functional or subclassed). Its weights
-        are shared, not copied.
-      clipping, microbatch_size: as ``DPModel``.
-    """
-
-    def __init__(self, model, clipping="auto", microbatch_size=None, **kwargs):
-        super().__init__(**kwargs)
-        self._dp_setup(clipping, microbatch_size)
-        if not isinstance(model, keras.Model):
-            raise ValueError(f"model must be a keras.Model, got {type(model).__name__}.")
-        self.inner = model
-        check_model_is_clippable(model)
-        if model.built:  # nothing to create: the wrapper owns no weights of its own
-            self.built = True
-
-    def call(self, inputs, training=None):
-        return self.inner(inputs, training=training)
-
-    def build(self, input_shape=None):
-        if not self.inner.built and input_shape is not None:
-            if type(self.inner).build is not keras.Model.build:
-                self.inner.build(input_shape)
-            else:  # a subclassed model without build(): create its weights by a call
-                shape = [1 if d is None else d for d in input_shape]
-                self.inner(tf.zeros(shape))
-        self.built = True
-
-    def get_config(self):
-        return {
-            "name": self.name,
-            "model": keras.saving.serialize_keras_object(self.inner),
-            "clipping": self._dp_clipping,
-            "microbatch_size": self._dp_microbatch_size,
-        }
-
-    @classmethod
-    def from_config(cls, config, custom_objects=None):
-        config = dict(config)
-        model = keras.saving.deserialize_keras_object(config.pop("model"), custom_objects=custom_objects)
-        return cls(model, **config)
-
-
 def make_private(model, *, clipping="auto", microbatch_size=None) -> PrivateModel:
     """Wrap ``model`` so that ``fit`` clips per example and adds calibrated noise.
 
     Args:
       model: a Keras model (Sequential, functional or subclassed), TF backend.
-      clipping: ``"auto"``, ``"vectorized"`` or ``"ghost"`` (see ``DPModel``).
+      clipping: ``"auto"``, ``"vectorized"`` or ``"ghost"`` (see ``PrivateModel``).
       microbatch_size: chunk size for per-example gradients, or ``None``.
 
     Returns:

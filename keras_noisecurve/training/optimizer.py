@@ -349,7 +349,7 @@ class NoiseCurveOptimizer(keras.optimizers.Optimizer):
                 f"{type(self).__name__} only accepts per-example CLIPPED gradient sums, through "
                 "apply_clipped_sum(). A plain keras.Model compiled with it would feed it the "
                 "unclipped mean gradient and break differential privacy: wrap the model with "
-                "keras_noisecurve.make_private(model) (or build a keras_noisecurve.DPModel) before "
+                "keras_noisecurve.make_private(model) before "
                 "compile(), or call a clipping engine and optimizer.apply_clipped_sum() yourself."
             )
         inner = self.inner

@@ -1,11 +1,11 @@
-"""DPModel / make_private: model kinds, sample weights, metrics, refusals, save/load."""
+"""make_private: model kinds, sample weights, metrics, refusals, save/load."""
 
 import keras
 import numpy as np
 import pytest
 
 from keras_noisecurve.mixing import MixingMatrix
-from keras_noisecurve.training import DPModel, NoiseCurveOptimizer, PrivateModel, make_private
+from keras_noisecurve.training import NoiseCurveOptimizer, PrivateModel, make_private
 
 B = 8
 
@@ -41,7 +41,7 @@ def _sequential():
 def _functional_dp():
     inp = keras.Input((4,))
     out = keras.layers.Dense(2)(keras.layers.Dense(4, activation="relu")(inp))
-    return DPModel(inp, out, clipping="vectorized")
+    return make_private(keras.Model(inp, out), clipping="vectorized")
 
 
 @pytest.mark.parametrize("kind", ["sequential", "functional", "subclassed"])

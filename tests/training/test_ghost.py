@@ -421,7 +421,7 @@ def test_paper_cnn_with_its_groupnorm_layer():
     check_model(model, rng.normal(size=(P, 8, 8, 3)), rng.integers(0, 3, size=(P,)), loss_fn=loss)
 
 
-# ---------------------------------------------------------- DPModel integration
+# ---------------------------------------------------------- make_private integration
 
 
 def test_make_private_fit_with_ghost_takes_the_clipped_sgd_step():

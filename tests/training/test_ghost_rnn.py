@@ -241,7 +241,7 @@ def test_unknown_batch_and_sequence_length_in_tf_function():
     assert step.experimental_get_tracing_count() == 1
 
 
-# ---------------------------------------------------------- DPModel integration
+# ---------------------------------------------------------- make_private integration
 
 
 def test_make_private_fit_lstm_classifier_takes_the_clipped_sgd_step():

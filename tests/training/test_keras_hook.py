@@ -90,4 +90,4 @@ def test_keras_still_builds_through_symbolic_build_with_the_signature_we_overrid
     assert keras_hook is not None, f"keras {keras.__version__} has no Model._symbolic_build"
     expected = ["self", "iterator", "data_batch"]
     assert list(inspect.signature(keras_hook).parameters) == expected
-    assert list(inspect.signature(dp_model._PrivateTraining._symbolic_build).parameters) == expected
+    assert list(inspect.signature(dp_model.PrivateModel._symbolic_build).parameters) == expected

@@ -72,7 +72,7 @@ def test_noise_law_covariance(kind):
 
 
 def test_dpsgd_step_equals_textbook_by_hand():
-    """mixing='dpsgd' through DPModel.fit equals w − η(Σ clip(g_i) + ζσ z)/B computed by hand."""
+    """mixing='dpsgd' through a private model's fit equals w − η(Σ clip(g_i) + ζσ z)/B computed by hand."""
     keras.utils.set_random_seed(1)
     base = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
     w0 = [w.numpy() for w in base.trainable_variables]
