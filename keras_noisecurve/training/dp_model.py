@@ -90,7 +90,8 @@ def _check_run_data(planned, run, x):
     if run is None:
         hint = ""
         if isinstance(x, tf.data.Dataset):
-            hint = " (the batches of run.dataset(x, y).batches(optimizer) are for custom loops: give fit run.dataset(x, y) itself)"
+            hint = (" (the batches of run.dataset(x, y).batches(optimizer) are for custom loops: give fit "
+                    "run.dataset(x, y) itself)")
         raise ValueError(_not_the_plan(planned) + f" Got {type(x).__name__}{hint}.")
     if not planned.same_plan(run):
         raise ValueError(
