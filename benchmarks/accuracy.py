@@ -26,7 +26,7 @@ Protocol (paper §5 and App. A, scaled to a 2-core CPU):
   paired: seed s gives every method the same batches and the same raw noise z
   (only C⁻¹ differs), which is what makes a paired test meaningful.
 
-Training loop: the update of ``keras_noisecurve.DPOptimizer`` / ``NoiseCurveOptimizer``
+Training loop: the update of ``keras_noisecurve.NoiseCurveOptimizer``
 written in numpy for speed (``_accuracy_train.py``) — per-example gradients of these
 models are outer products, so clipping costs O(B·(d + k)):
 

@@ -1,7 +1,7 @@
 """The NoiseCurve optimizer without ``fit``: a custom training loop, then the same loop on 2 devices.
 
 Part 1 writes the private step by hand — per-example clipping engine, regulariser,
-``optimizer.apply_clipped_sum`` — exactly what ``DPModel.train_step`` does.
+``optimizer.apply_clipped_sum`` — exactly what ``a private model's ``train_step```` does.
 Part 2 runs the same loop under ``tf.distribute.MirroredStrategy`` on two devices
 (two logical CPU devices if the machine has no accelerators): each replica clips
 its share of the global batch, the clipped sums are all-reduced, the correlated
@@ -47,7 +47,7 @@ def build(seed):
 
 
 def private_step_fn(model, optimizer, loss, batch_size):
-    """The private train step of DPModel, written out (docs/training.md, "Custom training loops")."""
+    """The private train step of make_private, written out (docs/training.md, "Custom training loops")."""
     from keras_noisecurve.training.clipping import add_regularization, get_engine, per_example_loss_fn
 
     engine = get_engine("vectorized")

@@ -232,7 +232,7 @@ def test_python_accounting_numbers():
 
 def test_python_optimizer_has_no_silent_defaults(files):
     pytest.importorskip("tensorflow")
-    from keras_noisecurve.training import DPOptimizer, NoiseCurveOptimizer
+    from keras_noisecurve.training import NoiseCurveOptimizer
 
     bandmf = load_mixing(files["good"])
     assert bandmf.metadata.get("learning_rate") is None  # what the docs' C.metadata["learning_rate"] gives
@@ -240,7 +240,7 @@ def test_python_optimizer_has_no_silent_defaults(files):
                                                 noise_multiplier=1.0, expected_batch_size=4), "learning_rate")
     _one_line_error(lambda: NoiseCurveOptimizer(learning_rate=0.1, mixing=bandmf, expected_batch_size=4),
                     "noise_multiplier")
-    _one_line_error(lambda: DPOptimizer(learning_rate=0.1, expected_batch_size=4), "noise_multiplier")
+    _one_line_error(lambda: NoiseCurveOptimizer(learning_rate=0.1, expected_batch_size=4), "noise_multiplier")
     _one_line_error(lambda: NoiseCurveOptimizer(learning_rate=0.1, mixing=files["truncated"], noise_multiplier=1.0,
                                                 expected_batch_size=4), files["truncated"])
     _one_line_error(lambda: NoiseCurveOptimizer(learning_rate=-0.1, noise_multiplier=1.0, expected_batch_size=4),

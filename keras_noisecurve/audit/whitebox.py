@@ -203,7 +203,7 @@ def audit_whitebox(
       mixing: a mixing strategy with at least T steps, instead of ``strategy``.
       optimizer_factory: ``f(run=, learning_rate=, l2_norm_clip=, seed=)`` returning the
         optimizer (default ``NoiseCurveOptimizer``); dataset_factory: ``f(run, x, y)``
-        returning the training dataset (default ``run.dataset(x, y)``); model_hook:
+        returning what ``fit`` trains on (default ``run.dataset(x, y)``, a ``RunData``); model_hook:
         ``f(private_model)`` called after ``compile`` (and after the reload of a resumed
         run). For tests of broken variants.
       resume_at: stop ``fit`` after this many steps, save the private model to a

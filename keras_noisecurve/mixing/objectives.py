@@ -74,6 +74,7 @@ class Objective:
     toeplitz = False  # the Toeplitz-family solvers take it (``toeplitz_workload``)
     blend = False  # needs a blend weight λ
     plain_sgd_only = False  # derived for plain constant-rate SGD only
+    any_update_rule = False  # its C is optimal whatever update rule the optimizer runs
 
     def __repr__(self):
         return f"<objective {self.name!r}>"
@@ -171,6 +172,7 @@ class DPSGD(Objective):
 
     name = "dpsgd"
     loss_scale = "total per-step noise variance (sigma = 1)"
+    any_update_rule = True  # C = I is optimal for no update rule in particular
 
     def check_bands(self, bands):
         if bands != 1:

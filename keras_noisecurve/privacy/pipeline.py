@@ -5,11 +5,11 @@ indices and mask (a ``tf.numpy_function``, O(P) work), gathers only those exampl
 the source (``keras_noisecurve.privacy.sources``) and yields ``(x, y, mask, step)``.
 
 Where the sequence starts is decided when the dataset is ITERATED, not when it is
-built: a ``tf.py_function`` reads ``(step, key)`` from the optimizer the run is bound
-to. So a model restored by ``BackupAndRestore``, ``load_model`` or
-``tf.train.Checkpoint`` continues with batch k of the same plan when its optimizer
-stands at step k, with the saved key, and the same dataset object serves a fresh run
-and a resumed one.
+built: a ``tf.py_function`` calls ``position()`` (``optimizer.sampling_position`` of
+the optimizer made from the run, :meth:`RunData.batches`). So a model restored by
+``BackupAndRestore``, ``load_model`` or ``tf.train.Checkpoint`` continues with batch k
+of the same plan when its optimizer stands at step k, with the saved key, and the
+same dataset object serves a fresh run and a resumed one.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import numpy as np
 import tensorflow as tf
 
 from keras_noisecurve.privacy.sampler import truncation_warning
-from keras_noisecurve.privacy.sources import as_source
 
 __all__ = ["plan_dataset", "replicas_in_sync"]
 
@@ -62,14 +61,9 @@ class _Samplers:
         return indices, mask.astype(np.float32)
 
 
-def plan_dataset(run, x, y=None, *, sample_weight=None, example_fn=None, input_context=None):
-    """``run.dataset(...)``; see :meth:`PrivateRun.dataset` for the arguments and elements."""
-    source = as_source(x, y, sample_weight=sample_weight, example_fn=example_fn)
-    if source.num_examples != run.num_examples:
-        raise ValueError(
-            f"the data has {source.num_examples} examples but the run was planned for num_examples="
-            f"{run.num_examples}: the sampling probability and the privacy guarantee assume n examples."
-        )
+def plan_dataset(run, source, *, position, input_context=None):
+    """``RunData.batches(...)``; see :meth:`RunData.batches` for the elements. ``source``:
+    the run's ``ExampleSource``; ``position()``: ``(step, key)`` where iteration starts."""
     if input_context is None:
         replicas, pipelines, pipeline_id = replicas_in_sync(), 1, 0
     else:
@@ -86,7 +80,7 @@ def plan_dataset(run, x, y=None, *, sample_weight=None, example_fn=None, input_c
     total = run.steps
 
     def start():
-        step, key = run.position()
+        step, key = position()
         return np.int64(step), np.asarray(key, np.int64)
 
     def indices_of(step, key):
@@ -125,6 +119,4 @@ def plan_dataset(run, x, y=None, *, sample_weight=None, example_fn=None, input_c
             )
 
         ds = ds.flat_map(split)
-    ds = ds.prefetch(tf.data.AUTOTUNE)
-    ds._knc_run = run  # how a private model's fit finds the run (to bind its optimizer)
-    return ds
+    return ds.prefetch(tf.data.AUTOTUNE)

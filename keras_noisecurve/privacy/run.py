@@ -8,11 +8,14 @@ its sensitivity), the noise multiplier σ — given, or calibrated here from a t
 - ``NoiseCurveOptimizer(run=run, ...)``: the optimizer with C, σ and B of the run; it
   keeps the sampling key and its step counter as optimizer variables, so every
   checkpoint holds the run's position and key;
-- ``run.dataset(x, y)``: the batches ``(x, y, mask, step)`` of the plan, starting at
-  the optimizer's step (so a resumed run continues the exact batch sequence) and
-  carrying each batch's step index, which the private model checks;
+- ``run.dataset(x, y)``: the examples (a ``RunData``); a private model's ``fit`` takes
+  its batches ``(x, y, mask, step)`` for the model's optimizer, starting at the
+  optimizer's step (so a resumed run continues the exact batch sequence) and carrying
+  each batch's step index, which the private model checks;
 - ``run.epsilon(step)``: ε after any step of the plan (the run's ledger, which the
-  ``PrivacyBudget(run=run)`` callback shares);
+  ``PrivacyBudget(run=run)`` callback shares).
+
+The run flows one way: the optimizer holds the run, the run holds no optimizer.
 - ``run.fingerprint()``: a hash of the public plan, compared across workers.
 
 This module imports TensorFlow only inside the methods that build TensorFlow objects.
@@ -22,7 +25,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import weakref
 from typing import Optional
 
 import numpy as np
@@ -127,7 +129,6 @@ class PrivateRun:
         self._overflow_target = None if overflow_probability is None else float(overflow_probability)
         self._key = key_from_seed(seed)
         self._ledger = None
-        self._bound = None  # weakref to the optimizer whose variables hold position and key
 
     # ------------------------------------------------------------------ plan
     @property
@@ -271,57 +272,22 @@ class PrivateRun:
             f"delta={self._delta:g})"
         )
 
-    # ------------------------------------------------------ optimizer binding
-    def bind(self, optimizer) -> None:
-        """Read the plan's position (``optimizer.iterations``) and secret sampling key
-        (``optimizer.sampling_key``) from ``optimizer`` from now on.
-
-        Done by ``NoiseCurveOptimizer(run=run, ...)`` and by ``fit`` of a private model; needed by hand
-        only for a custom loop whose optimizer was created otherwise (e.g. loaded).
-        Refuses an optimizer made for another plan.
-        """
-        other = getattr(optimizer, "run", None)
-        if other is None:
-            raise ValueError(
-                f"{type(optimizer).__name__} was not created for a PrivateRun: it does not save the run's "
-                "sampling key and position, so a resumed run could not continue its batches. Create it with "
-                "NoiseCurveOptimizer(run=run, ...)."
-            )
-        if not self.same_plan(other):
-            raise ValueError(
-                f"the optimizer was created for another plan ({other!r}) than this dataset's ({self!r}): "
-                "the batches and the noise would not belong to one run."
-            )
-        self._bound = weakref.ref(optimizer)
-
-    @property
-    def bound_optimizer(self):
-        """The optimizer the run reads its position and key from (``None`` if unbound or deleted)."""
-        return None if self._bound is None else self._bound()
-
-    def position(self) -> tuple[int, np.ndarray]:
-        """``(step, key)``: the next step to run and the sampling key (int64 (2,)), read
-        from the bound optimizer when it is built, else ``(0, this run's key)``."""
-        opt = self.bound_optimizer
-        if opt is not None and opt.built and getattr(opt, "_sampling_key", None) is not None:
-            step = int(_numpy(opt.iterations))
-            key = check_key(_numpy(opt._sampling_key))
-            return step, key
-        return 0, self._key
-
+    # ------------------------------------------------------------ the key
     def initial_key(self) -> np.ndarray:
         """The key a new optimizer's ``sampling_key`` variable starts from (secret)."""
         return self._key.copy()
 
     def sampler(self, key=None) -> BatchSampler:
-        """The random-access :class:`BatchSampler` of the plan for ``key`` (default: the
-        current key, :meth:`position`)."""
-        key = self.position()[1] if key is None else check_key(key)
+        """The random-access :class:`BatchSampler` of the plan for ``key`` (default: this
+        run's key, :meth:`initial_key`; a restored run's is ``optimizer.sampling_key``)."""
+        key = self._key if key is None else check_key(key)
         return BatchSampler(spec=self._spec, padded_size=self._padded, key=key)
 
     # ------------------------------------------------------------ the batches
-    def dataset(self, x, y=None, *, sample_weight=None, example_fn=None, input_context=None):
-        """The batches of the plan as a ``tf.data.Dataset``, from the optimizer's step on.
+    def dataset(self, x, y=None, *, sample_weight=None, example_fn=None):
+        """The private examples of the run, a :class:`~keras_noisecurve.privacy.run_data.RunData`:
+        ``fit(run.dataset(x, y))`` trains on the plan's batches from the optimizer's step
+        on; a custom loop iterates ``run.dataset(x, y).batches(optimizer)``.
 
         Args:
           x, y, sample_weight, example_fn: the private examples, anything
@@ -330,23 +296,9 @@ class PrivateRun:
             memory-mapped array, a random-access sequence (``__len__``/``__getitem__``,
             e.g. ``tfds.data_source(...)``) or a ``keras.utils.PyDataset``; only the
             examples of each batch are read. Must hold exactly ``num_examples`` examples.
-          input_context: a ``tf.distribute.InputContext`` (from
-            ``strategy.distribute_datasets_from_function``): the dataset then yields this
-            input pipeline's per-replica shares of every global batch.
 
-        Returns:
-          A dataset of ``(x, y, mask, step)``: x, y with leading dimension P' (the padded
-          size P, rounded up to a multiple of the replicas in sync, divided by them when
-          sharded by ``input_context``), ``mask`` float32 (P',) (1 = real example, times
-          ``sample_weight``), ``step`` int64 (P',) (every entry the step index t).
-          Iteration starts at the bound optimizer's step (0 for a new run) and ends at T.
+        :meth:`RunData.batches` describes the batches ``(x, y, mask, step)``.
         """
-        from keras_noisecurve.privacy.pipeline import plan_dataset
+        from keras_noisecurve.privacy.run_data import RunData
 
-        return plan_dataset(self, x, y, sample_weight=sample_weight, example_fn=example_fn,
-                            input_context=input_context)
-
-
-def _numpy(value):
-    value = getattr(value, "value", value)  # a keras.Variable -> its tf.Variable
-    return value.numpy() if hasattr(value, "numpy") else np.asarray(value)
+        return RunData(self, x, y, sample_weight=sample_weight, example_fn=example_fn)

@@ -12,7 +12,7 @@ without step indices, for custom loops that keep their own position.
 Keras ``fit`` passes the mask as ``sample_weight``; the private model applies it per
 example *before* clipping, so padding contributes nothing to the clipped sum. The
 optimizer divides by the expected batch size B, never by the mask sum. Padding slots
-hold copies of example 0: a private model (``make_private``/``DPModel``) leaves rows of
+hold copies of example 0: a private model (``make_private``) leaves rows of
 weight 0 out of every metric; a plain Keras model applies ``sample_weight`` only to the
 loss and ``weighted_metrics``.
 

@@ -17,8 +17,9 @@ What every worker must agree on, and how it does:
   (``seed=None``) is the same everywhere without ever being written down;
 - the batches (``run=``): the run's secret sampling key is an optimizer variable,
   broadcast like the others; every worker computes the same global batch of each
-  step from it and gathers only its own rows (``run.dataset(..., input_context=)``);
-- the noise: ``DPOptimizer`` SUM-all-reduces the replicas' clipped sums, then adds
+  step from it and gathers only its own rows
+  (``run.dataset(x, y).batches(optimizer, input_context=ctx)``);
+- the noise: ``NoiseCurveOptimizer`` SUM-all-reduces the replicas' clipped sums, then adds
   the noise once, from (key, step, variable index); every replica computes the same
   update, so the replicas stay identical;
 - the plan (the optimizer's public configuration, the variables' shapes, the start
@@ -47,7 +48,7 @@ import tensorflow as tf
 
 from keras_noisecurve import _compat
 from keras_noisecurve._validation import check_int
-from keras_noisecurve.training.optimizer import DPOptimizer
+from keras_noisecurve.training.optimizer import NoiseCurveOptimizer
 
 __all__ = ["assert_same_on_all_workers", "fit_distributed", "is_chief", "worker_checkpoint_dir"]
 
@@ -191,17 +192,17 @@ def _optimizer_fingerprint(optimizer) -> int:
 
 # --------------------------------------------------------------------- the loop
 def _validate_model(model, strategy):
-    from keras_noisecurve.training.dp_model import _PrivateTraining
+    from keras_noisecurve.training.dp_model import PrivateModel
 
-    if not isinstance(model, keras.Model) or not isinstance(model, _PrivateTraining):
+    if not isinstance(model, PrivateModel):
         raise TypeError(
-            "model must be a private model (keras_noisecurve.make_private(model) or a DPModel) compiled with a "
-            f"DPOptimizer; got {model!r} ({type(model).__name__})."
+            "model must be a private model (keras_noisecurve.make_private(model)) compiled with a "
+            f"NoiseCurveOptimizer; got {model!r} ({type(model).__name__})."
         )
     optimizer = getattr(model, "optimizer", None)
-    if not isinstance(optimizer, DPOptimizer):
+    if not isinstance(optimizer, NoiseCurveOptimizer):
         raise ValueError(
-            f"model {model.name!r} is not compiled with a DPOptimizer (optimizer={optimizer!r}): call "
+            f"model {model.name!r} is not compiled with a NoiseCurveOptimizer (optimizer={optimizer!r}): call "
             "model.compile(optimizer=keras_noisecurve.NoiseCurveOptimizer(...), loss=...) under strategy.scope() first."
         )
     if strategy is None:
@@ -230,9 +231,10 @@ def _replica_spec(spec):
 
 
 def _run_dataset_fn(model, run, x, y, sample_weight, example_fn, skip_done_steps, fingerprint):
-    """``(dataset_fn, fingerprint)`` of a ``PrivateRun``: ``run.dataset(..., input_context=ctx)``
-    and ``run.fingerprint()``; the model's optimizer is bound to the run."""
+    """``(dataset_fn, fingerprint)`` of a ``PrivateRun``: the batches
+    ``run.dataset(...).batches(model.optimizer, input_context=ctx)`` and ``run.fingerprint()``."""
     from keras_noisecurve.privacy.run import PrivateRun
+    from keras_noisecurve.privacy.run_data import check_optimizer
 
     if not isinstance(run, PrivateRun):
         raise TypeError(f"run must be a keras_noisecurve.PrivateRun or None, got {run!r} ({type(run).__name__}).")
@@ -243,10 +245,11 @@ def _run_dataset_fn(model, run, x, y, sample_weight, example_fn, skip_done_steps
         )
     if fingerprint is not None:
         raise ValueError(f"fingerprint={fingerprint!r} does not apply with run=: run.fingerprint() is compared.")
-    run.bind(model.optimizer)  # refuses an optimizer made without the run or for another plan
+    check_optimizer(run, model.optimizer)  # refuses an optimizer made without the run or for another plan
+    data = run.dataset(x, y, sample_weight=sample_weight, example_fn=example_fn)
 
     def dataset_fn(input_context):
-        return run.dataset(x, y, sample_weight=sample_weight, example_fn=example_fn, input_context=input_context)
+        return data.batches(model.optimizer, input_context=input_context)
 
     return dataset_fn, run.fingerprint()
 
@@ -357,8 +360,8 @@ def fit_distributed(
     Two ways to give the data:
 
     - ``fit_distributed(model, x, y, run=run)``: the batches of a ``PrivateRun``,
-      ``run.dataset(x, y, sample_weight=..., example_fn=..., input_context=ctx)`` on
-      every worker (its share of each global batch). The model's optimizer must be
+      ``run.dataset(x, y, sample_weight=..., example_fn=...).batches(optimizer,
+      input_context=ctx)`` on every worker (its share of each global batch). The model's optimizer must be
       the run's (``NoiseCurveOptimizer(run=run, ...)``); the dataset starts at the
       optimizer's step by itself, ``steps`` defaults to the plan's remaining steps
       T − ``iterations``, and ``run.fingerprint()`` is compared across workers.
@@ -371,8 +374,8 @@ def fit_distributed(
       from 0), e.g. ``(x, y, mask)`` rows of ``banded_poisson_dataset``.
 
     Args:
-      model: a private model (``make_private(...)`` or ``DPModel``) created and compiled
-        with a ``DPOptimizer`` inside ``strategy.scope()``. It is built here (from the
+      model: a private model (``make_private(...)``) created and compiled
+        with a ``NoiseCurveOptimizer`` inside ``strategy.scope()``. It is built here (from the
         batch spec, as ``fit`` does) if it is not yet.
       data: the examples x (with ``run``), else ``dataset_fn``.
       y, sample_weight, example_fn: with ``run`` only, as ``PrivateRun.dataset``.

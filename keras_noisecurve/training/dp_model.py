@@ -1,12 +1,12 @@
-"""``DPModel``: a Keras model whose ``train_step`` clips per example, and
-``make_private`` to wrap any model.
+"""``make_private``: wrap any Keras model in a ``PrivateModel``, whose ``train_step``
+clips per example.
 
 One training step (docs/design.md#update-rule):
 
 1. the clipping engine computes Σ_i clip(w_i·∇loss_i, ζ) (w_i = sample weight or
    the sampler's padding mask, applied before clipping);
 2. the gradient of the data-independent regularisation losses is added as B·∇reg;
-3. the optimizer (a ``DPOptimizer``) adds ζσ·z̃_t, divides by the expected batch
+3. the optimizer (a ``NoiseCurveOptimizer``) adds ζσ·z̃_t, divides by the expected batch
    size B and takes the SGD step, through ``apply_clipped_sum``.
 
 ``test_step`` and ``predict_step`` are Keras's own.
@@ -27,9 +27,9 @@ from keras_noisecurve.training.clipping import (
     get_engine,
     per_example_loss_fn,
 )
-from keras_noisecurve.training.optimizer import DPOptimizer
+from keras_noisecurve.training.optimizer import NoiseCurveOptimizer
 
-__all__ = ["DPModel", "PrivateModel", "make_private"]
+__all__ = ["PrivateModel", "make_private"]
 
 _PACKAGE = "keras_noisecurve"
 
@@ -62,8 +62,7 @@ def _check_step(step, iterations):
             "e.g. a dataset restarted at batch 0 after the model was restored, or reordered "
             "(skip/shuffle/repeat) after run.dataset(): each step of the plan must use its own batch, "
             "or the privacy accounting no longer holds. Pass run.dataset(...) to fit unchanged (it "
-            "starts at the optimizer's step), or in a custom loop call run.bind(optimizer) before "
-            "iterating it"
+            "starts at the optimizer's step), or in a custom loop iterate run.dataset(x, y).batches(optimizer)"
         ),
         summarize=2,
     )
@@ -83,13 +82,18 @@ def _check_run_data(planned, run, x):
     """Refuse, before any step, data that is not ``planned``'s pipeline (``ValueError``).
 
     ``planned``: the optimizer's ``PrivateRun`` (``None``: nothing to check); ``run``: the
-    run of ``x`` (``run.dataset(...)`` marks its dataset), ``None`` for arrays, a
-    re-batched, shuffled or mapped dataset (a new ``tf.data`` object) or anything else.
+    run of ``x`` when ``x`` is a ``RunData`` (``run.dataset(...)``), ``None`` for arrays,
+    any ``tf.data.Dataset`` (also one of ``run.dataset(...).batches(...)``, which is for
+    custom loops) or anything else.
     """
     if planned is None:
         return
     if run is None:
-        raise ValueError(_not_the_plan(planned) + f" Got {type(x).__name__}.")
+        hint = ""
+        if isinstance(x, tf.data.Dataset):
+            hint = (" (the batches of run.dataset(x, y).batches(optimizer) are for custom loops: give fit "
+                    "run.dataset(x, y) itself)")
+        raise ValueError(_not_the_plan(planned) + f" Got {type(x).__name__}{hint}.")
     if not planned.same_plan(run):
         raise ValueError(
             f"the dataset belongs to another plan ({run!r}) than this model's optimizer ({planned!r}): "
@@ -146,8 +150,8 @@ def _refusal_message(state, loss_scale):
             f"its batch belongs to step {batch_step}, not to the optimizer's step {iteration}: the dataset "
             "and the optimizer are out of step, e.g. a dataset restarted at batch 0 after the model was "
             "restored, or reordered (skip/shuffle/repeat) after run.dataset(). Pass run.dataset(...) to "
-            "fit unchanged (it starts at the optimizer's step), or in a custom loop call "
-            "run.bind(optimizer) before iterating it"
+            "fit unchanged (it starts at the optimizer's step), or in a custom loop iterate "
+            "run.dataset(x, y).batches(optimizer)"
         )
     if reasons & _PAST_PLAN:
         what.append(
@@ -188,12 +192,61 @@ class _RefuseBadSteps(keras.callbacks.Callback):
             raise RuntimeError(_refusal_message(state, self._loss_scale))
 
 
-class _PrivateTraining:
-    """The private ``train_step`` and ``compile`` shared by ``DPModel`` and ``PrivateModel``.
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class PrivateModel(keras.Model):
+    """A private model wrapping an existing model (what :func:`make_private` returns):
+    ``fit`` clips per example and the ``NoiseCurveOptimizer`` adds the noise.
 
-    (A mixin rather than a base class: Keras turns ``DPModel`` into a ``Functional``
-    subclass when it is built from inputs/outputs, which must not affect ``PrivateModel``.)
+    Args:
+      model: any Keras model (Sequential, functional or subclassed). Its weights
+        are shared, not copied.
+      clipping: the clipping engine: ``"auto"`` (ghost-norm clipping when
+        ``keras_noisecurve.training.ghost`` supports the model, else vectorized),
+        ``"vectorized"`` or ``"ghost"``.
+      microbatch_size: evaluate per-example gradients in chunks of this many
+        examples to bound memory (``None``: the whole batch at once).
+
+    ``compile`` requires a ``NoiseCurveOptimizer`` and a single loss; BatchNormalization
+    layers and activity regularizers are refused. The logged ``loss`` is
+    Σ_i w_i·loss_i / Σ_i w_i over the batch (mask-weighted, without the regularisation
+    term).
     """
+
+    def __init__(self, model, clipping="auto", microbatch_size=None, **kwargs):
+        super().__init__(**kwargs)
+        self._dp_setup(clipping, microbatch_size)
+        if not isinstance(model, keras.Model):
+            raise ValueError(f"model must be a keras.Model, got {type(model).__name__}.")
+        self.inner = model
+        check_model_is_clippable(model)
+        if model.built:  # nothing to create: the wrapper owns no weights of its own
+            self.built = True
+
+    def call(self, inputs, training=None):
+        return self.inner(inputs, training=training)
+
+    def build(self, input_shape=None):
+        if not self.inner.built and input_shape is not None:
+            if type(self.inner).build is not keras.Model.build:
+                self.inner.build(input_shape)
+            else:  # a subclassed model without build(): create its weights by a call
+                shape = [1 if d is None else d for d in input_shape]
+                self.inner(tf.zeros(shape))
+        self.built = True
+
+    def get_config(self):
+        return {
+            "name": self.name,
+            "model": keras.saving.serialize_keras_object(self.inner),
+            "clipping": self._dp_clipping,
+            "microbatch_size": self._dp_microbatch_size,
+        }
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        model = keras.saving.deserialize_keras_object(config.pop("model"), custom_objects=custom_objects)
+        return cls(model, **config)
 
     def _dp_setup(self, clipping, microbatch_size):
         self._dp_clipping = check_choice("clipping", clipping, ENGINES)
@@ -217,7 +270,7 @@ class _PrivateTraining:
         return self._dp_microbatch_size
 
     def compile(self, optimizer=None, loss=None, **kwargs):
-        """``keras.Model.compile`` that requires a ``DPOptimizer`` and a single loss.
+        """``keras.Model.compile`` that requires a ``NoiseCurveOptimizer`` and a single loss.
 
         ``jit_compile`` defaults to ``False``: ``jit_compile=True`` works (the step checks
         are tensors XLA keeps, see ``_refuse``) and is faster on the transformer block but
@@ -238,17 +291,17 @@ class _PrivateTraining:
             raise ValueError(
                 "a private model does its own static loss scaling under mixed_float16 (undone before "
                 "clipping); keras.optimizers.LossScaleOptimizer is not supported (its dynamic scale depends "
-                "on the data and it skips steps). Pass the DPOptimizer itself, and loss_scale=S to compile."
+                "on the data and it skips steps). Pass the NoiseCurveOptimizer itself, and loss_scale=S to compile."
             )
-        if not isinstance(optimizer, DPOptimizer):
+        if not isinstance(optimizer, NoiseCurveOptimizer):
             raise ValueError(
-                "DPModel must be compiled with a keras_noisecurve.DPOptimizer or NoiseCurveOptimizer "
-                f"(clipped sums + calibrated noise); got optimizer={optimizer!r}. Training a DPModel "
+                "a private model must be compiled with a keras_noisecurve.NoiseCurveOptimizer "
+                f"(clipped sums + calibrated noise); got optimizer={optimizer!r}. Training a private model "
                 "without noise would not be private."
             )
         kwargs.setdefault("jit_compile", False)
         if kwargs.get("loss_weights") is not None:
-            raise ValueError("loss_weights are not supported by DPModel (single loss only).")
+            raise ValueError("loss_weights are not supported by private models (single loss only).")
         self._dp_loss_fn = per_example_loss_fn(loss)
         self._dp_loss_scale = _loss_scale(self, loss_scale, auto_scale_loss)
         check_model_is_clippable(self)
@@ -268,20 +321,27 @@ class _PrivateTraining:
             self.optimizer.build(self.trainable_variables)
 
     def fit(self, x=None, y=None, **kwargs):
-        """``keras.Model.fit``; with a dataset of a ``PrivateRun`` (``run.dataset(...)``)
-        it also binds the run to this model's optimizer (refusing an optimizer made for
+        """``keras.Model.fit``; with the examples of a ``PrivateRun`` (``run.dataset(x, y)``,
+        a ``RunData``) it trains on the plan's batches for this model's optimizer
+        (``x.batches(optimizer)``, refusing an optimizer made without the run or for
         another plan), defaults ``epochs``/``steps_per_epoch`` to the run's and stops
-        after the plan's last step. The dataset starts at the optimizer's step, so a
+        after the plan's last step. The batches start at the optimizer's step, so a
         restored model (``BackupAndRestore``, ``load_model``) continues the plan."""
-        run = getattr(x, "_knc_run", None)
+        from keras_noisecurve.privacy.run_data import RunData
+
+        run = x.run if isinstance(x, RunData) else None
         _check_run_data(getattr(self.optimizer, "run", None), run, x)
         if run is not None:
             if y is not None:
                 raise ValueError("a PrivateRun dataset carries its labels: call fit(run.dataset(x, y)) without y.")
             optimizer = self.optimizer
-            if not isinstance(optimizer, DPOptimizer):
-                raise ValueError(f"a private model needs a DPOptimizer, got {type(optimizer).__name__}.")
-            run.bind(optimizer)
+            if not isinstance(optimizer, NoiseCurveOptimizer):
+                raise ValueError(f"a private model needs a NoiseCurveOptimizer, got {type(optimizer).__name__}.")
+            if tf.distribute.has_strategy():
+                x = x.batches(optimizer)
+            else:  # P rounded up to the replicas of the model's strategy
+                with self.distribute_strategy.scope():
+                    x = x.batches(optimizer)
             kwargs.setdefault("steps_per_epoch", run.steps_per_epoch)
             kwargs.setdefault("epochs", run.epochs)
             kwargs.setdefault("shuffle", False)  # the plan decides the order
@@ -320,8 +380,8 @@ class _PrivateTraining:
         data, step = _split_step(data)
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         optimizer = self.optimizer
-        if not isinstance(optimizer, DPOptimizer):  # e.g. optimizer swapped after compile
-            raise ValueError(f"DPModel needs a DPOptimizer, got {type(optimizer).__name__}.")
+        if not isinstance(optimizer, NoiseCurveOptimizer):  # e.g. optimizer swapped after compile
+            raise ValueError(f"a private model needs a NoiseCurveOptimizer, got {type(optimizer).__name__}.")
         iteration = tf.cast(tf.identity(optimizer.iterations), tf.int64)  # before this step's update
         if step is not None:
             _check_step(step, optimizer.iterations)  # eager/graph; XLA drops it: see _refuse below
@@ -447,94 +507,16 @@ def _train_loss(loss_fn, scale):
     return loss
 
 
-@keras.saving.register_keras_serializable(package=_PACKAGE)
-class DPModel(_PrivateTraining, keras.Model):
-    """A ``keras.Model`` trained with per-example clipping and a ``DPOptimizer``.
-
-    Use it as a functional model, ``DPModel(inputs, outputs, clipping="auto")``, or
-    wrap any model with :func:`make_private`.
-
-    Args:
-      clipping: the clipping engine: ``"auto"`` (ghost-norm clipping when
-        ``keras_noisecurve.training.ghost`` supports the model, else vectorized),
-        ``"vectorized"`` or ``"ghost"``.
-      microbatch_size: evaluate per-example gradients in chunks of this many
-        examples to bound memory (``None``: the whole batch at once).
-      *args, **kwargs: as ``keras.Model``.
-
-    ``compile`` requires a ``DPOptimizer`` (or ``NoiseCurveOptimizer``) and a single
-    loss; BatchNormalization layers and activity regularizers are refused.
-    The logged ``loss`` is Σ_i w_i·loss_i / Σ_i w_i over the batch (mask-weighted,
-    without the regularisation term).
-    """
-
-    def __init__(self, *args, clipping="auto", microbatch_size=None, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._dp_setup(clipping, microbatch_size)
-
-    def get_config(self):
-        config = super().get_config()
-        config.update({"clipping": self._dp_clipping, "microbatch_size": self._dp_microbatch_size})
-        return config
-
-
-@keras.saving.register_keras_serializable(package=_PACKAGE)
-class PrivateModel(_PrivateTraining, keras.Model):
-    """A private model wrapping an existing model (what :func:`make_private` returns).
-
-    Args:
-      model: any Keras model (Sequential, functional or subclassed). Its weights
-        are shared, not copied.
-      clipping, microbatch_size: as ``DPModel``.
-    """
-
-    def __init__(self, model, clipping="auto", microbatch_size=None, **kwargs):
-        super().__init__(**kwargs)
-        self._dp_setup(clipping, microbatch_size)
-        if not isinstance(model, keras.Model):
-            raise ValueError(f"model must be a keras.Model, got {type(model).__name__}.")
-        self.inner = model
-        check_model_is_clippable(model)
-        if model.built:  # nothing to create: the wrapper owns no weights of its own
-            self.built = True
-
-    def call(self, inputs, training=None):
-        return self.inner(inputs, training=training)
-
-    def build(self, input_shape=None):
-        if not self.inner.built and input_shape is not None:
-            if type(self.inner).build is not keras.Model.build:
-                self.inner.build(input_shape)
-            else:  # a subclassed model without build(): create its weights by a call
-                shape = [1 if d is None else d for d in input_shape]
-                self.inner(tf.zeros(shape))
-        self.built = True
-
-    def get_config(self):
-        return {
-            "name": self.name,
-            "model": keras.saving.serialize_keras_object(self.inner),
-            "clipping": self._dp_clipping,
-            "microbatch_size": self._dp_microbatch_size,
-        }
-
-    @classmethod
-    def from_config(cls, config, custom_objects=None):
-        config = dict(config)
-        model = keras.saving.deserialize_keras_object(config.pop("model"), custom_objects=custom_objects)
-        return cls(model, **config)
-
-
 def make_private(model, *, clipping="auto", microbatch_size=None) -> PrivateModel:
     """Wrap ``model`` so that ``fit`` clips per example and adds calibrated noise.
 
     Args:
       model: a Keras model (Sequential, functional or subclassed), TF backend.
-      clipping: ``"auto"``, ``"vectorized"`` or ``"ghost"`` (see ``DPModel``).
+      clipping: ``"auto"``, ``"vectorized"`` or ``"ghost"`` (see ``PrivateModel``).
       microbatch_size: chunk size for per-example gradients, or ``None``.
 
     Returns:
       a :class:`PrivateModel` sharing ``model``'s layers and weights; compile it with
-      a ``DPOptimizer``/``NoiseCurveOptimizer``.
+      a ``NoiseCurveOptimizer``.
     """
     return PrivateModel(model, clipping=clipping, microbatch_size=microbatch_size, name=f"private_{model.name}")

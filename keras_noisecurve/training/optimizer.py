@@ -1,6 +1,6 @@
-"""Keras 3 optimizers for private training: ``NoiseCurveOptimizer`` (the noise of a
-mixing matrix C: DP-SGD for C = I, DP-BandMF, NoiseCurve) and its base ``DPOptimizer``
-(C = I without a step plan). docs/training.md, "DP-SGD", says which to use.
+"""``NoiseCurveOptimizer``: the Keras 3 optimizer of private training, one class for
+every mixing strategy C: C = I (DP-SGD, the default), DP-BandMF, NoiseCurve, BLT, BISR.
+docs/training.md, "DP-SGD", says how to ask for each.
 
 Update rule (docs/design.md#update-rule, paper App. C), at step
 t = ``optimizer.iterations``::
@@ -9,18 +9,22 @@ t = ``optimizer.iterations``::
     w   ← w − η·ĝ_t                                   inner=None: plain SGD
     inner.update_step(ĝ_t, w, η_t)                    inner=<a Keras optimizer>
 
-The optimizer receives the CLIPPED SUM Σ_i clip(g_i, ζ) (from ``DPModel`` or a
-clipping engine) through :meth:`DPOptimizer.apply_clipped_sum`; the ordinary
-``apply``/``apply_gradients`` entry points refuse to run, so a plain
-``keras.Model`` can never train through it without per-example clipping.
+with z̃_t = (C⁻¹Z)_t computed online (``keras_noisecurve.training.noise.StreamNoise``).
+The optimizer receives the CLIPPED SUM Σ_i clip(g_i, ζ) (from a private model or a
+clipping engine) through :meth:`NoiseCurveOptimizer.apply_clipped_sum`; the ordinary
+``apply``/``apply_gradients`` entry points refuse to run, so a plain ``keras.Model``
+can never train through it without per-example clipping.
 
 Privatization ends at ĝ_t: with ``inner=`` (momentum SGD, Adam, AdamW, …) the inner
 optimizer post-processes ĝ_t exactly as Keras would a gradient (its slots, its
 learning rate or schedule at its ``iterations``, which advance with ours, and its
-weight decay), which costs no privacy. The update rule C was optimised for is
-recorded in ``mixing.metadata["update_rule"]`` (absent: plain SGD, constant rate);
-construction warns once when the optimizer runs another one. docs/training.md,
-"Any Keras optimizer (`inner=`)", has the details.
+weight decay), which costs no privacy. Construction warns once when the optimizer
+runs another update than the one C was optimised for (``update_rule_check.py``).
+
+As Keras's own optimizers: ``__init__`` validates the arguments (``optimizer_args.py``),
+``build()`` creates the slot variables (noise key, the run's sampling key, one noise
+state per model variable), ``update_step()`` is the per-variable update and
+``get_config``/``from_config`` round-trip the configuration.
 
 Refused: clipping of the noisy sum or mean (``clipnorm``/``clipvalue``/``global_clipnorm``,
 here or on the inner: per-example clipping is ``l2_norm_clip``), EMA, loss scaling and
@@ -38,147 +42,67 @@ import numpy as np
 import tensorflow as tf
 
 from keras_noisecurve import _compat
-from keras_noisecurve._validation import check_float, check_int
 from keras_noisecurve.mixing.strategies import load_mixing
-from keras_noisecurve.mixing.update_rule import UpdateRule
 from keras_noisecurve.training.noise import StreamNoise, key_from_seed, normal_from_seed, step_seed, variable_seed
+from keras_noisecurve.training.optimizer_args import (
+    IGNORED_DEFAULTS,
+    REFUSED,
+    check_backend,
+    check_inner,
+    check_kwargs,
+    check_learning_rate,
+    check_noise_arguments,
+    from_run,
+)
+from keras_noisecurve.training.update_rule_check import update_rule_warning
 
-__all__ = ["DPOptimizer", "NoiseCurveOptimizer"]
+__all__ = ["NoiseCurveOptimizer"]
 
 _PACKAGE = "keras_noisecurve"
 
-# kwarg -> (value that means "off", reason)
-_REFUSED = {
-    "clipnorm": (None, "it would clip the NOISY sum; per-example clipping is l2_norm_clip"),
-    "clipvalue": (None, "it would clip the NOISY sum; per-example clipping is l2_norm_clip"),
-    "global_clipnorm": (None, "it would clip the NOISY sum; per-example clipping is l2_norm_clip"),
-    "use_ema": (False, "the mixing-matrix objective assumes the plain iterate w ← w − η·ĝ"),
-    "loss_scale_factor": (None, "the optimizer receives clipped sums, not scaled losses"),
-    "gradient_accumulation_steps": (
-        None,
-        "one optimizer step must be one noisy step of the privacy plan; use a larger "
-        "expected_batch_size (and microbatch_size in make_private to bound memory) instead",
-    ),
-    "weight_decay": (
-        None,
-        "it changes the dynamics the mixing matrix was optimised for; add a kernel "
-        "regularizer (data-independent, so it is not clipped) to the loss instead, or give "
-        "the decay to an inner optimizer (inner=keras.optimizers.AdamW(...) or "
-        "keras.optimizers.SGD(weight_decay=...))",
-    ),
-}
-# accepted with their defaults only (they appear in the base class config)
-_IGNORED_DEFAULTS = {"ema_momentum": 0.99, "ema_overwrite_frequency": None}
-
-_NOISY_CLIP = (
-    "it would clip the NOISY mean ĝ_t, not each example's gradient: harmless for privacy "
-    "(post-processing) but misleading, since it bounds no example's contribution (that is "
-    "l2_norm_clip), and it changes the update the mixing matrix was optimised for"
-)
-# attribute of an inner optimizer -> why a value other than None/False is refused
-_INNER_REFUSED = {
-    "clipnorm": _NOISY_CLIP,
-    "clipvalue": _NOISY_CLIP,
-    "global_clipnorm": _NOISY_CLIP,
-    "use_ema": "the private optimizer never updates or finalizes an inner optimizer's weight average",
-    "gradient_accumulation_steps": "one optimizer step must be one noisy step of the privacy plan; use "
-    "a larger expected_batch_size (and microbatch_size in make_private to bound memory) instead",
-    "loss_scale_factor": "the private optimizer receives clipped sums, not scaled losses",
-}
-
-
-def _check_backend():
-    from keras_noisecurve._quiet import probe_devices_quietly
-
-    probe_devices_quietly()  # no "failed call to cuInit" from our first variable on a CPU machine
-    backend = keras.backend.backend()
-    if backend != "tensorflow":
-        raise RuntimeError(
-            f"keras_noisecurve optimizers need the TensorFlow Keras backend, but KERAS_BACKEND is "
-            f"{backend!r}. Set the environment variable KERAS_BACKEND=tensorflow before importing keras."
-        )
-
-
-def _check_kwargs(kwargs):
-    for name, (off, reason) in _REFUSED.items():
-        if name in kwargs:
-            value = kwargs.pop(name)
-            if value is not None and value is not off and not (off is None and value is False):
-                raise ValueError(
-                    f"{name}={value!r} is not supported by private optimizers: {reason}."
-                )
-    for name, default in _IGNORED_DEFAULTS.items():
-        if name in kwargs:
-            value = kwargs.pop(name)
-            if value != default:
-                raise ValueError(f"{name}={value!r} is not supported by private optimizers (EMA is refused).")
-    return kwargs
-
-
-def _check_inner(inner):
-    """Refuse an ``inner`` optimizer that cannot post-process ĝ_t faithfully (ValueError)."""
-    if isinstance(inner, DPOptimizer):
-        raise ValueError(
-            f"inner={type(inner).__name__}(name={inner.name!r}) is itself a private optimizer: the noise "
-            "would be added twice and no privacy accounting describes that. Pass a plain Keras optimizer "
-            "as inner, e.g. inner=keras.optimizers.Adam(1e-3)."
-        )
-    if isinstance(inner, keras.optimizers.LossScaleOptimizer):
-        raise ValueError(
-            "inner=keras.optimizers.LossScaleOptimizer is not supported: the private optimizer receives "
-            "clipped sums of per-example gradients, not scaled losses, and a skipped step would break the "
-            "privacy plan (one step per noise draw). Pass the wrapped optimizer itself "
-            "(inner=loss_scale_optimizer.inner_optimizer)."
-        )
-    if not isinstance(inner, keras.optimizers.Optimizer):
-        raise TypeError(
-            f"inner must be a keras.optimizers.Optimizer (e.g. keras.optimizers.SGD(0.1, momentum=0.9)) "
-            f"or None; got {inner!r} ({type(inner).__name__})."
-        )
-    for name, reason in _INNER_REFUSED.items():
-        value = getattr(inner, name, None)
-        if value is not None and value is not False:
-            raise ValueError(
-                f"the inner optimizer {type(inner).__name__} has {name}={value!r}, which is not supported: "
-                f"{reason}. Create it without {name}."
-            )
-
-
-class _InnerLearningRate(keras.optimizers.schedules.LearningRateSchedule):
-    """Stands in for the outer learning rate when there is an inner optimizer (creates no
-    variable): the inner optimizer's current learning rate."""
-
-    def __init__(self, inner):
-        self._inner = inner
-
-    def __call__(self, step):
-        return self._inner.learning_rate
-
-    def get_config(self):
-        return {}
-
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)
-class DPOptimizer(keras.optimizers.Optimizer):
-    """DP-SGD for Keras 3: clipped sum in, independent Gaussian noise, mean over B.
+class NoiseCurveOptimizer(keras.optimizers.Optimizer):
+    """Private SGD with the noise z̃_t = (C⁻¹Z)_t of a mixing strategy C (C = I: DP-SGD).
 
-    ``ĝ_t = (Σ_i clip(g_i, ζ) + ζ·σ·z_t) / B`` with z_t ~ N(0, I), i.e. C = I, at every
-    step, with no step plan; then ``w ← w − η·ĝ_t`` (``inner=None``) or the update of
-    the ``inner`` Keras optimizer. The base class of ``NoiseCurveOptimizer``, which
-    holds the whole update; ``DPOptimizer(...)`` is ``NoiseCurveOptimizer(mixing="dpsgd", ...)``
-    (same noise, draw for draw).
+    ``ĝ_t = (Σ_i clip(g_i, ζ) + ζ·σ·z̃_t) / B`` (docs/design.md#update-rule; paper
+    App. C), with z̃ computed online from ``mixing.buffers`` state arrays per variable
+    (``keras_noisecurve.training.noise.StreamNoise``: the ring of b − 1 past values of a
+    banded or Toeplitz C, the p − 1 past draws of BISR, the d accumulators of BLT; no
+    state for C = I), then ``w ← w − η·ĝ_t`` or the update of the ``inner`` Keras
+    optimizer.
+
+    Two ways to make one:
+
+    - ``NoiseCurveOptimizer(run=run, learning_rate=...)`` (the documented way): C, σ
+      and B are the ``keras_noisecurve.PrivateRun``'s (given ones must agree), the
+      run's secret sampling key becomes the optimizer variable ``sampling_key`` (saved
+      and restored with ``iterations`` and the noise state), and ``run.dataset(x, y)``
+      trains at this optimizer's step. A model compiled with it trains only on
+      ``run.dataset(...)``: ``fit`` refuses arrays and any other dataset before the
+      first step. The run never refers back to the optimizer.
+    - ``NoiseCurveOptimizer(mixing=..., noise_multiplier=σ, expected_batch_size=B, ...)``:
+      the LOW-LEVEL piece for custom loops that do their own sampling and accounting:
+      nothing checks that the batches follow the sampling the accounting assumed, and
+      nothing restores a sampler's position on resume.
 
     Args:
       learning_rate: η > 0 (float) or a ``keras.optimizers.schedules.LearningRateSchedule``;
         required without ``inner`` (no default: ``None`` raises ``ValueError``). Must be
         left out with ``inner`` (the inner optimizer's is used).
-      l2_norm_clip: ζ > 0, the per-example L2 clipping norm (used by ``DPModel``).
-      noise_multiplier: σ ≥ 0, required (no default; ``NoiseCurveOptimizer(run=...)`` takes
-        the run's); the noise standard deviation is ζ·σ on the sum.
+      mixing: the strategy C, anything ``keras_noisecurve.mixing.load_mixing`` reads: a
+        ``MixingMatrix`` (T steps, b bands; ``MixingMatrix.identity(T)`` is DP-SGD with a
+        plan of T steps), a ``ToeplitzMixing``, ``BLTMixing`` or ``BISRMixing``, the path
+        of a ``.npz`` file of any of them, the config dict ``get_config`` writes, or
+        ``"dpsgd"``/``None`` (default): C = I without a step plan (independent noise,
+        no step limit). Training refuses step t ≥ T of a C with a plan.
+      l2_norm_clip: ζ > 0, the per-example L2 clipping norm (used by the private model).
+      noise_multiplier: σ ≥ 0, required (no default; with ``run=`` the run's); the noise
+        standard deviation is ζ·σ on the sum.
       expected_batch_size: B ≥ 1, the EXPECTED batch size of the (Poisson) sampler.
         The sum is divided by B, never by the actual batch size (which would leak it).
-      seed: ``None`` (default): a secret key from OS entropy. An integer makes the
-        noise reproducible, for tests only: knowing it voids the privacy guarantee.
+      seed: ``None`` (default): a secret noise key from OS entropy. An integer makes
+        the noise reproducible, for tests only: knowing it voids the privacy guarantee.
       name: optimizer name.
       inner: ``None`` (default: plain SGD, ``w ← w − η·ĝ_t``) or a fresh Keras optimizer
         (``keras.optimizers.SGD(η, momentum=β)``, ``Adam``, ``AdamW``, …) created in the
@@ -190,64 +114,47 @@ class DPOptimizer(keras.optimizers.Optimizer):
         optimizer with clipnorm/clipvalue/global_clipnorm, use_ema,
         gradient_accumulation_steps or loss_scale_factor, one from another
         distribution strategy, or one already built on other variables.
+      run: a ``keras_noisecurve.PrivateRun``, or ``None`` (see above).
 
     No clipnorm/clipvalue/global_clipnorm, EMA, loss scaling, gradient accumulation or
     ``weight_decay`` on this optimizer (each raises ``ValueError``; weight decay belongs
-    to the inner optimizer). There is no step limit: the way to ask for DP-SGD is
-    ``NoiseCurveOptimizer(mixing=MixingMatrix.identity(T))``, which refuses steps
-    beyond the privacy plan of T steps like every other C (docs/training.md, "DP-SGD").
+    to the inner optimizer).
+
+    Construction warns once (``UserWarning``) when the update the optimizer runs differs
+    from the one C was optimised for, ``mixing.metadata["update_rule"]`` (absent: plain
+    SGD with a constant learning rate; ``keras_noisecurve.UpdateRule``): the momentum
+    and Nesterov flag of an inner ``keras.optimizers.SGD`` (0 without inner), its
+    learning rates at steps 0 … T−1 (schedule shape, and the base rate against
+    ``mixing.metadata["learning_rate"]`` where the objective recorded one), or an inner
+    optimizer that is not SGD at all. C = I never warns.
     """
 
     def __init__(
         self,
         learning_rate=None,
+        mixing=None,
         l2_norm_clip=1.0,
         noise_multiplier=None,
         expected_batch_size=None,
         seed=None,
-        name="dp_optimizer",
+        name="noisecurve_optimizer",
         inner=None,
+        run=None,
         **kwargs,
     ):
-        _check_backend()
-        kwargs = _check_kwargs(dict(kwargs))
-        l2_norm_clip = check_float("l2_norm_clip", l2_norm_clip, positive=True)
-        if noise_multiplier is None:
-            raise ValueError(
-                "noise_multiplier (sigma) is required, got None: there is no safe default. Give the run "
-                "(NoiseCurveOptimizer(run=PrivateRun(..., epsilon=...)), which calibrates it) or the sigma your "
-                "accounting used."
-            )
-        noise_multiplier = check_float("noise_multiplier", noise_multiplier, nonnegative=True)
-        if expected_batch_size is None:
-            raise ValueError(
-                "expected_batch_size is required: the noisy sum is divided by the EXPECTED batch "
-                "size B of the sampler (e.g. banded_poisson_dataset's batch_size), got None."
-            )
-        expected_batch_size = check_int("expected_batch_size", expected_batch_size, minimum=1)
-        if seed is not None:
-            seed = check_int("seed", seed, minimum=0, maximum=2**63 - 1)
+        if run is not None:
+            mixing, noise_multiplier, expected_batch_size = from_run(run, mixing, noise_multiplier,
+                                                                     expected_batch_size)
+        mixing = load_mixing("dpsgd" if mixing is None else mixing)
+        check_backend()
+        kwargs = check_kwargs(dict(kwargs))
+        l2_norm_clip, noise_multiplier, expected_batch_size, seed = check_noise_arguments(
+            l2_norm_clip=l2_norm_clip, noise_multiplier=noise_multiplier,
+            expected_batch_size=expected_batch_size, seed=seed,
+        )
         if inner is not None:
-            _check_inner(inner)
-            if learning_rate is not None:
-                raise ValueError(
-                    f"learning_rate={learning_rate!r} is given together with inner={type(inner).__name__}: "
-                    "the inner optimizer's learning rate (or schedule) is the one used. Leave learning_rate "
-                    f"out and give it to the inner optimizer, e.g. keras.optimizers.{type(inner).__name__}"
-                    "(learning_rate=...)."
-                )
-            learning_rate = _InnerLearningRate(inner)  # creates no variable of its own
-        else:
-            if learning_rate is None:
-                raise ValueError(
-                    "learning_rate is required, got None (e.g. C.metadata['learning_rate'], which only curvature "
-                    "objectives record, is None for a bandmf or dpsgd C): give the rate you train with, e.g. "
-                    "learning_rate=0.5, or inner=keras.optimizers.SGD(...)."
-                )
-            if not isinstance(learning_rate, keras.optimizers.schedules.LearningRateSchedule) and not callable(
-                learning_rate
-            ):
-                learning_rate = check_float("learning_rate", learning_rate, positive=True)
+            check_inner(inner, NoiseCurveOptimizer)
+        learning_rate = check_learning_rate(learning_rate, inner)
         super().__init__(learning_rate=learning_rate, name=name, **kwargs)
         if inner is not None and _compat.distribution_strategy(inner) is not _compat.distribution_strategy(self):
             raise ValueError(
@@ -261,19 +168,22 @@ class DPOptimizer(keras.optimizers.Optimizer):
         self.noise_multiplier = noise_multiplier
         self.expected_batch_size = expected_batch_size
         self.seed = seed
-        self._mixing = load_mixing("dpsgd")  # C = I without a step plan; NoiseCurveOptimizer sets its C
-        self._noise = _noise_of(self._mixing)
+        self._mixing = mixing
+        self._noise = StreamNoise.from_mixing(mixing)
         self._initial_key = key_from_seed(seed)
-        self._run = None  # a PrivateRun: NoiseCurveOptimizer(run=...)
+        self._run = run
         self._sampling_key = None
         self._private_apply = False
         self._step_noise = None  # _StepNoise while one step's updates are built
+        message = update_rule_warning(mixing, inner, _compat.learning_rate_value(self))
+        if message is not None:
+            warnings.warn(message, UserWarning, stacklevel=2)
 
     # ------------------------------------------------------------- noise source
     @property
     def mixing(self):
         """The mixing strategy: a ``MixingMatrix`` (banded), ``ToeplitzMixing``, ``BLTMixing``,
-        ``BISRMixing`` or ``IdentityMixing`` (``"dpsgd"``: C = I, no step plan)."""
+        ``BISRMixing`` or ``IdentityMixing`` (C = I, the default; ``"dpsgd"`` loads it)."""
         return self._mixing
 
     @property
@@ -286,6 +196,20 @@ class DPOptimizer(keras.optimizers.Optimizer):
         """The run's secret sampling key (int64 (2,) variable, saved with the optimizer),
         or ``None`` without a run or before ``build``."""
         return self._sampling_key
+
+    def sampling_position(self):
+        """``(step, key)``: where the run's batches continue, the next step
+        ``iterations`` and the sampling key (int64 (2,), secret); ``(0, run's key)``
+        before ``build`` (the key ``build`` will store). Read by the dataset of
+        ``run.dataset(x, y).batches(optimizer)`` each time it is iterated."""
+        if self.run is None:
+            raise ValueError(
+                f"{type(self).__name__} {self.name!r} was not created for a PrivateRun: it has no sampling "
+                "position. Create it with NoiseCurveOptimizer(run=run, ...)."
+            )
+        if not self.built or self._sampling_key is None:
+            return 0, self.run.initial_key()
+        return int(self.iterations.value.numpy()), np.asarray(self._sampling_key.value.numpy(), dtype=np.int64)
 
     @property
     def noise(self) -> StreamNoise:
@@ -426,7 +350,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
                 f"{type(self).__name__} only accepts per-example CLIPPED gradient sums, through "
                 "apply_clipped_sum(). A plain keras.Model compiled with it would feed it the "
                 "unclipped mean gradient and break differential privacy: wrap the model with "
-                "keras_noisecurve.make_private(model) (or build a keras_noisecurve.DPModel) before "
+                "keras_noisecurve.make_private(model) before "
                 "compile(), or call a clipping engine and optimizer.apply_clipped_sum() yourself."
             )
         inner = self.inner
@@ -505,7 +429,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
     # ------------------------------------------------------------------- config
     def get_config(self):
         config = super().get_config()
-        for name in list(_REFUSED) + list(_IGNORED_DEFAULTS):
+        for name in list(REFUSED) + list(IGNORED_DEFAULTS):
             config.pop(name, None)
         config.update(
             {
@@ -518,6 +442,14 @@ class DPOptimizer(keras.optimizers.Optimizer):
         if self.inner is not None:
             config.pop("learning_rate", None)  # the inner optimizer's, stored with it
             config["inner"] = keras.saving.serialize_keras_object(self.inner)
+        if self.run is not None:  # C, sigma and B are the run's
+            for name in ("noise_multiplier", "expected_batch_size"):
+                config.pop(name, None)
+            config["run"] = self.run.get_config()
+            return config
+        # banded: {"band_values", "metadata"}; other kinds: {"kind", "steps", <parameters>,
+        # "metadata"}; load_mixing reads both back
+        config["mixing"] = self._mixing.to_config()
         return config
 
     @classmethod
@@ -530,80 +462,6 @@ class DPOptimizer(keras.optimizers.Optimizer):
         if isinstance(config.get("inner"), dict):
             config["inner"] = keras.saving.deserialize_keras_object(config["inner"], custom_objects=custom_objects)
         return super().from_config(config, custom_objects=custom_objects)
-
-    # ------------------------------------------------------------ update rule
-    def _update_rule_run(self, steps):
-        """What this optimizer runs over ``steps`` steps: ``(kind, momentum, nesterov,
-        learning_rates)``; kind is ``"sgd"`` or the inner optimizer's class name, and
-        learning_rates (shape (steps,)) is ``None`` when it cannot be evaluated."""
-        inner = self.inner
-        if inner is None:
-            return "sgd", 0.0, False, _learning_rates(_compat.learning_rate_value(self), steps)
-        if isinstance(inner, keras.optimizers.SGD):
-            return "sgd", float(inner.momentum), bool(inner.nesterov), _learning_rates(_compat.learning_rate_value(inner), steps)
-        return type(inner).__name__, None, None, None
-
-
-def _learning_rates(learning_rate, steps):
-    """η_t for t = 0 … steps − 1 (float64), from a float, a variable or a
-    ``LearningRateSchedule``; ``None`` for a zero-argument callable (unknown)."""
-    if isinstance(learning_rate, keras.optimizers.schedules.LearningRateSchedule):
-        try:  # most schedules are elementwise: one call for all steps
-            rates = np.asarray(_numpy(learning_rate(tf.range(steps, dtype=tf.int64))), dtype=np.float64)
-        except Exception:  # noqa: BLE001 - e.g. a schedule with a tf.cond on the step
-            rates = None
-        if rates is None or rates.shape != (steps,):
-            rates = np.array([float(_numpy(learning_rate(tf.constant(t, tf.int64)))) for t in range(steps)])
-        return rates
-    if isinstance(learning_rate, (keras.Variable, tf.Variable)):
-        return np.full(steps, float(_numpy(learning_rate)))
-    if callable(learning_rate):
-        return None
-    return np.full(steps, float(learning_rate))
-
-
-def _numpy(value):
-    """A tensor or variable as numpy, through ``.numpy()``: ``np.asarray`` on a Keras
-    variable warns under numpy 2 (its ``__array__`` takes no ``copy`` argument)."""
-    value = value.value if isinstance(value, keras.Variable) else value
-    return value.numpy() if hasattr(value, "numpy") else np.asarray(value)
-
-
-def _float32_rates(rates, rule, steps):
-    """Keras evaluates schedules in float32, so small multipliers (a cosine near step T)
-    carry relative errors far above ``UpdateRule``'s comparison tolerance. Rates that
-    equal η·s_t to float32 precision (|η_t − η·s_t| ≤ 8 float32 ulps of η) are replaced
-    by η·s_t, so only real differences are reported."""
-    planned = rule.multipliers(steps)
-    eta = rates[0] / planned[0]
-    if eta > 0 and np.all(np.abs(rates - eta * planned) <= 8 * np.finfo(np.float32).eps * eta):
-        return eta * planned
-    return rates
-
-
-def _from_run(run, mixing, noise_multiplier, expected_batch_size):
-    """(C, σ, B) of ``run``; any of them also given must agree with the run."""
-    from keras_noisecurve.privacy.run import PrivateRun
-
-    if not isinstance(run, PrivateRun):
-        raise ValueError(f"run must be a keras_noisecurve.PrivateRun, got {type(run).__name__}.")
-    given = {"mixing": mixing, "noise_multiplier": noise_multiplier, "expected_batch_size": expected_batch_size}
-    planned = {"mixing": run.mixing, "noise_multiplier": run.noise_multiplier, "expected_batch_size": run.batch_size}
-    for name, value in given.items():
-        if value is None:
-            continue
-        same = load_mixing(value) == planned[name] if name == "mixing" else value == planned[name]
-        if not same:
-            raise ValueError(
-                f"{name}={value!r} differs from the run's ({planned[name]!r}): with run=, leave {name} out "
-                "(the run's is used)."
-            )
-    return planned["mixing"], planned["noise_multiplier"], planned["expected_batch_size"]
-
-
-def _noise_of(mixing) -> StreamNoise:
-    """The online noise generator of a resolved ``mixing`` (``"dpsgd"``: C = I, no plan)."""
-    return StreamNoise.from_mixing(mixing)
 
 
 class _StepNoise:
@@ -627,133 +485,3 @@ class _StepNoise:
             with tf.control_dependencies(self._checks):
                 self._rows[dtype] = self._noise.step_coefficients(self.step, dtype)
         return self._rows[dtype]
-
-
-@keras.saving.register_keras_serializable(package=_PACKAGE)
-class NoiseCurveOptimizer(DPOptimizer):
-    """DP-SGD with correlated noise z̃_t = (C⁻¹Z)_t of a mixing strategy C.
-
-    ``ĝ_t = (Σ_i clip(g_i, ζ) + ζ·σ·z̃_t) / B`` (docs/design.md#update-rule; paper
-    App. C), with z̃ computed online from ``mixing.buffers`` state arrays per variable
-    (``keras_noisecurve.training.noise.StreamNoise``: the ring of b − 1 past values of a
-    banded or Toeplitz C, the p − 1 past draws of BISR, the d accumulators of BLT), then
-    ``w ← w − η·ĝ_t`` or the update of the ``inner`` Keras optimizer.
-
-    Args:
-      mixing: anything ``keras_noisecurve.mixing.load_mixing`` reads: a ``MixingMatrix``
-        (T steps, b bands; ``MixingMatrix.identity(T)`` is DP-SGD), a ``ToeplitzMixing``,
-        ``BLTMixing`` or ``BISRMixing``, the path of a ``.npz`` file of any of them, the
-        config dict ``get_config`` writes (``mixing.to_config()``), or ``"dpsgd"`` (C = I
-        without a step plan, what ``DPOptimizer`` does). Training refuses step t ≥ T
-        (the privacy plan is spent): the step fails with an error.
-      learning_rate, l2_norm_clip, noise_multiplier, expected_batch_size, seed, name, inner:
-        as ``DPOptimizer``.
-      run: a ``keras_noisecurve.PrivateRun`` (the one documented way to train
-        privately): C, σ
-        and B are then the run's (given ones must agree), the run's secret sampling key
-        becomes the optimizer variable ``sampling_key`` (saved and restored with
-        ``iterations`` and the noise state), and the run's dataset starts at this
-        optimizer's step. A model compiled with it trains only on ``run.dataset(...)``:
-        ``fit`` refuses arrays and any other dataset before the first step.
-
-        Without ``run`` (``mixing``, ``noise_multiplier`` and ``expected_batch_size`` by
-        hand) the optimizer is the LOW-LEVEL piece for custom loops that do their own
-        sampling and accounting: nothing checks that the batches follow the sampling the
-        accounting assumed, and nothing restores a sampler's position on resume.
-
-    Construction warns once (``UserWarning``) when the update the optimizer runs differs
-    from the one C was optimised for, ``mixing.metadata["update_rule"]`` (absent: plain
-    SGD with a constant learning rate; ``keras_noisecurve.UpdateRule``): the momentum
-    and Nesterov flag of an inner ``keras.optimizers.SGD`` (0 without inner), its
-    learning rates at steps 0 … T−1 (schedule shape, and the base rate against
-    ``mixing.metadata["learning_rate"]`` where the objective recorded one), or an inner
-    optimizer that is not SGD at all. C = I (objective ``"dpsgd"``) never warns.
-    """
-
-    def __init__(
-        self,
-        learning_rate=None,
-        mixing=None,
-        l2_norm_clip=1.0,
-        noise_multiplier=None,
-        expected_batch_size=None,
-        seed=None,
-        name="noisecurve_optimizer",
-        inner=None,
-        run=None,
-        **kwargs,
-    ):
-        if run is not None:
-            mixing, noise_multiplier, expected_batch_size = _from_run(run, mixing, noise_multiplier,
-                                                                      expected_batch_size)
-        mixing = load_mixing("dpsgd" if mixing is None else mixing)
-        super().__init__(
-            learning_rate=learning_rate,
-            l2_norm_clip=l2_norm_clip,
-            noise_multiplier=noise_multiplier,
-            expected_batch_size=expected_batch_size,
-            seed=seed,
-            name=name,
-            inner=inner,
-            **kwargs,
-        )
-        self._mixing = mixing
-        self._noise = _noise_of(mixing)
-        if run is not None:
-            self._run = run
-            run.bind(self)
-        message = self._update_rule_warning()
-        if message is not None:
-            warnings.warn(message, UserWarning, stacklevel=2)
-
-    def _update_rule_warning(self):
-        """The construction warning (a string), or ``None`` when the optimizer runs the
-        update rule C was optimised for."""
-        if not self._mixing.has_plan:  # C = I without a plan
-            return None
-        meta = self._mixing.metadata
-        objective = meta.get("objective", "unknown")
-        if objective == "dpsgd":  # C = I is optimal for no update rule in particular
-            return None
-        rule = UpdateRule.from_metadata(meta.get("update_rule"))
-        planned = meta.get("learning_rate")
-        steps = self._mixing.steps
-        kind, momentum, nesterov, rates = self._update_rule_run(steps)
-        if kind != "sgd":
-            return (
-                f"the mixing matrix ({objective}) was optimised for heavy-ball SGD ({rule.describe()}), but the "
-                f"inner optimizer is {kind}: the privatized gradient it receives is as private as ever, but its "
-                f"noise is no longer the one C was optimised for (no objective models {kind}'s update). Use "
-                "inner=keras.optimizers.SGD(...) to follow C."
-            )
-        if rates is not None:
-            rates = _float32_rates(rates, rule, steps)
-        problems = rule.mismatches(momentum=momentum, nesterov=nesterov, learning_rates=rates,
-                                   base_learning_rate=planned)
-        if rates is not None and not rates[0] > 0:
-            problems.insert(0, f"the optimizer's learning rate at step 0 is {rates[0]:g}")
-        if not problems:
-            return None
-        target = f"update rule ({rule.describe()})"
-        if planned is not None:
-            target = f"learning rate {float(planned):g} and {target}"
-        return (
-            f"the update this optimizer runs differs from the {target} the mixing matrix ({objective}) was "
-            "optimised for: " + "; ".join(problems) + ". Its noise is still private but no longer optimal. "
-            "Solve C for the update you run (solve_mixing_matrix(..., update_rule=UpdateRule(momentum=..., "
-            "schedule=...))), or run C's: inner=keras.optimizers.SGD(learning_rate_schedule(rule, "
-            "learning_rate=η, steps=T), momentum=rule.momentum) with "
-            "rule = UpdateRule.from_metadata(C.metadata.get('update_rule'))."
-        )
-
-    def get_config(self):
-        config = super().get_config()
-        if self.run is not None:  # C, sigma and B are the run's
-            for name in ("noise_multiplier", "expected_batch_size"):
-                config.pop(name, None)
-            config["run"] = self.run.get_config()
-            return config
-        # banded: {"band_values", "metadata"}; other kinds: {"kind", "steps", <parameters>,
-        # "metadata"}; load_mixing reads both back
-        config["mixing"] = self._mixing.to_config()
-        return config

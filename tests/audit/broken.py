@@ -9,6 +9,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 import keras_noisecurve as knc
+from keras_noisecurve.privacy.run_data import RunData
 from keras_noisecurve.training import optimizer as optimizer_module
 from keras_noisecurve.training.noise import StateWrite, StreamNoise
 
@@ -76,21 +77,23 @@ def two_replica_noise(monkeypatch):
     monkeypatch.setattr(optimizer_module, "normal_from_seed", averaged)
 
 
+class _DuplicatedBatches(RunData):
+    """The run's examples, whose batches each hold the plan's batch twice."""
+
+    def batches(self, optimizer=None, *, input_context=None):
+        def twice(bx, by, bm, step):
+            return ({k: tf.concat([v, v], 0) for k, v in bx.items()}, tf.concat([by, by], 0),
+                    tf.concat([bm, bm], 0), tf.concat([step, step], 0))
+
+        return super().batches(optimizer, input_context=input_context).map(twice)
+
+
 def duplicated_batches(run, x, y):
     """``dataset_factory``: every batch of the plan is processed twice in the same step (an
     input pipeline that is not sharded across two workers, each summing the whole global
-    batch): each participating example enters the clipped sum twice."""
-    data = run.dataset(x, y)
-
-    def twice(bx, by, bm, step):
-        return ({k: tf.concat([v, v], 0) for k, v in bx.items()}, tf.concat([by, by], 0), tf.concat([bm, bm], 0),
-                tf.concat([step, step], 0))
-
-    doubled = data.map(twice)
-    # the fault sits inside the pipeline, where fit's check of the dataset cannot see it
-    # (fit refuses a dataset that is visibly not the run's own): keep the run's mark
-    doubled._knc_run = data._knc_run
-    return doubled
+    batch): each participating example enters the clipped sum twice. The fault sits inside
+    the pipeline, where fit's check of the data (a ``RunData`` of the run) cannot see it."""
+    return _DuplicatedBatches(run, x, y)
 
 
 def reset_noise_state_on_resume(private):

@@ -89,8 +89,8 @@ def test_memmap_larger_than_4_gib_is_streamed_without_loading_it(tmp_path):
     source = as_source(x, y)
     assert source.kind == "memmap" and source.num_examples == ROWS
     run = knc.PrivateRun(num_examples=ROWS, batch_size=BATCH, steps=STEPS, noise_multiplier=1.0, delta=1e-7, seed=0)
-    sampler = run.sampler()  # the same batches as the dataset's (same key, unbound run: from step 0)
-    ds = run.dataset(x, y)
+    sampler = run.sampler()  # the same batches as the dataset's (the run's key, from step 0)
+    ds = run.dataset(x, y).batches()
     P = run.padded_batch_size
     assert ds.element_spec[0].shape == (P, COLS) and ds.element_spec[1].shape == (P,)
 

@@ -1,4 +1,4 @@
-"""The custom training loop of docs/training.md equals DPModel.fit; microbatching; memory."""
+"""The custom training loop of docs/training.md equals a private model's fit; microbatching; memory."""
 
 import keras
 import numpy as np
@@ -53,7 +53,7 @@ def test_custom_loop_equals_fit_with_microbatches():
     for s in range(2):
         train_step(x[s * B : (s + 1) * B], y[s * B : (s + 1) * B], mask[s * B : (s + 1) * B])
 
-    # DPModel.fit with microbatches of 4 (6 = 4 + 2: a ragged last chunk)
+    # fit with microbatches of 4 (6 = 4 + 2: a ragged last chunk)
     private = make_private(_base(init), clipping="vectorized", microbatch_size=4)
     private.compile(optimizer=_opt(), loss=loss)
     private.fit(x, y, sample_weight=mask, batch_size=B, epochs=1, shuffle=False, verbose=0)

@@ -1,11 +1,11 @@
-"""DPModel / make_private: model kinds, sample weights, metrics, refusals, save/load."""
+"""make_private: model kinds, sample weights, metrics, refusals, save/load."""
 
 import keras
 import numpy as np
 import pytest
 
 from keras_noisecurve.mixing import MixingMatrix
-from keras_noisecurve.training import DPModel, DPOptimizer, NoiseCurveOptimizer, PrivateModel, make_private
+from keras_noisecurve.training import NoiseCurveOptimizer, PrivateModel, make_private
 
 B = 8
 
@@ -13,7 +13,7 @@ B = 8
 def _opt(**over):
     kw = dict(learning_rate=0.2, l2_norm_clip=1.0, noise_multiplier=0.0, expected_batch_size=B, seed=0)
     kw.update(over)
-    return DPOptimizer(**kw)
+    return NoiseCurveOptimizer(**kw)
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +41,7 @@ def _sequential():
 def _functional_dp():
     inp = keras.Input((4,))
     out = keras.layers.Dense(2)(keras.layers.Dense(4, activation="relu")(inp))
-    return DPModel(inp, out, clipping="vectorized")
+    return make_private(keras.Model(inp, out), clipping="vectorized")
 
 
 @pytest.mark.parametrize("kind", ["sequential", "functional", "subclassed"])
@@ -123,9 +123,9 @@ def test_metrics_ignore_padding_rows(data):
 
 def test_refusals():
     model = make_private(_sequential(), clipping="vectorized")
-    with pytest.raises(ValueError, match="DPOptimizer or NoiseCurveOptimizer"):
+    with pytest.raises(ValueError, match="compiled with a keras_noisecurve.NoiseCurveOptimizer"):
         model.compile(optimizer="sgd", loss="mse")
-    with pytest.raises(ValueError, match="DPOptimizer or NoiseCurveOptimizer"):
+    with pytest.raises(ValueError, match="compiled with a keras_noisecurve.NoiseCurveOptimizer"):
         model.compile(optimizer=keras.optimizers.SGD(), loss="mse")
     bn = keras.Sequential([keras.Input((4,)), keras.layers.BatchNormalization(), keras.layers.Dense(2)])
     with pytest.raises(ValueError, match="BatchNormalization.*mixes"):

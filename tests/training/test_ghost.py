@@ -421,13 +421,13 @@ def test_paper_cnn_with_its_groupnorm_layer():
     check_model(model, rng.normal(size=(P, 8, 8, 3)), rng.integers(0, 3, size=(P,)), loss_fn=loss)
 
 
-# ---------------------------------------------------------- DPModel integration
+# ---------------------------------------------------------- make_private integration
 
 
 def test_make_private_fit_with_ghost_takes_the_clipped_sgd_step():
     # One fit step with σ = 0 must move the weights by exactly −η·Σ_i clip(g_i)/B,
     # with the clipped sum from the independent per-example loop.
-    from keras_noisecurve.training import DPOptimizer, make_private
+    from keras_noisecurve.training import NoiseCurveOptimizer, make_private
 
     set_precision("float32")
     rng = np.random.default_rng(16)
@@ -443,7 +443,7 @@ def test_make_private_fit_with_ghost_takes_the_clipped_sgd_step():
     private = make_private(model, clipping="ghost")
     lr = 0.5
     private.compile(
-        optimizer=DPOptimizer(learning_rate=lr, l2_norm_clip=clip, noise_multiplier=0.0, expected_batch_size=P, seed=0),
+        optimizer=NoiseCurveOptimizer(learning_rate=lr, l2_norm_clip=clip, noise_multiplier=0.0, expected_batch_size=P, seed=0),
         loss="mse",
     )
     private.fit(x, y, batch_size=P, epochs=1, shuffle=False, verbose=0)

@@ -241,13 +241,13 @@ def test_unknown_batch_and_sequence_length_in_tf_function():
     assert step.experimental_get_tracing_count() == 1
 
 
-# ---------------------------------------------------------- DPModel integration
+# ---------------------------------------------------------- make_private integration
 
 
 def test_make_private_fit_lstm_classifier_takes_the_clipped_sgd_step():
     # One fit step with σ = 0 moves the weights by exactly −η·Σ_i clip(g_i)/B, the
     # clipped sum from the per-example loop; clipping="auto" picks the ghost engine.
-    from keras_noisecurve.training import DPOptimizer, make_private
+    from keras_noisecurve.training import NoiseCurveOptimizer, make_private
     from keras_noisecurve.training.clipping import get_engine
 
     set_precision("float32")
@@ -262,7 +262,7 @@ def test_make_private_fit_lstm_classifier_takes_the_clipped_sgd_step():
     assert get_engine("auto", private) is ghost_clipped_sum
     lr = 0.5
     private.compile(
-        optimizer=DPOptimizer(learning_rate=lr, l2_norm_clip=clip, noise_multiplier=0.0, expected_batch_size=P, seed=0),
+        optimizer=NoiseCurveOptimizer(learning_rate=lr, l2_norm_clip=clip, noise_multiplier=0.0, expected_batch_size=P, seed=0),
         loss="mse",
     )
     private.fit(x, y, batch_size=P, epochs=1, shuffle=False, verbose=0)

@@ -254,7 +254,7 @@ def test_learning_rate_scheduler_callback_drives_the_inner_rate(fit_data, fit_in
     assert float(model.optimizer.inner.learning_rate.numpy()) == pytest.approx(0.005)
 
 
-# ------------------------------------------------------------ DPModel.fit
+# ------------------------------------------------------------ make_private fit
 FIT_B, FIT_SEED = 8, 31
 FIT_C = random_banded_c(12, 3, rng=np.random.default_rng(5), diag_scale=0.5)
 

@@ -28,7 +28,7 @@ def test_keras_still_has_the_hook_with_the_signature_we_override():
         f"keras {keras.__version__} changed the signature of Optimizer.{HOOK}: "
         f"{inspect.signature(keras_hook)}"
     )
-    ours = optimizer_module.DPOptimizer.__dict__[HOOK]
+    ours = optimizer_module.NoiseCurveOptimizer.__dict__[HOOK]
     assert list(inspect.signature(ours).parameters) == SIGNATURE
     # Keras's TensorFlow backend reaches the hook from its per-step update.
     assert HOOK in inspect.getsource(keras.optimizers.Optimizer._backend_update_step)
@@ -46,14 +46,14 @@ def test_hook_builds_the_step_noise_once_per_step_before_every_variable_update(m
             built.append(tf.distribute.in_cross_replica_context())
             super().__init__(optimizer)
 
-    update_step = optimizer_module.DPOptimizer.update_step
+    update_step = optimizer_module.NoiseCurveOptimizer.update_step
 
     def recording_update_step(self, gradient, variable, learning_rate):
         fallback.append(self._step_noise is None)  # None: the hook did not run first
         return update_step(self, gradient, variable, learning_rate)
 
     monkeypatch.setattr(optimizer_module, "_StepNoise", CountingStepNoise)
-    monkeypatch.setattr(optimizer_module.DPOptimizer, "update_step", recording_update_step)
+    monkeypatch.setattr(optimizer_module.NoiseCurveOptimizer, "update_step", recording_update_step)
 
     strategy = tf.distribute.MirroredStrategy([d.name for d in devices[:replicas]])
     shapes = [(3, 2), (2,), (4,)]
@@ -90,4 +90,4 @@ def test_keras_still_builds_through_symbolic_build_with_the_signature_we_overrid
     assert keras_hook is not None, f"keras {keras.__version__} has no Model._symbolic_build"
     expected = ["self", "iterator", "data_batch"]
     assert list(inspect.signature(keras_hook).parameters) == expected
-    assert list(inspect.signature(dp_model._PrivateTraining._symbolic_build).parameters) == expected
+    assert list(inspect.signature(dp_model.PrivateModel._symbolic_build).parameters) == expected

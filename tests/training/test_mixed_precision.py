@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from keras_noisecurve.mixing import MixingMatrix
 from keras_noisecurve.privacy.run import PrivateRun
-from keras_noisecurve.training import DPOptimizer, NoiseCurveOptimizer, make_private
+from keras_noisecurve.training import NoiseCurveOptimizer, make_private
 from keras_noisecurve.training.dp_model import _train_loss
 from tests.training.helpers import random_banded_c
 
@@ -69,7 +69,7 @@ def _update(name, policy, clipping, sigma, clip=0.5):
     base, start = _built(name, policy)
     model = make_private(base, clipping=clipping)
     model.compile(
-        optimizer=DPOptimizer(learning_rate=1.0, l2_norm_clip=clip, noise_multiplier=sigma, expected_batch_size=B,
+        optimizer=NoiseCurveOptimizer(learning_rate=1.0, l2_norm_clip=clip, noise_multiplier=sigma, expected_batch_size=B,
                               seed=3),
         loss=LOSS,
     )
@@ -106,7 +106,7 @@ def test_norms_and_clipped_sums_are_float32(policy, name, clipping):
     out = {}
     for p in ("float32", policy):
         model = make_private(_built(name, p)[0], clipping=clipping)
-        model.compile(optimizer=DPOptimizer(learning_rate=0.1, noise_multiplier=1.0, expected_batch_size=B), loss=LOSS)
+        model.compile(optimizer=NoiseCurveOptimizer(learning_rate=0.1, noise_multiplier=1.0, expected_batch_size=B), loss=LOSS)
         out[p] = model._engine()(model, _train_loss(model._dp_loss_fn, 1.0), tf.constant(x), tf.constant(y), None,
                                   l2_norm_clip=0.5)
     mixed, exact = out[policy], out["float32"]
@@ -141,12 +141,12 @@ def test_float16_loss_scale_options_and_overflow_is_refused():
     x, y = _data("mlp", n=32)
     model = make_private(_built("mlp", "mixed_float16")[0])
     with pytest.raises(ValueError, match="LossScaleOptimizer is not supported"):
-        model.compile(optimizer=keras.optimizers.LossScaleOptimizer(DPOptimizer(learning_rate=0.1, noise_multiplier=1.0, expected_batch_size=B)), loss=LOSS)
+        model.compile(optimizer=keras.optimizers.LossScaleOptimizer(NoiseCurveOptimizer(learning_rate=0.1, noise_multiplier=1.0, expected_batch_size=B)), loss=LOSS)
     with pytest.raises(ValueError, match="power of two"):
-        model.compile(optimizer=DPOptimizer(learning_rate=0.1, noise_multiplier=1.0, expected_batch_size=B), loss=LOSS, loss_scale=100.0)
-    model.compile(optimizer=DPOptimizer(learning_rate=0.1, noise_multiplier=1.0, expected_batch_size=B), loss=LOSS, auto_scale_loss=False)
+        model.compile(optimizer=NoiseCurveOptimizer(learning_rate=0.1, noise_multiplier=1.0, expected_batch_size=B), loss=LOSS, loss_scale=100.0)
+    model.compile(optimizer=NoiseCurveOptimizer(learning_rate=0.1, noise_multiplier=1.0, expected_batch_size=B), loss=LOSS, auto_scale_loss=False)
     assert model._dp_loss_scale == 1.0
-    model.compile(optimizer=DPOptimizer(learning_rate=0.1, noise_multiplier=1.0, expected_batch_size=B), loss=LOSS, loss_scale=2.0**4)
+    model.compile(optimizer=NoiseCurveOptimizer(learning_rate=0.1, noise_multiplier=1.0, expected_batch_size=B), loss=LOSS, loss_scale=2.0**4)
     assert model._dp_loss_scale == 16.0
 
     # a scale that overflows float16 (65504): the step uses no data and fit raises after it

@@ -1,4 +1,4 @@
-"""DPOptimizer / NoiseCurveOptimizer: noise law, DP-SGD step by hand, guards, config."""
+"""NoiseCurveOptimizer / NoiseCurveOptimizer: noise law, DP-SGD step by hand, guards, config."""
 
 import warnings
 
@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 from keras_noisecurve.mixing import IdentityMixing, MixingMatrix
-from keras_noisecurve.training import DPOptimizer, NoiseCurveOptimizer, make_private
+from keras_noisecurve.training import NoiseCurveOptimizer, make_private
 from keras_noisecurve.training.noise import key_from_seed, standard_normal
 from tests.training.helpers import bandmf_like_c, random_banded_c
 
@@ -72,7 +72,7 @@ def test_noise_law_covariance(kind):
 
 
 def test_dpsgd_step_equals_textbook_by_hand():
-    """mixing='dpsgd' through DPModel.fit equals w − η(Σ clip(g_i) + ζσ z)/B computed by hand."""
+    """mixing='dpsgd' through a private model's fit equals w − η(Σ clip(g_i) + ζσ z)/B computed by hand."""
     keras.utils.set_random_seed(1)
     base = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
     w0 = [w.numpy() for w in base.trainable_variables]
@@ -108,18 +108,22 @@ def test_dpsgd_step_equals_textbook_by_hand():
         np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-6)
 
 
-def test_dpoptimizer_is_dpsgd_without_limit():
-    """DPOptimizer draws the same noise as NoiseCurveOptimizer('dpsgd') and has no step limit."""
+def test_default_strategy_is_dpsgd_without_limit():
+    """Without mixing= the optimizer is DP-SGD (C = I, no step plan): the same noise as
+    mixing="dpsgd", draw for draw, and its config round-trips to the same strategy."""
     v1, v2 = keras.Variable(np.zeros(30, np.float32)), keras.Variable(np.zeros(30, np.float32))
-    a = DPOptimizer(learning_rate=0.1, l2_norm_clip=1.0, noise_multiplier=1.0, expected_batch_size=2, seed=5)
+    a = NoiseCurveOptimizer(learning_rate=0.1, l2_norm_clip=1.0, noise_multiplier=1.0, expected_batch_size=2, seed=5)
     b = NoiseCurveOptimizer(learning_rate=0.1, mixing="dpsgd", l2_norm_clip=1.0, noise_multiplier=1.0,
                             expected_batch_size=2, seed=5)
     for _ in range(3):
         a.apply_clipped_sum([tf.ones(30)], [v1])
         b.apply_clipped_sum([tf.ones(30)], [v2])
     np.testing.assert_array_equal(v1.numpy(), v2.numpy())
+    assert not np.array_equal(v1.numpy(), np.full(30, -3 * 0.1 / 2, np.float32))  # noise was added
     assert a.noise.steps is None
     assert a.mixing == b.mixing == IdentityMixing() and not a.mixing.has_plan
+    assert a.get_config()["mixing"] == IdentityMixing().to_config() and a.name == "noisecurve_optimizer"
+    assert a.noise_state_bytes() == 0  # C = I keeps no noise state
 
 
 def test_step_past_plan_fails_in_eager_apply():
@@ -161,7 +165,7 @@ def _kw(**over):
 )
 def test_bad_arguments(over, match):
     with pytest.raises(ValueError, match=match):
-        DPOptimizer(**_kw(**over))
+        NoiseCurveOptimizer(**_kw(**over))
 
 
 def test_bad_mixing(tmp_path):
@@ -198,7 +202,7 @@ def test_mixing_from_path_and_learning_rate_warnings(tmp_path):
 def test_non_tensorflow_backend_is_refused(monkeypatch):
     monkeypatch.setattr(keras.backend, "backend", lambda: "jax")
     with pytest.raises(RuntimeError, match="TensorFlow Keras backend.*'jax'"):
-        DPOptimizer(**_kw())
+        NoiseCurveOptimizer(**_kw())
 
 
 def test_config_round_trip_every_argument():
@@ -212,19 +216,19 @@ def test_config_round_trip_every_argument():
     for name in ("l2_norm_clip", "noise_multiplier", "expected_batch_size", "seed", "name"):
         assert getattr(again, name) == getattr(opt, name)
     assert float(again.learning_rate.numpy()) == pytest.approx(0.3)
-    dp = DPOptimizer(**_kw(seed=None))
-    assert DPOptimizer.from_config(dp.get_config()).get_config() == dp.get_config()
+    dp = NoiseCurveOptimizer(**_kw(seed=None))
+    assert NoiseCurveOptimizer.from_config(dp.get_config()).get_config() == dp.get_config()
     assert dp.get_config()["seed"] is None  # the secret key never enters the config
 
 
 def test_plain_model_refused_at_first_step():
     """A plain keras.Model compiled with a DP optimizer fails, pointing to make_private."""
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
-    model.compile(optimizer=DPOptimizer(**_kw()), loss="mse")
+    model.compile(optimizer=NoiseCurveOptimizer(**_kw()), loss="mse")
     with pytest.raises(RuntimeError, match="make_private"):
         model.fit(np.ones((4, 2)), np.ones((4, 1)), verbose=0)
     with pytest.raises(RuntimeError, match="CLIPPED"):
-        DPOptimizer(**_kw()).apply_gradients([(tf.ones(2), keras.Variable(np.zeros(2, np.float32)))])
+        NoiseCurveOptimizer(**_kw()).apply_gradients([(tf.ones(2), keras.Variable(np.zeros(2, np.float32)))])
 
 
 @pytest.mark.parametrize("mixing", ["dpsgd", "identity", "banded"])

@@ -48,12 +48,13 @@ def test_fit_on_arrays_with_a_batch_size_is_refused(data):
     assert "PrivateRun" in message and "ndarray" in message
 
 
-@pytest.mark.parametrize("change", ["shuffle", "rebatch", "map", "prefetch", "unbatch_batch"])
+@pytest.mark.parametrize("change", ["unchanged", "shuffle", "rebatch", "map", "prefetch", "unbatch_batch"])
 def test_fit_on_a_changed_run_dataset_is_refused(data, change):
     run = PrivateRun(**PLAN, seed=1)
     model = _model(run)
-    ds = run.dataset(*data)
+    ds = run.dataset(*data).batches(model.optimizer)  # the custom-loop batches: not for fit
     changed = {
+        "unchanged": lambda: ds,
         "shuffle": lambda: ds.shuffle(4, seed=0),
         "rebatch": lambda: ds.rebatch(3),
         "map": lambda: ds.map(lambda *e: e),

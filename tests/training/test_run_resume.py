@@ -65,7 +65,7 @@ def _batches(run, data, optimizer):
     """Every batch of the plan, as the optimizer's run draws them from step 0."""
     fresh = PrivateRun(**PLAN)
     fresh._key = optimizer.sampling_key.numpy()  # the same secret key, position 0
-    return [tuple(np.asarray(a) for a in (e[0], e[2], e[3])) for e in fresh.dataset(*data).as_numpy_iterator()]
+    return [tuple(np.asarray(a) for a in (e[0], e[2], e[3])) for e in fresh.dataset(*data).batches().as_numpy_iterator()]
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +80,7 @@ def uninterrupted(data):
 
 def test_the_dataset_carries_step_indices_and_the_plan(data):
     run = _run()
-    elements = list(run.dataset(*data).as_numpy_iterator())
+    elements = list(run.dataset(*data).batches().as_numpy_iterator())
     assert len(elements) == STEPS
     sampler = run.sampler()
     for t, (xb, yb, mask, step) in enumerate(elements):
@@ -135,7 +135,7 @@ def test_tf_train_checkpoint_custom_loop(tmp_path, data, uninterrupted):
     model = _model(run)
     ckpt = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
     train = tf.function(model.train_step)
-    for batch in run.dataset(*data).take(3):
+    for batch in run.dataset(*data).batches(model.optimizer).take(3):
         train(batch)
     path = ckpt.save(str(tmp_path / "ckpt"))
 
@@ -144,7 +144,7 @@ def test_tf_train_checkpoint_custom_loop(tmp_path, data, uninterrupted):
     restored.optimizer.build(restored.trainable_variables)
     tf.train.Checkpoint(model=restored, optimizer=restored.optimizer).restore(path).assert_consumed()
     train = tf.function(restored.train_step)
-    for batch in other.dataset(*data):  # starts at step 3, with the restored key
+    for batch in other.dataset(*data).batches(restored.optimizer):  # starts at step 3, with the restored key
         train(batch)
     _assert_identical(_state(restored), uninterrupted[0])
 
@@ -153,15 +153,15 @@ def test_a_dataset_out_of_step_is_refused(data):
     run = _run()
     model = _model(run)
     model.fit(run.dataset(*data), verbose=0, epochs=1, steps_per_epoch=3)
-    # an unbound run of the same plan starts at batch 0: the optimizer is at step 3
-    stale = _run().dataset(*data)
+    # batches taken without the optimizer start at batch 0: the optimizer is at step 3
+    stale = _run().dataset(*data).batches()
     train = tf.function(model.train_step)
     with pytest.raises(tf.errors.InvalidArgumentError, match="another step than the optimizer"):
         train(next(iter(stale)))
     # a dataset reordered after run.dataset() (skip(1) would give batch 4 at step 3) is refused
     # by fit before any step (tests/training/test_run_data.py); by hand it fails the step check
     with pytest.raises(tf.errors.InvalidArgumentError, match="restarted at batch 0"):
-        train(next(iter(run.dataset(*data).skip(1))))
+        train(next(iter(run.dataset(*data).batches(model.optimizer).skip(1))))
 
 
 def test_fit_refuses_another_plan_and_a_complete_plan(data):
@@ -191,9 +191,9 @@ def test_mirrored_strategy_fit_equals_one_device(data, uninterrupted):
     run = _run()
     with strategy.scope():
         model = _model(run)
-        ds = run.dataset(*data)
-    assert ds.element_spec[0].shape[0] % 2 == 0  # P rounded up to the replicas
-    model.fit(ds, verbose=0)
+        spec = run.dataset(*data).batches(model.optimizer).element_spec
+    assert spec[0].shape[0] % 2 == 0  # P rounded up to the replicas
+    model.fit(run.dataset(*data), verbose=0)  # fit takes the batches under the model's strategy
     weights, _, key, steps = _state(model)
     assert steps == STEPS
     for a, b in zip(weights, uninterrupted[0][0]):

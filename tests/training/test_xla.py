@@ -10,7 +10,7 @@ import tensorflow as tf
 
 from keras_noisecurve.mixing import MixingMatrix
 from keras_noisecurve.privacy.run import PrivateRun
-from keras_noisecurve.training import DPOptimizer, NoiseCurveOptimizer, make_private
+from keras_noisecurve.training import NoiseCurveOptimizer, make_private
 from tests.training.helpers import random_banded_c
 
 N, B, STEPS, BANDS = 48, 6, 10, 3
@@ -111,7 +111,7 @@ def _batch(data, step):
 
 
 def test_an_xla_step_with_a_wrong_step_index_leaves_the_weights_unchanged(data):
-    model = _private_mlp(DPOptimizer(learning_rate=0.3, noise_multiplier=0.0, expected_batch_size=B), jit=True)
+    model = _private_mlp(NoiseCurveOptimizer(learning_rate=0.3, noise_multiplier=0.0, expected_batch_size=B), jit=True)
     train = tf.function(model.train_step, jit_compile=True)
     before = model.get_weights()
     train(_batch(data, 5))  # the optimizer is at step 0
@@ -164,7 +164,7 @@ def test_the_noise_stream_under_xla_is_tensorflows_philox_stream():
 def test_layers_xla_cannot_compile_fail_clearly(data):
     recurrent = make_private(keras.Sequential([keras.Input((5, 3)), keras.layers.LSTM(4), keras.layers.Dense(2)]))
     with pytest.raises(ValueError, match="'lstm.*' \\(LSTM\\) is recurrent.*jit_compile=False"):
-        recurrent.compile(optimizer=DPOptimizer(learning_rate=0.1, noise_multiplier=1.0, expected_batch_size=B), loss=LOSS, jit_compile=True)
+        recurrent.compile(optimizer=NoiseCurveOptimizer(learning_rate=0.1, noise_multiplier=1.0, expected_batch_size=B), loss=LOSS, jit_compile=True)
 
     class HostCopy(keras.layers.Layer):  # a host (numpy) op: no XLA kernel
         def call(self, x):

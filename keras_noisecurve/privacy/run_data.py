@@ -1,0 +1,119 @@
+"""``RunData``: the private examples of a :class:`~keras_noisecurve.privacy.run.PrivateRun`,
+what ``run.dataset(x, y)`` returns and a private model's ``fit`` takes.
+
+The run flows one way: the optimizer made from the run (``NoiseCurveOptimizer(run=run)``)
+holds the run, its step counter and the run's secret sampling key; the run holds no
+optimizer, and a ``RunData`` holds only the run and the examples. The batches are a
+``tf.data.Dataset`` built from a ``RunData`` FOR an optimizer, :meth:`RunData.batches`:
+
+- ``model.fit(run.dataset(x, y))``: ``fit`` calls ``batches(model.optimizer)`` itself;
+- a custom loop: ``for batch in run.dataset(x, y).batches(optimizer): ...``.
+
+Where the sequence starts is decided when the dataset is ITERATED: it reads
+``optimizer.sampling_position()`` (the optimizer's step and sampling key), so a
+restored model (``BackupAndRestore``, ``load_model``, ``tf.train.Checkpoint``)
+continues with batch k of the same plan when its optimizer stands at step k.
+
+This module imports TensorFlow only inside :meth:`RunData.batches`.
+"""
+
+from __future__ import annotations
+
+from keras_noisecurve.privacy.sources import as_source
+
+__all__ = ["RunData"]
+
+
+class RunData:
+    """The examples of a run, ready to be sampled (``run.dataset(x, y, ...)``).
+
+    Args:
+      run: the ``PrivateRun``.
+      x, y, sample_weight, example_fn: the private examples, anything
+        :func:`keras_noisecurve.privacy.sources.as_source` accepts; exactly
+        ``run.num_examples`` of them (``ValueError`` otherwise).
+
+    A ``RunData`` is not iterable itself: give it to a private model's ``fit``, or take
+    its batches for an optimizer with :meth:`batches`.
+    """
+
+    def __init__(self, run, x, y=None, *, sample_weight=None, example_fn=None):
+        source = as_source(x, y, sample_weight=sample_weight, example_fn=example_fn)
+        if source.num_examples != run.num_examples:
+            raise ValueError(
+                f"the data has {source.num_examples} examples but the run was planned for num_examples="
+                f"{run.num_examples}: the sampling probability and the privacy guarantee assume n examples."
+            )
+        self._run = run
+        self._source = source
+
+    @property
+    def run(self):
+        """The ``PrivateRun`` whose plan samples these examples."""
+        return self._run
+
+    @property
+    def source(self):
+        """The ``ExampleSource`` the batches gather from."""
+        return self._source
+
+    def batches(self, optimizer=None, *, input_context=None):
+        """The batches of the plan as a ``tf.data.Dataset``, from ``optimizer``'s step on.
+
+        Args:
+          optimizer: the optimizer made from this plan (``NoiseCurveOptimizer(run=...)``,
+            or one restored from its checkpoint): iteration starts at its step,
+            ``optimizer.iterations``, with the sampling key it saves. ``None``: from step
+            0 with the run's own key (to inspect the plan; a training loop gives its
+            optimizer, or a resumed run restarts at batch 0 and the step check refuses it).
+          input_context: a ``tf.distribute.InputContext`` (from
+            ``strategy.distribute_datasets_from_function``): the dataset then yields this
+            input pipeline's per-replica shares of every global batch.
+
+        Returns:
+          A dataset of ``(x, y, mask, step)``: x, y with leading dimension P' (the padded
+          size P, rounded up to a multiple of the replicas in sync, divided by them when
+          sharded by ``input_context``), ``mask`` float32 (P',) (1 = real example, times
+          ``sample_weight``), ``step`` int64 (P',) (every entry the step index t). It ends
+          at step T.
+
+        Raises ``ValueError`` for an optimizer not made from a run, or made from another plan.
+        """
+        from keras_noisecurve.privacy.pipeline import plan_dataset
+
+        run = self._run
+        if optimizer is None:
+            key = run.initial_key()
+
+            def position():
+                return 0, key
+        else:
+            check_optimizer(run, optimizer)
+            position = optimizer.sampling_position
+        return plan_dataset(run, self._source, position=position, input_context=input_context)
+
+    def __iter__(self):
+        raise TypeError(
+            "run.dataset(x, y) is not iterable itself: give it to a private model's fit(), or iterate its "
+            "batches for your optimizer, run.dataset(x, y).batches(optimizer) (they start at the optimizer's step)."
+        )
+
+    def __repr__(self) -> str:
+        return f"RunData({self._run!r}, {self._source!r})"
+
+
+def check_optimizer(run, optimizer) -> None:
+    """Refuse (``ValueError``) an optimizer that was not made from a run of ``run``'s plan:
+    it would not save the sampling key and position, or it belongs to another run."""
+    other = getattr(optimizer, "run", None)
+    if other is None:
+        raise ValueError(
+            f"{type(optimizer).__name__} was not created for a PrivateRun: it does not save the run's "
+            "sampling key and position, so a resumed run could not continue its batches. Create it with "
+            "NoiseCurveOptimizer(run=run, ...)."
+        )
+    if not run.same_plan(other):
+        raise ValueError(
+            f"the optimizer was created for another plan ({other!r}) than this dataset's ({run!r}): "
+            "the batches and the noise would not belong to one run."
+        )
