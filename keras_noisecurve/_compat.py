@@ -49,13 +49,13 @@ __all__ = [
 #: overrides it.
 PRIVATE_OVERRIDES = (
     # weight decay is delegated to the inner optimizer (Keras applies it before update_step)
-    ("keras_noisecurve.training.optimizer.DPOptimizer", "keras.optimizers.Optimizer",
+    ("keras_noisecurve.training.optimizer.NoiseCurveOptimizer", "keras.optimizers.Optimizer",
      "_apply_weight_decay", ("self", "variables")),
     # once per step in cross-replica context, around the per-variable update_step calls
-    ("keras_noisecurve.training.optimizer.DPOptimizer", "keras.optimizers.Optimizer",
+    ("keras_noisecurve.training.optimizer.NoiseCurveOptimizer", "keras.optimizers.Optimizer",
      "_distributed_tf_update_step", ("self", "distribution", "grads_and_vars", "learning_rate")),
     # the model is built from one batch under a tf.distribute strategy (a run's step index left out)
-    ("keras_noisecurve.training.dp_model.DPModel", "keras.Model",
+    ("keras_noisecurve.training.dp_model.PrivateModel", "keras.Model",
      "_symbolic_build", ("self", "iterator", "data_batch")),
 )
 

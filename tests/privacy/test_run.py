@@ -105,8 +105,8 @@ def test_batches_without_an_optimizer_start_at_step_zero_with_the_runs_key():
     run = PrivateRun(num_examples=100, batch_size=5, steps=8, noise_multiplier=1.0, delta=1e-5, seed=9)
     np.testing.assert_array_equal(run.initial_key(), key_from_seed(9))
     np.testing.assert_array_equal(run.sampler().batch(0)[0], BatchSampler(
-        num_examples=100, batch_size=5, bands=1, steps=8, padded_size=run.padded_batch_size,
-        sampling="cyclic_poisson", key=key_from_seed(9)).batch(0)[0])
+        spec=RunSpec(num_examples=100, batch_size=5, bands=1, steps=8, sampling="cyclic_poisson"),
+        padded_size=run.padded_batch_size, key=key_from_seed(9)).batch(0)[0])
     data = run.dataset(np.zeros((100, 2), np.float32), np.zeros(100, np.int64))
     with pytest.raises(ValueError, match="not created for a PrivateRun"):
         data.batches(object())

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from keras_noisecurve.privacy.events import RunSpec
 from keras_noisecurve.privacy.run import PrivateRun
 from keras_noisecurve.privacy.run_data import RunData
 from keras_noisecurve.privacy.sampler import BatchSampler
@@ -84,8 +85,8 @@ def test_custom_loop_batches_resume_at_the_optimizers_step_with_its_key(data):
     other = PrivateRun(**PLAN, seed=None)
     key = opt.sampling_key.numpy()
     assert not np.array_equal(key, other.initial_key())
-    sampler = BatchSampler(num_examples=N, batch_size=B, bands=1, steps=STEPS,
-                           padded_size=run.padded_batch_size, sampling="cyclic_poisson", key=key)
+    sampler = BatchSampler(spec=RunSpec(num_examples=N, batch_size=B, bands=1, steps=STEPS, sampling="cyclic_poisson"),
+                           padded_size=run.padded_batch_size, key=key)
     rest = list(other.dataset(*data).batches(opt).as_numpy_iterator())
     assert [int(b[3][0]) for b in rest] == list(range(2, STEPS))
     for t, (xb, _, mask, _) in zip(range(2, STEPS), rest):
