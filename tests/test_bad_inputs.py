@@ -241,6 +241,9 @@ def test_python_optimizer_has_no_silent_defaults(files):
     _one_line_error(lambda: NoiseCurveOptimizer(learning_rate=0.1, mixing=bandmf, expected_batch_size=4),
                     "noise_multiplier")
     _one_line_error(lambda: NoiseCurveOptimizer(learning_rate=0.1, expected_batch_size=4), "noise_multiplier")
+    # sigma = 0 is no privacy: refused here as by the run and compute_epsilon
+    _one_line_error(lambda: NoiseCurveOptimizer(learning_rate=0.1, noise_multiplier=0.0, expected_batch_size=4),
+                    "noise_multiplier")
     _one_line_error(lambda: NoiseCurveOptimizer(learning_rate=0.1, mixing=files["truncated"], noise_multiplier=1.0,
                                                 expected_batch_size=4), files["truncated"])
     _one_line_error(lambda: NoiseCurveOptimizer(learning_rate=-0.1, noise_multiplier=1.0, expected_batch_size=4),

@@ -97,7 +97,7 @@ class NoiseCurveOptimizer(keras.optimizers.Optimizer):
         ``"dpsgd"``/``None`` (default): C = I without a step plan (independent noise,
         no step limit). Training refuses step t ≥ T of a C with a plan.
       l2_norm_clip: ζ > 0, the per-example L2 clipping norm (used by the private model).
-      noise_multiplier: σ ≥ 0, required (no default; with ``run=`` the run's); the noise
+      noise_multiplier: σ > 0 (σ = 0 would be no privacy: refused), required (no default; with ``run=`` the run's); the noise
         standard deviation is ζ·σ on the sum.
       expected_batch_size: B ≥ 1, the EXPECTED batch size of the (Poisson) sampler.
         The sum is divided by B, never by the actual batch size (which would leak it).

@@ -127,7 +127,7 @@ def check_inner(inner, private_type):
 
 
 def check_noise_arguments(*, l2_norm_clip, noise_multiplier, expected_batch_size, seed):
-    """``(ζ, σ, B, seed)`` validated: ζ > 0, σ ≥ 0 (required), B ≥ 1 (required), seed
+    """``(ζ, σ, B, seed)`` validated: ζ > 0, σ > 0 (required), B ≥ 1 (required), seed
     ``None`` or an int in [0, 2⁶³)."""
     l2_norm_clip = check_float("l2_norm_clip", l2_norm_clip, positive=True)
     if noise_multiplier is None:
@@ -136,7 +136,7 @@ def check_noise_arguments(*, l2_norm_clip, noise_multiplier, expected_batch_size
             "(NoiseCurveOptimizer(run=PrivateRun(..., epsilon=...)), which calibrates it) or the sigma your "
             "accounting used."
         )
-    noise_multiplier = check_float("noise_multiplier", noise_multiplier, nonnegative=True)
+    noise_multiplier = check_float("noise_multiplier", noise_multiplier, positive=True)  # sigma = 0: no privacy
     if expected_batch_size is None:
         raise ValueError(
             "expected_batch_size is required: the noisy sum is divided by the EXPECTED batch "

@@ -107,3 +107,12 @@ def loop_reference(model, loss_fn, x, y, w, clip):
         for k, g in enumerate(grads):
             total[k] += factor * g
     return np.array(norms), total
+
+
+def noiseless(optimizer):
+    """``optimizer`` with σ = 0 (no noise, no privacy) for exact comparisons in tests.
+
+    The optimizer refuses ``noise_multiplier=0`` (σ = 0 is no privacy); tests that compare a
+    private step with a noise-free reference set it after construction, before the first step."""
+    optimizer.noise_multiplier = 0.0
+    return optimizer

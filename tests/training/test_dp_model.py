@@ -4,6 +4,7 @@ import keras
 import numpy as np
 import pytest
 
+from tests.training.helpers import noiseless
 from keras_noisecurve.mixing import MixingMatrix
 from keras_noisecurve.training import NoiseCurveOptimizer, PrivateModel, make_private
 
@@ -11,9 +12,9 @@ B = 8
 
 
 def _opt(**over):
-    kw = dict(learning_rate=0.2, l2_norm_clip=1.0, noise_multiplier=0.0, expected_batch_size=B, seed=0)
+    kw = dict(learning_rate=0.2, l2_norm_clip=1.0, noise_multiplier=1.0, expected_batch_size=B, seed=0)
     kw.update(over)
-    return NoiseCurveOptimizer(**kw)
+    return noiseless(NoiseCurveOptimizer(**kw)) if "noise_multiplier" not in over else NoiseCurveOptimizer(**kw)
 
 
 @pytest.fixture(scope="module")

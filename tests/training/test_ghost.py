@@ -17,6 +17,7 @@ import pytest
 import tensorflow as tf
 import keras
 
+from tests.training.helpers import noiseless
 from keras_noisecurve.training.clipping import vectorized_clipped_sum
 from keras_noisecurve.training.ghost import describe, ghost_clipped_sum, supports
 from keras_noisecurve.training import ghost_conv, ghost_layers, kernels
@@ -443,7 +444,8 @@ def test_make_private_fit_with_ghost_takes_the_clipped_sgd_step():
     private = make_private(model, clipping="ghost")
     lr = 0.5
     private.compile(
-        optimizer=NoiseCurveOptimizer(learning_rate=lr, l2_norm_clip=clip, noise_multiplier=0.0, expected_batch_size=P, seed=0),
+        optimizer=noiseless(NoiseCurveOptimizer(learning_rate=lr, l2_norm_clip=clip, noise_multiplier=1.0,
+                                                expected_batch_size=P, seed=0)),
         loss="mse",
     )
     private.fit(x, y, batch_size=P, epochs=1, shuffle=False, verbose=0)

@@ -16,6 +16,7 @@ import pytest
 import tensorflow as tf
 import keras
 
+from tests.training.helpers import noiseless
 from keras_noisecurve.training import ghost
 from keras_noisecurve.training.ghost import ghost_clipped_sum, supports
 from keras_noisecurve.training.ghost_layers import find_rule
@@ -262,7 +263,8 @@ def test_make_private_fit_lstm_classifier_takes_the_clipped_sgd_step():
     assert get_engine("auto", private) is ghost_clipped_sum
     lr = 0.5
     private.compile(
-        optimizer=NoiseCurveOptimizer(learning_rate=lr, l2_norm_clip=clip, noise_multiplier=0.0, expected_batch_size=P, seed=0),
+        optimizer=noiseless(NoiseCurveOptimizer(learning_rate=lr, l2_norm_clip=clip, noise_multiplier=1.0,
+                                                expected_batch_size=P, seed=0)),
         loss="mse",
     )
     private.fit(x, y, batch_size=P, epochs=1, shuffle=False, verbose=0)

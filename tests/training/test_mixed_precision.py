@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests.training.helpers import noiseless
 from keras_noisecurve.mixing import MixingMatrix
 from keras_noisecurve.privacy.run import PrivateRun
 from keras_noisecurve.training import NoiseCurveOptimizer, make_private
@@ -64,13 +65,17 @@ def _built(name, policy):
     return model, weights
 
 
+def _with_sigma(optimizer, sigma):
+    return noiseless(optimizer) if sigma == 0 else optimizer
+
+
 def _update(name, policy, clipping, sigma, clip=0.5):
     """Δw of one private train_step (flattened), and the private model."""
     base, start = _built(name, policy)
     model = make_private(base, clipping=clipping)
     model.compile(
-        optimizer=NoiseCurveOptimizer(learning_rate=1.0, l2_norm_clip=clip, noise_multiplier=sigma, expected_batch_size=B,
-                              seed=3),
+        optimizer=_with_sigma(NoiseCurveOptimizer(learning_rate=1.0, l2_norm_clip=clip, noise_multiplier=sigma or 1.0,
+                                                  expected_batch_size=B, seed=3), sigma),
         loss=LOSS,
     )
     x, y = _data(name)

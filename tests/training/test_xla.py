@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests.training.helpers import noiseless
 from keras_noisecurve.mixing import MixingMatrix
 from keras_noisecurve.privacy.run import PrivateRun
 from keras_noisecurve.training import NoiseCurveOptimizer, make_private
@@ -111,7 +112,7 @@ def _batch(data, step):
 
 
 def test_an_xla_step_with_a_wrong_step_index_leaves_the_weights_unchanged(data):
-    model = _private_mlp(NoiseCurveOptimizer(learning_rate=0.3, noise_multiplier=0.0, expected_batch_size=B), jit=True)
+    model = _private_mlp(noiseless(NoiseCurveOptimizer(learning_rate=0.3, noise_multiplier=1.0, expected_batch_size=B)), jit=True)
     train = tf.function(model.train_step, jit_compile=True)
     before = model.get_weights()
     train(_batch(data, 5))  # the optimizer is at step 0
@@ -127,7 +128,8 @@ def test_an_xla_step_with_a_wrong_step_index_leaves_the_weights_unchanged(data):
 def test_an_xla_step_past_the_plan_is_refused(data):
     plan = MixingMatrix.identity(2)
     model = _private_mlp(
-        NoiseCurveOptimizer(learning_rate=0.3, mixing=plan, noise_multiplier=0.0, expected_batch_size=B, seed=1),
+        noiseless(NoiseCurveOptimizer(learning_rate=0.3, mixing=plan, noise_multiplier=1.0, expected_batch_size=B,
+                                      seed=1)),
         jit=True,
     )
     x, y = data
