@@ -106,9 +106,14 @@ def conv_example_grads(images, filter_hw, strides, padding, chunk=None) -> Examp
     c_in, c_out = images[0][0].shape[-1], images[0][1].shape[-1]
     width = filter_hw[0] * filter_hw[1] * c_in
 
+    static_p = images[0][0].shape[0]
+    filled = static_p is not None and static_p % chunk == 0  # every chunk full: no padding
+
     def take(t, i):
         """Examples i·chunk … i·chunk + chunk − 1 of t, zero-padded to ``chunk`` rows."""
         part = t[i * chunk : (i + 1) * chunk]
+        if filled:
+            return part
         return tf.pad(part, [[0, chunk - tf.shape(part)[0]]] + [[0, 0]] * (t.shape.rank - 1))
 
     def per_chunk(i):
@@ -116,8 +121,9 @@ def conv_example_grads(images, filter_hw, strides, padding, chunk=None) -> Examp
         total = 0.0
         for a, g in images:
             a, g = take(a, i), take(g, i)  # a (chunk, H, W, c_in), g (chunk, H', W', c_out)
-            a = tf.reshape(tf.transpose(a, [1, 2, 0, 3]), [1, *dims(a)[1:3], chunk * c_in])
-            g = tf.reshape(tf.transpose(g, [1, 2, 0, 3]), [1, *dims(g)[1:3], chunk * c_out])
+            if chunk > 1:  # the chunk's examples side by side in the channels
+                a = tf.reshape(tf.transpose(a, [1, 2, 0, 3]), [1, *dims(a)[1:3], chunk * c_in])
+                g = tf.reshape(tf.transpose(g, [1, 2, 0, 3]), [1, *dims(g)[1:3], chunk * c_out])
             kernel = tf.compat.v1.nn.conv2d_backprop_filter(
                 a, [*filter_hw, c_in, chunk * c_out], g, strides=[1, *strides, 1], padding=padding
             )
