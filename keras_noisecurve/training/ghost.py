@@ -21,9 +21,10 @@ this engine never does:
    with ``c`` held constant. Rather than a second backward pass through the whole
    network, each layer assembles its part from the same ``(a, c ⊙ g)``
    ("book-keeping", Bu et al. 2022): e.g. ``Σ_{i,l} a_il (c_i g_il)ᵀ`` for a kernel,
-   exactly the weight-gradient step of an ordinary backward pass. Total cost: one
-   forward, one backward without weight gradients, the norms, one weight-gradient
-   step.
+   exactly the weight-gradient step of an ordinary backward pass; a convolution whose
+   per-example kernel gradients step 3 formed sums them, ``Σ_i c_i ∂K_i``, instead.
+   Total cost: one forward, one backward without weight gradients, the norms, one
+   weight-gradient step.
 
 Recording works by temporarily replacing the ``call`` of each supported layer
 instance with a wrapper for the duration of the forward pass (under a lock, with a

@@ -24,9 +24,10 @@ from keras_noisecurve.training.ghost_common import (
 )
 
 
-#: examples per grouped Conv2DBackpropFilter in :func:`conv_sq_norms` where that kernel
-#: runs; 4 was the fastest of 1, 4, 8, 16 for each conv of the benchmark CNN (oneDNN CPU).
-CONV_CHUNK = 4
+#: examples per grouped Conv2DBackpropFilter in :func:`conv_example_grads` where that kernel
+#: runs; 16 was the fastest overall of 4, 8, 16, 32 for the convs of the benchmark CNN at B = 64, 128
+#: and 256 (oneDNN CPU; 4 took 1.4–2.2× as long, 8 1.0–1.45×, 32 0.75–1.2×).
+CONV_CHUNK = 16
 
 
 def conv_chunk(dtype, device: str | None = None) -> int:
@@ -44,13 +45,51 @@ def conv_chunk(dtype, device: str | None = None) -> int:
     return CONV_CHUNK if grouped else 1
 
 
-def conv_sq_norms(images, filter_hw, strides, padding, chunk=None) -> tf.Tensor:
-    """Per-example squared norm of a 2-D convolution's kernel gradient (groups = 1).
+class ExampleKernelGrads:
+    """Per-example kernel gradients of a 2-D convolution, in the layout they are made.
+
+    ``blocks`` (n, k_h·k_w·c_in, chunk, c_out): example ``i`` is column ``i mod chunk``
+    of block ``i // chunk`` (the last block zero-padded past ``examples``); its
+    kernel gradient, reshaped to (k_h, k_w, c_in, c_out), is ``blocks[i // chunk, :, i mod chunk, :]``
+    summed over the layer's calls. Kept in this layout (no transpose) for
+    :meth:`sq_norms` and :meth:`weighted_sum`.
+    """
+
+    def __init__(self, blocks, examples):
+        self.blocks = blocks
+        self.examples = examples  # P, a Python int or a scalar tensor
+
+    def sq_norms(self) -> tf.Tensor:
+        """(P,): ‖∂K_i‖²_F per example."""
+        return tf.reshape(tf.reduce_sum(tf.square(self.blocks), axis=[1, 3]), [-1])[: self.examples]
+
+    def weighted_sum(self, scale) -> tf.Tensor:
+        """(k_h·k_w·c_in, c_out): ``Σ_i scale_i ∂K_i`` for ``scale`` (P,)."""
+        n, chunk = tf.shape(self.blocks)[0], self.blocks.shape[2]
+        scale = tf.reshape(tf.pad(scale, [[0, n * chunk - tf.shape(scale)[0]]]), [n, chunk])
+        return tf.einsum("nkcm,nc->km", self.blocks, tf.cast(scale, self.blocks.dtype))
+
+
+def _check_chunk(chunk, dtype, device):
+    if chunk is None:
+        return conv_chunk(dtype, device)
+    if chunk > 1 and conv_chunk(dtype, device) == 1:
+        raise ValueError(
+            f"conv_sq_norms(chunk={chunk}) needs a grouped Conv2DBackpropFilter, which TensorFlow's "
+            f"{device} kernels do not run in {tf.as_dtype(dtype).name} in this process (on CPUs it needs "
+            "oneDNN: TF_ENABLE_ONEDNN_OPTS=1); use chunk=1 or leave chunk=None to choose automatically."
+        )
+    return chunk
+
+
+def conv_example_grads(images, filter_hw, strides, padding, chunk=None) -> ExampleKernelGrads:
+    """Per-example kernel gradients of a 2-D convolution (groups = 1, dilation 1).
 
     ``images``: the layer's calls as pairs ``(a, g)`` of channels-last input images
     a (P, H, W, c_in) and output gradients g (P, H', W', c_out); ``filter_hw``,
-    ``strides`` (2 ints each) and ``padding`` (``"SAME"``/``"VALID"``) as the layer,
-    dilation 1. Returns (P,): ‖Σ_calls ∂K_i‖² per example.
+    ``strides`` (2 ints each) and ``padding`` (``"SAME"``/``"VALID"``) as the layer.
+    Returns :class:`ExampleKernelGrads` holding ``∂K_i = Σ_calls Σ_positions
+    patch(a_i) ⊗ g_i`` for every example i (memory P·k²·c_in·c_out).
 
     Examples are taken ``chunk`` at a time in a ``tf.map_fn``. With ``chunk = 1``
     each example's kernel gradient is one plain ``Conv2DBackpropFilter``. With
@@ -58,59 +97,92 @@ def conv_sq_norms(images, filter_hw, strides, padding, chunk=None) -> tf.Tensor:
     ``Conv2DBackpropFilter`` (input (1, H, W, chunk·c_in), filter
     (kh, kw, c_in, chunk·c_out)), whose filter gradient is the chunk's per-example
     kernel gradients side by side, with no cross-example terms; only some kernels
-    run that (:func:`conv_chunk`). Memory P·k²·c_in·c_out at most
-    (chunk·k²·c_in·c_out per iteration). ``chunk`` defaults to :func:`conv_chunk`;
-    an explicit ``chunk > 1`` where the grouped kernel does not run is a
-    ``ValueError`` (raised while tracing, before any step runs).
+    run that (:func:`conv_chunk`). ``chunk`` defaults to :func:`conv_chunk`; an
+    explicit ``chunk > 1`` where the grouped kernel does not run is a ``ValueError``
+    (raised while tracing, before any step runs).
     """
     dtype = images[0][0].dtype
-    device = _kernels.device_type(images[0][0])
-    if chunk is None:
-        chunk = conv_chunk(dtype, device)
-    elif chunk > 1 and conv_chunk(dtype, device) == 1:
-        raise ValueError(
-            f"conv_sq_norms(chunk={chunk}) needs a grouped Conv2DBackpropFilter, which TensorFlow's "
-            f"{device} kernels do not run in {tf.as_dtype(dtype).name} in this process (on CPUs it needs "
-            "oneDNN: TF_ENABLE_ONEDNN_OPTS=1); use chunk=1 or leave chunk=None to choose automatically."
-        )
+    chunk = _check_chunk(chunk, dtype, _kernels.device_type(images[0][0]))
     p = tf.shape(images[0][0])[0]
+    c_in, c_out = images[0][0].shape[-1], images[0][1].shape[-1]
+    width = filter_hw[0] * filter_hw[1] * c_in
+
+    static_p = images[0][0].shape[0]
+    filled = static_p is not None and static_p % chunk == 0  # every chunk full: no padding
 
     def take(t, i):
         """Examples i·chunk … i·chunk + chunk − 1 of t, zero-padded to ``chunk`` rows."""
         part = t[i * chunk : (i + 1) * chunk]
+        if filled:
+            return part
         return tf.pad(part, [[0, chunk - tf.shape(part)[0]]] + [[0, 0]] * (t.shape.rank - 1))
 
     def per_chunk(i):
-        """Σ_calls per-example kernel gradient of chunk i, squared and summed: (chunk,)."""
+        """Σ_calls per-example kernel gradients of chunk i: (k²·c_in, chunk, c_out)."""
         total = 0.0
         for a, g in images:
             a, g = take(a, i), take(g, i)  # a (chunk, H, W, c_in), g (chunk, H', W', c_out)
-            c_in, c_out = a.shape[-1], g.shape[-1]
-            a = tf.reshape(tf.transpose(a, [1, 2, 0, 3]), [1, *dims(a)[1:3], chunk * c_in])
-            g = tf.reshape(tf.transpose(g, [1, 2, 0, 3]), [1, *dims(g)[1:3], chunk * c_out])
+            if chunk > 1:  # the chunk's examples side by side in the channels
+                a = tf.reshape(tf.transpose(a, [1, 2, 0, 3]), [1, *dims(a)[1:3], chunk * c_in])
+                g = tf.reshape(tf.transpose(g, [1, 2, 0, 3]), [1, *dims(g)[1:3], chunk * c_out])
             kernel = tf.compat.v1.nn.conv2d_backprop_filter(
                 a, [*filter_hw, c_in, chunk * c_out], g, strides=[1, *strides, 1], padding=padding
             )
-            total += tf.reshape(kernel, [-1, chunk, c_out])  # (k²·c_in, chunk, c_out)
-        return tf.reduce_sum(tf.square(total), axis=[0, 2])
+            total += tf.reshape(kernel, [width, chunk, c_out])
+        return total
 
     # slices are taken inside the loop: no copy of the whole batch (as map_fn's
     # unstacking of its inputs would make)
-    sq = tf.map_fn(per_chunk, tf.range((p + chunk - 1) // chunk), fn_output_signature=tf.TensorSpec([chunk], dtype))
-    return tf.reshape(sq, [-1])[:p]
+    blocks = tf.map_fn(
+        per_chunk, tf.range((p + chunk - 1) // chunk), fn_output_signature=tf.TensorSpec([width, chunk, c_out], dtype)
+    )
+    return ExampleKernelGrads(blocks, p)
+
+
+def conv_sq_norms(images, filter_hw, strides, padding, chunk=None) -> tf.Tensor:
+    """Per-example squared norm of a 2-D convolution's kernel gradient (groups = 1).
+
+    Arguments as :func:`conv_example_grads`; returns (P,): ‖Σ_calls ∂K_i‖²_F per example.
+    """
+    return conv_example_grads(images, filter_hw, strides, padding, chunk).sq_norms()
+
+
+def materialise_conv(length, d_in, d_out) -> bool:
+    """Whether :class:`ConvRule` forms a conv layer's per-example kernel gradients.
+
+    ``length``: L output positions per example (summed over the layer's calls; ``None``
+    when not static), ``d_in`` = k²·c_in, ``d_out`` = c_out. True when L² ≥ d_in·d_out:
+    the Gram matrices (P·L² numbers, P·L²·(d_in + d_out) multiply-adds) would be at
+    least as large as the per-example gradients. Counting multiply-adds alone would
+    favour the per-example gradients more often, but they run as many small
+    ``Conv2DBackpropFilter`` calls at a fraction of the batched kernel's speed; on the
+    benchmark CNN's third conv (L = 64, d_in = 288, d_out = 64) the Gram form plus the
+    batched weight-gradient step was the faster (bench_step, docs/performance.md).
+    ``None`` length: False (the Gram form).
+    """
+    return length is not None and length * length >= d_in * d_out
 
 
 class ConvRule(Rule):
     """``keras.layers.Conv1D`` / ``Conv2D`` with ``groups=1``.
 
-    When L² ≥ k²·c_in·c_out (and dilation 1) the per-example kernel gradients are
-    formed directly, without patches, by :func:`conv_sq_norms` (one
-    ``Conv2DBackpropFilter`` per example, or one grouped call per chunk of examples
-    where the kernels run that). Otherwise input patches (same
-    padding, strides and dilation as the layer) are unfolded with
-    ``tf.image.extract_patches``, or, for fewer than 8 input channels, by the faster
-    convolution with a one-hot kernel, to (P, L, k·k·c_in), and the Gram form of
-    :func:`sequence_sq_norms` is applied with g (P, L, c_out).
+    Two forms, chosen per layer by :func:`materialise_conv` (dilation 1, L positions,
+    d_in = k²·c_in, d_out = c_out):
+
+    - *materialised*: the per-example kernel gradients ∂K_i are formed directly,
+      without patches, by :func:`conv_example_grads` (one ``Conv2DBackpropFilter`` per
+      example, or one grouped call per chunk of examples where the kernels run that):
+      P·L·d_in·d_out multiply-adds, the cost of the weight-gradient step of an ordinary
+      backward pass. The norms are ``‖∂K_i‖²`` and the clipped sum is ``Σ_i c_i ∂K_i``
+      (P·d_in·d_out), so no second weight-gradient step is run.
+    - *Gram*: input patches (same padding, strides and dilation as the layer) are
+      unfolded with ``tf.image.extract_patches``, or, for fewer than 8 input channels,
+      by the faster convolution with a one-hot kernel, to (P, L, d_in), and the Gram
+      form of :func:`sequence_sq_norms` gives the norms (P·L²·(d_in + d_out)); the
+      clipped sum is the weight-gradient step of an ordinary backward pass on
+      ``(a, c ⊙ g)`` (P·L·d_in·d_out).
+
+    Per layer, the materialised form runs when L² ≥ d_in·d_out (:func:`materialise_conv`).
     """
 
     classes = (keras.layers.Conv1D, keras.layers.Conv2D)
@@ -200,9 +272,10 @@ class ConvRule(Rule):
             gg.append(tf.reshape(g, [tf.shape(g)[0], -1, layer.filters]))
         rows = concat_positions(gg)
         length, d_in = rows.shape[1], ks[0] * ks[1] * images[0][0].shape[-1]
-        patches = None
-        if max(dr) == 1 and length is not None and length * length >= d_in * layer.filters:
-            total = conv_sq_norms(images, ks, st, padding)
+        patches = example_grads = None
+        if max(dr) == 1 and materialise_conv(length, d_in, layer.filters):
+            example_grads = conv_example_grads(images, ks, st, padding)
+            total = example_grads.sq_norms()
         else:
             patches = concat_positions([self._patches(a, ks, st, dr, padding) for a, _ in images])
             total = sequence_sq_norms(patches, rows)
@@ -212,30 +285,30 @@ class ConvRule(Rule):
             total += per_example_sq(bias_grads)
 
         def grads(scale):
-            if max(dr) > 1:
+            if example_grads is not None:
+                # Σ_i c_i ∂K_i from the per-example kernel gradients already formed
+                kernel = example_grads.weighted_sum(scale)
+            elif max(dr) > 1:
                 # TF's CPU Conv2DBackpropFilter refuses dilation > 1: use the patches
                 # (order k_h, k_w, c_in = the kernel's leading axes).
                 kernel = weighted_outer(patches, rows, scale)
-                out = [(layer.kernel, tf.reshape(kernel, layer.kernel.shape))]
-                if bias_grads is not None:
-                    out.append((layer.bias, weighted_sum(bias_grads, scale)))
-                return out
-            # The weight-gradient step of an ordinary backward pass, on (a, c ⊙ g):
-            # the patches need not stay alive until here.
-            kernel = tf.add_n(
-                [
-                    tf.compat.v1.nn.conv2d_backprop_filter(
-                        a_scaled,
-                        [ks[0], ks[1], a.shape[-1], layer.filters],
-                        g_scaled,
-                        strides=[1, *st, 1],
-                        padding=padding,
-                        dilations=[1, *dr, 1],
-                    )
-                    for a, g in images
-                    for a_scaled, g_scaled in [scale_smaller(a, g, scale)]
-                ]
-            )
+            else:
+                # The weight-gradient step of an ordinary backward pass, on (a, c ⊙ g):
+                # the patches need not stay alive until here.
+                kernel = tf.add_n(
+                    [
+                        tf.compat.v1.nn.conv2d_backprop_filter(
+                            a_scaled,
+                            [ks[0], ks[1], a.shape[-1], layer.filters],
+                            g_scaled,
+                            strides=[1, *st, 1],
+                            padding=padding,
+                            dilations=[1, *dr, 1],
+                        )
+                        for a, g in images
+                        for a_scaled, g_scaled in [scale_smaller(a, g, scale)]
+                    ]
+                )
             out = [(layer.kernel, tf.reshape(kernel, layer.kernel.shape))]
             if bias_grads is not None:
                 out.append((layer.bias, weighted_sum(bias_grads, scale)))

@@ -588,6 +588,66 @@ def test_conv_sq_norms_grouped_chunks_equal_per_example_loop(chunk, strides, pad
     np.testing.assert_allclose(got64.numpy(), want, rtol=1e-12)
 
 
+@pytest.mark.parametrize("chunk", [1, pytest.param(3, marks=needs_grouped), pytest.param(16, marks=needs_grouped)])
+def test_conv_example_grads_and_their_weighted_sum_equal_per_example_loop(chunk):
+    # The materialised form keeps the per-example kernel gradients and forms the
+    # clipped sum Σ_i s_i ∂K_i from them (no second weight-gradient step): against a
+    # float64 loop differentiating tf.nn.conv2d example by example, a layer called
+    # twice, 7 examples (the last chunk padded; chunk 16 > 7: one padded chunk).
+    rng = np.random.default_rng(41)
+    n, c_in, c_out, strides = 7, 2, 3, [2, 1]
+    kernel = tf.constant(rng.normal(size=(3, 2, c_in, c_out)))
+    calls = []
+    for size in [(8, 7), (5, 6)]:
+        a = rng.normal(size=(n, *size, c_in))
+        out_shape = tf.nn.conv2d(a[:1], kernel, [1, *strides, 1], "SAME").shape
+        calls.append((a, rng.normal(size=(n, *out_shape[1:]))))
+    scale = rng.uniform(0.0, 2.0, size=n)
+    per_example = []
+    for i in range(n):
+        with tf.GradientTape() as tape:
+            tape.watch(kernel)
+            total = sum(tf.reduce_sum(tf.nn.conv2d(a[i : i + 1], kernel, [1, *strides, 1], "SAME") * g[i : i + 1])
+                        for a, g in calls)
+        per_example.append(tape.gradient(total, kernel).numpy())
+    per_example = np.stack(per_example)
+    want_sq = np.sum(per_example**2, axis=(1, 2, 3, 4))
+    want_sum = np.tensordot(scale, per_example, axes=1).reshape(-1, c_out)
+    images = [(tf.constant(a, tf.float32), tf.constant(g, tf.float32)) for a, g in calls]
+    got = ghost_conv.conv_example_grads(images, [3, 2], strides, "SAME", chunk=chunk)
+    np.testing.assert_allclose(got.sq_norms().numpy(), want_sq, rtol=RTOL)
+    got_sum = got.weighted_sum(tf.constant(scale, tf.float32)).numpy()
+    np.testing.assert_allclose(got_sum, want_sum, rtol=RTOL, atol=RTOL * np.max(np.abs(want_sum)))
+    got64 = ghost_conv.conv_example_grads([(tf.constant(a), tf.constant(g)) for a, g in calls], [3, 2],
+                                          strides, "SAME")
+    np.testing.assert_allclose(got64.weighted_sum(tf.constant(scale)).numpy(), want_sum, rtol=1e-12)
+
+
+@pytest.mark.parametrize("materialise", [True, False], ids=["per-example-grads", "gram"])
+def test_shared_conv_layer_in_both_forms(materialise, monkeypatch):
+    # A Conv2D called on two inputs of different sizes, each form of the conv rule
+    # forced (the rule sums per-example gradients over calls; the materialised form's
+    # clipped sum comes from the kept per-example gradients, the Gram form's from a
+    # weight-gradient step on (a, c ⊙ g)): float64 loop and vectorized engine.
+    calls = []
+    original = ghost_conv.conv_example_grads
+
+    def spy(*args, **kwargs):
+        calls.append(args)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(ghost_conv, "conv_example_grads", spy)
+    monkeypatch.setattr(ghost_conv, "materialise_conv", lambda length, d_in, d_out: materialise)
+    rng = np.random.default_rng(43)
+    big, small = keras.Input((7, 6, 3)), keras.Input((4, 5, 3))
+    shared = keras.layers.Conv2D(4, 3, strides=(2, 1), padding="same", activation="tanh")
+    pooled = [keras.layers.GlobalAveragePooling2D()(shared(t)) for t in (big, small)]
+    model = keras.Model([big, small], keras.layers.Dense(2)(keras.layers.Concatenate()(pooled)))
+    x = [rng.normal(size=(P, 7, 6, 3)), rng.normal(size=(P, 4, 5, 3))]
+    check_model(model, x, rng.normal(size=(P, 2)))
+    assert len(calls) == (1 if materialise else 0)
+
+
 def test_conv_sq_norms_with_unknown_batch_size():
     rng = np.random.default_rng(31)
     a, g = rng.normal(size=(5, 6, 6, 2)).astype("float32"), rng.normal(size=(5, 3, 3, 4)).astype("float32")

@@ -150,7 +150,7 @@ def _kw(**over):
     [
         ({"l2_norm_clip": -1.0}, "l2_norm_clip must be > 0"),
         ({"l2_norm_clip": 0.0}, "l2_norm_clip must be > 0"),
-        ({"noise_multiplier": -0.5}, "noise_multiplier must be >= 0"),
+        ({"noise_multiplier": -0.5}, "noise_multiplier must be > 0"),
         ({"expected_batch_size": 0}, "expected_batch_size must be >= 1"),
         ({"expected_batch_size": None}, "expected_batch_size is required"),
         ({"learning_rate": 0.0}, "learning_rate must be > 0"),
