@@ -32,10 +32,10 @@ How ε_k is computed (sampling × accountant):
 ``fixed_epochs``, ``"rdp"``
   ``dp_accounting``'s RDP accountant per k (closed form for a Gaussian, sub-millisecond).
 
-Cost (cyclic Poisson, PLD; docs/privacy.md §6 has the measurements): building the
-mechanism's PLD ≈ the time of one from-scratch ε; each further ε_k milliseconds (one
-inverse FFT of the k-fold window: 6 ms for the demo's plan, up to 60 ms for K = 2345), so
-no query blocks long; the whole table costs K of those.
+Cost (cyclic Poisson, PLD): building the mechanism's PLD ≈ the time of one
+from-scratch ε; each further ε_k is one inverse FFT of the k-fold window, so no query
+blocks long; the whole table costs K of those (timings: docs/performance.md,
+"Measurements behind design choices").
 """
 
 from __future__ import annotations

@@ -25,8 +25,7 @@ from keras_noisecurve.training.ghost_common import (
 
 
 #: examples per grouped Conv2DBackpropFilter in :func:`conv_example_grads` where that kernel
-#: runs; 16 was the fastest overall of 4, 8, 16, 32 for the convs of the benchmark CNN at B = 64, 128
-#: and 256 (oneDNN CPU; 4 took 1.4–2.2× as long, 8 1.0–1.45×, 32 0.75–1.2×).
+#: runs (chosen by measurement: docs/performance.md, "Measurements behind design choices").
 CONV_CHUNK = 16
 
 

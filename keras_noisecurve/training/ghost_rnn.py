@@ -33,10 +33,9 @@ step keeps the previous state; its output is the previous output, or zero with
 ``initial_state``, ``return_sequences`` and ``return_state``. It returns what the
 layer's own ``call`` returns. Masked steps have g_t = 0.
 
-The sequence length may be unknown when tracing. (A Python loop unrolled over a
-static time axis gives the same result but traced 5–15× slower and ran 1.3–2.7×
-slower at L = 32–128 on CPU, see ``benchmarks/bench_rnn.py``; one projection of all
-steps then a light loop body is also faster than Keras's own loop.)
+The sequence length may be unknown when tracing: the time loop is a ``tf.while_loop``
+over one projection of all steps (why not an unrolled Python loop: docs/performance.md,
+"Measurements behind design choices").
 
 Refused (``check``): ``stateful=True``, dropout or recurrent dropout > 0, cells
 other than the three Keras cells (including subclasses and ``StackedRNNCells``).
