@@ -26,7 +26,7 @@ def test_a_step_that_cannot_run_fails_before_the_spectrum(tmp_path, monkeypatch)
     def spectrum_reached(*args, **kwargs):
         raise AssertionError("the spectrum estimation started before the training steps were checked")
 
-    monkeypatch.setattr(ghost_conv, "conv_sq_norms", broken)
+    monkeypatch.setattr(ghost_conv, "conv_example_grads", broken)  # what the conv rule calls
     monkeypatch.setattr(knc, "estimate_spectrum", spectrum_reached)
     started = time.perf_counter()
     with pytest.raises(_Broken, match="does not run here"):
