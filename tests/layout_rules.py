@@ -460,4 +460,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    import signal
+
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `... | head` ends quietly
     sys.exit(main())
