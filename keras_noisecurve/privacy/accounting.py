@@ -26,13 +26,10 @@ from keras_noisecurve.privacy.events import (
     ACCOUNTANTS,
     PLD_VALUE_DISCRETIZATION,
     RDP_ORDERS,
-    SAMPLINGS,
-    RUN_ARGUMENTS,
-    RunSpec,
     compute_epsilon,
     dp_event,
-    steps_for_epochs,
 )
+from keras_noisecurve.privacy.spec import RUN_ARGUMENTS, SAMPLINGS, RunSpec, steps_for_epochs
 from keras_noisecurve.privacy.overflow import (
     DEFAULT_OVERFLOW_PROBABILITY,
     overflow_delta,

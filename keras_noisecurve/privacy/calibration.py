@@ -23,12 +23,11 @@ from keras_noisecurve.privacy.events import (
     ACCOUNTANTS,
     PLD_VALUE_DISCRETIZATION,
     RDP_ORDERS,
-    RunSpec,
-    as_spec,
     epsilon_of_event,
     event_of,
     make_accountant,
 )
+from keras_noisecurve.privacy.spec import RunSpec, as_spec
 from keras_noisecurve.privacy.overflow import DEFAULT_OVERFLOW_PROBABILITY, overflow_delta, padding
 
 __all__ = ["CALIBRATION_EPSILON_RTOL", "CALIBRATION_RTOL", "Calibration", "calibrate", "calibrate_noise_multiplier"]
@@ -84,7 +83,7 @@ def calibrate_noise_multiplier(*, epsilon: float, delta: float, accountant: str 
     Args:
       epsilon: target ε > 0. delta: accounting δ in (0, 1).
       accountant: ``"pld"`` (default) or ``"rdp"``.
-      spec: the :class:`~keras_noisecurve.privacy.events.RunSpec`, or instead its keyword
+      spec: the :class:`~keras_noisecurve.privacy.spec.RunSpec`, or instead its keyword
         arguments (``num_examples=``, ``batch_size=``, ``steps=``/``epochs=``, ``bands=``,
         ``sampling=``, ``mixing=``).
 

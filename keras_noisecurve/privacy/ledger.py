@@ -52,6 +52,7 @@ from scipy import optimize, special
 
 from keras_noisecurve import _compat
 from keras_noisecurve.privacy import events
+from keras_noisecurve.privacy.spec import RunSpec
 
 __all__ = ["EpsilonLedger", "PLD_RTOL", "TAIL_MASS_TRUNCATION"]
 
@@ -77,7 +78,7 @@ class EpsilonLedger:
     callback shares it).
 
     Args (keyword-only, already validated):
-      spec: the run's :class:`~keras_noisecurve.privacy.events.RunSpec` (n, B, T, b,
+      spec: the run's :class:`~keras_noisecurve.privacy.spec.RunSpec` (n, B, T, b,
         sampling, q and the sensitivity s).
       noise_multiplier: σ > 0 (noise std / clip norm).
       delta: accounting δ in (0, 1).
@@ -93,7 +94,7 @@ class EpsilonLedger:
       mechanism_builds: how many times the shared per-mechanism state was built (0 or 1).
     """
 
-    def __init__(self, *, spec: events.RunSpec, noise_multiplier: float, delta: float, accountant: str):
+    def __init__(self, *, spec: RunSpec, noise_multiplier: float, delta: float, accountant: str):
         self.spec = spec
         self.noise_multiplier = noise_multiplier
         self.delta = delta

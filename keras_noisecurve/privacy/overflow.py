@@ -6,7 +6,7 @@ The sampler (:mod:`keras_noisecurve.privacy.sampler`) pads every batch to a fixe
 P; :func:`padded_batch_size` picks P from a bound on the probability that a step draws
 more than P examples, :func:`overflow_probability`; :func:`padding` gives (P, its
 probability) for any run spec (fixed epochs: P = B). All take a
-:class:`~keras_noisecurve.privacy.events.RunSpec`.
+:class:`~keras_noisecurve.privacy.spec.RunSpec`.
 
 Total δ: a step that samples more than P examples is truncated. The δ of
 ``compute_epsilon`` and ``calibrate_noise_multiplier`` is the accounting δ of the ideal
@@ -25,7 +25,7 @@ from scipy import stats
 from typing import Optional
 
 from keras_noisecurve._validation import check_float, check_int
-from keras_noisecurve.privacy.events import RunSpec
+from keras_noisecurve.privacy.spec import RunSpec
 
 __all__ = ["DEFAULT_OVERFLOW_PROBABILITY", "overflow_delta", "overflow_probability", "padded_batch_size", "padding"]
 

@@ -31,7 +31,8 @@ import numpy as np
 
 from keras_noisecurve._validation import check_choice, check_float, check_int, check_memory
 from keras_noisecurve.privacy.calibration import noise_multiplier_for
-from keras_noisecurve.privacy.events import ACCOUNTANTS, RunSpec
+from keras_noisecurve.privacy.events import ACCOUNTANTS
+from keras_noisecurve.privacy.spec import RunSpec
 from keras_noisecurve.privacy.overflow import overflow_delta, padding
 from keras_noisecurve.privacy.sampler import BatchSampler, check_key, key_from_seed
 
@@ -75,7 +76,7 @@ class PrivateRun:
     Raises ``ValueError`` naming the argument for any inconsistent plan (b > T, q ≥ 1,
     a C shorter than T, both or neither of ``steps``/``epochs`` or
     ``noise_multiplier``/``epsilon``, …); all validation happens here, once: the run's
-    description becomes ``run.spec`` (a :class:`~keras_noisecurve.privacy.events.RunSpec`),
+    description becomes ``run.spec`` (a :class:`~keras_noisecurve.privacy.spec.RunSpec`),
     which every part of the run (calibration, ε, padding, the sampler, the budget) takes.
     """
 
@@ -179,7 +180,7 @@ class PrivateRun:
 
     @property
     def spec(self) -> RunSpec:
-        """The validated :class:`~keras_noisecurve.privacy.events.RunSpec` (n, B, T, b,
+        """The validated :class:`~keras_noisecurve.privacy.spec.RunSpec` (n, B, T, b,
         sampling, q, compositions, the sensitivity s of C)."""
         return self._spec
 

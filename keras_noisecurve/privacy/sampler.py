@@ -32,7 +32,7 @@ from typing import Optional
 import numpy as np
 
 from keras_noisecurve._validation import check_int
-from keras_noisecurve.privacy.events import RunSpec, as_spec
+from keras_noisecurve.privacy.spec import RunSpec, as_spec
 from keras_noisecurve.privacy.overflow import padding
 
 
@@ -129,7 +129,7 @@ class BatchSampler:
     exactly ``steps_per_epoch`` apart. P = B.
 
     Args:
-      spec: the run's :class:`~keras_noisecurve.privacy.events.RunSpec` (n, B, b, T, the
+      spec: the run's :class:`~keras_noisecurve.privacy.spec.RunSpec` (n, B, b, T, the
         sampling and q). padded_size: P ≥ 1 (:func:`~keras_noisecurve.privacy.overflow.padding`).
       key: the secret sampling key, int64 (2,) (:func:`key_from_seed`).
 
@@ -223,7 +223,7 @@ def sampling_plan(*, spec: Optional[RunSpec] = None, seed=None, max_batch_size: 
     Truncations are counted and warned about (``RuntimeWarning``).
 
     Args:
-      spec: the :class:`~keras_noisecurve.privacy.events.RunSpec`, or instead its keyword
+      spec: the :class:`~keras_noisecurve.privacy.spec.RunSpec`, or instead its keyword
         arguments (``num_examples=``, ``batch_size=``, ``steps=``, ``bands=``,
         ``sampling=``, ``epochs=``, ``mixing=``).
       seed: None (OS entropy, the private default), an int or a
@@ -272,7 +272,7 @@ def banded_poisson_dataset(x, y=None, *, spec: Optional[RunSpec] = None, seed=No
       y: labels (n, ...) or a structure of them, or None (the dataset then yields
         ``(x, None, mask)``, which Keras reads as no targets plus per-example
         weights).
-      spec: the :class:`~keras_noisecurve.privacy.events.RunSpec`, or instead its keyword
+      spec: the :class:`~keras_noisecurve.privacy.spec.RunSpec`, or instead its keyword
         arguments (``batch_size=``, ``steps=``, ``bands=``, ``sampling=``, ...;
         ``num_examples`` defaults to the number of examples in ``x``). The data must hold
         exactly ``spec.num_examples`` examples.

@@ -23,7 +23,7 @@ from keras_noisecurve.mixing import (
     load_mixing,
 )
 from keras_noisecurve.mixing.stream import stream_apply
-from keras_noisecurve.privacy.events import RunSpec
+from keras_noisecurve.privacy.spec import RunSpec
 
 STEPS = 12
 

@@ -7,7 +7,7 @@ from keras_noisecurve.mixing import MixingMatrix
 import dp_accounting
 
 from keras_noisecurve.privacy import accounting
-from keras_noisecurve.privacy.events import RunSpec
+from keras_noisecurve.privacy.spec import RunSpec
 from keras_noisecurve.privacy.run import PrivateRun
 from keras_noisecurve.privacy.sampler import BatchSampler, key_from_seed, sampling_plan
 

@@ -11,7 +11,9 @@ import pytest
 
 import keras_noisecurve as knc
 from keras_noisecurve.privacy import events, overflow, run as run_module, sampler
-from keras_noisecurve.privacy.events import RunSpec, compute_epsilon, dp_event
+from keras_noisecurve.privacy.events import compute_epsilon, dp_event
+from keras_noisecurve.privacy import spec as spec_module
+from keras_noisecurve.privacy.spec import RunSpec
 from keras_noisecurve.privacy.ledger import PLD_RTOL
 
 GOOD = dict(num_examples=1000, batch_size=20, steps=50)
@@ -53,7 +55,7 @@ def test_each_value_is_validated_once_per_private_run(monkeypatch):
     """Building a PrivateRun checks num_examples, batch_size and steps exactly once each,
     however many parts (accounting, padding, sampler, ledger, budget) then use the spec."""
     calls = []
-    for module in (events, overflow, run_module, sampler):
+    for module in (spec_module, events, overflow, run_module, sampler):
         if hasattr(module, "check_int"):
             original = module.check_int
 

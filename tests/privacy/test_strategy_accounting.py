@@ -12,6 +12,7 @@ import keras_noisecurve as knc
 from keras_noisecurve.mixing.matrix import MixingMatrix
 from keras_noisecurve.mixing.strategies import BISRMixing, BLTMixing, ToeplitzMixing
 from keras_noisecurve.privacy import events
+from keras_noisecurve.privacy.spec import RunSpec
 
 N, B = 3500, 250  # 14 steps per epoch
 PER_EPOCH = 14
@@ -40,7 +41,7 @@ def test_fixed_epoch_sensitivity_is_the_worst_start_of_dense_columns(make):
     steps = 5 * PER_EPOCH
     mixing = make(steps)
     C = mixing.to_dense()
-    setup = events.RunSpec(num_examples=N, batch_size=B, steps=steps, sampling="fixed_epochs", epochs=5,
+    setup = RunSpec(num_examples=N, batch_size=B, steps=steps, sampling="fixed_epochs", epochs=5,
                            mixing=mixing)
     assert setup.strategy == mixing.kind and setup.bands == 1
     for k in range(1, 6):
@@ -83,7 +84,7 @@ def test_cyclic_poisson_is_refused_for_a_c_that_is_not_banded(make):
 
 def test_bands_is_refused_for_a_c_that_is_not_banded():
     with pytest.raises(ValueError, match="bands=4 does not apply to a blt"):
-        events.RunSpec(num_examples=N, batch_size=B, steps=56, bands=4, sampling="fixed_epochs",
+        RunSpec(num_examples=N, batch_size=B, steps=56, bands=4, sampling="fixed_epochs",
                        epochs=4, mixing=_blt(56))
 
 

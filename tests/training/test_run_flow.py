@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from keras_noisecurve.privacy.events import RunSpec
+from keras_noisecurve.privacy.spec import RunSpec
 from keras_noisecurve.privacy.run import PrivateRun
 from keras_noisecurve.privacy.run_data import RunData
 from keras_noisecurve.privacy.sampler import BatchSampler
