@@ -1,7 +1,7 @@
 """Privacy accounting and the cyclic Poisson sampler (docs/design.md#privacy-model, docs/privacy.md).
 
 - :mod:`keras_noisecurve.privacy.accounting` (numpy/scipy + dp_accounting): the run
-  spec ``RunSpec`` (the run described and validated once), its dominating
+  spec ``RunSpec`` (the run described and validated once, ``spec``), its dominating
   ``dp_accounting`` event and ε for planning (``events``), noise calibration
   (``calibration``), padding and overflow bounds (``overflow``). Re-exported here.
 - :mod:`keras_noisecurve.privacy.run`: ``PrivateRun``, whose ``run.epsilon(step)`` is

@@ -3,12 +3,13 @@
 numpy/scipy + ``dp_accounting`` only: this module never imports TensorFlow.
 
 Privacy model (docs/privacy.md): example-level DP with add-or-remove-one adjacency; the
-mechanism is the whole training run. This module gathers the accounting API of three
+mechanism is the whole training run. This module gathers the accounting API of four
 modules, each with one job:
 
-- :mod:`keras_noisecurve.privacy.events`: the run spec (:class:`RunSpec`: n, B, T, b,
-  sampling, q, compositions, sensitivity, validated once), its dominating
-  ``dp_accounting`` event (:func:`dp_event`) and ε for planning (:func:`compute_epsilon`);
+- :mod:`keras_noisecurve.privacy.spec`: the run spec (:class:`RunSpec`: n, B, T, b,
+  sampling, q, compositions, sensitivity, validated once);
+- :mod:`keras_noisecurve.privacy.events`: the run's dominating ``dp_accounting`` event
+  (:func:`dp_event`) and ε for planning (:func:`compute_epsilon`);
 - :mod:`keras_noisecurve.privacy.calibration`: σ from (ε, δ)
   (:func:`calibrate_noise_multiplier`, :func:`calibrate`);
 - :mod:`keras_noisecurve.privacy.overflow`: the sampler's padded batch size
