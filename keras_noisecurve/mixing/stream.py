@@ -128,14 +128,10 @@ class NumpyOps:
         return np.zeros(shape, dtype=dtype)
 
     @staticmethod
-    def apply_write(state, write):
-        """The new state after ``write`` (functional; ``state`` unchanged)."""
-        if write is None:
-            return state
-        if write.slot is None:
-            return write.value
+    def write_slot(state, slot, value):
+        """A copy of ``state`` with ``state[slot] = value``."""
         new = np.array(state, copy=True)
-        new[write.slot] = write.value
+        new[slot] = value
         return new
 
 
@@ -349,6 +345,17 @@ class IdentityStream(NoiseStream):
         return z, None
 
 
+def apply_write(state, write, xp):
+    """The state after a step's ``StateWrite`` (functional: ``state`` is unchanged), in the
+    array namespace ``xp``: no write (C = I), the whole state replaced (BLT), or one ring
+    slot written (banded, Toeplitz, FIR)."""
+    if write is None:
+        return state
+    if write.slot is None:
+        return write.value
+    return xp.write_slot(state, write.slot, write.value)
+
+
 def stream_apply(stream: NoiseStream, z) -> np.ndarray:
     """z̃ = C⁻¹z by the online recurrence of ``stream`` (float64 numpy reference).
 
@@ -372,5 +379,5 @@ def stream_apply(stream: NoiseStream, z) -> np.ndarray:
     for t in range(z.shape[0]):
         coefficients = stream.coefficients(t, xp, np.float64)
         out[t], write = stream.next(z[t], state, coefficients, xp)
-        state = xp.apply_write(state, write)
+        state = apply_write(state, write, xp)
     return out

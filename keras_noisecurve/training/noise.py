@@ -42,7 +42,14 @@ import tensorflow as tf
 
 from keras_noisecurve import _compat
 from keras_noisecurve._validation import check_int
-from keras_noisecurve.mixing.stream import BandedStream, IdentityStream, NoiseStream, StateWrite, StepCoefficients
+from keras_noisecurve.mixing.stream import (
+    BandedStream,
+    IdentityStream,
+    NoiseStream,
+    StateWrite,
+    StepCoefficients,
+    apply_write,
+)
 from keras_noisecurve.mixing.strategies import load_mixing
 
 __all__ = [
@@ -324,13 +331,9 @@ class TensorFlowOps:
         return x[None]
 
     @staticmethod
-    def apply_write(state, write):
-        """The new state after ``write`` (functional; ``state`` unchanged)."""
-        if write is None:
-            return state
-        if write.slot is None:
-            return write.value
-        return tf.tensor_scatter_nd_update(state, tf.reshape(write.slot, [1, 1]), write.value[None])
+    def write_slot(state, slot, value):
+        """A copy of ``state`` with ``state[slot] = value``."""
+        return tf.tensor_scatter_nd_update(state, tf.reshape(slot, [1, 1]), value[None])
 
 
 class StreamNoise:
@@ -496,7 +499,7 @@ class StreamNoise:
     @staticmethod
     def apply_write(state, write):
         """The new state after ``write`` (functional; ``state`` unchanged)."""
-        return TensorFlowOps.apply_write(state, write)
+        return apply_write(state, write, TensorFlowOps)
 
     def combine(self, z, step, state=None, coefficients=None):
         """z̃_t from z_t and the state, WITHOUT the state update (see :meth:`advance`)."""
