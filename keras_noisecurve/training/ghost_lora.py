@@ -26,7 +26,6 @@ import tensorflow as tf
 from keras_noisecurve import _compat
 from keras_noisecurve.training.ghost_common import (
     bias_grad,
-    norm_dtype,
     per_example_sq,
     sequence_sq_norms,
     weighted_outer,
