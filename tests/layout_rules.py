@@ -197,6 +197,7 @@ def import_graph() -> dict[str, set[str]]:
 #: or a lower layer (``_validation``, ``_npz``, ``_quiet``, ``_losses``, ``_compat`` and the
 #: package root are shared helpers, importable from everywhere).
 LAYERS = (
+    ("backend",),
     ("spectrum",),
     ("mixing",),
     ("privacy",),

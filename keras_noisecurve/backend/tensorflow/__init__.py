@@ -1,0 +1,1 @@
+"""The TensorFlow implementation of the backend seam (``keras_noisecurve.backend``)."""
