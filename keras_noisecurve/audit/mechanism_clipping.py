@@ -49,7 +49,8 @@ class ClippingCheck:
     Attributes:
       passed: every measured error within ``tolerance`` and no contribution above ζ(1 + tolerance).
       tolerance: the relative tolerance used.
-      reference_dtype: ``"float64"`` (a float64 clone) or ``"float32"`` (the model itself).
+      reference_dtype: ``"float64"`` (a float64 clone), ``"float64 (k float32 variables)"`` (a
+        clone whose layers kept k weights in float32) or ``"float32"`` (the model itself).
       examples: number of examples compared.
       worst_layer: ``(name, class, rule)`` of the layer with the largest error.
       worst_error: that error (relative, the largest of its layer-norm and clipped-sum errors).
@@ -101,7 +102,7 @@ def float64_clone(model, sample_x):
             if tuple(target.shape) != tuple(source.shape):
                 return None
             target.assign(np.asarray(source.numpy()).astype(target.dtype))
-        if not all(v.dtype == "float64" for v in clone.trainable_variables):
+        if not any(v.dtype == "float64" for v in clone.trainable_variables):
             return None
         return clone
     except Exception:  # noqa: BLE001 - any failure means: no float64 reference, use float32
@@ -135,7 +136,8 @@ def _reference(model, loss_fn, x, y, w, dtype):
         with tf.GradientTape() as tape:
             loss = loss_fn(yi, model(xi, training=False))
             loss = tf.reduce_sum(tf.cast(loss, dtype)) * tf.cast(wi, dtype)
-        return tape.gradient(loss, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        grads = tape.gradient(loss, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        return [tf.convert_to_tensor(g) for g in grads]  # embedding rows come as IndexedSlices
 
     out = []
     for i in range(len(w)):
@@ -189,7 +191,11 @@ def check_clipping(*, private, loss_fn, l2_norm_clip, x, y, sample_weight=None, 
         engine_layer_sq[id(layer)] = engine_layer_sq.get(id(layer), 0.0) + np.asarray(sq.numpy(), np.float64)
 
     clone = float64_clone(inner, _take(x, slice(0, 1)))
-    reference_dtype = "float32" if clone is None else "float64"
+    if clone is None:
+        reference_dtype = "float32"
+    else:  # a layer may create some weights in float32 whatever its policy (Keras's LoRA weights)
+        kept = sum(v.dtype != "float64" for v in clone.trainable_variables)
+        reference_dtype = "float64" if not kept else f"float64 ({kept} float32 variables)"
     ref_model = inner if clone is None else clone
     grads = _reference(ref_model, loss_fn, x, y, w, tf.float64 if clone is not None else tf.float32)
     if len(ref_model.trainable_variables) != len(variables):
