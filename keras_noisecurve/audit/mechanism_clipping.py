@@ -109,6 +109,20 @@ def float64_clone(model, sample_x):
         return None
 
 
+def _layer_path(layer, variables):
+    """Where a layer sits in the model: its variables' common path (``block_0/attention/query``),
+    which tells apart sublayers of the same name in different blocks; else its name."""
+    parts = [str(getattr(v, "path", "")).split("/")[:-1] for v in variables]
+    common = []
+    for level in zip(*parts) if parts else ():
+        if len(set(level)) != 1:
+            break
+        common.append(level[0])
+    if layer.name in common:  # a cell's weights sit below their layer: stop at the layer
+        common = common[: len(common) - common[::-1].index(layer.name)]
+    return "/".join(common) or layer.name
+
+
 def _cast(tree, dtype):
     import tensorflow as tf
 
@@ -176,6 +190,7 @@ def check_clipping(*, private, loss_fn, l2_norm_clip, x, y, sample_weight=None, 
     index = {id(v): k for k, v in enumerate(variables)}
     groups = [(layer, rule.kind, [index[id(v)] for v in own if id(v) in index])
               for layer, rule, own in ghost.plan(private)]
+    paths = [_layer_path(layer, [variables[k] for k in ks]) for layer, _, ks in groups]
     covered = {k for _, _, ks in groups for k in ks}
     loose = [k for k in range(len(variables)) if k not in covered]
     if loose:
@@ -208,7 +223,7 @@ def check_clipping(*, private, loss_fn, l2_norm_clip, x, y, sample_weight=None, 
     total_sum = np.sqrt(sum(float(np.sum(s ** 2)) for s in reference_sum))
 
     layers, worst = [], (("-", "-", "-"), 0.0)
-    for layer, kind, ks in groups:
+    for (layer, kind, ks), path in zip(groups, paths + ["(not clipped by any rule)"]):
         ref_layer = np.sqrt(sq[:, ks].sum(axis=1))
         floor = np.maximum(ref_layer, SHARE_FLOOR * norms)
         norm_error = None
@@ -218,7 +233,7 @@ def check_clipping(*, private, loss_fn, l2_norm_clip, x, y, sample_weight=None, 
         diff = np.sqrt(sum(float(np.sum((engine_sum[k] - reference_sum[k]) ** 2)) for k in ks))
         scale = np.sqrt(sum(float(np.sum(reference_sum[k] ** 2)) for k in ks))
         sum_error = float(diff / max(scale, SHARE_FLOOR * total_sum, 1e-300))
-        name = (layer.name, type(layer).__name__, kind) if layer is not None else ("(no layer)", "-", kind)
+        name = (path, type(layer).__name__ if layer is not None else "-", kind)
         layers.append({"layer": name[0], "class": name[1], "rule": name[2], "norm_error": norm_error,
                        "sum_error": sum_error})
         error = max(sum_error, norm_error or 0.0)
@@ -245,10 +260,10 @@ def merge(checks, *, tolerance):
     worst = max(checks, key=lambda c: c.worst_error)
     by_layer = {}
     for check in checks:
-        for entry in check.layers:
-            old = by_layer.get(entry["layer"])
+        for position, entry in enumerate(check.layers):  # every batch lists the plan's layers in order
+            old = by_layer.get(position)
             if old is None:
-                by_layer[entry["layer"]] = dict(entry)
+                by_layer[position] = dict(entry)
             else:
                 for key in ("norm_error", "sum_error"):
                     if entry[key] is not None:
