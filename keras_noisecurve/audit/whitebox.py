@@ -282,7 +282,17 @@ def audit_whitebox(
         the plan: the audit then covers the resume path.
 
     Returns:
-      a :class:`WhiteBoxAudit` whose ``result`` holds the claim, the bound and the verdict.
+      a :class:`WhiteBoxAudit` whose ``result`` holds the claim, the bound and the verdict;
+      ``result.info["bounds_by_participations"]`` the bound of each participation count
+      (:func:`_summarize_by_participations`).
+
+    Raises:
+      ValueError / TypeError: before any training, for every argument out of range (naming
+        the value and what is allowed), a ``resume_at`` outside 1 … T−1, an
+        ``l2_norm_clip`` too large for the canary target (:func:`check_canary_headroom`),
+        and a run whose batches (the run's pipeline over the whole plan,
+        :func:`keras_noisecurve.audit.mechanism.check_sampling`) break the sampling the
+        accountant assumed: such a run is not scored.
     """
     import keras
 
