@@ -155,6 +155,7 @@ def test_a_sampler_that_repeats_examples_is_refused_before_scoring(monkeypatch):
         audit_whitebox(strategy="banded", epsilon=4.0, seed=3, **SMALL)
 
 
+@pytest.mark.slow  # two audits: about 20 s on 2 cores
 def test_bounds_are_reported_per_participation_count():
     fixed = audit_whitebox(strategy="dpsgd", epsilon=4.0, seed=1, **SMALL).result
     assert list(fixed.info["bounds_by_participations"]) == ["2"]  # every canary takes part twice
