@@ -1,8 +1,12 @@
 """``noisecurve audit``: audit one configuration of the real training path and print the
-claimed ε, the empirical lower bound with its confidence interval, and a verdict.
+claimed ε, the empirical lower bound with its confidence interval, and a verdict; or, with
+``--model FILE.keras --data FILE.npz``, run the mechanism checks on the user's own model
+and run (:mod:`keras_noisecurve.apps.cli_audit_model`).
 
-Exit status: 0 when the bound stays at or below the claim, 1 when it exceeds it (a
-privacy violation at the stated confidence), 2 for bad arguments (one line on stderr).
+Exit status (:data:`EXIT_STATUS`): 0 consistent (and every check passed), 1 violation (the
+bound exceeds the claim at the stated confidence), 3 a mechanism check failed (the canary
+audit's noise check, or a check of ``--model``) without a violation, 2 bad arguments (one
+line on stderr).
 """
 
 from __future__ import annotations
@@ -14,7 +18,16 @@ import sys
 
 from keras_noisecurve.apps.strategy_table import AUDIT_KINDS, options_for
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["EXIT_STATUS", "add_arguments", "run"]
+
+#: what each exit status of ``noisecurve audit`` means
+EXIT_STATUS = {
+    0: "consistent: no evidence against the claim, and every mechanism check passed",
+    1: "violation: the empirical lower bound exceeds the claimed epsilon at the stated confidence",
+    2: "bad arguments or files (one line on stderr)",
+    3: "a mechanism check failed (the noise check of a canary audit, or clipping/sampling/noise of --model), "
+       "without a violation",
+}
 
 
 def _positive_int(text):
@@ -38,6 +51,10 @@ def _positive_float(text):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from keras_noisecurve.apps import cli_audit_model
+
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = "exit status:\n" + "\n".join(f"  {code}  {text}" for code, text in sorted(EXIT_STATUS.items()))
     parser.add_argument("--strategy", choices=AUDIT_KINDS, default="banded",
                         help="the mixing strategy C (default banded: DP-BandMF)")
     parser.add_argument("--epsilon", type=_positive_float, default=4.0, help="target epsilon (sigma is calibrated)")
@@ -54,6 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--confidence", type=float, default=0.95, help="confidence of the bound, in (0, 1)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="FILE", default=None, help="also write the full result as JSON")
+    cli_audit_model.add_arguments(parser)
 
 
 def _check(args):
@@ -87,7 +105,13 @@ def _audit(args):
 
 
 def run(args) -> int:
+    from keras_noisecurve.apps import cli_audit_model
+
     try:
+        if args.model is not None or args.data is not None:
+            if args.model is None:
+                raise ValueError("--data is the data of --model FILE.keras: give both")
+            cli_audit_model.check_arguments(args)
         _check(args)
     except ValueError as err:
         print(f"noisecurve audit: error: {err}", file=sys.stderr)
@@ -95,6 +119,8 @@ def run(args) -> int:
     from keras_noisecurve.apps.cli import _start_tensorflow, quiet_startup
 
     quiet_startup(_start_tensorflow)  # TensorFlow's C++ start-up notices silenced, as for `demo`
+    if args.model is not None:
+        return cli_audit_model.run_checks(args)
     try:
         result = _audit(args)
     except (ValueError, TypeError) as err:
@@ -131,4 +157,8 @@ def run(args) -> int:
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:
             json.dump(result.to_dict(), handle, indent=2, default=float)
-    return 1 if result.verdict == "violation" else 0
+    if result.verdict == "violation":
+        return 1
+    if info.get("noise_matches_claim") is False:
+        print("mechanism check failed: the noise check (exit status 3)")
+    return 3 if info.get("noise_matches_claim") is False else 0

@@ -7,6 +7,9 @@
 - :mod:`keras_noisecurve.audit.whitebox` and :mod:`keras_noisecurve.audit.blackbox`
   (TensorFlow): the auditors that train through ``make_private`` + ``NoiseCurveOptimizer``
   + ``PrivateRun``.
+- :mod:`keras_noisecurve.audit.mechanism` (TensorFlow; ``mechanism_clipping``,
+  ``mechanism_noise``) and :mod:`keras_noisecurve.audit.participation` (numpy): the
+  mechanism checks on the user's own model and run (clipping, sampling, noise).
 
 docs/audit.md says what an audit proves and what it cannot (a lower bound, not a certificate).
 Names are loaded lazily so that the statistics never import TensorFlow.
@@ -31,6 +34,11 @@ _EXPORTS = {
     "WhiteBoxAudit": "keras_noisecurve.audit.whitebox",
     "audit_whitebox": "keras_noisecurve.audit.whitebox",
     "audit_blackbox": "keras_noisecurve.audit.blackbox",
+    "MechanismReport": "keras_noisecurve.audit.mechanism",
+    "check_mechanism": "keras_noisecurve.audit.mechanism",
+    "check_sampling": "keras_noisecurve.audit.mechanism",
+    "ParticipationCheck": "keras_noisecurve.audit.participation",
+    "check_participations": "keras_noisecurve.audit.participation",
 }
 
 __all__ = sorted(_EXPORTS)

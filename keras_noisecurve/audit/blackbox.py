@@ -23,8 +23,9 @@ from typing import Sequence
 import numpy as np
 
 from keras_noisecurve._validation import check_choice, check_float, check_int
-from keras_noisecurve.audit.report import AuditResult, summarize
-from keras_noisecurve.audit.whitebox import build_mixing
+from keras_noisecurve.audit.mechanism import check_sampling
+from keras_noisecurve.audit.report import METHODS, AuditResult, summarize
+from keras_noisecurve.audit.whitebox import STRATEGIES, build_mixing
 
 __all__ = ["audit_blackbox"]
 
@@ -85,6 +86,20 @@ def audit_blackbox(
     sampling = check_choice("sampling", sampling, ("fixed_epochs", "cyclic_poisson"))
     seed = check_int("seed", seed, minimum=0)
     eta = check_float("learning_rate", learning_rate, positive=True)
+    check_float("l2_norm_clip", l2_norm_clip, positive=True)
+    check_float("canary_radius", canary_radius, positive=True)
+    check_float("epsilon", epsilon, positive=True)
+    check_float("delta", delta, open_unit=True)
+    check_float("confidence", confidence, open_unit=True)
+    check_int("bands", bands, minimum=1)
+    check_int("buffers", buffers, minimum=1)
+    check_choice("strategy", strategy, STRATEGIES)
+    methods = tuple(methods) if not isinstance(methods, str) else (methods,)
+    if not methods or any(method not in METHODS for method in methods):
+        raise ValueError(f"methods must be a non-empty subset of {METHODS}, got {list(methods)}.")
+    if methods == ("gaussian-dp",) and sampling != "fixed_epochs":
+        raise ValueError("methods=('gaussian-dp',) needs sampling='fixed_epochs' (a claim that is a Gaussian "
+                         f"mechanism); got sampling={sampling!r}.")
     n = real + m
     steps = epochs * (-(-n // batch))
 
@@ -107,6 +122,10 @@ def audit_blackbox(
                           separation=-(-n // batch))
     run = knc.PrivateRun(num_examples=n, batch_size=batch, steps=steps, mixing=mixing, epsilon=epsilon, delta=delta,
                          sampling=sampling, seed=seed)
+    sampling_check = check_sampling(run=run)
+    if not sampling_check.passed:
+        raise ValueError("the run's batches do not follow the sampling the accountant analysed, so the claimed "
+                         f"epsilon does not describe them; the audit refuses to score them. {sampling_check.line}")
     keras.utils.set_random_seed(seed)
     model = keras.Sequential([keras.Input((features,)), keras.layers.Dense(hidden, activation="relu"),
                               keras.layers.Dense(classes)])

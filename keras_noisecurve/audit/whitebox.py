@@ -42,9 +42,10 @@ from scipy import stats
 
 from keras_noisecurve._validation import check_choice, check_float, check_int
 from keras_noisecurve.audit import scoring
+from keras_noisecurve.audit.mechanism import check_sampling
 from keras_noisecurve.audit.report import AuditResult, summarize
 
-__all__ = ["CANARY_TARGET", "STRATEGIES", "WhiteBoxAudit", "audit_whitebox", "build_mixing"]
+__all__ = ["CANARY_TARGET", "STRATEGIES", "WhiteBoxAudit", "audit_whitebox", "build_mixing", "check_canary_headroom"]
 
 STRATEGIES = ("dpsgd", "banded", "toeplitz", "blt")
 SCORINGS = ("claimed/plan", "empirical/plan", "empirical/any-step", "claimed/poisson", "empirical/poisson")
@@ -147,6 +148,75 @@ def _patterns(run, real, m):
     return out
 
 
+#: a participation count gets its own bound when at least this many canaries are in and out
+MIN_GROUP = 20
+
+
+def _summarize_by_participations(*, scores, included, counts, confidence, info, **kwargs):
+    """The audit's result with a bound per participation count (docs/audit.md).
+
+    Canaries are grouped by how many steps their slot takes part in (the plan's count, the
+    same in both worlds). With one count (fixed epochs) the pooled bound is that count's.
+    With several (cyclic Poisson), the pooled scores and every count with at least
+    ``MIN_GROUP`` canaries in and out are bounded separately, each at confidence
+    1 − α/(G + 1) (union bound), and the largest is reported: a leak concentrated on the
+    canaries that took part most is not averaged away by the others.
+    ``info["bounds_by_participations"]``: ``{k: {"canaries", "epsilon_lower", "best"}}``.
+    """
+    values = sorted(set(counts.tolist()))
+    groups = [k for k in values
+              if np.sum(included & (counts == k)) >= MIN_GROUP and np.sum(~included & (counts == k)) >= MIN_GROUP]
+    if len(values) == 1:
+        result = summarize(scores=scores, included=included, confidence=confidence, info=info, **kwargs)
+        result.info["bounds_by_participations"] = {str(values[0]): {
+            "canaries": int(counts.size), "epsilon_lower": result.epsilon_lower, "best": result.best}}
+        return result
+    each = 1.0 - (1.0 - confidence) / (len(groups) + 1)
+    pooled = summarize(scores=scores, included=included, confidence=each, info=info, **kwargs)
+    by_count, bounds = {}, dict(pooled.bounds)
+    best, lower = pooled.best, pooled.epsilon_lower
+    for k in groups:
+        keep = counts == k
+        part = summarize(scores={name: np.asarray(v)[keep] for name, v in scores.items()}, included=included[keep],
+                         confidence=each, info=info, **kwargs)
+        by_count[str(k)] = {"canaries": int(keep.sum()), "epsilon_lower": part.epsilon_lower, "best": part.best}
+        bounds.update({f"k={k}:{name}": bound for name, bound in part.bounds.items()})
+        if part.epsilon_lower > lower:
+            best, lower = f"k={k}:{part.best}", part.epsilon_lower
+    info = dict(pooled.info, bounds_by_participations=by_count,
+                pooled_bound={"epsilon_lower": pooled.epsilon_lower, "best": pooled.best})
+    return dataclasses.replace(pooled, confidence=confidence, epsilon_lower=lower, best=best, bounds=bounds,
+                               verdict="violation" if lower > pooled.claimed_epsilon else "consistent", info=info)
+
+
+def check_canary_headroom(*, run, learning_rate: float, l2_norm_clip: float, canaries: int) -> None:
+    """Refuse, before training, a ζ too large for the canary target.
+
+    A canary's clipped gradient is exactly −ζ only while its coordinate w_i stays below
+    ``CANARY_TARGET`` − ζ. With plain SGD, w_i after s steps is (ηζ/B)·(its participations
+    − σ·Σ_{t<s} z̃_t), z̃ = C⁻¹z; the prefix sums are Gaussian with standard deviation
+    ‖row s of cumsum(C⁻¹)‖. Bounding them by Φ⁻¹(1 − 10⁻⁶/(mT)) standard deviations (a
+    canary crosses with probability below 10⁻⁶) gives the largest usable ζ,
+    ``CANARY_TARGET`` / (1 + (η/B)(k + σ·z·max_s std_s)).
+
+    Raises:
+      ValueError: naming ζ, the largest allowed value and what to change.
+    """
+    steps, batch = run.steps, run.batch_size
+    inverse = np.asarray(run.mixing.inverse_apply(np.eye(steps)), np.float64) if run.mixing.has_plan \
+        else np.eye(steps)
+    spread = float(np.max(np.linalg.norm(np.cumsum(inverse, axis=0), axis=1)))
+    level = float(stats.norm.isf(1e-6 / (canaries * steps)))
+    reach = run.spec.participations() + run.noise_multiplier * level * spread
+    largest = CANARY_TARGET / (1.0 + learning_rate / batch * reach)
+    if l2_norm_clip > largest:
+        raise ValueError(
+            f"l2_norm_clip={l2_norm_clip:g} is too large for the canary target {CANARY_TARGET:g}: the canaries' "
+            f"coordinates may reach {learning_rate * l2_norm_clip / batch * reach:.4g} (eta={learning_rate:g}, "
+            f"B={batch}, sigma={run.noise_multiplier:.4g}) and must stay below the target minus zeta for their "
+            f"clipped gradient to be exactly -zeta; use l2_norm_clip <= {largest:.4g} or a smaller learning_rate.")
+
+
 def audit_whitebox(
     *,
     strategy: str = "banded",
@@ -212,7 +282,17 @@ def audit_whitebox(
         the plan: the audit then covers the resume path.
 
     Returns:
-      a :class:`WhiteBoxAudit` whose ``result`` holds the claim, the bound and the verdict.
+      a :class:`WhiteBoxAudit` whose ``result`` holds the claim, the bound and the verdict;
+      ``result.info["bounds_by_participations"]`` the bound of each participation count
+      (:func:`_summarize_by_participations`).
+
+    Raises:
+      ValueError / TypeError: before any training, for every argument out of range (naming
+        the value and what is allowed), a ``resume_at`` outside 1 … T−1, an
+        ``l2_norm_clip`` too large for the canary target (:func:`check_canary_headroom`),
+        and a run whose batches (the run's pipeline over the whole plan,
+        :func:`keras_noisecurve.audit.mechanism.check_sampling`) break the sampling the
+        accountant assumed: such a run is not scored.
     """
     import keras
 
@@ -227,16 +307,23 @@ def audit_whitebox(
     eta = check_float("learning_rate", learning_rate, positive=True)
     clip = check_float("l2_norm_clip", l2_norm_clip, positive=True)
     seed = check_int("seed", seed, minimum=0)
+    check_float("epsilon", epsilon, positive=True)
+    check_float("delta", delta, open_unit=True)
+    check_float("confidence", confidence, open_unit=True)
     check_choice("thresholds", thresholds, ("grid", "split"))
+    check_int("bands", bands, minimum=1)
+    check_int("buffers", buffers, minimum=1)
+    for name, value in (("optimizer_factory", optimizer_factory), ("dataset_factory", dataset_factory),
+                        ("model_hook", model_hook)):
+        if value is not None and not callable(value):
+            raise TypeError(f"{name} must be a callable or None, got {value!r} ({type(value).__name__}).")
+    if mixing is None:
+        check_choice("strategy", strategy, STRATEGIES)
     n = real + m
     batch = -(-n // spe)
     steps = epochs * (-(-n // batch))
-    if mixing is None:
-        mixing = build_mixing(strategy=strategy, steps=steps, bands=bands, buffers=buffers, participations=epochs,
-                              separation=-(-n // batch))
-        name = strategy
-    else:
-        name = getattr(mixing, "metadata", {}).get("strategy", type(mixing).__name__)
+    if resume_at is not None:
+        check_int("resume_at", resume_at, minimum=1, maximum=steps - 1)
     probes = max(1000, 20 * steps) if probes is None else check_int("probes", probes, minimum=steps + 1)
     if scorings is None:
         scorings = (("claimed/plan", "empirical/plan", "empirical/any-step") if sampling == "fixed_epochs"
@@ -245,13 +332,25 @@ def audit_whitebox(
         check_choice("scorings", s, SCORINGS)
         if s.endswith("/plan") and sampling != "fixed_epochs":
             raise ValueError(f"scoring {s!r} needs sampling='fixed_epochs' (the plan of cyclic Poisson is secret).")
+    if mixing is None:
+        mixing = build_mixing(strategy=strategy, steps=steps, bands=bands, buffers=buffers, participations=epochs,
+                              separation=-(-n // batch))
+        name = strategy
+    else:
+        name = getattr(mixing, "metadata", {}).get("strategy", type(mixing).__name__)
+    run = knc.PrivateRun(num_examples=n, batch_size=batch, steps=steps, mixing=mixing, epsilon=epsilon,
+                         delta=delta, sampling=sampling, seed=seed)
+    check_canary_headroom(run=run, learning_rate=eta, l2_norm_clip=clip, canaries=m)
+    sampling_check = check_sampling(run=run)
+    if not sampling_check.passed:
+        raise ValueError("the run's batches do not follow the sampling the accountant analysed, so the claimed "
+                         f"epsilon does not describe them; the audit refuses to score them. {sampling_check.line}")
+    patterns = _patterns(run, real, m)
+    claimed = run.epsilon()
 
     rng = np.random.default_rng(seed)
     included = rng.random(m) < 0.5
     x, y = _dataset_arrays(rng, real, features, m, included)
-    run = knc.PrivateRun(num_examples=n, batch_size=batch, steps=steps, mixing=mixing, epsilon=epsilon,
-                         delta=delta, sampling=sampling, seed=seed)
-    claimed = run.epsilon()
 
     keras.utils.set_random_seed(seed)
     model, table = _model(features, m + probes)
@@ -276,7 +375,6 @@ def audit_whitebox(
 
     private.fit(dataset(run), callbacks=[_Record()], verbose=0)
     if resume_at is not None:
-        check_int("resume_at", resume_at, minimum=1, maximum=steps - 1)
         private = _reload(private)
         current["table"] = private.inner.get_layer("canaries")
         if model_hook is not None:
@@ -292,7 +390,6 @@ def audit_whitebox(
     obs_all = scoring.observations_from_iterates(iterates=iterates, learning_rate=eta,
                                                  batch_size=run.batch_size, l2_norm_clip=clip)
     obs, probe_obs = obs_all[:, :m], obs_all[:, m:]
-    patterns = _patterns(run, real, m)
     dense = np.asarray(run.mixing.to_dense())[:steps, :steps]
     precisions = {"claimed": scoring.claimed_precision(mixing_dense=dense, noise_multiplier=run.noise_multiplier)}
     if any(s.startswith("empirical/") for s in scorings):
@@ -328,11 +425,11 @@ def audit_whitebox(
     }
     if sampling == "fixed_epochs":
         info["claimed_mu"] = run.spec.fixed_epoch_sensitivity(epochs) / run.noise_multiplier
-    result = summarize(scores=scores, included=included, claimed_epsilon=claimed, delta=delta, confidence=confidence,
-                       gaussian_claim=sampling == "fixed_epochs", seed=seed, info=info,
-                       methods=("clopper-pearson", "gaussian-dp") if sampling == "fixed_epochs"
-                       else ("clopper-pearson", "one-run"),
-                       grid=np.array(LLR_GRID) if thresholds == "grid" else None)
+    methods = ("clopper-pearson", "gaussian-dp") if sampling == "fixed_epochs" else ("clopper-pearson", "one-run")
+    result = _summarize_by_participations(
+        scores=scores, included=included, counts=patterns.sum(axis=0).astype(int), claimed_epsilon=claimed,
+        delta=delta, confidence=confidence, gaussian_claim=sampling == "fixed_epochs", seed=seed, info=info,
+        methods=methods, grid=np.array(LLR_GRID) if thresholds == "grid" else None)
     return WhiteBoxAudit(run=run, included=included, observations=obs, probe_observations=probe_obs,
                          patterns=patterns, scores=scores, result=result)
 

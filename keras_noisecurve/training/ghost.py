@@ -49,6 +49,7 @@ and a weight read outside its own layer's call (caught when the step is traced,
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 
@@ -63,7 +64,7 @@ from keras_noisecurve.training.ghost_reads import check_reads
 
 _GENERIC = GenericRule()
 
-__all__ = ["describe", "ghost_clipped_sum", "plan", "supports"]
+__all__ = ["describe", "ghost_clipped_sum", "observe_layer_norms", "plan", "supports"]
 
 
 # ------------------------------------------------------------------ the plan
@@ -338,6 +339,7 @@ def _ghost_step(model, loss_fn, x, y, sample_weight, clip, training, entries):
     norm_dtype = tf.float64 if dtype == tf.float64 else tf.float32
     sq = tf.zeros_like(per_example_loss, dtype=norm_dtype)
     grad_fns = []
+    observer = getattr(_LOCAL, "norm_observer", None)
     for layer, rule, own, layer_calls in by_layer.values():
         if isinstance(rule, GenericRule):
             layer_sq, grad_fn = rule.analyse(layer, layer_calls, own)
@@ -345,6 +347,8 @@ def _ghost_step(model, loss_fn, x, y, sample_weight, clip, training, entries):
             layer_sq, grad_fn = rule.analyse(layer, layer_calls)
         sq += tf.cast(layer_sq, norm_dtype)
         grad_fns.append(grad_fn)
+        if observer is not None:
+            observer.append((layer, rule, own, layer_sq))
     norms = tf.sqrt(sq)
     tiny = tf.constant(1e-30 if norm_dtype == tf.float32 else 1e-300, norm_dtype)
     # a Python ζ goes straight to the norms' dtype (a float64 model keeps all 53 bits)
@@ -365,6 +369,25 @@ def _ghost_step(model, loss_fn, x, y, sample_weight, clip, training, entries):
         per_example_loss=per_example_loss,
         y_pred=y_pred,
     )
+
+
+@contextlib.contextmanager
+def observe_layer_norms():
+    """Context manager: the per-layer terms of every ``ghost_clipped_sum`` step run in
+    this thread inside it (for audits, :mod:`keras_noisecurve.audit.mechanism`).
+
+    Yields a list that each step extends with ``(layer, rule, variables, sq)``: ``sq``
+    (P,) the squared norms of the per-example gradients of that layer's ``variables``,
+    as the layer's rule computed them (their sum over layers is the squared norm the
+    step clips with). Run the engine eagerly to read them as numbers.
+    """
+    seen = []
+    previous = getattr(_LOCAL, "norm_observer", None)
+    _LOCAL.norm_observer = seen
+    try:
+        yield seen
+    finally:
+        _LOCAL.norm_observer = previous
 
 
 _READS_CHECKED = weakref.WeakKeyDictionary()  # model -> True once its traced forward was checked

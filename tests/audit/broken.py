@@ -104,3 +104,62 @@ def reset_noise_state_on_resume(private):
         for state in optimizer._rings:
             if state is not None:
                 state.assign(tf.zeros_like(state))
+
+
+# ---------------------------------------------------------------- mechanism-check plants
+
+
+def drop_layer_share(monkeypatch, rule_class):
+    """One layer rule's per-example norm loses its layer's share (the rule's ``analyse``
+    returns zeros for the squared norms and keeps its gradient function): that layer's
+    gradients are then never clipped. Patched on the rule class, from outside."""
+    original = rule_class.analyse
+
+    def analyse(self, layer, *args, **kwargs):
+        sq, grads = original(self, layer, *args, **kwargs)
+        return tf.zeros_like(sq), grads
+
+    monkeypatch.setattr(rule_class, "analyse", analyse)
+
+
+def overlapping_fixed_epochs(monkeypatch):
+    """A fixed-epochs sampler whose batch t starts at t·B/2 of the order instead of t·B:
+    consecutive batches overlap by half, so examples take part twice as often as planned."""
+    import numpy as np
+
+    from keras_noisecurve.privacy.sampler import BatchSampler
+
+    original = BatchSampler.batch
+
+    def batch(self, t):
+        if self.sampling != "fixed_epochs":
+            return original(self, t)
+        order = np.concatenate(self.partitions)
+        start = (int(t) * max(1, self.batch_size // 2)) % order.size
+        members = np.take(order, np.arange(start, start + self.batch_size), mode="wrap")
+        indices = np.zeros(self.padded_size, np.int64)
+        mask = np.zeros(self.padded_size, np.float32)
+        indices[: members.size], mask[: members.size] = members, 1.0
+        return indices, mask, 0
+
+    monkeypatch.setattr(BatchSampler, "batch", batch)
+
+
+def poisson_from_every_partition(monkeypatch):
+    """A cyclic-Poisson sampler that draws every step from ALL examples (at rate q/b) instead of
+    from partition t mod b: the expected batch is the same, but examples appear in steps of
+    other partitions."""
+    import numpy as np
+
+    from keras_noisecurve.privacy.sampler import BatchSampler
+
+    def batch(self, t):
+        rng = np.random.default_rng([int(t), 99])
+        chosen = np.flatnonzero(rng.random(self.num_examples) < self.sampling_probability / self.bands)
+        chosen = chosen[: self.padded_size]
+        indices = np.zeros(self.padded_size, np.int64)
+        mask = np.zeros(self.padded_size, np.float32)
+        indices[: chosen.size], mask[: chosen.size] = chosen, 1.0
+        return indices, mask, 0
+
+    monkeypatch.setattr(BatchSampler, "batch", batch)

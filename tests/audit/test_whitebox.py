@@ -34,8 +34,9 @@ def test_a_correct_run_stays_below_its_claim_and_the_audit_is_not_weak(strategy)
 def test_cyclic_poisson_run_stays_below_its_claim():
     result = audit_whitebox(strategy="banded", epsilon=4.0, sampling="cyclic_poisson", seed=2, **SMALL).result
     assert result.verdict == "consistent", result.to_dict()
-    assert set(result.bounds) == {f"{s}/{m}" for s in ("claimed/poisson", "empirical/poisson")
-                                  for m in ("clopper-pearson", "one-run")}
+    pooled = {f"{s}/{m}" for s in ("claimed/poisson", "empirical/poisson") for m in ("clopper-pearson", "one-run")}
+    assert pooled <= set(result.bounds)  # and the same per participation count, "k=2:claimed/poisson/one-run", ...
+    assert {key.split(":", 1)[1] for key in result.bounds if key.startswith("k=")} == pooled
     _check_probes(result)
 
 
@@ -102,3 +103,66 @@ def test_bad_arguments_give_one_line_errors():
     assert "\n" not in str(info.value)
     with pytest.raises(ValueError, match="strategy must be one of"):
         audit_whitebox(strategy="bisr", **SMALL)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"resume_at": 16}, "resume_at must be <= 15, got 16"),
+    ({"resume_at": 0}, "resume_at must be >= 1, got 0"),
+    ({"confidence": 1.5}, "confidence must lie strictly between 0 and 1, got 1.5"),
+    ({"delta": 0.0}, "delta must lie strictly between 0 and 1, got 0.0"),
+    ({"epsilon": -1.0}, "epsilon must be > 0, got -1.0"),
+    ({"l2_norm_clip": 5e4}, "l2_norm_clip=50000 is too large for the canary target 10000"),
+    ({"thresholds": "best"}, "thresholds must be one of 'grid', 'split'; got 'best'"),
+    ({"model_hook": 3}, "model_hook must be a callable or None, got 3"),
+    ({"probes": 10}, "probes must be >= 17, got 10"),
+])
+def test_every_argument_is_checked_before_any_training(kwargs, message, monkeypatch):
+    """Each refusal comes before the first training step (fit is never reached)."""
+    import keras
+
+    def no_training(*args, **kw):
+        raise AssertionError("trained before refusing the arguments")
+
+    monkeypatch.setattr(keras.Model, "fit", no_training)
+    with pytest.raises((ValueError, TypeError), match=message.replace("(", r"\(").replace(")", r"\)")) as info:
+        audit_whitebox(**{**SMALL, **kwargs})
+    assert "\n" not in str(info.value)
+
+
+def test_the_largest_allowed_clip_follows_the_canaries_reach():
+    """Just below the largest ζ the audit starts; the bound is the formula's (independent numbers)."""
+    import numpy as np
+    from scipy import stats
+
+    import keras_noisecurve as knc
+    from keras_noisecurve.audit.whitebox import CANARY_TARGET, check_canary_headroom
+
+    run = knc.PrivateRun(num_examples=64, batch_size=8, steps=16, epsilon=4.0, delta=1e-5, sampling="fixed_epochs",
+                         seed=0)  # C = I: cumulative sums of z have std sqrt(s), largest sqrt(16) = 4
+    level = stats.norm.isf(1e-6 / (10 * 16))
+    largest = CANARY_TARGET / (1 + 0.5 / 8 * (2 + run.noise_multiplier * level * 4.0))
+    check_canary_headroom(run=run, learning_rate=0.5, l2_norm_clip=0.999 * largest, canaries=10)
+    with pytest.raises(ValueError, match=f"use l2_norm_clip <= {largest:.4g}"):
+        check_canary_headroom(run=run, learning_rate=0.5, l2_norm_clip=1.001 * largest, canaries=10)
+    assert np.isfinite(largest)
+
+
+def test_a_sampler_that_repeats_examples_is_refused_before_scoring(monkeypatch):
+    """The issue's case: batches overlapping by half put canaries in more steps than the accountant
+    assumed; pooled scores would blur it, so the audit refuses to score the run."""
+    broken.overlapping_fixed_epochs(monkeypatch)
+    with pytest.raises(ValueError, match="the audit refuses to score them. sampling: FAIL"):
+        audit_whitebox(strategy="banded", epsilon=4.0, seed=3, **SMALL)
+
+
+@pytest.mark.slow  # two audits: about 20 s on 2 cores
+def test_bounds_are_reported_per_participation_count():
+    fixed = audit_whitebox(strategy="dpsgd", epsilon=4.0, seed=1, **SMALL).result
+    assert list(fixed.info["bounds_by_participations"]) == ["2"]  # every canary takes part twice
+    assert fixed.info["bounds_by_participations"]["2"]["epsilon_lower"] == fixed.epsilon_lower
+    poisson = audit_whitebox(strategy="banded", epsilon=4.0, sampling="cyclic_poisson", seed=2, **SMALL).result
+    groups = poisson.info["bounds_by_participations"]
+    assert len(groups) >= 2 and sum(g["canaries"] for g in groups.values()) <= 2000
+    assert poisson.epsilon_lower == max([poisson.info["pooled_bound"]["epsilon_lower"]]
+                                        + [g["epsilon_lower"] for g in groups.values()])
+    assert poisson.confidence == 0.95 and poisson.verdict == "consistent"

@@ -1,0 +1,281 @@
+"""The clipping check: the library's clipped sum on the user's model against an independent
+per-example computation (TensorFlow).
+
+The library side is the engine as training runs it: ``make_private(model)``'s clipping
+engine (``get_engine(private.clipping, private)``), called eagerly on a batch of the
+user's data with the user's loss and ζ, inside
+:func:`keras_noisecurve.training.ghost.observe_layer_norms` so that every layer's rule
+reports its per-example squared norms. The reference shares no code with any engine: a
+loop over the examples of plain ``tf.GradientTape`` gradients of ONE example's weighted
+loss w_i·loss_i, on a float64 clone of the model when one can be built (its config with
+every float32 dtype replaced by float64, the weights copied), else on the model itself
+in float32. From the reference gradients g_i:
+
+- n_i = ‖g_i‖ and, per layer L (the engine's plan, ``ghost.plan``), n_iL = ‖g_iL‖;
+- the clipped sum S = Σ_i g_i·min(1, ζ/n_i), per layer.
+
+The check fails when, beyond ``tolerance`` (relative),
+
+1. a layer's per-example norm from its rule differs from n_iL (``layer norms``; relative
+   to max(n_iL, 10⁻⁴·n_i), so a layer whose share is dropped shows an error of 1);
+2. the engine's per-example norm differs from n_i (``norms``);
+3. a layer's part of the engine's clipped sum differs from S_L (``clipped sum``; relative
+   to max(‖S_L‖, 10⁻⁴·‖S‖));
+4. an example's contribution exceeds ζ(1 + tolerance): measured DIRECTLY, as the norm of
+   the engine's clipped sum of a batch holding that example alone (for the examples with
+   the largest n_i), and as min(1, ζ/engine norm)·n_i for every example.
+
+Dropout and other training-only randomness are off (``training=False``) on both sides,
+so that both differentiate the same function.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+__all__ = ["ClippingCheck", "check_clipping", "float64_clone"]
+
+#: a layer's (or an example's) share below this fraction of the example's norm is
+#: compared in absolute terms (relative to this fraction of the total)
+SHARE_FLOOR = 1e-4
+
+
+@dataclasses.dataclass(frozen=True)
+class ClippingCheck:
+    """The outcome of :func:`check_clipping`.
+
+    Attributes:
+      passed: every measured error within ``tolerance`` and no contribution above ζ(1 + tolerance).
+      tolerance: the relative tolerance used.
+      reference_dtype: ``"float64"`` (a float64 clone), ``"float64 (k float32 variables)"`` (a
+        clone whose layers kept k weights in float32) or ``"float32"`` (the model itself).
+      examples: number of examples compared.
+      worst_layer: ``(name, class, rule)`` of the layer with the largest error.
+      worst_error: that error (relative, the largest of its layer-norm and clipped-sum errors).
+      norm_error: largest relative error of the engine's per-example norms.
+      sum_error: largest relative error of a layer's part of the clipped sum.
+      max_contribution: largest per-example contribution / ζ (1 = exactly ζ).
+      layers: ``[{"layer", "class", "rule", "norm_error", "sum_error"}]`` for every layer.
+      line: one line for a report.
+    """
+
+    passed: bool
+    tolerance: float
+    reference_dtype: str
+    examples: int
+    worst_layer: tuple
+    worst_error: float
+    norm_error: float
+    sum_error: float
+    max_contribution: float
+    layers: list
+    line: str
+
+
+def _retype(config):
+    """``config`` with every float32 dtype (policy or plain name) replaced by float64."""
+    if isinstance(config, dict):
+        if config.get("class_name") in ("DTypePolicy", "FloatDTypePolicy") and isinstance(config.get("config"), dict):
+            if config["config"].get("name") == "float32":
+                return {**config, "config": {**config["config"], "name": "float64"}}
+        return {k: ("float64" if k == "dtype" and v == "float32" else _retype(v)) for k, v in config.items()}
+    if isinstance(config, list):
+        return [_retype(v) for v in config]
+    return config
+
+
+def float64_clone(model, sample_x):
+    """A float64 copy of ``model`` (same architecture, weights cast), or ``None`` if it cannot
+    be built (a model without a config, a layer that refuses float64, a weight mismatch)."""
+    import keras
+    import tensorflow as tf
+
+    try:
+        clone = keras.saving.deserialize_keras_object(_retype(keras.saving.serialize_keras_object(model)))
+        clone(_cast(sample_x, tf.float64), training=False)
+        if len(clone.weights) != len(model.weights) or len(clone.trainable_variables) != len(
+                model.trainable_variables):
+            return None
+        for target, source in zip(clone.weights, model.weights):
+            if tuple(target.shape) != tuple(source.shape):
+                return None
+            target.assign(np.asarray(source.numpy()).astype(target.dtype))
+        if not any(v.dtype == "float64" for v in clone.trainable_variables):
+            return None
+        return clone
+    except Exception:  # noqa: BLE001 - any failure means: no float64 reference, use float32
+        return None
+
+
+def _layer_path(layer, variables):
+    """Where a layer sits in the model: its variables' common path (``block_0/attention/query``),
+    which tells apart sublayers of the same name in different blocks; else its name."""
+    parts = [str(getattr(v, "path", "")).split("/")[:-1] for v in variables]
+    common = []
+    for level in zip(*parts) if parts else ():
+        if len(set(level)) != 1:
+            break
+        common.append(level[0])
+    if layer.name in common:  # a cell's weights sit below their layer: stop at the layer
+        common = common[: len(common) - common[::-1].index(layer.name)]
+    return "/".join(common) or layer.name
+
+
+def _cast(tree, dtype):
+    import tensorflow as tf
+
+    def cast(t):
+        t = tf.convert_to_tensor(t)
+        return tf.cast(t, dtype) if t.dtype.is_floating else t
+
+    return tf.nest.map_structure(cast, tree)
+
+
+def _take(tree, index):
+    import tensorflow as tf
+
+    return tf.nest.map_structure(lambda a: np.asarray(a)[index], tree)
+
+
+def _reference(model, loss_fn, x, y, w, dtype):
+    """(P, per-variable) float64 numpy gradients of each example's weighted loss, one tape each."""
+    import tensorflow as tf
+
+    variables = model.trainable_variables
+
+    @tf.function(reduce_retracing=True)
+    def one(xi, yi, wi):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(yi, model(xi, training=False))
+            loss = tf.reduce_sum(tf.cast(loss, dtype)) * tf.cast(wi, dtype)
+        grads = tape.gradient(loss, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        return [tf.convert_to_tensor(g) for g in grads]  # embedding rows come as IndexedSlices
+
+    out = []
+    for i in range(len(w)):
+        xi = _cast(_take(x, slice(i, i + 1)), dtype)
+        yi = _cast(_take(y, slice(i, i + 1)), dtype)
+        grads = one(xi, yi, tf.constant(w[i]))
+        out.append([np.asarray(g.numpy(), np.float64) for g in grads])
+    return out
+
+
+def check_clipping(*, private, loss_fn, l2_norm_clip, x, y, sample_weight=None, tolerance=1e-3, direct=4):
+    """Compare the engine's clipped sum and per-example norms with per-example tapes.
+
+    Args:
+      private: a ``PrivateModel`` (``make_private(model)``), built.
+      loss_fn: ``(y_true, y_pred) -> (P,)`` per-example loss (``per_example_loss_fn(loss)``).
+      l2_norm_clip: ζ > 0.
+      x, y: one batch of P examples (numpy, nested structures allowed).
+      sample_weight: (P,) weights w_i (default 1).
+      tolerance: relative tolerance of every comparison.
+      direct: how many examples (those of largest norm) are also clipped ALONE by the engine
+        to measure their contribution directly.
+
+    Returns:
+      a :class:`ClippingCheck` (fields for this one batch).
+    """
+    import tensorflow as tf
+
+    from keras_noisecurve.training import ghost
+    from keras_noisecurve.training.clipping import get_engine
+
+    inner = private.inner
+    size = int(np.asarray(tf.nest.flatten(x)[0]).shape[0])
+    w = np.ones(size, np.float32) if sample_weight is None else np.asarray(sample_weight, np.float32).reshape(-1)
+    variables = private.trainable_variables
+    index = {id(v): k for k, v in enumerate(variables)}
+    groups = [(layer, rule.kind, [index[id(v)] for v in own if id(v) in index])
+              for layer, rule, own in ghost.plan(private)]
+    paths = [_layer_path(layer, [variables[k] for k in ks]) for layer, _, ks in groups]
+    covered = {k for _, _, ks in groups for k in ks}
+    loose = [k for k in range(len(variables)) if k not in covered]
+    if loose:
+        groups.append((None, "unclipped", loose))
+
+    engine = get_engine(private.clipping, private)
+    with ghost.observe_layer_norms() as seen:
+        out = engine(private, loss_fn, x, y, w, l2_norm_clip=l2_norm_clip, training=False)
+    engine_norms = np.asarray(out.norms.numpy(), np.float64)
+    engine_sum = [np.asarray(g.numpy(), np.float64) for g in out.grads]
+    engine_layer_sq = {}
+    for layer, _, _, sq in seen:
+        engine_layer_sq[id(layer)] = engine_layer_sq.get(id(layer), 0.0) + np.asarray(sq.numpy(), np.float64)
+
+    clone = float64_clone(inner, _take(x, slice(0, 1)))
+    if clone is None:
+        reference_dtype = "float32"
+    else:  # a layer may create some weights in float32 whatever its policy (Keras's LoRA weights)
+        kept = sum(v.dtype != "float64" for v in clone.trainable_variables)
+        reference_dtype = "float64" if not kept else f"float64 ({kept} float32 variables)"
+    ref_model = inner if clone is None else clone
+    grads = _reference(ref_model, loss_fn, x, y, w, tf.float64 if clone is not None else tf.float32)
+    if len(ref_model.trainable_variables) != len(variables):
+        raise RuntimeError("the reference model's trainable variables do not match the private model's.")
+
+    sq = np.array([[float(np.sum(g[k] ** 2)) for k in range(len(variables))] for g in grads])  # (P, V)
+    norms = np.sqrt(sq.sum(axis=1))
+    factors = np.minimum(1.0, l2_norm_clip / np.maximum(norms, 1e-300))
+    reference_sum = [sum(factors[i] * grads[i][k] for i in range(size)) for k in range(len(variables))]
+    total_sum = np.sqrt(sum(float(np.sum(s ** 2)) for s in reference_sum))
+
+    layers, worst = [], (("-", "-", "-"), 0.0)
+    for (layer, kind, ks), path in zip(groups, paths + ["(not clipped by any rule)"]):
+        ref_layer = np.sqrt(sq[:, ks].sum(axis=1))
+        floor = np.maximum(ref_layer, SHARE_FLOOR * norms)
+        norm_error = None
+        if layer is not None and id(layer) in engine_layer_sq:
+            eng_layer = np.sqrt(np.maximum(engine_layer_sq[id(layer)], 0.0))
+            norm_error = float(np.max(np.abs(eng_layer - ref_layer) / np.maximum(floor, 1e-300)))
+        diff = np.sqrt(sum(float(np.sum((engine_sum[k] - reference_sum[k]) ** 2)) for k in ks))
+        scale = np.sqrt(sum(float(np.sum(reference_sum[k] ** 2)) for k in ks))
+        sum_error = float(diff / max(scale, SHARE_FLOOR * total_sum, 1e-300))
+        name = (path, type(layer).__name__ if layer is not None else "-", kind)
+        layers.append({"layer": name[0], "class": name[1], "rule": name[2], "norm_error": norm_error,
+                       "sum_error": sum_error})
+        error = max(sum_error, norm_error or 0.0)
+        if error >= worst[1]:
+            worst = (name, error)
+    norm_error = float(np.max(np.abs(engine_norms - norms) / np.maximum(norms, SHARE_FLOOR * l2_norm_clip)))
+    sum_error = max(entry["sum_error"] for entry in layers)
+    contribution = np.minimum(1.0, l2_norm_clip / np.maximum(engine_norms, 1e-300)) * norms / l2_norm_clip
+    max_contribution = float(np.max(contribution))
+    for i in np.argsort(-norms)[:direct]:  # the engine's clipped sum of one example, alone
+        single = engine(private, loss_fn, _take(x, slice(i, i + 1)), _take(y, slice(i, i + 1)), w[i:i + 1],
+                        l2_norm_clip=l2_norm_clip, training=False)
+        alone = np.sqrt(sum(float(np.sum(np.asarray(g.numpy(), np.float64) ** 2)) for g in single.grads))
+        max_contribution = max(max_contribution, alone / l2_norm_clip)
+    passed = (worst[1] <= tolerance and norm_error <= tolerance and max_contribution <= 1.0 + tolerance)
+    return ClippingCheck(passed=bool(passed), tolerance=float(tolerance), reference_dtype=reference_dtype,
+                         examples=size, worst_layer=worst[0], worst_error=float(worst[1]),
+                         norm_error=norm_error, sum_error=float(sum_error), max_contribution=max_contribution,
+                         layers=layers, line="")
+
+
+def merge(checks, *, tolerance):
+    """One :class:`ClippingCheck` of several batches (worst of each measure), with its line."""
+    worst = max(checks, key=lambda c: c.worst_error)
+    by_layer = {}
+    for check in checks:
+        for position, entry in enumerate(check.layers):  # every batch lists the plan's layers in order
+            old = by_layer.get(position)
+            if old is None:
+                by_layer[position] = dict(entry)
+            else:
+                for key in ("norm_error", "sum_error"):
+                    if entry[key] is not None:
+                        old[key] = max(old[key] or 0.0, entry[key])
+    merged = dataclasses.replace(
+        worst, passed=all(c.passed for c in checks), examples=sum(c.examples for c in checks),
+        norm_error=max(c.norm_error for c in checks), sum_error=max(c.sum_error for c in checks),
+        max_contribution=max(c.max_contribution for c in checks), layers=list(by_layer.values()))
+    name, cls, rule = merged.worst_layer
+    verdict = "PASS" if merged.passed else "FAIL"
+    line = (f"clipping: {verdict} - {merged.examples} examples, {len(merged.layers)} layers against per-example "
+            f"tapes ({merged.reference_dtype}): worst layer '{name}' ({cls}, rule {rule}) relative error "
+            f"{merged.worst_error:.2e}; norms {merged.norm_error:.2e}; largest contribution "
+            f"{merged.max_contribution:.6f} x zeta (tolerance {tolerance:g})")
+    return dataclasses.replace(merged, line=line)

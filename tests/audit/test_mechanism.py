@@ -1,0 +1,202 @@
+"""Mechanism checks on a user's model and run (keras_noisecurve.audit.mechanism): correct runs of
+every strategy pass every check; bugs planted from outside the library (tests/audit/broken.py:
+a layer rule's norm that drops its layer's share, a sampler that repeats examples, a noise of the
+wrong scale or correlation) are caught by the check that should catch them."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+
+import keras_noisecurve as knc
+from keras_noisecurve.audit.mechanism import check_mechanism, check_sampling
+from keras_noisecurve.audit.whitebox import build_mixing
+from keras_noisecurve.training import ghost, ghost_conv, ghost_dense, ghost_generic, ghost_lora, ghost_norm, ghost_rnn
+
+from . import broken
+
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+@keras.saving.register_keras_serializable(package="tests_audit")
+class Scale(keras.layers.Layer):
+    """A layer the library has no rule for: the per-layer fallback clips it."""
+
+    def build(self, input_shape):
+        self.scale = self.add_weight(shape=(input_shape[-1],), initializer="ones", name="scale")
+
+    def call(self, x):
+        return x * self.scale
+
+
+def _head(inputs, features):
+    return keras.Model(inputs, keras.layers.Dense(3, name="head")(features))
+
+
+def _family_model(family):
+    """(model, x) with one layer named 'target' of the family, followed by a Dense head."""
+    rng = np.random.default_rng(0)
+    n = 12
+    if family == "Embedding":
+        inputs = keras.Input((5,), dtype="int32")
+        h = keras.layers.Embedding(20, 4, name="target")(inputs)
+        return _head(inputs, keras.layers.GlobalAveragePooling1D()(h)), rng.integers(0, 20, (n, 5)).astype("int32")
+    if family == "Conv":
+        inputs = keras.Input((6, 6, 2))
+        h = keras.layers.Conv2D(3, 3, name="target")(inputs)
+        return _head(inputs, keras.layers.Flatten()(h)), rng.normal(size=(n, 6, 6, 2)).astype("float32")
+    if family == "GroupNormalization":
+        inputs = keras.Input((4, 4, 4))
+        h = keras.layers.GroupNormalization(groups=2, name="target")(inputs)
+        return _head(inputs, keras.layers.Flatten()(h)), rng.normal(size=(n, 4, 4, 4)).astype("float32")
+    if family == "Recurrent":
+        inputs = keras.Input((5, 3))
+        h = keras.layers.SimpleRNN(4, name="target")(inputs)
+        return _head(inputs, h), rng.normal(size=(n, 5, 3)).astype("float32")
+    inputs = keras.Input((6,))
+    x = rng.normal(size=(n, 6)).astype("float32")
+    if family == "EinsumDense":
+        h = keras.layers.EinsumDense("ab,bc->ac", output_shape=8, bias_axes="c", name="target")(inputs)
+    elif family == "LayerNormalization":
+        h = keras.layers.LayerNormalization(name="target")(keras.layers.Dense(8, name="body")(inputs))
+    elif family == "generic":
+        h = Scale(name="target")(inputs)
+    else:  # Dense, LoRA
+        h = keras.layers.Dense(8, activation="tanh", name="target")(inputs)
+    model = _head(inputs, h)
+    if family == "LoRA":
+        model.get_layer("target").enable_lora(rank=2)
+    return model, x
+
+
+FAMILIES = {
+    "Dense": ghost_dense.DenseRule,
+    "EinsumDense": ghost_dense.EinsumDenseRule,
+    "Embedding": ghost_dense.EmbeddingRule,
+    "Conv": ghost_conv.ConvRule,
+    "LayerNormalization": ghost_norm.LayerNormalizationRule,
+    "GroupNormalization": ghost_norm.GroupNormalizationRule,
+    "LoRA": ghost_lora.LoRARule,
+    "Recurrent": ghost_rnn.RecurrentRule,
+    "generic": ghost_generic.GenericRule,
+}
+
+
+def _clipping(model, x, clip=0.05):
+    y = np.arange(len(x)) % 3
+    return check_mechanism(model=model, x=x, y=y, loss=LOSS, l2_norm_clip=clip, checks=("clipping",), batches=1,
+                           batch_size=6).checks["clipping"]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_each_layer_family_passes_the_clipping_check_and_a_dropped_share_is_caught(family, monkeypatch):
+    model, x = _family_model(family)
+    assert ("target", FAMILIES[family].kind) in [(name, kind) for name, _, kind in ghost.describe(model)]
+    good = _clipping(model, x)
+    assert good.passed, good.line
+    assert good.worst_error < 1e-4 and good.max_contribution <= 1 + 1e-4
+    assert good.reference_dtype.startswith("float64")  # LoRA: "float64 (2 float32 variables)"
+    broken.drop_layer_share(monkeypatch, FAMILIES[family])
+    bad = _clipping(model, x)
+    assert not bad.passed, bad.line
+    name, _, rule = bad.worst_layer
+    assert rule == FAMILIES[family].kind and (name == "target" or family == "Dense"), bad.line
+    assert bad.worst_error > 0.5  # the layer's share is missing: relative error 1
+    assert "clipping: FAIL" in bad.line and f"rule {rule}" in bad.line
+
+
+def _run(strategy="banded", sampling="fixed_epochs", n=120, batch=12, epochs=2, **optimizer):
+    steps = epochs * -(-n // batch)
+    mixing = (build_mixing(strategy=strategy, steps=steps, bands=2, buffers=2, participations=epochs,
+                           separation=-(-n // batch)) if strategy != "bisr"
+              else knc.solve_mixing_matrix(steps=steps, strategy="bisr", bands=3))
+    run = knc.PrivateRun(num_examples=n, batch_size=batch, steps=steps, mixing=mixing, epsilon=4.0, delta=1e-5,
+                         sampling=sampling, seed=0)
+    return run
+
+
+def _private(run, factory=knc.NoiseCurveOptimizer, **kwargs):
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(run.num_examples, 6)).astype("float32")
+    y = rng.integers(0, 3, run.num_examples)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu"),
+                              keras.layers.LayerNormalization(), keras.layers.Dense(3)])
+    private = knc.make_private(model)
+    kwargs.setdefault("learning_rate", None if "inner" in kwargs else 0.1)
+    private.compile(optimizer=factory(run=run, l2_norm_clip=0.5, seed=2, **kwargs), loss=LOSS)
+    return private, x, y
+
+
+@pytest.mark.filterwarnings("ignore:the (update this optimizer runs|mixing matrix):UserWarning")
+@pytest.mark.parametrize("strategy, sampling, inner", [
+    ("dpsgd", "fixed_epochs", None),
+    ("banded", "fixed_epochs", "momentum"),
+    ("banded", "cyclic_poisson", None),
+    ("toeplitz", "fixed_epochs", "adam"),
+    ("blt", "fixed_epochs", None),
+    ("bisr", "fixed_epochs", None),
+])
+def test_correct_runs_of_every_strategy_pass_every_check(strategy, sampling, inner):
+    run = _run(strategy, sampling)
+    kwargs = {}
+    if inner == "momentum":
+        kwargs["inner"] = keras.optimizers.SGD(0.1, momentum=0.9)
+    elif inner == "adam":
+        kwargs["inner"] = keras.optimizers.Adam(0.01)
+    private, x, y = _private(run, **kwargs)
+    report = check_mechanism(model=private, x=x, y=y, batches=1, batch_size=8)
+    assert report.passed, report.lines()
+    assert list(report.checks) == ["clipping", "sampling", "noise"]
+    assert abs(report.checks["noise"].scale - 1) < 0.03
+    assert all(line.split(":")[1].strip().startswith("PASS") for line in report.lines())
+
+
+@pytest.mark.parametrize("plant, sampling", [(broken.overlapping_fixed_epochs, "fixed_epochs"),
+                                             (broken.poisson_from_every_partition, "cyclic_poisson")])
+def test_a_sampler_that_puts_examples_in_other_steps_is_caught(plant, sampling, monkeypatch):
+    run = _run("banded", sampling)
+    assert check_sampling(run=run).passed
+    plant(monkeypatch)
+    result = check_sampling(run=run)
+    assert not result.passed and result.offenders > 0, result.line
+    assert "sampling: FAIL" in result.line
+    if sampling == "fixed_epochs":  # batches overlap by half: an example in two consecutive steps
+        assert result.min_gap == 1 < result.separation
+
+
+@pytest.mark.parametrize("factory, what", [(broken.ScaledNoiseOptimizer, "scale"),
+                                           (broken.IndependentNoiseOptimizer, "covariance"),
+                                           (broken.ForwardCOptimizer, "covariance")])
+def test_a_noise_that_is_not_the_claimed_one_is_caught(factory, what):
+    private, x, y = _private(_run("banded", epochs=3), factory=factory)
+    result = check_mechanism(model=private, x=x, y=y, checks=("noise",)).checks["noise"]
+    assert not result.passed, result.line
+    if what == "scale":
+        assert result.scale == pytest.approx(0.5, abs=0.02)
+    else:
+        assert result.covariance_error > result.covariance_threshold
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"checks": ("clipping", "speed")}, "checks must be a non-empty subset"),
+    ({"tolerance": 1.5}, "tolerance must lie strictly between 0 and 1, got 1.5"),
+    ({"batches": 0}, "batches must be >= 1, got 0"),
+    ({"noise_steps": 1}, "noise_steps must be >= 2, got 1"),
+    ({"run": "run.json"}, "run must be a keras_noisecurve.PrivateRun, got str"),
+])
+def test_bad_arguments_are_refused_with_the_value_and_what_is_allowed(kwargs, message):
+    private, x, y = _private(_run())
+    with pytest.raises((ValueError, TypeError), match=message.replace("(", r"\(").replace(")", r"\)")):
+        check_mechanism(model=private, x=x, y=y, **kwargs)
+
+
+def test_a_plain_model_needs_the_loss_the_clip_and_for_sampling_the_run():
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
+    x, y = np.zeros((4, 6), "float32"), np.zeros(4, "int64")
+    with pytest.raises(ValueError, match="loss is needed"):
+        check_mechanism(model=model, x=x, y=y, checks=("clipping",))
+    with pytest.raises(ValueError, match="l2_norm_clip"):
+        check_mechanism(model=model, x=x, y=y, loss=LOSS, checks=("clipping",))
+    with pytest.raises(ValueError, match="the sampling check needs the run"):
+        check_mechanism(model=model, x=x, y=y, loss=LOSS, l2_norm_clip=1.0, checks=("sampling",))
