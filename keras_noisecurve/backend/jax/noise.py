@@ -67,15 +67,18 @@ def _seed_words(seed, name="seed"):
 
 def _data_words(data, name):
     """The (low, high) uint32 words of an int64 ``data`` given as a Python/numpy integer
-    (any value in [−2⁶³, 2⁶³)) or a jax integer scalar of at most 32 bits (sign-extended)."""
+    (any value in [−2⁶³, 2⁶³)) or a jax integer scalar (sign-extended to 64 bits; 64-bit
+    ones exist only with x64 on)."""
     if isinstance(data, (int, np.integer)) and not isinstance(data, bool):
         lo, hi = philox.int64_words(int(data))
         return jnp.uint32(lo), jnp.uint32(hi)
     value = jnp.asarray(data)
     if value.shape != () or not jnp.issubdtype(value.dtype, jnp.integer):
         raise ValueError(f"{name} must be an integer scalar, got dtype {value.dtype} and shape {value.shape}.")
-    if jnp.dtype(value.dtype).itemsize > 4:
-        raise ValueError(f"{name} must have at most 32 bits under JAX (x64 is off), got {value.dtype}.")
+    if jnp.dtype(value.dtype).itemsize > 4:  # x64 on: split the 64-bit value
+        mask = jnp.asarray(0xFFFFFFFF, value.dtype)
+        return (jnp.bitwise_and(value, mask).astype(jnp.uint32),
+                jnp.bitwise_and(jnp.right_shift(value, 32), mask).astype(jnp.uint32))
     unsigned = jnp.issubdtype(value.dtype, jnp.unsignedinteger)
     lo = value.astype(jnp.uint32) if unsigned else jax.lax.bitcast_convert_type(value.astype(jnp.int32), jnp.uint32)
     hi = jnp.uint32(0) if unsigned else jnp.where(value < 0, jnp.uint32(0xFFFFFFFF), jnp.uint32(0))
@@ -120,7 +123,8 @@ def normal_from_seed(seed, shape, dtype=jnp.float32, scale=None):
     Args:
       seed: (4,) uint32 or int32 words, e.g. ``variable_seed(step_seed(key, t), k)``.
       shape: a fully defined shape.
-      dtype: floating dtype of the result.
+      dtype: floating dtype of the result (float64 gives float32 while JAX's x64 is off,
+        as every JAX array does).
       scale: optional scalar multiplying the draw (folded into the Box–Muller radius).
 
     Returns:
@@ -130,7 +134,8 @@ def normal_from_seed(seed, shape, dtype=jnp.float32, scale=None):
     dtype = jnp.dtype(dtype)
     if not jnp.issubdtype(dtype, jnp.floating):
         raise ValueError(f"dtype must be a floating dtype, got {dtype}.")
-    compute = jnp.dtype(jnp.float64) if dtype == jnp.float64 and jax.config.jax_enable_x64 else jnp.dtype(jnp.float32)
+    dtype = jax.dtypes.canonicalize_dtype(dtype)  # float64 is float32 while x64 is off
+    compute = jnp.dtype(jnp.float64) if dtype == jnp.float64 else jnp.dtype(jnp.float32)
     seed = _seed_words(seed)
     angle_seed = philox.fold_in(jnp, seed, jnp.uint32(1), jnp.uint32(0))
     z = philox.box_muller(jnp, seed, angle_seed, int(np.prod(shape, dtype=np.int64)), compute, scale)
@@ -162,7 +167,9 @@ class JaxOps:
 
     @staticmethod
     def gather(table, index):
-        return jnp.take(table, jnp.asarray(index, jnp.int32), axis=0)
+        """Row ``index`` of ``table``; NaN past the table's end (a step past the plan gives
+        NaN noise, never a silent repeat of the last row: a traced step cannot raise)."""
+        return jnp.take(table, jnp.asarray(index, jnp.int32), axis=0, mode="fill", fill_value=jnp.nan)
 
     @staticmethod
     def slot(step, buffers):
