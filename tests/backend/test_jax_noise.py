@@ -30,7 +30,7 @@ FLOAT_TOLERANCE = 2e-6
 KEYS = [key_from_seed(0), key_from_seed(7), key_from_seed(2**63 - 1),
         np.array([2**63 - 1, -(2**63)], np.int64), np.array([-1, 123456789012345], np.int64)]
 STEPS = [0, 1, 17, 2**31 - 1]
-SHAPES = [(), (1,), (5,), (7, 3), (4, 3, 2), (1001,)]
+SHAPES = [(), (1,), (5,), (7, 3), (4, 3, 2), (1001,), (0,)]
 
 
 def _tf():
@@ -54,61 +54,92 @@ def test_key_words_are_the_int64_keys_words():
 
 def test_seeds_equal_tensorflows_fold_in():
     """step_seed and variable_seed give the words of TensorFlow's stateless_fold_in chain,
-    for int64 keys, uint32 words and int32 words (the same bits), Python and traced steps;
-    Python steps may exceed 2³¹."""
+    for int64 keys, uint32 words and int32 words (the same bits), traced int32 steps under
+    jit, and Python steps beyond 2³¹ (split on the host)."""
     tf = _tf()
-    traced = jax.jit(lambda key, step, index: jax_noise.variable_seed(jax_noise.step_seed(key, step), index))
+    indices = jnp.asarray([0, 2, 41], jnp.int32)
+    traced = jax.jit(lambda key, step: jax.vmap(lambda k: jax_noise.variable_seed(jax_noise.step_seed(key, step), k))(
+        indices))
     for key in KEYS:
         words = jax_noise.key_words(key)
-        for step in STEPS + [2**31, 2**40 + 1]:
+        for step in STEPS:
             reference = tf.random.experimental.stateless_fold_in(tf.constant(key), tf.constant(step, tf.int64))
-            np.testing.assert_array_equal(np.asarray(jax_noise.step_seed(words, step)), _words(reference.numpy()))
-            np.testing.assert_array_equal(np.asarray(jax_noise.step_seed(key, step)), _words(reference.numpy()))
-            for index in (0, 2, 41):
-                expected = _words(tf.random.experimental.stateless_fold_in(reference, tf.constant(index, tf.int64)))
-                got = jax_noise.variable_seed(jax_noise.step_seed(words.view(np.int32), step), index)
-                assert got.dtype == jnp.uint32
-                np.testing.assert_array_equal(np.asarray(got), expected)
-                if step < 2**31:
-                    jitted = traced(jnp.asarray(words.view(np.int32)), jnp.int32(step), jnp.int32(index))
-                    np.testing.assert_array_equal(np.asarray(jitted), expected)
+            expected = [_words(tf.random.experimental.stateless_fold_in(reference, tf.constant(int(k), tf.int64)))
+                        for k in indices]
+            np.testing.assert_array_equal(np.asarray(traced(jnp.asarray(words.view(np.int32)), jnp.int32(step))),
+                                          expected)
+    key = KEYS[2]
+    for step in (2**31, 2**40 + 1):
+        reference = tf.random.experimental.stateless_fold_in(tf.constant(key), tf.constant(step, tf.int64))
+        np.testing.assert_array_equal(np.asarray(jax_noise.step_seed(key, step)), _words(reference.numpy()))
+        got = jax_noise.variable_seed(jax_noise.step_seed(jax_noise.key_words(key).view(np.int32), step), 7)
+        assert got.dtype == jnp.uint32
+        np.testing.assert_array_equal(np.asarray(got), _words(
+            tf.random.experimental.stateless_fold_in(reference, tf.constant(7, tf.int64)).numpy()))
 
 
 def test_uniform_words_equal_tensorflows_under_jit():
     """The JAX run of the neutral Philox gives TensorFlow's stateless_uniform uint32 words."""
     tf = _tf()
-    for key in KEYS:
-        seed = tf.random.experimental.stateless_fold_in(tf.constant(key), tf.constant(3, tf.int64))
-        for n in (1, 4, 7, 1001):
+    for n in (1, 7, 1001):
+        jitted = jax.jit(lambda s, n=n: philox.uniform_words(jax_noise._xp, s, n))
+        for key in KEYS:
+            seed = tf.random.experimental.stateless_fold_in(tf.constant(key), tf.constant(3, tf.int64))
             reference = tf.random.stateless_uniform([n], seed=seed, minval=None, maxval=None, dtype=tf.uint32,
                                                     alg="philox").numpy()
-            got = jax.jit(lambda s, n=n: philox.uniform_words(jnp, s, n))(jnp.asarray(_words(seed.numpy())))
-            np.testing.assert_array_equal(np.asarray(got), reference)
+            np.testing.assert_array_equal(np.asarray(jitted(jnp.asarray(_words(seed.numpy())))), reference)
 
 
 def test_jax_normals_equal_tensorflows():
     """Same key, step, index and shape: JAX's z_t equals the TensorFlow backend's (eager)
-    to float32 rounding, eagerly and under jit with traced step and index; the numpy run
-    of the neutral generator equals JAX's to the same rounding."""
+    to float32 rounding: all variables of a step at once (``variable_normals``) and one
+    variable (``standard_normal``) under jit with traced step and index, and eagerly; the
+    numpy run of the neutral generator agrees to the same rounding."""
     from keras_noisecurve.backend.tensorflow import noise as tf_noise
 
     _tf()
-    jitted = {shape: jax.jit(lambda k, t, i, shape=shape: jax_noise.standard_normal(k, t, i, shape)) for shape in SHAPES}
+    every = jax.jit(lambda k, t: jax_noise.variable_normals(jax_noise.step_seed(k, t), SHAPES))
+    one = jax.jit(lambda k, t, i: jax_noise.standard_normal(k, t, i, (7, 3)))
     worst = 0.0
     for key in KEYS:
         words = jax_noise.key_words(key)
         for step in STEPS:
-            for index, shape in enumerate(SHAPES):
+            draws = every(jnp.asarray(words.view(np.int32)), jnp.int32(step))
+            for index, (shape, got) in enumerate(zip(SHAPES, draws)):
                 reference = tf_noise.standard_normal(key, step, index, shape).numpy()
-                eager = np.asarray(jax_noise.standard_normal(words, step, index, shape))
-                under_jit = np.asarray(jitted[shape](words.view(np.int32), jnp.int32(step), jnp.int32(index)))
-                seed = philox.fold_in(np, philox.fold_in(np, words, *philox.int64_words(step)), index, 0)
-                flat = philox.box_muller(np, seed, philox.fold_in(np, seed, 1, 0), int(np.prod(shape)), np.float32)
-                for got in (eager, under_jit, flat.reshape(shape)):
-                    assert got.shape == shape and got.dtype == np.float32
-                    np.testing.assert_allclose(got, reference, rtol=FLOAT_TOLERANCE, atol=FLOAT_TOLERANCE)
-                    worst = max(worst, float(np.max(np.abs(got - reference), initial=0.0)))
+                assert got.shape == shape and got.dtype == jnp.float32
+                np.testing.assert_allclose(np.asarray(got), reference, rtol=FLOAT_TOLERANCE, atol=FLOAT_TOLERANCE)
+                worst = max(worst, float(np.max(np.abs(np.asarray(got) - reference), initial=0.0)))
+            reference = tf_noise.standard_normal(key, step, 3, (7, 3)).numpy()
+            np.testing.assert_allclose(np.asarray(one(jnp.asarray(words), jnp.int32(step), jnp.int32(3))), reference,
+                                       rtol=FLOAT_TOLERANCE, atol=FLOAT_TOLERANCE)
+            seed = philox.fold_in(np, philox.fold_in(np, words, *philox.int64_words(step)), 3, 0)
+            flat = philox.box_muller(np, seed, philox.fold_in(np, seed, 1, 0), 21, np.float32)
+            np.testing.assert_allclose(flat.reshape(7, 3), reference, rtol=FLOAT_TOLERANCE, atol=FLOAT_TOLERANCE)
     assert 0.0 < worst < FLOAT_TOLERANCE  # the backends' log/cos/sin differ in the last bits only
+    key = KEYS[1]
+    eager = jax_noise.standard_normal(key, 2**31 + 5, 2, (4, 3))
+    np.testing.assert_allclose(np.asarray(eager), tf_noise.standard_normal(key, 2**31 + 5, 2, (4, 3)).numpy(),
+                               rtol=FLOAT_TOLERANCE, atol=FLOAT_TOLERANCE)
+
+
+def test_variable_normals_are_the_per_variable_draws():
+    """All variables at once equal one variable at a time (the same words: equal floats),
+    with scales, custom indices, empty and scalar shapes, and mixed dtypes; numpy too."""
+    seed = jax_noise.step_seed(jax_noise.key_words(key_from_seed(9)), 4)
+    shapes, indices = [(3,), (), (0,), (7, 5), (1001,)], [0, 1, 2, 30, 2**40]
+    scales, dtypes = [None, 2.0, None, 1.5, None], [jnp.float32, jnp.float32, jnp.float32, jnp.bfloat16, jnp.float32]
+    together = jax_noise.variable_normals(seed, shapes, dtypes, scales=scales, indices=indices)
+    for shape, index, scale, dtype, got in zip(shapes, indices, scales, dtypes, together):
+        alone = jax_noise.normal_from_seed(jax_noise.variable_seed(seed, index), shape, dtype, scale=scale)
+        assert got.shape == shape and got.dtype == dtype
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(alone, np.float32))
+    flat = philox.variable_normals(np, np.asarray(seed), indices, [3, 1, 0, 35, 1001], np.float32)
+    for k in (0, 2, 4):  # the unscaled float32 entries
+        np.testing.assert_allclose(flat[k], np.asarray(together[k]).reshape(-1), rtol=2e-6, atol=2e-6)
+    assert jax_noise.variable_normals(seed, []) == []
+    with pytest.raises(ValueError, match=r"one entry per shape \(2\), got 1, 2 and -"):
+        jax_noise.variable_normals(seed, [(2,), (3,)], dtypes=[jnp.float32])
 
 
 def test_normal_from_seed_scale_dtypes_and_refusals():
@@ -141,8 +172,8 @@ def test_float64_under_x64_is_computed_in_float64():
     key = key_from_seed(5)
     reference = tf_noise.standard_normal(key, 2**33 + 1, 2, (9,), dtype="float64").numpy()
     with jax.enable_x64(True):
-        got = jax.jit(lambda k, t: jax_noise.standard_normal(k, t, 2, (9,), jnp.float64))(
-            jnp.asarray(jax_noise.key_words(key)), jnp.int64(2**33 + 1))
+        got = jax_noise.standard_normal(jnp.asarray(jax_noise.key_words(key)), jnp.int64(2**33 + 1), 2, (9,),
+                                        jnp.float64)
         assert got.dtype == jnp.float64
         np.testing.assert_allclose(np.asarray(got), reference, rtol=1e-12, atol=1e-12)
 
