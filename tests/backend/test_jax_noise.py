@@ -25,7 +25,8 @@ from keras_noisecurve.mixing.stream import stream_apply  # noqa: E402
 from keras_noisecurve.training.noise import StreamNoise, key_from_seed  # noqa: E402
 from tests.mixing.test_strategy_registry import EXAMPLES  # noqa: E402
 
-#: measured max |JAX − TensorFlow| over the draws of test_jax_normals_equal_tensorflows (|z| ≲ 6)
+#: |JAX − TensorFlow| allowed (absolute and relative); measured on CPU over 24M draws: at most
+#: 9.5e-7 absolute (two float32 ulps at |z| ≈ 5) and 3.5e-7 relative
 FLOAT_TOLERANCE = 2e-6
 KEYS = [key_from_seed(0), key_from_seed(7), key_from_seed(2**63 - 1),
         np.array([2**63 - 1, -(2**63)], np.int64), np.array([-1, 123456789012345], np.int64)]
