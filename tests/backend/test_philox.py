@@ -52,6 +52,10 @@ def test_mul_hi_lo_is_the_64_bit_product():
     np.testing.assert_array_equal(hi, np.array([p >> 32 for p in exact], np.uint64))
     np.testing.assert_array_equal(lo, np.array([p & MASK32 for p in exact], np.uint64))
     assert hi.dtype == np.uint32 and lo.dtype == np.uint32
+    for constant in philox.PHILOX_M:  # a Python-int factor (split into limbs in Python)
+        hi, lo = philox.mul_hi_lo(np, a.astype(np.uint32), constant)
+        np.testing.assert_array_equal(hi, np.array([(int(x) * constant) >> 32 for x in a], np.uint64))
+        np.testing.assert_array_equal(lo, np.array([(int(x) * constant) & MASK32 for x in a], np.uint64))
 
 
 def test_philox_block_matches_the_random123_known_answers():
