@@ -1,7 +1,8 @@
 """The noise's counter-based generator, written once for any array namespace.
 
-Imports no framework. Every function takes ``xp``, a numpy-like namespace (``numpy`` or
-``jax.numpy``) that needs only **uint32** integer arithmetic (wrapping ``multiply``/``add``,
+Imports no framework. Every function takes ``xp``, a numpy-like namespace (``numpy``,
+``jax.numpy``, or for the key/counter derivation TensorFlow's uint32 ops under XLA) that
+needs only **uint32** integer arithmetic (wrapping ``multiply``/``add``,
 shifts, ``bitwise_and``/``bitwise_xor``) and float32 ``log``/``sqrt``/``cos``/``sin``: JAX
 without x64 has no 64-bit integers, so a 64-bit value is carried as two uint32 words
 (low word first) and the 32×32 → 64-bit products of Philox are built from 16-bit limbs.
