@@ -73,6 +73,8 @@ def test_seeds_equal_tensorflows_fold_in():
     for step in (2**31, 2**40 + 1):
         reference = tf.random.experimental.stateless_fold_in(tf.constant(key), tf.constant(step, tf.int64))
         np.testing.assert_array_equal(np.asarray(jax_noise.step_seed(key, step)), _words(reference.numpy()))
+        np.testing.assert_array_equal(np.asarray(jax_noise.step_seed(key, np.array(step, np.int64))),
+                                      _words(reference.numpy()))
         got = jax_noise.variable_seed(jax_noise.step_seed(jax_noise.key_words(key).view(np.int32), step), 7)
         assert got.dtype == jnp.uint32
         np.testing.assert_array_equal(np.asarray(got), _words(

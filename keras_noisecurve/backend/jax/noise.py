@@ -85,7 +85,9 @@ def _data_words(data, name):
     """The (low, high) uint32 words of an int64 ``data`` given as a Python/numpy integer
     (any value in [−2⁶³, 2⁶³)) or a jax integer scalar (sign-extended to 64 bits; 64-bit
     ones exist only with x64 on)."""
-    if isinstance(data, (int, np.integer)) and not isinstance(data, bool):
+    host = isinstance(data, (int, np.integer)) or (isinstance(data, np.ndarray) and data.shape == ()
+                                                    and np.issubdtype(data.dtype, np.integer))
+    if host and not isinstance(data, bool):  # numpy int64 values keep their 64 bits
         lo, hi = philox.int64_words(int(data))
         return jnp.uint32(lo), jnp.uint32(hi)
     value = jnp.asarray(data)
