@@ -7,6 +7,7 @@ registered strategy's recurrence run with ``JaxOps`` equals the float64 numpy re
 
 These run in the default (TensorFlow) test process: JAX is imported as a library."""
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -275,17 +276,43 @@ def test_stream_noise_under_jax_refuses_in_place_steps():
 
 def test_training_noise_imports_no_framework():
     """training/noise.py (loaded on its own, without the training package) imports neither
-    TensorFlow nor JAX; the JAX generator never imports TensorFlow."""
+    TensorFlow nor JAX; under KERAS_BACKEND=jax its StreamNoise runs with JaxOps and its
+    generator names are the JAX ones, and TensorFlow is never imported."""
     code = textwrap.dedent("""
         import importlib.util, sys
         spec = importlib.util.spec_from_file_location("noise_alone", "keras_noisecurve/training/noise.py")
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         assert "tensorflow" not in sys.modules and "jax" not in sys.modules, sorted(sys.modules)
-        import keras_noisecurve.backend.jax.noise
+        from keras_noisecurve.backend.jax import noise as jax_noise
+        noise = module.StreamNoise.from_mixing("dpsgd")
+        assert noise.ops is jax_noise.JaxOps and module.normal_from_seed is jax_noise.normal_from_seed
+        try:
+            module.fused_ring_step
+        except AttributeError as error:
+            assert "not part of the jax noise generator" in str(error), error
         assert "tensorflow" not in sys.modules
         print("ok")
     """)
     root = Path(__file__).resolve().parents[2]
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=root)
+    env = dict(os.environ, KERAS_BACKEND="jax")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, cwd=root, env=env)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def test_training_noise_lends_the_tensorflow_generator_under_tensorflow():
+    """Under the default (TensorFlow) test backend, training.noise's generator names are
+    the TensorFlow backend's, and a JAX-only name is refused by name."""
+    from keras_noisecurve import backend
+    from keras_noisecurve.training import noise
+
+    if backend.name() != "tensorflow":
+        pytest.skip("this process runs Keras on another backend")
+    from keras_noisecurve.backend.tensorflow import noise as tf_noise
+
+    assert noise.normal_from_seed is tf_noise.normal_from_seed and noise.TensorFlowOps is tf_noise.TensorFlowOps
+    assert StreamNoise(None).ops is tf_noise.TensorFlowOps
+    with pytest.raises(AttributeError, match="'JaxOps' is not part of the tensorflow noise generator"):
+        noise.JaxOps
+    with pytest.raises(AttributeError, match="has no attribute 'nothing_here'"):
+        noise.nothing_here
