@@ -430,13 +430,17 @@ class PrivateModel(keras.Model):
                 per_example_loss=clipped.per_example_loss / tf.cast(scale, clipped.per_example_loss.dtype),
             )
         dropped, real = nonfinite.count_dropped(clipped.nonfinite, sample_weight, clipped.per_example_loss)
+        checks = []
         if scale == 1.0:  # a float16 overflow is refused in _refuse instead (the loss scale's fault)
-            nonfinite.assert_some_finite(dropped, real, iteration)  # before any weight changes
+            checks = [nonfinite.assert_some_finite(dropped, real, iteration)]
         clipped = add_regularization(
             self, clipped, expected_batch_size=optimizer.expected_batch_size, num_replicas=_num_replicas()
         )
-        grads = self._refuse(clipped.grads, step, iteration, optimizer, dropped, real)
-        optimizer.apply_clipped_sum(grads, self.trainable_variables)
+        if not optimizer.built:  # its variables are created outside the checks' control dependencies
+            optimizer.build(self.trainable_variables)
+        with tf.control_dependencies([c for c in checks if c is not None]):  # no update before the check
+            grads = self._refuse(clipped.grads, step, iteration, optimizer, dropped, real)
+            optimizer.apply_clipped_sum(grads, self.trainable_variables)
         epoch_dropped = nonfinite.record(self._dp_nonfinite, dropped, iteration)
 
         losses = tf.cast(clipped.per_example_loss, tf.float32)

@@ -69,17 +69,20 @@ def all_dropped(dropped, real):
 
 
 def assert_some_finite(dropped, real, iteration):
-    """Fail the step (``InvalidArgumentError``) before any weight changes when every real
-    example of the batch has a non-finite loss or gradient. XLA drops assertions: under
+    """Fail the step (``InvalidArgumentError``) when every real example of the batch has a
+    non-finite loss or gradient. Returns the assertion op (``None`` when eager: it has
+    raised already); the caller makes every update of the step depend on it
+    (``tf.control_dependencies``), since an assertion is not ordered before the variable
+    updates of a ``tf.function`` otherwise. XLA drops assertions: under
     ``jit_compile=True`` the model refuses the step instead (noise only, no data) and
     raises after it."""
     message = (
-        "private training stopped: every real example of this step's batch has a non-finite loss or gradient "
-        "(an inf/nan feature or label, or a layer whose output overflows), so no example can contribute and the "
-        "weights were not changed (the step: the value below). Examples with a non-finite loss or gradient are "
-        "otherwise dropped one by one (the 'nonfinite_examples' log): check the inputs, e.g. numpy.isfinite(x).all()"
+        "private training stopped: every real example of the batch of this step has a non-finite loss or "
+        "gradient (an inf/nan feature or label, or a layer whose output overflows), so no example can contribute "
+        "and the weights were not changed. Examples with a non-finite loss or gradient are otherwise dropped one "
+        "by one (the nonfinite_examples log of fit): check the inputs, e.g. numpy.isfinite(x).all()"
     )
-    tf.debugging.Assert(tf.logical_not(all_dropped(dropped, real)), [message, "step:", iteration])
+    return tf.debugging.Assert(tf.logical_not(all_dropped(dropped, real)), [message, "step:", iteration])
 
 
 def record(variable, dropped, iteration):
