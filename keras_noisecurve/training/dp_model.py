@@ -179,8 +179,9 @@ def _refusal_message(state, loss_scale):
 
 class _RefuseBadSteps(keras.callbacks.Callback):
     """Raises on the host right after a step that ``train_step`` refused (a batch out of
-    step, a step past the plan, a non-finite float16 sum, a batch of non-finite examples only): under XLA, where assertions
-    are dropped, this is how such a step is reported. The step itself used no data."""
+    step, a step past the plan, a non-finite float16 sum, a batch of non-finite examples
+    only): under XLA, where assertions are dropped, this is how such a step is reported.
+    The step itself used no data."""
 
     def __init__(self, model):
         super().__init__()
@@ -436,8 +437,10 @@ class PrivateModel(keras.Model):
         clipped = add_regularization(
             self, clipped, expected_batch_size=optimizer.expected_batch_size, num_replicas=_num_replicas()
         )
-        if not optimizer.built:  # its variables are created outside the checks' control dependencies
-            optimizer.build(self.trainable_variables)
+        if not optimizer.built:  # as Keras's apply would, but outside the checks' control dependencies
+            with keras.name_scope(optimizer.name, caller=optimizer):
+                optimizer.build(self.trainable_variables)
+            optimizer.built = True
         with tf.control_dependencies([c for c in checks if c is not None]):  # no update before the check
             grads = self._refuse(clipped.grads, step, iteration, optimizer, dropped, real)
             optimizer.apply_clipped_sum(grads, self.trainable_variables)
@@ -472,10 +475,11 @@ class PrivateModel(keras.Model):
         plan), not every real example was dropped as non-finite (``dropped``/``real``, the
         counts of ``nonfinite.count_dropped``; without XLA ``nonfinite.assert_some_finite``
         stopped such a step first), and, under float16 loss scaling, the sum is finite and
-        no example was dropped (a float16 overflow is the loss scale's doing, not the data's). A failed check zeroes
-        the sum (``tf.where``, so a NaN cannot leak through), the step applies its noise
-        only (data-independent: it leaks nothing), and ``_dp_refused`` records it for
-        the host (``_RefuseBadSteps`` raises after the step)."""
+        no example was dropped (a float16 overflow is the loss scale's doing, not the
+        data's). A failed check zeroes the sum (``tf.where``, so a NaN cannot leak
+        through), the step applies its noise only (data-independent: it leaks nothing),
+        and ``_dp_refused`` records it for the host (``_RefuseBadSteps`` raises after the
+        step)."""
         checks = []  # (ok: bool scalar, reason bit)
         if step is not None:
             checks.append((tf.reduce_all(tf.equal(tf.cast(step, tf.int64), iteration)), _OUT_OF_STEP))

@@ -90,10 +90,16 @@ def keep_rows(t: tf.Tensor, scale: tf.Tensor) -> tf.Tensor:
     by ``tf.where`` (never by a product) keeps that exact when the row is not finite
     (0·inf = nan would otherwise reach every example's sum). The clipping engine gives a
     dropped example (non-finite loss or gradient) the scale 0; a finite row with scale 0
-    contributed 0 before, so finite results are unchanged.
+    contributed 0 before, so finite results are unchanged. A ``tf.cond`` skips the pass
+    over ``t`` when no scale is 0.
     """
-    keep = tf.reshape(tf.not_equal(scale, tf.zeros_like(scale)), [-1] + [1] * (t.shape.rank - 1))
-    return tf.where(keep, t, tf.zeros_like(t))
+    keep = tf.not_equal(scale, tf.zeros_like(scale))
+
+    def masked():
+        return tf.where(tf.reshape(keep, [-1] + [1] * (t.shape.rank - 1)), t, tf.zeros_like(t))
+
+    # no example dropped (the usual step): no pass over t
+    return tf.cond(tf.reduce_all(keep), lambda: tf.identity(t), masked)
 
 
 def scale_rows(t: tf.Tensor, scale: tf.Tensor) -> tf.Tensor:

@@ -67,8 +67,12 @@ class ExampleKernelGrads:
         ``scale_i = 0`` contributes exactly 0 even when its ``∂K_i`` is not finite."""
         n, chunk = tf.shape(self.blocks)[0], self.blocks.shape[2]
         scale = tf.reshape(tf.pad(scale, [[0, n * chunk - tf.shape(scale)[0]]]), [n, chunk])
-        keep = tf.not_equal(scale, tf.zeros_like(scale))[:, None, :, None]
-        blocks = tf.where(keep, self.blocks, tf.zeros_like(self.blocks))
+        keep = tf.not_equal(scale, tf.zeros_like(scale))
+        blocks = tf.cond(  # no pass over the blocks when no example is dropped
+            tf.reduce_all(keep),
+            lambda: tf.identity(self.blocks),
+            lambda: tf.where(keep[:, None, :, None], self.blocks, tf.zeros_like(self.blocks)),
+        )
         return tf.einsum("nkcm,nc->km", blocks, tf.cast(scale, self.blocks.dtype))
 
 

@@ -22,7 +22,10 @@ import warnings
 import keras
 import tensorflow as tf
 
-__all__ = ["METRIC", "WarnNonFinite", "all_dropped", "assert_some_finite", "count_dropped", "record", "state"]
+__all__ = [
+    "METRIC", "WarnNonFinite", "all_dropped", "assert_some_finite", "count_dropped", "message", "record", "reset_epoch",
+    "state",
+]
 
 #: the name of the count in ``fit``'s logs
 METRIC = "nonfinite_examples"

@@ -122,7 +122,8 @@ def _batch(name, case, rng):
 CASES = [
     *[("dense", c) for c in ("inf-feature", "minus-inf-feature", "nan-feature", "nan-label")],
     ("exploding", "overflow"),
-    *[(m, c) for m in ("conv-examples", "conv-gram", "layernorm", "custom", "lstm") for c in ("inf-feature", "nan-label")],
+    *[(m, c) for m in ("conv-examples", "conv-gram", "layernorm", "custom", "lstm")
+      for c in ("inf-feature", "nan-label")],
     ("embedding", "nan-label"),
 ]
 ENGINES = {"ghost": ghost_clipped_sum, "vectorized": vectorized_clipped_sum}
@@ -259,7 +260,8 @@ def test_a_batch_of_non_finite_examples_only_stops_fit_before_the_weights_change
     private = _private(run, clipping)
     private.build((None, 8))
     before = [w.copy() for w in private.get_weights()]
-    with pytest.raises(tf.errors.InvalidArgumentError, match="every real example of the batch of this step has a non-finite"):
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match="every real example of the batch of this step has a non-finite"):
         private.fit(run.dataset(x, y), verbose=0)
     for a, b in zip(private.get_weights(), before):
         np.testing.assert_array_equal(a, b)
