@@ -163,6 +163,29 @@ def test_a_non_finite_example_contributes_zero(float64, engine, name, case):
         assert ("generic" in kinds) == (name == "custom")  # the fallback is what the custom case tests
 
 
+@pytest.mark.parametrize("case", ["inf-feature", "nan-label"])
+def test_float32_conv_on_the_kernel_this_process_runs(case):
+    """float32: with oneDNN the per-example kernel gradients come from ONE grouped
+    Conv2DBackpropFilter per chunk of examples (ghost_conv.conv_chunk); a non-finite
+    example must not reach the other examples of its chunk (their norms, their sum)."""
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(2)
+    model = _conv(2, 6)
+    x, y = _batch("conv-examples", case, rng)
+    x, y = x.astype("float32"), y.astype("float32")
+    w = np.ones(P, np.float32)
+    good = [i for i in range(P) if i != BAD]
+    norms, _ = loop_reference(model, mse, x[good], y[good], w[good], np.inf)
+    clip = float(np.median(norms))
+    _, want = loop_reference(model, mse, x[good], y[good], w[good], clip)
+    got = ghost_clipped_sum(model, mse, x, y, w, l2_norm_clip=clip, training=False)
+    assert got.nonfinite.numpy().tolist() == [i == BAD for i in range(P)]
+    np.testing.assert_allclose(got.norms.numpy()[good], norms, rtol=1e-4)
+    scale = max(np.max(np.abs(r)) for r in want)
+    for g, r in zip(got.grads, want):
+        np.testing.assert_allclose(g.numpy(), r, rtol=1e-4, atol=1e-5 * scale)
+
+
 @pytest.mark.parametrize("engine", list(ENGINES))
 def test_chunks_and_non_finite_padding(float64, engine):
     """Microbatches give the same sum; a non-finite padding row (weight 0) is dropped too."""
