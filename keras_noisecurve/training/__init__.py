@@ -7,7 +7,8 @@
 - :func:`make_private` (a :class:`PrivateModel`): per-example clipping in ``train_step``
   (``dp_model.py``) through a clipping engine: ``clipping.py`` (vectorized engine and
   the registry), ``ghost.py`` (ghost norms, rules in ``ghost_layers.py``), both
-  returning the ``ClippedSum`` of ``clipped_sum.py``.
+  returning the ``ClippedSum`` of ``clipped_sum.py``; examples with a non-finite loss or
+  gradient are dropped, counted and reported (``nonfinite.py``).
 - :func:`fit_distributed` (``distributed.py``): the training loop for
   ``MultiWorkerMirroredStrategy``, where Keras 3's ``fit`` does not run.
 - :func:`learning_rate_schedule`, :class:`LinearCooldown`, :class:`MultiplierSchedule`

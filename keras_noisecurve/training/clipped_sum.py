@@ -14,6 +14,11 @@ implement it; ``clipping.get_engine`` picks one)::
 - ``ClippedSum.grads[k] = Σ_i clip(w_i·∇loss_i, ζ)`` for ``model.trainable_variables[k]``,
   where ``clip(g, ζ) = g·min(1, ζ/‖g‖₂)`` with the norm over ALL variables (global
   per-example norm). Not divided by the batch size.
+- An example whose loss or gradient (norm) is not finite — an ``inf``/``nan`` feature or
+  label, a layer that overflows — is DROPPED: it contributes exactly 0 to ``grads``
+  (its rows are replaced by zeros with ``tf.where`` before any sum over the batch, so
+  0·inf = nan cannot reach the other examples), and ``ClippedSum.nonfinite`` marks it.
+  A zero contribution is within the clip bound ζ, so the sensitivity is unchanged.
 - ``microbatch_size=m`` runs the engine on consecutive chunks of m examples
   (:func:`chunked_clipped_sum`) to bound peak memory; clipping is per example, so
   the result does not depend on m.
@@ -35,14 +40,18 @@ class ClippedSum(NamedTuple):
 
     grads: list of tensors, Σ_i clip(w_i·∇loss_i, ζ), aligned with ``model.trainable_variables``.
     norms: (P,) per-example gradient norms before clipping, of w_i·∇loss_i.
-    per_example_loss: (P,) unweighted loss_i.
+    per_example_loss: (P,) unweighted loss_i (as computed: not finite for a dropped example).
     y_pred: the model outputs for the batch (for metrics).
+    nonfinite: (P,) bool, True for an example whose loss_i or gradient norm is not
+      finite: it contributed exactly 0 to ``grads``. ``None`` from an engine that does
+      not report it.
     """
 
     grads: list
     norms: Any
     per_example_loss: Any
     y_pred: Any
+    nonfinite: Any = None
 
 
 def chunked_clipped_sum(step: Callable, x, y, sample_weight, microbatch_size: int) -> ClippedSum:
@@ -58,7 +67,8 @@ def chunked_clipped_sum(step: Callable, x, y, sample_weight, microbatch_size: in
     Returns:
       ``ClippedSum`` of the whole batch: ``grads`` summed over the ⌈P/m⌉ chunks
       (a ``tf.while_loop``, so the graph holds one chunk at a time), ``norms``,
-      ``per_example_loss`` and ``y_pred`` concatenated in example order.
+      ``per_example_loss``, ``y_pred`` and ``nonfinite`` concatenated in example order
+      (a chunk's dropped examples are already 0 in its ``grads``).
     """
     m = microbatch_size
     x, y = (tf.nest.map_structure(tf.convert_to_tensor, t) for t in (x, y))
@@ -83,15 +93,20 @@ def chunked_clipped_sum(step: Callable, x, y, sample_weight, microbatch_size: in
         0, first.per_example_loss
     )
     pred_tas = [tf.TensorArray(p.dtype, size=chunks, infer_shape=False).write(0, p) for p in pred_flat]
+    # per-example tensors carried through the loop besides the predictions: the nonfinite mask
+    reported = first.nonfinite is not None
+    extra_tas = [tf.TensorArray(tf.bool, size=chunks, infer_shape=False).write(0, first.nonfinite)] if reported else []
 
-    def body(i, sums, norms_ta, loss_ta, pred_tas):
+    def body(i, sums, norms_ta, loss_ta, pred_tas, extra_tas):
         part = run(i)
         sums = [a + b for a, b in zip(sums, part.grads)]
         pred_tas = [ta.write(i, p) for ta, p in zip(pred_tas, tf.nest.flatten(part.y_pred))]
-        return i + 1, sums, norms_ta.write(i, part.norms), loss_ta.write(i, part.per_example_loss), pred_tas
+        extra_tas = [ta.write(i, part.nonfinite) for ta in extra_tas]
+        return (i + 1, sums, norms_ta.write(i, part.norms), loss_ta.write(i, part.per_example_loss), pred_tas,
+                extra_tas)
 
-    _, sums, norms_ta, loss_ta, pred_tas = tf.while_loop(
-        lambda i, *_: i < chunks, body, (tf.constant(1), list(first.grads), norms_ta, loss_ta, pred_tas)
+    _, sums, norms_ta, loss_ta, pred_tas, extra_tas = tf.while_loop(
+        lambda i, *_: i < chunks, body, (tf.constant(1), list(first.grads), norms_ta, loss_ta, pred_tas, extra_tas)
     )
 
     def concat(ta, like):
@@ -104,4 +119,5 @@ def chunked_clipped_sum(step: Callable, x, y, sample_weight, microbatch_size: in
         norms=concat(norms_ta, first.norms),
         per_example_loss=concat(loss_ta, first.per_example_loss),
         y_pred=tf.nest.pack_sequence_as(first.y_pred, [concat(ta, p) for ta, p in zip(pred_tas, pred_flat)]),
+        nonfinite=concat(extra_tas[0], first.nonfinite) if reported else None,
     )

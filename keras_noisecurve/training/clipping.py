@@ -90,7 +90,8 @@ def _squeeze(tree):
 
 
 def _chunk_stats(model, loss_fn, variables, x, y, w, training, l2_norm_clip):
-    """Per-example grads of a chunk via tf.vectorized_map, clipped and summed."""
+    """Per-example grads of a chunk via tf.vectorized_map, clipped and summed (examples with
+    a non-finite loss or gradient norm dropped: they contribute 0 and are marked)."""
 
     def single(args):
         xi, yi, wi = args
@@ -108,8 +109,17 @@ def _chunk_stats(model, loss_fn, variables, x, y, w, training, l2_norm_clip):
     norms = tf.sqrt(sq)
     clip = tf.cast(l2_norm_clip, norms.dtype)
     factor = clip / tf.maximum(norms, clip)  # min(1, ζ/‖g‖)
-    sums = [tf.tensordot(tf.cast(factor, g.dtype), g, axes=1) for g in grads]
-    return sums, norms, losses, preds
+    # a non-finite loss or gradient norm drops the example: factor 0 and its gradient rows
+    # replaced by zeros (tf.where: 0·inf would be nan) before the sum over the batch
+    nonfinite = tf.logical_not(tf.logical_and(tf.math.is_finite(losses), tf.math.is_finite(norms)))
+    factor = tf.where(nonfinite, tf.zeros_like(factor), factor)
+
+    def keep(g):
+        rows = tf.reshape(nonfinite, [-1] + [1] * (g.shape.rank - 1))
+        return tf.where(rows, tf.zeros_like(g), g)
+
+    sums = [tf.tensordot(tf.cast(factor, g.dtype), keep(g), axes=1) for g in grads]
+    return sums, norms, losses, preds, nonfinite
 
 
 def vectorized_clipped_sum(
@@ -137,7 +147,8 @@ def vectorized_clipped_sum(
       training: passed to ``model(..., training=training)``.
 
     Returns:
-      :class:`ClippedSum`. Memory O(P × parameters) (or O(m × parameters) per chunk);
+      :class:`ClippedSum`; an example whose loss or gradient norm is not finite contributes
+      0 and is marked in ``nonfinite``. Memory O(P × parameters) (or O(m × parameters) per chunk);
       time: P gradients, vectorised (docs/training.md, "Performance", has timings).
       Regularisation losses are NOT included (see :func:`add_regularization`).
     """
@@ -150,8 +161,7 @@ def vectorized_clipped_sum(
         w = tf.reshape(tf.cast(sample_weight, tf.float32), [-1])
 
     if microbatch_size is None:
-        sums, norms, losses, preds = _chunk_stats(model, loss_fn, variables, x, y, w, training, l2_norm_clip)
-        return ClippedSum(sums, norms, losses, preds)
+        return ClippedSum(*_chunk_stats(model, loss_fn, variables, x, y, w, training, l2_norm_clip))
 
     def step(x_chunk, y_chunk, w_chunk):
         return ClippedSum(*_chunk_stats(model, loss_fn, variables, x_chunk, y_chunk, w_chunk, training, l2_norm_clip))

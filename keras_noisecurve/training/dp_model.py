@@ -27,6 +27,7 @@ from keras_noisecurve.training.clipping import (
     get_engine,
     per_example_loss_fn,
 )
+from keras_noisecurve.training import nonfinite
 from keras_noisecurve.training.optimizer import NoiseCurveOptimizer
 
 __all__ = ["PrivateModel", "make_private"]
@@ -130,7 +131,7 @@ class _StopAtPlanEnd(keras.callbacks.Callback):
 
 
 # Why train_step refused a batch (bits of model._dp_refused[1]).
-_OUT_OF_STEP, _PAST_PLAN, _NON_FINITE = 1, 2, 4
+_OUT_OF_STEP, _PAST_PLAN, _NON_FINITE, _ALL_DROPPED = 1, 2, 4, 8
 
 
 def _refusal_state():
@@ -160,9 +161,14 @@ def _refusal_message(state, loss_scale):
         )
     if reasons & _NON_FINITE:
         what.append(
-            f"its clipped sum was not finite under mixed_float16 with the static loss scale {loss_scale:g} "
-            "(a float16 overflow in the backward pass): compile with a smaller loss_scale= (a power of "
-            "two, 1 turns scaling off) or use mixed_bfloat16"
+            f"its clipped sum or an example's gradient was not finite under mixed_float16 with the static loss "
+            f"scale {loss_scale:g} (a float16 overflow in the backward pass): compile with a smaller "
+            "loss_scale= (a power of two, 1 turns scaling off) or use mixed_bfloat16"
+        )
+    if reasons & _ALL_DROPPED:
+        what.append(
+            "every real example of its batch had a non-finite loss or gradient (an inf/nan feature or label, "
+            "or a layer whose output overflows), so no example could contribute"
         )
     return (
         f"private training refused step {iteration} ({count} refused step(s) so far): " + "; ".join(what)
@@ -173,8 +179,9 @@ def _refusal_message(state, loss_scale):
 
 class _RefuseBadSteps(keras.callbacks.Callback):
     """Raises on the host right after a step that ``train_step`` refused (a batch out of
-    step, a step past the plan, a non-finite float16 sum): under XLA, where assertions
-    are dropped, this is how such a step is reported. The step itself used no data."""
+    step, a step past the plan, a non-finite float16 sum, a batch of non-finite examples
+    only): under XLA, where assertions are dropped, this is how such a step is reported.
+    The step itself used no data."""
 
     def __init__(self, model):
         super().__init__()
@@ -209,7 +216,13 @@ class PrivateModel(keras.Model):
     ``compile`` requires a ``NoiseCurveOptimizer`` and a single loss; BatchNormalization
     layers and activity regularizers are refused. The logged ``loss`` is
     Σ_i w_i·loss_i / Σ_i w_i over the batch (mask-weighted, without the regularisation
-    term).
+    term, and without the examples the engine dropped).
+
+    An example whose loss or gradient is not finite is dropped by the clipping engine (it
+    contributes 0, within the clip bound); ``fit`` logs the epoch's count as
+    ``nonfinite_examples`` and warns once per ``fit`` naming the steps; a step whose
+    every real example is non-finite stops ``fit`` before the weights change
+    (``keras_noisecurve.training.nonfinite``; docs/training.md).
     """
 
     def __init__(self, model, clipping="auto", microbatch_size=None, **kwargs):
@@ -258,6 +271,13 @@ class PrivateModel(keras.Model):
         self._dp_loss_scale = 1.0
         # untracked (object.__setattr__): not a weight, not in checkpoints or .keras files
         object.__setattr__(self, "_dp_refused", _refusal_state())
+        object.__setattr__(self, "_dp_nonfinite", nonfinite.state())
+
+    def reset_metrics(self):
+        """Keras's ``reset_metrics`` (every epoch of ``fit``), and the epoch's
+        ``nonfinite_examples`` count."""
+        super().reset_metrics()
+        nonfinite.reset_epoch(self._dp_nonfinite)
 
     @property
     def clipping(self) -> str:
@@ -347,6 +367,7 @@ class PrivateModel(keras.Model):
             kwargs.setdefault("shuffle", False)  # the plan decides the order
             callbacks = list(kwargs.pop("callbacks", None) or [])
             kwargs["callbacks"] = callbacks + [_StopAtPlanEnd(run.steps)]
+        kwargs["callbacks"] = list(kwargs.pop("callbacks", None) or []) + [nonfinite.WarnNonFinite(self._dp_nonfinite)]
         if self.jit_compile or self._dp_loss_scale != 1.0:
             # a refused step (out of step, past the plan, non-finite) raises on the host right
             # after it (without XLA the step's own assertions fail it first)
@@ -409,35 +430,56 @@ class PrivateModel(keras.Model):
                 norms=clipped.norms / tf.cast(scale, clipped.norms.dtype),
                 per_example_loss=clipped.per_example_loss / tf.cast(scale, clipped.per_example_loss.dtype),
             )
+        dropped, real = nonfinite.count_dropped(clipped.nonfinite, sample_weight, clipped.per_example_loss)
+        checks = []
+        if scale == 1.0:  # a float16 overflow is refused in _refuse instead (the loss scale's fault)
+            checks = [nonfinite.assert_some_finite(dropped, real, iteration)]
         clipped = add_regularization(
             self, clipped, expected_batch_size=optimizer.expected_batch_size, num_replicas=_num_replicas()
         )
-        grads = self._refuse(clipped.grads, step, iteration, optimizer)
-        optimizer.apply_clipped_sum(grads, self.trainable_variables)
+        if not optimizer.built:  # as Keras's apply would, but outside the checks' control dependencies
+            with keras.name_scope(optimizer.name, caller=optimizer):
+                optimizer.build(self.trainable_variables)
+            optimizer.built = True
+        with tf.control_dependencies([c for c in checks if c is not None]):  # no update before the check
+            grads = self._refuse(clipped.grads, step, iteration, optimizer, dropped, real)
+            optimizer.apply_clipped_sum(grads, self.trainable_variables)
+        epoch_dropped = nonfinite.record(self._dp_nonfinite, dropped, iteration)
 
         losses = tf.cast(clipped.per_example_loss, tf.float32)
         weights = tf.ones_like(losses) if sample_weight is None else sample_weight
-        _compat.loss_tracker(self).update_state(losses, sample_weight=weights)
         y_pred = clipped.y_pred
-        if sample_weight is not None:
+        keep = None if sample_weight is None else sample_weight > 0
+        if clipped.nonfinite is not None:  # dropped examples are left out of the loss and the metrics
+            losses = tf.where(clipped.nonfinite, tf.zeros_like(losses), losses)
+            weights = tf.where(clipped.nonfinite, tf.zeros_like(weights), weights)
+            finite = tf.logical_not(clipped.nonfinite)
+            keep = finite if keep is None else tf.logical_and(keep, finite)
+        _compat.loss_tracker(self).update_state(losses, sample_weight=weights)
+        if keep is not None:
             # Padding rows of the batch sampler (weight 0) are copies of real examples:
             # leave them out of every metric, also the unweighted `metrics=[...]`.
-            keep = sample_weight > 0
-            y, y_pred, sample_weight = tf.nest.map_structure(
-                lambda t: tf.boolean_mask(t, keep), (y, y_pred, sample_weight)
-            )
-        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+            y, y_pred = tf.nest.map_structure(lambda t: tf.boolean_mask(t, keep), (y, y_pred))
+            if sample_weight is not None:
+                sample_weight = tf.boolean_mask(sample_weight, keep)
+        logs = dict(self.compute_metrics(x, y, y_pred, sample_weight=sample_weight))
+        logs[nonfinite.METRIC] = epoch_dropped
+        return logs
 
 
-    def _refuse(self, grads, step, iteration, optimizer):
+    def _refuse(self, grads, step, iteration, optimizer, dropped, real):
         """The clipped sum, or zeros when this step must not use its batch.
 
         Checks, as tensors (XLA keeps them, unlike assertions): every row's step equals
         the optimizer's step t (a ``PrivateRun`` batch), t < T (a mixing matrix with a
-        plan), and, under float16 loss scaling, the sum is finite. A failed check zeroes
-        the sum (``tf.where``, so a NaN cannot leak through), the step applies its noise
-        only (data-independent: it leaks nothing), and ``_dp_refused`` records it for
-        the host (``_RefuseBadSteps`` raises after the step)."""
+        plan), not every real example was dropped as non-finite (``dropped``/``real``, the
+        counts of ``nonfinite.count_dropped``; without XLA ``nonfinite.assert_some_finite``
+        stopped such a step first), and, under float16 loss scaling, the sum is finite and
+        no example was dropped (a float16 overflow is the loss scale's doing, not the
+        data's). A failed check zeroes the sum (``tf.where``, so a NaN cannot leak
+        through), the step applies its noise only (data-independent: it leaks nothing),
+        and ``_dp_refused`` records it for the host (``_RefuseBadSteps`` raises after the
+        step)."""
         checks = []  # (ok: bool scalar, reason bit)
         if step is not None:
             checks.append((tf.reduce_all(tf.equal(tf.cast(step, tf.int64), iteration)), _OUT_OF_STEP))
@@ -446,9 +488,9 @@ class PrivateModel(keras.Model):
             checks.append((iteration < plan, _PAST_PLAN))
         if self._dp_loss_scale != 1.0:
             finite = tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(g)) for g in grads]))
-            checks.append((finite, _NON_FINITE))
-        if not checks:
-            return grads
+            checks.append((tf.logical_and(finite, tf.equal(dropped, 0)), _NON_FINITE))
+        else:
+            checks.append((tf.logical_not(nonfinite.all_dropped(dropped, real)), _ALL_DROPPED))
         ok = tf.reduce_all(tf.stack([c for c, _ in checks]))
         reasons = tf.add_n([tf.where(c, tf.constant(0, tf.int64), tf.constant(bit, tf.int64)) for c, bit in checks])
         batch_step = iteration if step is None else tf.reduce_min(tf.cast(step, tf.int64))

@@ -353,7 +353,14 @@ def _ghost_step(model, loss_fn, x, y, sample_weight, clip, training, entries):
     tiny = tf.constant(1e-30 if norm_dtype == tf.float32 else 1e-300, norm_dtype)
     # a Python ζ goes straight to the norms' dtype (a float64 model keeps all 53 bits)
     clip = tf.cast(clip, norm_dtype) if isinstance(clip, (tf.Tensor, tf.Variable)) else tf.constant(clip, norm_dtype)
-    factors = tf.stop_gradient(tf.minimum(tf.ones_like(norms), clip / tf.maximum(norms, tiny)))
+    factors = tf.minimum(tf.ones_like(norms), clip / tf.maximum(norms, tiny))
+    # An example whose loss or gradient norm is not finite is dropped: c_i = 0 exactly, and
+    # every rule's sum over the batch replaces the rows with c_i = 0 by zeros (tf.where in
+    # ghost_common.keep_rows), so its inf/nan rows of (a, g) reach no other example's sum.
+    nonfinite = tf.logical_not(
+        tf.logical_and(tf.math.is_finite(per_example_loss), tf.math.is_finite(norms))
+    )
+    factors = tf.stop_gradient(tf.where(nonfinite, tf.zeros_like(factors), factors))
     # g already carries w_i, so scaling by c_i gives Σ_i c_i·w_i·∇loss_i per variable.
     by_variable = {}
     for grad_fn in grad_fns:
@@ -368,6 +375,7 @@ def _ghost_step(model, loss_fn, x, y, sample_weight, clip, training, entries):
         norms=tf.cast(norms, dtype),
         per_example_loss=per_example_loss,
         y_pred=y_pred,
+        nonfinite=nonfinite,
     )
 
 
@@ -446,9 +454,11 @@ def ghost_clipped_sum(
         training: passed to the model call (dropout etc.).
 
     Returns:
-        ``ClippedSum(grads, norms, per_example_loss, y_pred)``: ``grads`` aligned with
-        ``model.trainable_variables``; ``norms`` (P,) the norms ``‖w_i·∇loss_i‖``
-        before clipping; ``per_example_loss`` (P,) unweighted; ``y_pred`` the outputs.
+        ``ClippedSum(grads, norms, per_example_loss, y_pred, nonfinite)``: ``grads``
+        aligned with ``model.trainable_variables``; ``norms`` (P,) the norms
+        ``‖w_i·∇loss_i‖`` before clipping; ``per_example_loss`` (P,) unweighted;
+        ``y_pred`` the outputs; ``nonfinite`` (P,) bool, the examples whose loss or
+        gradient norm is not finite, which contribute exactly 0 to ``grads``.
 
     Raises:
         ValueError: the model is not supported (see :func:`supports`), e.g. it has a

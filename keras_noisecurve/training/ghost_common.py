@@ -83,30 +83,59 @@ def bias_grad(g: tf.Tensor, bias_shape) -> tf.Tensor:
     return sum_over(g, keep)
 
 
+def keep_rows(t: tf.Tensor, scale: tf.Tensor) -> tf.Tensor:
+    """``t`` (P, ...) with the rows of the examples whose ``scale_i`` is exactly 0 set to 0.
+
+    A row with scale 0 contributes 0 to every weighted sum over the batch; replacing it
+    by ``tf.where`` (never by a product) keeps that exact when the row is not finite
+    (0·inf = nan would otherwise reach every example's sum). The clipping engine gives a
+    dropped example (non-finite loss or gradient) the scale 0; a finite row with scale 0
+    contributed 0 before, so finite results are unchanged. A ``tf.cond`` skips the pass
+    over ``t`` when no scale is 0.
+    """
+    keep = tf.not_equal(scale, tf.zeros_like(scale))
+
+    def masked():
+        return tf.where(tf.reshape(keep, [-1] + [1] * (t.shape.rank - 1)), t, tf.zeros_like(t))
+
+    # no example dropped (the usual step): no pass over t
+    return tf.cond(tf.reduce_all(keep), lambda: tf.identity(t), masked)
+
+
+def scale_rows(t: tf.Tensor, scale: tf.Tensor) -> tf.Tensor:
+    """``scale_i · t_i`` for a (P, ...) tensor, exactly 0 where ``scale_i == 0`` (:func:`keep_rows`)."""
+    scaled = t * tf.reshape(tf.cast(scale, t.dtype), [-1] + [1] * (t.shape.rank - 1))
+    return keep_rows(scaled, scale)
+
+
 def scale_smaller(a: tf.Tensor, g: tf.Tensor, scale: tf.Tensor):
     """``(a, g)`` with the one of fewer entries per example multiplied by ``scale_i``.
 
     ``a`` (P, ...), ``g`` (P, ...), ``scale`` (P,). A bilinear weight gradient
     Σ_i (a_i ⊗ g_i) scaled per example is the same whichever factor carries the scale;
     scaling the smaller one is one cheaper pass (e.g. the first conv's 3-channel input
-    rather than its 16-channel output gradient).
+    rather than its 16-channel output gradient). The rows of examples with ``scale_i = 0``
+    are exactly 0 in BOTH factors (:func:`keep_rows`), so a non-finite row of either
+    factor cannot reach the contraction over the batch.
     """
     size_a, size_g = (t.shape[1:].num_elements() for t in (a, g))
     if size_a is not None and size_g is not None and size_a < size_g:
-        return a * tf.reshape(scale, [-1] + [1] * (a.shape.rank - 1)), g
-    return a, g * tf.reshape(scale, [-1] + [1] * (g.shape.rank - 1))
+        return scale_rows(a, scale), keep_rows(g, scale)
+    return keep_rows(a, scale), scale_rows(g, scale)
 
 
 def weighted_outer(a: tf.Tensor, g: tf.Tensor, scale: tf.Tensor) -> tf.Tensor:
-    """``Σ_i scale_i Σ_l a_il g_ilᵀ`` (d_in, d_out) from a (P, L, d_in), g (P, L, d_out)."""
+    """``Σ_i scale_i Σ_l a_il g_ilᵀ`` (d_in, d_out) from a (P, L, d_in), g (P, L, d_out);
+    examples with ``scale_i = 0`` contribute exactly 0 (:func:`scale_smaller`)."""
     d_in, d_out = a.shape[-1], g.shape[-1]
     a, g = scale_smaller(a, g, scale)
     return tf.matmul(tf.reshape(a, [-1, d_in]), tf.reshape(g, [-1, d_out]), transpose_a=True)
 
 
 def weighted_sum(per_example: tf.Tensor, scale: tf.Tensor) -> tf.Tensor:
-    """``Σ_i scale_i · per_example_i`` for a (P, ...) tensor."""
-    return tf.tensordot(scale, per_example, axes=1)
+    """``Σ_i scale_i · per_example_i`` for a (P, ...) tensor; rows with ``scale_i = 0``
+    contribute exactly 0 even when not finite (:func:`keep_rows`)."""
+    return tf.tensordot(scale, keep_rows(per_example, scale), axes=1)
 
 
 def dims(t: tf.Tensor) -> list:

@@ -63,10 +63,17 @@ class ExampleKernelGrads:
         return tf.reshape(tf.reduce_sum(tf.square(self.blocks), axis=[1, 3]), [-1])[: self.examples]
 
     def weighted_sum(self, scale) -> tf.Tensor:
-        """(k_h·k_w·c_in, c_out): ``Σ_i scale_i ∂K_i`` for ``scale`` (P,)."""
+        """(k_h·k_w·c_in, c_out): ``Σ_i scale_i ∂K_i`` for ``scale`` (P,); an example with
+        ``scale_i = 0`` contributes exactly 0 even when its ``∂K_i`` is not finite."""
         n, chunk = tf.shape(self.blocks)[0], self.blocks.shape[2]
         scale = tf.reshape(tf.pad(scale, [[0, n * chunk - tf.shape(scale)[0]]]), [n, chunk])
-        return tf.einsum("nkcm,nc->km", self.blocks, tf.cast(scale, self.blocks.dtype))
+        keep = tf.not_equal(scale, tf.zeros_like(scale))
+        blocks = tf.cond(  # no pass over the blocks when no example is dropped
+            tf.reduce_all(keep),
+            lambda: tf.identity(self.blocks),
+            lambda: tf.where(keep[:, None, :, None], self.blocks, tf.zeros_like(self.blocks)),
+        )
+        return tf.einsum("nkcm,nc->km", blocks, tf.cast(scale, self.blocks.dtype))
 
 
 def _check_chunk(chunk, dtype, device):

@@ -17,6 +17,7 @@ from keras_noisecurve.training.ghost_common import (
     concat_positions,
     norm_dtype,
     per_example_sq,
+    scale_rows,
     sequence_sq_norms,
     weighted_outer,
     weighted_sum,
@@ -263,7 +264,7 @@ class EmbeddingRule(Rule):
         total = token_sq_norms(ids, g, int(vocabulary))
 
         def grads(scale):
-            rows = tf.reshape(g * scale[:, None, None], [-1, d])
+            rows = tf.reshape(scale_rows(g, scale), [-1, d])  # a row with scale 0 is exactly 0
             table = tf.math.unsorted_segment_sum(rows, tf.reshape(ids, [-1]), int(vocabulary))
             return [(layer.embeddings, table)]
 

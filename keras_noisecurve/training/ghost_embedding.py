@@ -23,6 +23,7 @@ from keras_noisecurve.training.ghost_common import (
     concat_positions,
     norm_dtype,
     per_example_sq,
+    scale_rows,
     sequence_sq_norms,
     weighted_outer,
     weighted_sum,
@@ -110,7 +111,7 @@ class ReversibleEmbeddingRule(Rule):
         def grads(scale):
             table = tf.zeros([vocabulary, d], dtype)
             if lookups:
-                rows = tf.reshape(g_lookup * tf.cast(scale, dtype)[:, None, None], [-1, d])
+                rows = tf.reshape(scale_rows(g_lookup, scale), [-1, d])  # a row with scale 0 is exactly 0
                 table += tf.math.unsorted_segment_sum(rows, tf.reshape(ids, [-1]), vocabulary)
             out = []
             if reverses:
@@ -163,7 +164,7 @@ class PositionEmbeddingRule(Rule):
         rows, width = (int(n) for n in layer.position_embeddings.shape)
 
         def placed(g, start, scale=None):
-            g = g if scale is None else g * scale[:, None, None]
+            g = g if scale is None else scale_rows(g, scale)  # a row with scale 0 is exactly 0
             length = tf.shape(g)[1]
             before = tf.cast(start, tf.int32)
             return tf.pad(g, [[0, 0], [before, rows - before - length], [0, 0]])  # (P, rows, d)
