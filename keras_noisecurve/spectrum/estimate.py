@@ -149,9 +149,11 @@ def estimate_spectrum(
       mu_min: μ_min > 0, the smallest eigenvalue that matters (paper: 1e-6); SLQ counts
         p₊ = #{μ ≥ μ_min} and the fitted tail ends there.
       slq_probes, slq_steps: SLQ Rademacher probes and Lanczos steps per probe.
-      lanczos_steps: initial Lanczos steps (default min(p, max(2k, k + 20))).
-      lanczos_max_steps: continue up to this many steps until the top-k converge
-        (default 2 × lanczos_steps).
+      lanczos_steps: m, the Krylov basis size of the thick-restart Lanczos (memory m × p
+        float64; default min(p, max(2k, k + 20))).
+      lanczos_max_steps: the budget: at most this many HVPs for the top-k, all restarts
+        together; restarts continue until every top-k residual ‖Ĥy − θy‖ ≤ 1e-8·max|θ|,
+        and only a spent budget warns (default min(20·m, max(p, 2·m))).
       tail_fit_from: fit eq. 3 on top-k indices ⌈tail_fit_from·k⌉ … k (``tail.fit_tail``).
       exact_threshold: largest p for which "auto" uses the dense Hessian.
       tail_bins: number of geometric bins of the compressed tail.
