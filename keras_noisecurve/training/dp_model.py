@@ -138,7 +138,10 @@ class _LowLevelStart(keras.callbacks.Callback):
         self._plan = plan
 
     def on_train_begin(self, logs=None):
-        self._plan.position(self.model.optimizer)
+        done, steps = self._plan.position(self.model.optimizer), self._plan.steps
+        if done >= steps:
+            raise RuntimeError(f"the plan of {steps} steps is complete (the optimizer has taken {done} steps): "
+                               "no further private step is possible with this banded_poisson_dataset.")
 
 
 # Why train_step refused a batch (bits of model._dp_refused[1]).

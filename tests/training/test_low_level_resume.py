@@ -182,3 +182,5 @@ def test_a_plan_drawn_from_os_entropy_continues_in_the_same_process(data):
     model.fit(ds, verbose=0, steps_per_epoch=3, epochs=1)
     model.fit(ds, verbose=0)  # the same plan object: continues at step 3
     assert [t for t, _ in taken] == list(range(STEPS))
+    with pytest.raises(RuntimeError, match="the plan of 10 steps is complete"):
+        model.fit(ds, verbose=0)
