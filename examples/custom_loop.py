@@ -101,8 +101,9 @@ def main(argv=None) -> int:
         return knc.NoiseCurveOptimizer(learning_rate=args.learning_rate, mixing=mixing, l2_norm_clip=args.clip,
                                        noise_multiplier=sigma, expected_batch_size=B, seed=args.seed + 1)
 
-    def dataset():
-        return knc.banded_poisson_dataset(x, y, batch_size=B, bands=b, steps=T, seed=args.seed + 2)
+    def dataset(opt=None):
+        # with optimizer=opt the batches start at opt's step: a restored opt continues the plan
+        return knc.banded_poisson_dataset(x, y, batch_size=B, bands=b, steps=T, seed=args.seed + 2, optimizer=opt)
 
     # ---------------------------------------------------------- 1. one device
     start = time.perf_counter()
@@ -110,7 +111,7 @@ def main(argv=None) -> int:
     model.set_weights(init)
     opt = optimizer()
     step = tf.function(private_step_fn(model, opt, loss, B))
-    for t, (xb, yb, mask) in enumerate(dataset()):
+    for t, (xb, yb, mask) in enumerate(dataset(opt)):
         per_example = step(xb, yb, mask)
         if (t + 1) % max(1, T // 4) == 0 or t + 1 == T:
             mean_loss = float(tf.reduce_sum(per_example * mask) / tf.maximum(tf.reduce_sum(mask), 1.0))

@@ -7,7 +7,7 @@ uninterrupted one would have drawn. ``PrivateRun.dataset`` (the way to train) dr
 step by step through it; ``sampling_plan`` draws a whole run's (T, P) arrays up front
 (for inspection and tests), and ``banded_poisson_dataset`` (TensorFlow, imported inside
 the function) turns such a plan into a ``tf.data.Dataset`` of ``(x, y, mask)``
-without step indices, for custom loops that keep their own position.
+for custom loops that do their own accounting; it starts at an optimizer's step.
 
 Keras ``fit`` passes the mask as ``sample_weight``; the private model applies it per
 example *before* clipping, so padding contributes nothing to the clipped sum. The
@@ -254,14 +254,23 @@ def sampling_plan(*, spec: Optional[RunSpec] = None, seed=None, max_batch_size: 
 # ------------------------------------------------------------------ tf.data
 def banded_poisson_dataset(x, y=None, *, spec: Optional[RunSpec] = None, seed=None, sample_weight=None,
                            max_batch_size: Optional[int] = None, overflow_probability: Optional[float] = None,
-                           return_plan: bool = False, **run):
-    """A ``tf.data.Dataset`` of exactly ``steps`` fixed-shape batches ``(x, y, mask)``.
+                           optimizer=None, return_plan: bool = False, **run):
+    """A ``tf.data.Dataset`` of the fixed-shape batches ``(x, y, mask)`` of steps t … T − 1.
 
-    LOW LEVEL, for custom loops that do their own accounting: the sampler alone,
-    without accounting or step indices, so nothing checks that a restored model
-    continues at the right batch, and a model whose optimizer belongs to a
-    ``PrivateRun`` refuses it in ``fit``. To train, use ``PrivateRun.dataset`` (the same
-    batches, resume-safe, step-checked).
+    LOW LEVEL, for custom loops that do their own accounting: the sampler without
+    accounting, for an optimizer made without a ``PrivateRun`` (a model whose optimizer
+    belongs to a run refuses it in ``fit``; ``PrivateRun.dataset`` is the way to train).
+
+    Resuming: where the batches start is read when the dataset is ITERATED, from the
+    optimizer's step counter t = ``optimizer.iterations`` (``optimizer=``, or, in
+    ``PrivateModel.fit``, the model's optimizer, which also checks each batch's step), so
+    a model restored at step t (``BackupAndRestore``, ``load_model``, a checkpoint)
+    continues with batch t of the same plan. A plan drawn from OS entropy
+    (``seed=None``) cannot be drawn again after a restart: iterating it from t > 0 for
+    an optimizer that did not take steps 0 … t − 1 on this very dataset object is
+    refused (``ValueError`` in ``fit``, ``InvalidArgumentError`` from the iterator)
+    before the first batch. Without ``optimizer`` (and outside ``fit``) it starts at
+    step 0 and nothing checks a restored position.
 
     Args:
       x: anything :func:`keras_noisecurve.privacy.sources.as_source` accepts: numpy
@@ -278,6 +287,8 @@ def banded_poisson_dataset(x, y=None, *, spec: Optional[RunSpec] = None, seed=No
         exactly ``spec.num_examples`` examples.
       seed, max_batch_size, overflow_probability: see :func:`sampling_plan`.
       sample_weight: optional (n,) weights, multiplied into the mask.
+      optimizer: optional ``NoiseCurveOptimizer`` (made without a run) whose
+        ``iterations`` decide the first batch, for custom loops (see Resuming).
       return_plan: also return the :class:`SamplingPlan` (for tests/inspection).
 
     Returns:
@@ -303,11 +314,67 @@ def banded_poisson_dataset(x, y=None, *, spec: Optional[RunSpec] = None, seed=No
     if source.sample_weight is not None:
         mask = mask * source.sample_weight[plan.indices]
 
-    def gather(idx, m):
-        xb, yb = source.tf_gather(idx)
-        return xb, yb, m
-
-    ds = tf.data.Dataset.from_tensor_slices((plan.indices, mask.astype(np.float32)))
-    ds = ds.map(gather, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-    ds = ds.prefetch(tf.data.AUTOTUNE)
+    if optimizer is not None and getattr(optimizer, "run", None) is not None:
+        raise ValueError(f"optimizer belongs to a PrivateRun ({optimizer.run!r}): train on run.dataset(x, y) "
+                         "(its batches(optimizer) in a custom loop), not banded_poisson_dataset.")
+    low = _LowLevelPlan(source, plan.indices, mask.astype(np.float32), reseedable=seed is not None)
+    ds = low.dataset(optimizer)
+    ds._knc_low_level_plan = low  # PrivateModel.fit positions it at the model's optimizer
     return (ds, plan) if return_plan else ds
+
+
+class _LowLevelPlan:
+    """The batches of one ``banded_poisson_dataset`` plan, started at an optimizer's step.
+
+    ``reseedable``: the plan was drawn from a given seed (the same code draws it again
+    after a restart); otherwise only optimizers that took this plan's steps from step 0
+    (recorded in ``started``) may continue it."""
+
+    def __init__(self, source, indices, mask, *, reseedable):
+        import weakref
+
+        self.source, self.indices, self.mask = source, indices, mask
+        self.steps, self.reseedable = int(indices.shape[0]), reseedable
+        self.started = weakref.WeakSet()
+
+    def position(self, optimizer) -> int:
+        """The first step to take for ``optimizer`` (its ``iterations``); refuses what cannot continue."""
+        value = getattr(optimizer.iterations, "value", optimizer.iterations)
+        t = int(value.numpy()) if hasattr(value, "numpy") else int(value)
+        if t > self.steps:
+            raise ValueError(f"the optimizer stands at step {t}, past this plan's {self.steps} steps.")
+        if t == 0:
+            self.started.add(optimizer)
+        elif not self.reseedable and optimizer not in self.started:
+            raise ValueError(
+                f"banded_poisson_dataset(seed=None): the optimizer stands at step {t} (restored), but this plan was "
+                "drawn from OS entropy in this process, so it is not the plan steps 0 ... "
+                f"{t - 1} were sampled from, and continuing on it would break the sampling the accounting assumed. "
+                "Use a PrivateRun (its secret sampling key is saved with the optimizer: fit(run.dataset(x, y))), "
+                "or draw the low-level plan from a seed you keep secret and pass the same seed again."
+            )
+        return t
+
+    def dataset(self, optimizer=None, *, with_step=False):
+        """Batches ``(x, y, mask)`` (``+ (step,)`` with ``with_step``) from ``optimizer``'s step (0 without)."""
+        import tensorflow as tf
+
+        indices, mask = tf.constant(self.indices), tf.constant(self.mask)
+        rows = int(self.indices.shape[1])
+        if optimizer is None:
+            steps = tf.data.Dataset.range(self.steps)
+        else:
+            def first(_):
+                start = tf.py_function(lambda: np.int64(self.position(optimizer)), [], tf.int64)
+                start.set_shape([])
+                return tf.data.Dataset.range(start, self.steps)
+
+            steps = tf.data.Dataset.from_tensors(np.int64(0)).flat_map(first)
+
+        def gather(t):
+            xb, yb = self.source.tf_gather(tf.gather(indices, t))
+            m = tf.gather(mask, t)
+            return (xb, yb, m, tf.fill([rows], t)) if with_step else (xb, yb, m)
+
+        ds = steps.map(gather, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+        return ds.prefetch(tf.data.AUTOTUNE)

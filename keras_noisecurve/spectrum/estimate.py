@@ -124,6 +124,7 @@ def estimate_spectrum(
     slq_steps: int = 80,
     lanczos_steps: int | None = None,
     lanczos_max_steps: int | None = None,
+    lanczos_tol: float | None = None,
     tail_fit_from: float = 0.5,
     exact_threshold: int = DEFAULT_EXACT_THRESHOLD,
     tail_bins: int = 256,
@@ -149,9 +150,15 @@ def estimate_spectrum(
       mu_min: μ_min > 0, the smallest eigenvalue that matters (paper: 1e-6); SLQ counts
         p₊ = #{μ ≥ μ_min} and the fitted tail ends there.
       slq_probes, slq_steps: SLQ Rademacher probes and Lanczos steps per probe.
-      lanczos_steps: initial Lanczos steps (default min(p, max(2k, k + 20))).
-      lanczos_max_steps: continue up to this many steps until the top-k converge
-        (default 2 × lanczos_steps).
+      lanczos_steps: m, the Krylov basis size of the thick-restart Lanczos (memory m × p
+        float64; default min(p, max(2k, k + 20))).
+      lanczos_max_steps: the budget: at most this many HVPs for the top-k, all restarts
+        together; restarts continue until every top-k residual ‖Ĥy − θy‖ ≤ 1e-8·max|θ|,
+        and only a spent budget warns (default min(20·m, max(p, 2·m))).
+      lanczos_tol: the convergence criterion ‖Ĥy − θy‖ ≤ lanczos_tol·max|θ| of every
+        top-k value; default 1e-8 for a float64 model and 1e-6 otherwise (float32 HVPs
+        are accurate to ≈1e-7 relative, so smaller residuals measure rounding: on the
+        demo's CNN they stall between 1e-8 and 1e-7 once converged).
       tail_fit_from: fit eq. 3 on top-k indices ⌈tail_fit_from·k⌉ … k (``tail.fit_tail``).
       exact_threshold: largest p for which "auto" uses the dense Hessian.
       tail_bins: number of geometric bins of the compressed tail.
@@ -233,6 +240,7 @@ def estimate_spectrum(
         slq_steps=slq_steps,
         lanczos_steps=lanczos_steps,
         lanczos_max_steps=lanczos_max_steps,
+        lanczos_tol=_default_tol(op) if lanczos_tol is None else check_float("lanczos_tol", lanczos_tol, positive=True),
         tail_bins=tail_bins,
         tail_fit_from=tail_fit_from,
         seed=seed,
@@ -244,19 +252,29 @@ def estimate_spectrum(
     return Spectrum(values, mults, dimension=p, metadata=meta)
 
 
-def _lanczos_spectrum(op, *, p, top_k, mu_min, slq_probes, slq_steps, lanczos_steps, lanczos_max_steps, tail_bins, tail_fit_from, seed, verbose):
+def _default_tol(op) -> float:
+    """1e-8 when every variable is float64, else 1e-6 (the HVPs' float32 precision)."""
+    wide = all(str(getattr(v, "dtype", "")).endswith("float64") for v in op.variables)
+    return 1e-8 if wide else 1e-6
+
+
+def _lanczos_spectrum(op, *, p, top_k, mu_min, slq_probes, slq_steps, lanczos_steps, lanczos_max_steps, lanczos_tol,
+                      tail_bins, tail_fit_from, seed, verbose):
     """Top-k + SLQ p₊ + tail fit on a matvec; returns (values, multiplicities, metadata)."""
     from keras_noisecurve.spectrum.lanczos import lanczos_top_k
     from keras_noisecurve.spectrum.slq import slq_count
     from keras_noisecurve.spectrum.tail import fit_tail, tail_pairs
 
     top = lanczos_top_k(
-        op.matvec, dimension=p, k=top_k, num_steps=lanczos_steps, max_steps=lanczos_max_steps, seed=seed, verbose=verbose
+        op.matvec, dimension=p, k=top_k, num_steps=lanczos_steps, max_steps=lanczos_max_steps, tol=lanczos_tol,
+        seed=seed, verbose=verbose,
     )
     mu = top.eigenvalues
     extra = {
         "k": int(top_k),
         "lanczos_steps": int(top.num_steps),
+        "lanczos_tol": float(lanczos_tol),
+        "lanczos_restarts": int(top.num_restarts),
         "converged": int(top.num_converged),
         "converged_total": int(np.count_nonzero(top.converged)),
         "max_ritz_residual": float(np.max(top.residuals)),

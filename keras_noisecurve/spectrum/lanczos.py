@@ -1,13 +1,13 @@
 """Lanczos on a black-box symmetric matvec (numpy only, no TensorFlow).
 
-Used for the top-k eigenvalues of a Hessian upper bound Ĥ (paper §4.4) and, through
-``lanczos_tridiagonal``, by stochastic Lanczos quadrature (``slq.py``). Both run the
-same iteration, the ``_Lanczos`` class at the end of this module.
+Used for the top-k eigenvalues of a Hessian upper bound Ĥ (paper §4.4, ``lanczos_top_k``:
+thick-restart Lanczos, the ``_ThickRestart`` class) and, through ``lanczos_tridiagonal``,
+by stochastic Lanczos quadrature (``slq.py``, the plain iteration ``_Lanczos``).
 
-Numerics: the Krylov basis and the tridiagonal matrix are float64; every new basis
+Numerics: the Krylov basis and the projected matrix are float64; every new basis
 vector is orthogonalised against all previous ones twice (classical Gram-Schmidt,
 "twice is enough"), so no ghost eigenvalues appear. Memory is ``num_steps × p``
-float64 values (400 steps × 40k parameters ≈ 128 MB).
+float64 values (400 vectors × 40k parameters ≈ 128 MB) whatever the number of restarts.
 """
 
 from __future__ import annotations
@@ -33,9 +33,10 @@ class LanczosResult:
         pair (θ, y)); an eigenvalue of A lies within this distance of θ.
       converged: (k,) bool, residual ≤ ``tol · max|θ|``.
       num_converged: number of leading Ritz values (from the top, contiguous) that converged.
-      num_steps: Lanczos steps taken (= matvecs).
+      num_steps: Lanczos steps taken (= matvecs, all restarts together).
       num_matvecs: matvec calls.
       eigenvectors: (p, k) Ritz vectors when requested, else ``None``.
+      num_restarts: thick restarts taken (0: converged in the first basis).
     """
 
     eigenvalues: np.ndarray
@@ -45,6 +46,7 @@ class LanczosResult:
     num_steps: int
     num_matvecs: int
     eigenvectors: np.ndarray | None = None
+    num_restarts: int = 0
 
 
 def _progress(total: int, verbose: bool, desc: str):
@@ -131,30 +133,38 @@ def lanczos_top_k(
     return_vectors: bool = False,
     verbose: bool = False,
 ) -> LanczosResult:
-    """The k largest eigenvalues of a symmetric operator by Lanczos (paper §4.4).
+    """The k largest eigenvalues of a symmetric operator by thick-restart Lanczos (paper §4.4).
 
-    Runs ``num_steps`` steps, then, while some of the top-k Ritz values have not
-    converged, continues in blocks of ``max(10, k // 2)`` steps up to ``max_steps``
-    (the Krylov basis is kept, so continuing costs only the new matvecs).
+    Method (Wu & Simon's thick restart, the symmetric case of Stewart's Krylov–Schur, as
+    ARPACK's implicit restart): build an orthonormal Krylov basis V of ``num_steps`` = m
+    vectors (float64, every new vector reorthogonalised twice against the whole basis),
+    with A·V = V·H + f·e_mᵀ and H = Vᵀ·A·V symmetric (tridiagonal plus, after a restart,
+    an arrow); take the Ritz pairs (θ_i, V·s_i) of H; if some of the top k have not
+    converged, restart from the ``l = k + ⌊(m − k)/2⌋`` largest Ritz vectors plus the
+    residual direction f/‖f‖ and extend the basis back to m vectors. Repeat until every
+    top-k value converges or the budget of ``max_steps`` matvecs is spent. Memory stays
+    m × p float64 whatever the number of restarts.
 
     Convergence criterion: every returned value θ_i has residual ‖A·y_i − θ_i·y_i‖ =
-    |β_m s_{m,i}| ≤ ``tol``·max|θ| (``converged``); an eigenvalue of A then lies within
-    that residual of θ_i. Values still above it at ``max_steps`` are returned with a
-    ``RuntimeWarning`` that names them (indices and relative residuals), never
-    silently. Deterministic for a given ``seed`` (the start vector and any restart
-    direction are drawn from ``numpy.random.default_rng(seed)``).
+    ‖f‖·|s_{m,i}| ≤ ``tol``·max|θ| (``converged``); an eigenvalue of A then lies within
+    that residual of θ_i. Only when the budget is spent with values still above it are
+    they returned with a ``RuntimeWarning`` that names them (indices and relative
+    residuals), never silently. Deterministic for a given ``seed`` (the start vector
+    and any direction drawn after an invariant subspace come from
+    ``numpy.random.default_rng(seed)``).
 
     Args:
       matvec: v ↦ A·v, (p,) float64 → (p,) (e.g. ``HessianOperator.matvec``).
       dimension: p.
       k: number of eigenvalues wanted, 1 ≤ k ≤ p.
-      num_steps: initial Lanczos steps (= matvecs); default ``min(p, max(2k, k + 20))``.
-      max_steps: step limit when continuing for convergence; default ``2 * num_steps``
-        (capped at p). Clustered spectra may need more.
-      tol: a Ritz value θ counts as converged when its residual bound |β_m s_m| ≤ tol·max|θ|.
+      num_steps: m, the Krylov basis size (vectors kept in memory), k ≤ m ≤ p; default
+        ``min(p, max(2k, k + 20))``.
+      max_steps: the budget, the largest number of matvecs (all restarts together);
+        default ``min(20·m, max(p, 2·m))``: enough for tightly clustered top eigenvalues.
+      tol: a Ritz value θ counts as converged when its residual ≤ tol·max|θ|.
       seed: seed of the Gaussian start vector.
       return_vectors: also return the (p, k) Ritz vectors.
-      verbose: tqdm progress bar.
+      verbose: tqdm progress bar (over the budget).
 
     Returns:
       ``LanczosResult`` (eigenvalues descending, residual bounds, converged counts).
@@ -165,36 +175,34 @@ def lanczos_top_k(
         num_steps = min(p, max(2 * k, k + 20))
     m = check_int("num_steps", num_steps, minimum=k, maximum=p)
     if max_steps is None:
-        max_steps = 2 * m
+        max_steps = min(20 * m, max(p, 2 * m))
     max_steps = check_int("max_steps", max_steps, minimum=m)
-    max_steps = min(max_steps, p)
     tol = check_float("tol", tol, positive=True)
     rng = np.random.default_rng(seed)
-    run = _Lanczos(matvec, rng.standard_normal(p), rng, capacity=m)
-    bar = _progress(m, verbose, "lanczos top-k")
-    block = max(10, k // 2)
-    target = m
+    run = _ThickRestart(matvec, rng.standard_normal(p), rng, basis_size=m)
+    bar = _progress(max_steps, verbose, "lanczos top-k")
+    keep = max(1, min(m - 1, k + (m - k) // 2))
     while True:
-        run.extend(target - run.steps, bar)
-        theta, s = tridiagonal_eigh(run.alpha_array(), run.beta_array())
+        run.fill(max_steps, bar)
+        theta, s, residuals_all = run.ritz()
         order = np.argsort(-theta)[:k]
-        residuals = np.abs(run.beta[-1] * s[-1, order])
+        residuals = residuals_all[order]
         scale = max(float(np.max(np.abs(theta))), 1e-300)
         converged = residuals <= tol * scale
-        if converged.all() or run.steps >= max_steps or run.exhausted:
+        if converged.all() or run.matvecs >= max_steps or run.size >= p:
             break
-        target = min(max_steps, run.steps + block)
-        if bar is not None:
-            bar.total = target
+        run.restart(np.argsort(-theta)[:keep], theta, s)
     if bar is not None:
         bar.close()
     values = theta[order]
     if not converged.all():
         bad = np.flatnonzero(~converged)
         warnings.warn(
-            f"lanczos_top_k: {bad.size} of the top {k} eigenvalues did not converge to tol={tol:g} in {run.steps} "
-            f"steps (indices {bad[:10].tolist()}{' ...' if bad.size > 10 else ''}, relative residuals up to "
-            f"{float(np.max(residuals[bad])) / scale:.2g}); raise max_steps or tol.",
+            f"lanczos_top_k: {bad.size} of the top {k} eigenvalues did not converge to tol={tol:g} within the "
+            f"budget of {max_steps} matvecs ({run.restarts} restarts of a {m}-vector basis; indices "
+            f"{bad[:10].tolist()}{' ...' if bad.size > 10 else ''}, relative residuals up to "
+            f"{float(np.max(residuals[bad])) / scale:.2g}); raise max_steps (the budget) or num_steps "
+            f"(the basis size), or tol.",
             RuntimeWarning, stacklevel=2,
         )
     leading = int(np.argmin(converged)) if not converged.all() else k
@@ -203,10 +211,101 @@ def lanczos_top_k(
         residuals=residuals,
         converged=converged,
         num_converged=leading,
-        num_steps=run.steps,
-        num_matvecs=run.steps,
+        num_steps=run.matvecs,
+        num_matvecs=run.matvecs,
         eigenvectors=run.basis.T @ s[:, order] if return_vectors else None,
+        num_restarts=run.restarts,
     )
+
+
+class _ThickRestart:
+    """The Krylov basis of ``lanczos_top_k``: A·V = V·H + f·e_nᵀ, restarted thick.
+
+    ``V`` (n, p) rows orthonormal (n ≤ basis_size), ``H`` (n, n) = Vᵀ·A·V as computed
+    (column i holds the Gram–Schmidt coefficients of A·v_i, H[i+1, i] = ‖f_i‖), ``f`` the
+    last residual, stored as its norm ``beta`` and direction ``q``. When ‖f‖ falls below
+    1e-12 × the largest coefficient seen (an invariant subspace) the coupling is exactly
+    0 and the next direction is a fresh random one orthogonal to V.
+    """
+
+    def __init__(self, matvec, start, rng, *, basis_size):
+        q = np.asarray(start, dtype=np.float64).reshape(-1)
+        self.p, self.m, self.matvec, self.rng = q.size, basis_size, matvec, rng
+        self.V = np.zeros((basis_size, self.p))
+        self.H = np.zeros((basis_size, basis_size))
+        self.size = 0
+        self.q = q / np.linalg.norm(q)
+        self.beta = 0.0
+        self.scale = 0.0
+        self.matvecs = 0
+        self.restarts = 0
+
+    @property
+    def basis(self):
+        return self.V[: self.size]
+
+    def _orthogonalize(self, w, rows):
+        Q = self.V[:rows]
+        coefficients = np.zeros(rows)
+        for _ in range(2):
+            c = Q @ w
+            w = w - Q.T @ c
+            coefficients += c
+        return w, coefficients
+
+    def _fresh_direction(self):
+        for _ in range(5):
+            w, _ = self._orthogonalize(self.rng.standard_normal(self.p), self.size)
+            nw = np.linalg.norm(w)
+            if nw > 1e-8:
+                return w / nw
+        raise FloatingPointError("lanczos_top_k: no direction orthogonal to the Krylov basis could be drawn.")
+
+    def fill(self, budget, bar=None):
+        """Extend the basis to ``basis_size`` vectors (or p, or until ``budget`` matvecs)."""
+        while self.size < min(self.m, self.p) and self.matvecs < budget:
+            j = self.size
+            if j > 0 and self.beta == 0.0:
+                self.q = self._fresh_direction()
+            self.V[j] = self.q
+            w = np.asarray(self.matvec(self.q), dtype=np.float64).reshape(-1)
+            self.matvecs += 1
+            if bar is not None:
+                bar.update(1)
+            if w.shape != (self.p,):
+                raise ValueError(f"matvec must return a vector of shape ({self.p},), got {w.shape}.")
+            if not np.all(np.isfinite(w)):
+                raise FloatingPointError(f"matvec returned non-finite values at Lanczos matvec {self.matvecs}.")
+            w, h = self._orthogonalize(w, j + 1)
+            self.H[: j + 1, j] = h
+            self.H[j, :j] = h[:j]
+            b = float(np.linalg.norm(w))
+            self.scale = max(self.scale, float(np.max(np.abs(h))), b)
+            self.size = j + 1
+            if b <= 1e-12 * max(self.scale, 1e-300):
+                self.beta = 0.0
+            else:
+                self.beta, self.q = b, w / b
+
+    def ritz(self):
+        """(theta, S, residuals): eigenpairs of the symmetric part of H, ‖f‖·|S[n−1, i]|."""
+        n = self.size
+        H = self.H[:n, :n]
+        theta, S = np.linalg.eigh(0.5 * (H + H.T))
+        return theta, S, np.abs(self.beta * S[n - 1, :])
+
+    def restart(self, keep, theta, S):
+        """Keep the Ritz vectors ``keep`` (indices into theta) and continue from f/‖f‖."""
+        n, l = self.size, len(keep)
+        self.V[:l] = S[:, keep].T @ self.V[:n]
+        self.V[l:] = 0.0
+        self.H[:] = 0.0
+        self.H[np.arange(l), np.arange(l)] = theta[keep]
+        self.size = l
+        self.restarts += 1
+        if self.beta == 0.0:
+            self.q = self._fresh_direction()
+            self.beta = 1.0  # a fresh direction, coupled by zero (computed in the next step)
 
 
 class _Lanczos:

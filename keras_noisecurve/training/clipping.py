@@ -3,7 +3,8 @@
 The engine contract and ``ClippedSum`` are in :mod:`keras_noisecurve.training.clipped_sum`
 (re-exported here); the ghost-norm engine is :mod:`keras_noisecurve.training.ghost`.
 
-- :func:`vectorized_clipped_sum`: per-example gradients with ``tf.vectorized_map``.
+- :func:`vectorized_clipped_sum`: the reference, a per-example loop (``tf.while_loop``
+  of plain gradients, no ``tf.vectorized_map``; the name is historical).
 - :func:`get_engine`: ``"auto"``/``"ghost"`` (per-layer) or ``"vectorized"`` (reference).
 - :func:`per_example_loss_fn`: the unreduced ``(y_true, y_pred) -> (P,)`` loss an
   engine needs (:mod:`keras_noisecurve._losses`).
@@ -81,45 +82,55 @@ def _validate(l2_norm_clip, microbatch_size):
 
 
 # ------------------------------------------------------------- vectorized engine
-def _expand(tree):
-    return tf.nest.map_structure(lambda t: tf.expand_dims(t, 0), tree)
-
-
-def _squeeze(tree):
-    return tf.nest.map_structure(lambda t: tf.squeeze(t, 0), tree)
-
-
 def _chunk_stats(model, loss_fn, variables, x, y, w, training, l2_norm_clip):
-    """Per-example grads of a chunk via tf.vectorized_map, clipped and summed (examples with
-    a non-finite loss or gradient norm dropped: they contribute 0 and are marked)."""
+    """Per-example grads of a chunk, one example at a time, clipped and summed; an example
+    with a non-finite loss or gradient norm is dropped (it contributes 0 and is marked).
 
-    def single(args):
-        xi, yi, wi = args
+    An honest per-example loop: example 0, then a ``tf.while_loop`` over examples
+    1 … P − 1, each a plain ``GradientTape`` on a batch of one (no ``tf.vectorized_map``
+    / pfor, whose batched kernels differ from the per-example ones and which crashes
+    on some layers). The clipped gradients are accumulated in the loop, so memory is
+    O(parameters) plus the per-example norms, losses and predictions.
+    """
+    wide = tf.float64 if any(v.dtype == tf.float64 for v in variables) else tf.float32
+    clip = tf.cast(l2_norm_clip, wide)
+
+    def single(i):
+        xi, yi = tf.nest.map_structure(lambda t: t[i : i + 1], (x, y))
         with tf.GradientTape() as tape:
-            pred = model(_expand(xi), training=training)
-            loss = loss_fn(_expand(yi), pred)[0]
-            weighted = loss * tf.cast(wi, loss.dtype)
+            pred = model(xi, training=training)
+            loss = loss_fn(yi, pred)[0]
+            weighted = loss * tf.cast(w[i], loss.dtype)
         grads = tape.gradient(weighted, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO)
-        return grads, loss, _squeeze(pred)
+        grads = [tf.convert_to_tensor(g) for g in grads]  # IndexedSlices (embeddings) to dense
+        # variables may differ in dtype (LoRA factors are float32 in a float64 model): add in the widest
+        norm = tf.sqrt(tf.add_n([tf.cast(tf.reduce_sum(tf.square(g)), wide) for g in grads]))
+        factor = clip / tf.maximum(norm, clip)  # min(1, ζ/‖g‖)
+        # a non-finite loss or gradient norm drops the example: its contribution is replaced
+        # by zeros (tf.where: 0·inf would be nan)
+        dropped = tf.logical_not(tf.logical_and(tf.math.is_finite(loss), tf.math.is_finite(norm)))
+        clipped = [tf.where(dropped, tf.zeros_like(g), tf.cast(factor, g.dtype) * g) for g in grads]
+        return clipped, norm, loss, tf.nest.map_structure(lambda t: t[0], pred), dropped
 
-    grads, losses, preds = tf.vectorized_map(single, (x, y, w))
-    # variables may differ in dtype (LoRA factors are float32 in a float64 model): add in the widest
-    wide = tf.float64 if any(g.dtype == tf.float64 for g in grads) else tf.float32
-    sq = tf.add_n([tf.cast(tf.reduce_sum(tf.reshape(tf.square(g), [tf.shape(g)[0], -1]), axis=1), wide) for g in grads])
-    norms = tf.sqrt(sq)
-    clip = tf.cast(l2_norm_clip, norms.dtype)
-    factor = clip / tf.maximum(norms, clip)  # min(1, ζ/‖g‖)
-    # a non-finite loss or gradient norm drops the example: factor 0 and its gradient rows
-    # replaced by zeros (tf.where: 0·inf would be nan) before the sum over the batch
-    nonfinite = tf.logical_not(tf.logical_and(tf.math.is_finite(losses), tf.math.is_finite(norms)))
-    factor = tf.where(nonfinite, tf.zeros_like(factor), factor)
+    n = tf.shape(w)[0]
+    sums, norm0, loss0, pred0, dropped0 = single(0)
+    leaves0 = tf.nest.flatten(pred0)
 
-    def keep(g):
-        rows = tf.reshape(nonfinite, [-1] + [1] * (g.shape.rank - 1))
-        return tf.where(rows, tf.zeros_like(g), g)
+    def array(first):
+        return tf.TensorArray(first.dtype, size=n, element_shape=first.shape).write(0, first)
 
-    sums = [tf.tensordot(tf.cast(factor, g.dtype), keep(g), axes=1) for g in grads]
-    return sums, norms, losses, preds, nonfinite
+    arrays = (array(norm0), array(loss0), [array(t) for t in leaves0], array(dropped0))
+
+    def body(i, sums, arrays):
+        clipped, norm, loss, pred, dropped = single(i)
+        norms, losses, preds, drops = arrays
+        preds = [a.write(i, t) for a, t in zip(preds, tf.nest.flatten(pred))]
+        arrays = (norms.write(i, norm), losses.write(i, loss), preds, drops.write(i, dropped))
+        return i + 1, [s + c for s, c in zip(sums, clipped)], arrays
+
+    _, sums, (norms, losses, preds, drops) = tf.while_loop(lambda i, *_: i < n, body, (tf.constant(1), sums, arrays))
+    preds = tf.nest.pack_sequence_as(pred0, [a.stack() for a in preds])
+    return sums, norms.stack(), losses.stack(), preds, drops.stack()
 
 
 def vectorized_clipped_sum(
@@ -133,7 +144,14 @@ def vectorized_clipped_sum(
     microbatch_size=None,
     training=True,
 ) -> ClippedSum:
-    """Σ_i clip(w_i·∇loss_i, ζ) by per-example gradients with ``tf.vectorized_map``.
+    """Σ_i clip(w_i·∇loss_i, ζ) by a per-example loop: the reference engine.
+
+    Each example's gradient is taken alone (a ``GradientTape`` on a batch of one inside
+    a ``tf.while_loop``, no ``tf.vectorized_map``), so it computes exactly what a Python
+    loop over examples computes, on every kernel path (oneDNN on or off) and layer. The
+    name is historical: it used ``tf.vectorized_map``, whose batched kernels drifted
+    (2.0e-3 relative on the GroupNorm CNN with oneDNN on) and which crashed on
+    ``MultiHeadAttention``.
 
     Args:
       model: a Keras model (TF backend).
@@ -141,15 +159,15 @@ def vectorized_clipped_sum(
       x, y: a batch of P examples (nested structures allowed for x).
       sample_weight: (P,) weights multiplying each loss before clipping, or None (all 1).
       l2_norm_clip: ζ > 0.
-      microbatch_size: process the batch in chunks of this many examples
-        (``tf.while_loop``) to bound memory at O(microbatch_size × parameters); None:
-        the whole batch at once.
+      microbatch_size: process the batch in chunks of this many examples (the loop
+        runs per chunk; memory is O(parameters) per chunk either way); None: the whole
+        batch in one loop.
       training: passed to ``model(..., training=training)``.
 
     Returns:
       :class:`ClippedSum`; an example whose loss or gradient norm is not finite contributes
-      0 and is marked in ``nonfinite``. Memory O(P × parameters) (or O(m × parameters) per chunk);
-      time: P gradients, vectorised (docs/training.md, "Performance", has timings).
+      0 and is marked in ``nonfinite``. Memory O(parameters) beyond the model's own; time: P
+      gradients one after the other (slow: a reference, docs/training.md, "Performance").
       Regularisation losses are NOT included (see :func:`add_regularization`).
     """
     l2_norm_clip, microbatch_size = _validate(l2_norm_clip, microbatch_size)
@@ -197,11 +215,10 @@ def get_engine(name: str = "auto", model=None) -> Callable:
         (``keras_noisecurve.training.ghost``): ghost norms for every layer with a rule,
         a per-layer vector–Jacobian product of its own call for any other layer with
         trainable weights; it never differentiates the whole model per example.
-        ``"vectorized"``: per-example gradients of the whole model by
-        ``tf.vectorized_map``, kept as a reference (slower, O(P × parameters) memory,
-        and TensorFlow's pfor can fail on some layers — e.g. a segmentation fault on
-        ``MultiHeadAttention`` with TF 2.21, a ``variant`` TypeError on LSTMs); ``"auto"``
-        never chooses it.
+        ``"vectorized"``: the reference, per-example gradients of the whole model one
+        example at a time (a ``tf.while_loop`` of plain ``GradientTape`` gradients, no
+        pfor: exact on every kernel path and layer, P times a batch-of-one gradient,
+        slow); ``"auto"`` never chooses it.
       model: checks that the model can be clipped (``"auto"``/``"ghost"``).
 
     Raises:

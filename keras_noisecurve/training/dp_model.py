@@ -130,6 +130,21 @@ class _StopAtPlanEnd(keras.callbacks.Callback):
             self.model.stop_training = True
 
 
+class _LowLevelStart(keras.callbacks.Callback):
+    """Refuses, after any restore (it runs after the user's callbacks) and before the first
+    step, a ``banded_poisson_dataset`` plan that cannot continue at the optimizer's step."""
+
+    def __init__(self, plan):
+        super().__init__()
+        self._plan = plan
+
+    def on_train_begin(self, logs=None):
+        done, steps = self._plan.position(self.model.optimizer), self._plan.steps
+        if done >= steps:
+            raise RuntimeError(f"the plan of {steps} steps is complete (the optimizer has taken {done} steps): "
+                               "no further private step is possible with this banded_poisson_dataset.")
+
+
 # Why train_step refused a batch (bits of model._dp_refused[1]).
 _OUT_OF_STEP, _PAST_PLAN, _NON_FINITE, _ALL_DROPPED = 1, 2, 4, 8
 
@@ -346,7 +361,10 @@ class PrivateModel(keras.Model):
         (``x.batches(optimizer)``, refusing an optimizer made without the run or for
         another plan), defaults ``epochs``/``steps_per_epoch`` to the run's and stops
         after the plan's last step. The batches start at the optimizer's step, so a
-        restored model (``BackupAndRestore``, ``load_model``) continues the plan."""
+        restored model (``BackupAndRestore``, ``load_model``) continues the plan. A
+        ``banded_poisson_dataset`` (an optimizer without a run) also starts at the
+        optimizer's step, its batches step-checked, or is refused where its plan
+        cannot continue (drawn with ``seed=None`` in another process)."""
         from keras_noisecurve.privacy.run_data import RunData
 
         run = x.run if isinstance(x, RunData) else None
@@ -367,6 +385,11 @@ class PrivateModel(keras.Model):
             kwargs.setdefault("shuffle", False)  # the plan decides the order
             callbacks = list(kwargs.pop("callbacks", None) or [])
             kwargs["callbacks"] = callbacks + [_StopAtPlanEnd(run.steps)]
+        low = getattr(x, "_knc_low_level_plan", None)
+        if run is None and low is not None:  # banded_poisson_dataset: start at the optimizer's step
+            x = low.dataset(self.optimizer, with_step=True)
+            kwargs.setdefault("shuffle", False)  # the plan decides the order
+            kwargs["callbacks"] = list(kwargs.pop("callbacks", None) or []) + [_LowLevelStart(low)]
         kwargs["callbacks"] = list(kwargs.pop("callbacks", None) or []) + [nonfinite.WarnNonFinite(self._dp_nonfinite)]
         if self.jit_compile or self._dp_loss_scale != 1.0:
             # a refused step (out of step, past the plan, non-finite) raises on the host right

@@ -274,7 +274,8 @@ def _check_rows(layer, g, per_example_loss):
     message = (
         f"{_layer_label(layer)} was called on a tensor whose first axis is not the batch "
         "of examples (e.g. inside a wrapper that reshapes the batch); ghost clipping "
-        "cannot attribute its gradient to examples. Use clipping='vectorized'."
+        "cannot attribute its gradient to examples. Use clipping='vectorized' (the reference engine: an exact "
+        "per-example loop, about P times a single gradient's cost)."
     )
     if rows is not None and examples is not None:
         if rows != examples:
@@ -320,7 +321,8 @@ def _ghost_step(model, loss_fn, x, y, sample_weight, clip, training, entries):
                 raise ValueError(
                     f"{_layer_label(layer)} is called inside a loop (tf.while_loop / scan) of an enclosing "
                     "layer's call, where its output has no per-example gradient of its own. Give the "
-                    "enclosing layer the weights, or use clipping='vectorized'"
+                    "enclosing layer the weights, or use clipping='vectorized' (the reference engine: an exact per-example "
+                    "loop, about P times a single gradient's cost)"
                 )
     gs = tape.gradient(
         per_example_loss, targets, output_gradients=weights, unconnected_gradients=tf.UnconnectedGradients.ZERO

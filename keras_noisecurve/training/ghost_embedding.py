@@ -151,7 +151,8 @@ class PositionEmbeddingRule(Rule):
     def forward(self, layer, original_call, record, inputs, start_index=0, positions=None):
         if positions is not None or inputs.shape.rank != 3:
             raise ValueError(f"PositionEmbedding layer '{layer.name}': ghost clipping supports inputs of shape "
-                             "(batch, length, features) without explicit positions; use clipping='vectorized'.")
+                             "(batch, length, features) without explicit positions; use clipping='vectorized' (the reference engine: an exact "
+                             "per-example loop, about P times a single gradient's cost).")
         out = original_call(inputs, start_index=start_index)
         record(out=out, start=start_index)
         return out

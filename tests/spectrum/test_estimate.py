@@ -75,6 +75,7 @@ def test_lanczos_path_top_k_tail_and_metadata(rng):
     )
     meta = spec.metadata
     assert meta["method"] == "lanczos" and meta["k"] == 20 and meta["converged"] == 20
+    assert meta["lanczos_tol"] == (1e-8 if all(v.dtype == "float64" for v in model.trainable_variables) else 1e-6)
     np.testing.assert_allclose(spec.eigenvalues[:20], exact[:20], rtol=1e-6)
     p_true = int(np.sum(exact >= mu_min))
     assert abs(meta["p_plus"] - p_true) <= max(4 * meta["p_plus_stderr"], 0.1 * p_true)
