@@ -20,6 +20,7 @@ __all__ = [
     "PRIVATE_OVERRIDES",
     "causal_padding",
     "compile_metrics",
+    "copy_keras_mask",
     "current_learning_rate",
     "dense_pmf_fields",
     "distribution_strategy",
@@ -71,6 +72,18 @@ def own_trainable_variables(layer) -> list:
     """The trainable variables ``layer`` itself created (not its sublayers'): Keras's
     ``Layer._trainable_variables`` (empty when the layer has none)."""
     return getattr(layer, "_trainable_variables", [])
+
+
+def copy_keras_mask(source, target):
+    """``target`` with the Keras mask of ``source`` attached (``keras_mask`` is Keras's
+    private tensor attribute, read and set through ``keras.src.backend``'s masking helpers);
+    ``target`` unchanged when ``source`` has none."""
+    from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
+
+    mask = get_keras_mask(source)
+    if mask is not None:
+        set_keras_mask(target, mask)
+    return target
 
 
 def causal_padding(layer):
