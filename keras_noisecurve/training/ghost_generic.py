@@ -38,7 +38,7 @@ import tensorflow as tf
 from keras_noisecurve import _compat
 from keras_noisecurve.training.ghost_common import Rule, norm_dtype, per_example_sq, weighted_sum
 
-__all__ = ["GenericRule", "RNNFallbackRule", "TimeDistributedRule", "outside_outputs", "owned_trainable"]
+__all__ = ["CallerRule", "GenericRule", "RNNFallbackRule", "TimeDistributedRule", "outside_outputs", "owned_trainable"]
 
 
 def owned_trainable(layer, trainable_ids) -> list:
@@ -80,6 +80,19 @@ def outside_outputs(out):
         return _compat.copy_keras_mask(t, tf.identity(t))
 
     return tf.nest.map_structure(leaf, out)
+
+
+def _seed(g, i, p, batch, out_i):
+    """Example i's rows of the output gradient ``g``, shaped as the re-run's output ``out_i``.
+
+    ``g`` has one row per example (row i) or k·P rows in example-major order (rows
+    i·k … i·k + k − 1, as a reshape of (P, k, ...) to rows lays them out); ``p`` is P
+    (a scalar tensor), ``batch`` its static value or ``None``."""
+    if batch is not None and g.shape.rank and g.shape[0] == batch:
+        return tf.cast(tf.expand_dims(g[i], 0), out_i.dtype)
+    k = tf.shape(g)[0] // p
+    rows = g[i * k : (i + 1) * k]
+    return tf.cast(tf.reshape(rows, tf.shape(out_i)), out_i.dtype)
 
 
 class GenericRule(Rule):
@@ -150,7 +163,7 @@ class GenericRule(Rule):
             return tape.gradient(
                 [out_i[k] for k in keep],
                 targets,
-                output_gradients=[tf.cast(tf.expand_dims(gs[k][i], 0), out_i[k].dtype) for k in keep],
+                output_gradients=[_seed(gs[k], i, p, batch, out_i[k]) for k in keep],
                 unconnected_gradients=tf.UnconnectedGradients.ZERO,
             )
 
@@ -164,6 +177,22 @@ class GenericRule(Rule):
 
         _, arrays = tf.while_loop(lambda i, _: i < p, body, (tf.constant(0), arrays))
         return [a.stack() for a in arrays]
+
+
+class CallerRule(GenericRule):
+    """A layer that calls others on rows that are not examples (a broadcast row, P·L token
+    rows: :mod:`keras_noisecurve.training.ghost_rows`) while its own call takes one row per
+    example: its weights and all its sublayers' are clipped through its own call, re-run
+    per example. Never matched by class: the engine's plan assigns it."""
+
+    kind = "generic"
+    covers_sublayers = True
+
+    def matches(self, layer) -> bool:
+        return False
+
+    def expected_variables(self, layer):
+        return list(layer.trainable_variables)
 
 
 class TimeDistributedRule(GenericRule):
