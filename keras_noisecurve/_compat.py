@@ -18,6 +18,7 @@ from __future__ import annotations
 
 __all__ = [
     "PRIVATE_OVERRIDES",
+    "added_losses",
     "causal_padding",
     "compile_metrics",
     "copy_keras_mask",
@@ -90,6 +91,12 @@ def causal_padding(layer):
     """The ``keras.ops.pad`` widths that make a ``Conv1D(padding="causal")`` a "valid"
     convolution: ``[[0, 0], [(kernel_size − 1)·dilation_rate, 0], [0, 0]]`` for channels last."""
     return layer._compute_causal_padding()
+
+
+def added_losses(model) -> list:
+    """The losses that ``model``'s layers added with ``self.add_loss(...)`` in their last
+    call (not the weight regularizers): ``Layer._get_own_losses`` of every layer."""
+    return [loss for layer in flatten_layers(model) for loss in layer._get_own_losses()]
 
 
 def regularization_losses(model) -> list:

@@ -9,7 +9,11 @@ One training step (docs/design.md#update-rule):
 3. the optimizer (a ``NoiseCurveOptimizer``) adds ζσ·z̃_t, divides by the expected batch
    size B and takes the SGD step, through ``apply_clipped_sum``.
 
-``test_step`` and ``predict_step`` are Keras's own.
+``class_weight`` multiplies each example's weight before clipping, a layer's
+``add_loss`` penalty on the weights only is added like a regulariser and one that
+depends on the data is refused (:mod:`keras_noisecurve.training.keras_features`).
+``test_step`` reports the same loss as training (the compiled per-example loss, weighted
+mean over the batch); ``predict_step`` is Keras's own.
 """
 
 from __future__ import annotations
@@ -26,6 +30,12 @@ from keras_noisecurve.training.clipping import (
     check_model_is_clippable,
     get_engine,
     per_example_loss_fn,
+)
+from keras_noisecurve.training.keras_features import (
+    add_weight_penalty,
+    check_class_weight,
+    class_weights,
+    weight_penalty,
 )
 from keras_noisecurve.training.optimizer import NoiseCurveOptimizer
 
@@ -256,6 +266,7 @@ class PrivateModel(keras.Model):
         self._dp_engine = None
         self._dp_loss_fn = None
         self._dp_loss_scale = 1.0
+        self._dp_class_weight = None  # the class_weight table of the fit in progress
         # untracked (object.__setattr__): not a weight, not in checkpoints or .keras files
         object.__setattr__(self, "_dp_refused", _refusal_state())
 
@@ -326,7 +337,22 @@ class PrivateModel(keras.Model):
         (``x.batches(optimizer)``, refusing an optimizer made without the run or for
         another plan), defaults ``epochs``/``steps_per_epoch`` to the run's and stops
         after the plan's last step. The batches start at the optimizer's step, so a
-        restored model (``BackupAndRestore``, ``load_model``) continues the plan."""
+        restored model (``BackupAndRestore``, ``load_model``) continues the plan.
+
+        ``class_weight={class: weight}`` multiplies each example's weight by its class's
+        before clipping (arrays, datasets and ``PrivateRun`` datasets alike)."""
+        table = check_class_weight(kwargs.pop("class_weight", None))
+        if table is not None or self._dp_class_weight is not None:
+            self.train_function = None  # retrace: the table is a constant of the step
+        self._dp_class_weight = table
+        try:
+            return self._dp_fit(x, y, **kwargs)
+        finally:
+            if self._dp_class_weight is not None:
+                self._dp_class_weight = None
+                self.train_function = None
+
+    def _dp_fit(self, x=None, y=None, **kwargs):
         from keras_noisecurve.privacy.run_data import RunData
 
         run = x.run if isinstance(x, RunData) else None
@@ -389,6 +415,9 @@ class PrivateModel(keras.Model):
             raise ValueError(_not_the_plan(optimizer.run) + " Got a batch without the run's step index.")
         if sample_weight is not None:
             sample_weight = tf.reshape(tf.cast(sample_weight, tf.float32), [-1])
+        if self._dp_class_weight is not None:  # fit(class_weight=...): w_i·cw[y_i], before clipping
+            weights_of_class = class_weights(self._dp_class_weight, y)
+            sample_weight = weights_of_class if sample_weight is None else sample_weight * weights_of_class
         if not self.trainable_variables:  # an unbuilt subclassed model: create its weights
             self(x, training=False)
         scale = self._dp_loss_scale
@@ -412,6 +441,12 @@ class PrivateModel(keras.Model):
         clipped = add_regularization(
             self, clipped, expected_batch_size=optimizer.expected_batch_size, num_replicas=_num_replicas()
         )
+        penalty = weight_penalty(self, (x, y, sample_weight), chunked=self._dp_microbatch_size is not None or self._dp_clipping == "vectorized")  # add_loss: weights only, else refused
+        if penalty is not None:
+            clipped = add_weight_penalty(
+                self, clipped, penalty, expected_batch_size=optimizer.expected_batch_size,
+                num_replicas=_num_replicas(),
+            )
         grads = self._refuse(clipped.grads, step, iteration, optimizer)
         optimizer.apply_clipped_sum(grads, self.trainable_variables)
 
@@ -428,6 +463,17 @@ class PrivateModel(keras.Model):
             )
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
+    def test_step(self, data):
+        """``evaluate``: the loss ``fit`` logs (the compiled per-example loss, weighted mean
+        Σ_i w_i·loss_i / Σ_i w_i, without regularisation) and the compiled metrics, for
+        every model ``fit`` accepts (dict or list outputs included)."""
+        data, _ = _split_step(data)
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        y_pred = self(x, training=False)
+        losses = tf.cast(_train_loss(self._dp_loss_fn, 1.0)(y, y_pred), tf.float32)
+        weights = tf.ones_like(losses) if sample_weight is None else tf.reshape(tf.cast(sample_weight, tf.float32), [-1])
+        _compat.loss_tracker(self).update_state(losses, sample_weight=weights)
+        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def _refuse(self, grads, step, iteration, optimizer):
         """The clipped sum, or zeros when this step must not use its batch.

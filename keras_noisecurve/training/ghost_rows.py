@@ -55,7 +55,10 @@ def _input_specs(model):
     for layer in _compat.flatten_layers(model):
         if not isinstance(layer, keras.Model) or not getattr(layer, "inputs", None):
             continue
-        inputs = layer.input
+        try:
+            inputs = layer.input
+        except (AttributeError, ValueError):  # e.g. a Sequential never called
+            continue
 
         def spec(t):
             shape = list(t.shape)
