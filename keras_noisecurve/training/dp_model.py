@@ -231,6 +231,8 @@ class PrivateModel(keras.Model):
         check_model_is_clippable(model)
         if model.built:  # nothing to create: the wrapper owns no weights of its own
             self.built = True
+            if self._dp_clipping != "vectorized":  # refused now, not at the first step
+                get_engine(self._dp_clipping, model)
 
     def call(self, inputs, training=None):
         return self.inner(inputs, training=training)

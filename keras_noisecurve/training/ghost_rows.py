@@ -124,10 +124,13 @@ def probe(model):
     return result or None
 
 
-def _examples(rows_in, rows_out) -> bool:
-    """A call with one row per example in, and P or k·P rows per output."""
+def _examples(rows_in, rows_out, root=False) -> bool:
+    """A call with one row per example in, and P or k·P rows per output (P only for the
+    model itself: its outputs go to the per-example loss)."""
     if rows_in != PROBE_BATCH:
         return False
+    if root:
+        return all(r is None or r == PROBE_BATCH for r in rows_out)
     return all(r is None or (r >= PROBE_BATCH and r % PROBE_BATCH == 0) for r in rows_out)
 
 
@@ -150,7 +153,7 @@ def callers(model, layers) -> dict:
             continue
         chains = [enclosing for _, _, enclosing in seen]
         common = [c for c in chains[0] if all(any(c is e for e in chain) for chain in chains[1:])]
-        good = [c for c in common if all(_examples(i, o) for i, o, _ in calls.get(id(c), []))]
+        good = [c for c in common if all(_examples(i, o, c is model) for i, o, _ in calls.get(id(c), []))]
         if not good:
             rows = sorted({rows_in for rows_in, _, _ in seen if rows_in != PROBE_BATCH}, key=str)
             raise ValueError(

@@ -126,3 +126,60 @@ def test_fallback_matches_a_per_example_loop(name, traced):
     np.testing.assert_allclose(got.norms.numpy(), norms_ref, rtol=RTOL, atol=1e-14)
     for v, g, r in zip(model.trainable_variables, got.grads, sum_ref):
         np.testing.assert_allclose(np.asarray(g), r, rtol=RTOL, atol=1e-12, err_msg=v.path)
+
+
+class Broadcast(keras.layers.Layer):
+    """Adds a learned row to every example, computed by a Dense on ONE constant row and
+    broadcast: its input has 1 row whatever the batch."""
+
+    def build(self, shape):
+        self.proj = keras.layers.Dense(shape[-1])
+        self.proj.build((1, 3))
+
+    def call(self, x):
+        return x + self.proj(tf.ones((1, 3), x.dtype))
+
+
+class Tokens(keras.layers.Layer):
+    """A Dense on the P·L token rows of a (P, L, D) batch, reshaped back."""
+
+    def build(self, shape):
+        self.dense = keras.layers.Dense(shape[-1], activation="tanh")
+        self.dense.build((None, shape[-1]))
+
+    def call(self, x):
+        rows = tf.reshape(x, (-1, x.shape[-1]))
+        return tf.reshape(self.dense(rows) * rows, tf.shape(x)), rows
+
+
+def test_rows_that_are_not_examples_are_clipped_through_their_caller():
+    rng = np.random.default_rng(5)
+    inputs = keras.Input((3, D))
+    h = Broadcast()(inputs)
+    h, rows = Tokens()(h)
+    out = keras.layers.Dense(2)(keras.ops.mean(h, axis=1) + keras.ops.mean(rows) * 0.0)
+    model = keras.Model(inputs, out)
+    how = {cls: kind for _, cls, kind in describe(model)}  # known before any step
+    assert how == {"Broadcast": "generic", "Tokens": "generic", "Dense": "Dense"}
+    x, y = rng.normal(size=(P, 3, D)), rng.normal(size=(P, 2))
+    w = rng.uniform(0.5, 2.0, size=P)
+    unclipped, _ = loop_reference(model, mse, x, y, w, np.inf)
+    clip = float(np.median(unclipped))
+    norms_ref, sum_ref = loop_reference(model, mse, x, y, w, clip)
+    got = tf.function(lambda x, y, w: ghost_clipped_sum(model, mse, x, y, w, l2_norm_clip=clip, training=False))(x, y, w)
+    np.testing.assert_allclose(got.norms.numpy(), norms_ref, rtol=RTOL, atol=1e-14)
+    for v, g, r in zip(model.trainable_variables, got.grads, sum_ref):
+        np.testing.assert_allclose(np.asarray(g), r, rtol=RTOL, atol=1e-12, err_msg=v.path)
+
+
+def test_rows_refused_before_compile_when_no_caller_takes_examples():
+    import keras_noisecurve as knc
+    from keras_noisecurve.training.ghost import supports
+
+    inputs = keras.Input((3, D))
+    flat = keras.layers.Lambda(lambda t: tf.reshape(t, (-1, D)))(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(2)(flat))  # outputs are P·3 rows
+    ok, reason = supports(model)
+    assert not ok and "rows that are not examples" in reason and "vectorized" not in reason
+    with pytest.raises(ValueError, match="rows that are not examples"):
+        knc.make_private(model)
