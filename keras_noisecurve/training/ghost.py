@@ -41,9 +41,12 @@ Conv1D/Conv2D with groups = 1, LayerNormalization, GroupNormalization, ... see
 one layer's call per example: custom layers, KerasHub embeddings, TimeDistributed,
 configurations a rule does not handle). Layers without weights of their own
 (activations, pooling, reshapes, dropout, containers, attention wrappers) need
-nothing, provided they do not mix examples. Refused: BatchNormalization in training
-mode (it mixes examples), a layer whose rows are not examples (caught at call time)
-and a weight read outside its own layer's call (caught when the step is traced,
+nothing, provided they do not mix examples. A layer that sees rows that are not
+examples (a broadcast row, token rows) is clipped through its innermost caller that
+takes one row per example (:mod:`keras_noisecurve.training.ghost_rows`, found before
+any step). Refused: BatchNormalization in training mode (it mixes examples), a layer
+on other rows with no such caller, and a weight read outside its own layer's call
+(caught when the step is traced,
 :mod:`keras_noisecurve.training.ghost_reads`).
 """
 
@@ -291,7 +294,8 @@ def _check_clip(l2_norm_clip):
 
 def _check_rows(layer, g, per_example_loss, groups=False):
     """A recorded layer must see one row per example (not, e.g., examples × time), or, for
-    the per-layer fallback (``groups``), k rows per example in example-major order."""
+    a caller of layers on other rows (``groups``: its input rows were probed to be the
+    examples), k rows per example in example-major order."""
     rows, examples = g.shape[0], per_example_loss.shape[0]
     message = (
         f"{_layer_label(layer)} was called on a tensor whose first axis is not the batch "
@@ -358,7 +362,7 @@ def _ghost_step(model, loss_fn, x, y, sample_weight, clip, training, entries):
         g = [next(gs) if _differentiable(t) else None for t in outs]
         for gk in g:
             if gk is not None:
-                _check_rows(layer, gk, per_example_loss, groups=isinstance(rule, GenericRule))
+                _check_rows(layer, gk, per_example_loss, groups=isinstance(rule, CallerRule))
         c = {**c, "g": g if isinstance(rule, GenericRule) else g[0]}
         by_layer.setdefault(id(layer), (layer, rule, own, []))[3].append(c)
 

@@ -136,8 +136,9 @@ def _examples(rows_in, rows_out, root=False) -> bool:
 
 def callers(model, layers) -> dict:
     """``{id(layer): caller}`` for each of ``layers`` some call of which sees rows that are
-    not examples: the innermost layer enclosing ALL its calls whose every call takes one
-    row per example (``model`` itself at worst). Empty when ``model`` cannot be probed.
+    not examples: the innermost layer enclosing ALL its calls (or the layer itself, when
+    only its outputs have k·P rows) whose every call takes one row per example
+    (``model`` itself at worst). Empty when ``model`` cannot be probed.
 
     Raises:
       ValueError: no such caller (``model``'s own outputs are not per example), naming the layer.
@@ -151,7 +152,7 @@ def callers(model, layers) -> dict:
         if all(rows_in == PROBE_BATCH and all(r == PROBE_BATCH or r is None for r in rows_out)
                for rows_in, rows_out, _ in seen):
             continue
-        chains = [enclosing for _, _, enclosing in seen]
+        chains = [enclosing + [layer] for _, _, enclosing in seen]  # the layer itself may do
         common = [c for c in chains[0] if all(any(c is e for e in chain) for chain in chains[1:])]
         good = [c for c in common if all(_examples(i, o, c is model) for i, o, _ in calls.get(id(c), []))]
         if not good:

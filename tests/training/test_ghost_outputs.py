@@ -183,3 +183,33 @@ def test_rows_refused_before_compile_when_no_caller_takes_examples():
     assert not ok and "rows that are not examples" in reason and "vectorized" not in reason
     with pytest.raises(ValueError, match="rows that are not examples"):
         knc.make_private(model)
+
+
+class Router(keras.layers.Layer):
+    """Owns a weight, takes (P, L, D) and returns (P, L, D) plus its P·L router rows."""
+
+    def build(self, shape):
+        self.w = self.add_weight(shape=(shape[-1], 2), name="w")
+
+    def call(self, x):
+        logits = tf.matmul(tf.reshape(x, (-1, x.shape[-1])), self.w)
+        gate = tf.reshape(tf.sigmoid(logits[:, :1]), (-1, x.shape[1], 1))
+        return x * gate, logits
+
+
+def test_a_layer_returning_token_rows_is_its_own_caller():
+    rng = np.random.default_rng(6)
+    inputs = keras.Input((3, D))
+    h, logits = Router()(inputs)
+    per_example = keras.ops.mean(keras.ops.reshape(logits, (-1, 6)), axis=1, keepdims=True)  # P·3 rows back to P
+    out = keras.layers.Dense(2)(keras.ops.mean(h, axis=1)) + 0.1 * per_example
+    model = keras.Model(inputs, out)
+    x, y = rng.normal(size=(P, 3, D)), rng.normal(size=(P, 2))
+    w = rng.uniform(0.5, 2.0, size=P)
+    unclipped, _ = loop_reference(model, mse, x, y, w, np.inf)
+    clip = float(np.median(unclipped))
+    norms_ref, sum_ref = loop_reference(model, mse, x, y, w, clip)
+    got = tf.function(lambda x, y, w: ghost_clipped_sum(model, mse, x, y, w, l2_norm_clip=clip, training=False))(x, y, w)
+    np.testing.assert_allclose(got.norms.numpy(), norms_ref, rtol=RTOL, atol=1e-14)
+    for v, g, r in zip(model.trainable_variables, got.grads, sum_ref):
+        np.testing.assert_allclose(np.asarray(g), r, rtol=RTOL, atol=1e-12, err_msg=v.path)
