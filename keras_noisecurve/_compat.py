@@ -18,8 +18,10 @@ from __future__ import annotations
 
 __all__ = [
     "PRIVATE_OVERRIDES",
+    "added_losses",
     "causal_padding",
     "compile_metrics",
+    "copy_keras_mask",
     "current_learning_rate",
     "dense_pmf_fields",
     "distribution_strategy",
@@ -73,10 +75,28 @@ def own_trainable_variables(layer) -> list:
     return getattr(layer, "_trainable_variables", [])
 
 
+def copy_keras_mask(source, target):
+    """``target`` with the Keras mask of ``source`` attached (``keras_mask`` is Keras's
+    private tensor attribute, read and set through ``keras.src.backend``'s masking helpers);
+    ``target`` unchanged when ``source`` has none."""
+    from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
+
+    mask = get_keras_mask(source)
+    if mask is not None:
+        set_keras_mask(target, mask)
+    return target
+
+
 def causal_padding(layer):
     """The ``keras.ops.pad`` widths that make a ``Conv1D(padding="causal")`` a "valid"
     convolution: ``[[0, 0], [(kernel_size − 1)·dilation_rate, 0], [0, 0]]`` for channels last."""
     return layer._compute_causal_padding()
+
+
+def added_losses(model) -> list:
+    """The losses that ``model``'s layers added with ``self.add_loss(...)`` in their last
+    call (not the weight regularizers): ``Layer._get_own_losses`` of every layer."""
+    return [loss for layer in flatten_layers(model) for loss in layer._get_own_losses()]
 
 
 def regularization_losses(model) -> list:

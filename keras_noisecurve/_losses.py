@@ -50,6 +50,15 @@ def single_loss(loss):
     )
 
 
+def _built_in(loss, resolved) -> bool:
+    """A loss Keras applies to EACH output of a multi-output model (a name, a
+    ``keras.losses.Loss``, a function of ``keras.losses``); a function of the user's own
+    receives the whole structures (one combined loss)."""
+    if isinstance(loss, str) or isinstance(resolved, keras.losses.Loss):
+        return True
+    return getattr(resolved, "__module__", "").startswith("keras.")
+
+
 def _ignore_class(loss):
     """The ``ignore_class`` of a Keras loss object (e.g. SparseCategoricalCrossentropy), else None."""
     if not isinstance(loss, keras.losses.Loss):
@@ -73,7 +82,11 @@ def per_example_loss_fn(loss, *, broadcast_scalar: bool = False) -> Callable:
         clipping engines then refuse it, since a batch mean is not a per-example loss.
 
     Returns:
-      ``fn(y_true, y_pred) -> (P,)``. Never reduced over the batch: a ``Loss`` object's
+      ``fn(y_true, y_pred) -> (P,)``. A built-in loss (a name, a ``keras.losses.Loss``, a
+      ``keras.losses`` function) on a model with several outputs (list or dict) is applied
+      to each output and the per-example values summed, as Keras does
+      (``loss_i = Σ_k loss(y_true[k], y_pred[k])_i``); a function of your own receives the
+      whole structures (one combined loss). Never reduced over the batch: a ``Loss`` object's
       ``call`` is used (its reduction is ignored); values with extra axes (e.g. per
       token of a sequence) are averaged over those axes, over the positions whose label
       is not the loss's ``ignore_class`` when it has one (a padded sequence is ONE
@@ -86,6 +99,19 @@ def per_example_loss_fn(loss, *, broadcast_scalar: bool = False) -> Callable:
     ignore_class = _ignore_class(resolved)
 
     def per_example(y_true, y_pred):
+        if _built_in(loss, resolved) and isinstance(y_pred, (list, tuple, dict)) and len(y_pred) > 1:
+            # one built-in loss for several outputs: Keras applies it to each output and sums
+            keys = sorted(y_pred) if isinstance(y_pred, dict) else range(len(y_pred))
+            if isinstance(y_pred, dict) != isinstance(y_true, dict) or len(y_true) != len(y_pred):
+                raise ValueError(
+                    f"the model has {len(y_pred)} outputs but y has another structure "
+                    f"({type(y_true).__name__} of {len(y_true) if hasattr(y_true, '__len__') else 1}): "
+                    "give one label per output, in the same list/dict structure."
+                )
+            return tf.add_n([one(y_true[k], y_pred[k]) for k in keys])
+        return one(y_true, y_pred)
+
+    def one(y_true, y_pred):
         values = tf.convert_to_tensor(fn(y_true, y_pred))
         if values.shape.rank is not None and values.shape.rank > 1:
             axes = list(range(1, values.shape.rank))

@@ -62,6 +62,18 @@ def test_causal_padding_is_kernel_minus_one_times_dilation_on_the_left():
     assert widths == [[0, 0], [(3 - 1) * 2, 0], [0, 0]]
 
 
+def test_copy_keras_mask_carries_the_mask_keras_attached():
+    import tensorflow as tf
+
+    embedded = keras.layers.Embedding(5, 2, mask_zero=True)(tf.constant([[1, 0]]))
+    copy = _compat.copy_keras_mask(embedded, tf.identity(embedded))
+    # the next layer sees the mask: a masked average over the one real position
+    pooled = keras.layers.GlobalAveragePooling1D()(copy)
+    np.testing.assert_allclose(np.asarray(pooled), np.asarray(embedded)[:, 0], rtol=1e-6)
+    plain = tf.constant([1.0])
+    assert _compat.copy_keras_mask(plain, tf.identity(plain)).shape == (1,)
+
+
 def test_regularization_losses_are_the_weight_penalties():
     model = _model()
     penalties = _compat.regularization_losses(model)

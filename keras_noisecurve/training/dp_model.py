@@ -9,7 +9,11 @@ One training step (docs/design.md#update-rule):
 3. the optimizer (a ``NoiseCurveOptimizer``) adds ζσ·z̃_t, divides by the expected batch
    size B and takes the SGD step, through ``apply_clipped_sum``.
 
-``test_step`` and ``predict_step`` are Keras's own.
+``class_weight`` multiplies each example's weight before clipping, a layer's
+``add_loss`` penalty on the weights only is added like a regulariser and one that
+depends on the data is refused (:mod:`keras_noisecurve.training.keras_features`).
+``test_step`` reports the same loss as training (the compiled per-example loss, weighted
+mean over the batch); ``predict_step`` is Keras's own.
 """
 
 from __future__ import annotations
@@ -28,6 +32,12 @@ from keras_noisecurve.training.clipping import (
     per_example_loss_fn,
 )
 from keras_noisecurve.training import nonfinite
+from keras_noisecurve.training.keras_features import (
+    add_weight_penalty,
+    check_class_weight,
+    class_weights,
+    weight_penalty,
+)
 from keras_noisecurve.training.optimizer import NoiseCurveOptimizer
 
 __all__ = ["PrivateModel", "make_private"]
@@ -249,6 +259,8 @@ class PrivateModel(keras.Model):
         check_model_is_clippable(model)
         if model.built:  # nothing to create: the wrapper owns no weights of its own
             self.built = True
+            if self._dp_clipping != "vectorized":  # refused now, not at the first step
+                get_engine(self._dp_clipping, model)
 
     def call(self, inputs, training=None):
         return self.inner(inputs, training=training)
@@ -284,6 +296,7 @@ class PrivateModel(keras.Model):
         self._dp_engine = None
         self._dp_loss_fn = None
         self._dp_loss_scale = 1.0
+        self._dp_class_weight = None  # the class_weight table of the fit in progress
         # untracked (object.__setattr__): not a weight, not in checkpoints or .keras files
         object.__setattr__(self, "_dp_refused", _refusal_state())
         object.__setattr__(self, "_dp_nonfinite", nonfinite.state())
@@ -364,7 +377,22 @@ class PrivateModel(keras.Model):
         restored model (``BackupAndRestore``, ``load_model``) continues the plan. A
         ``banded_poisson_dataset`` (an optimizer without a run) also starts at the
         optimizer's step, its batches step-checked, or is refused where its plan
-        cannot continue (drawn with ``seed=None`` in another process)."""
+        cannot continue (drawn with ``seed=None`` in another process).
+
+        ``class_weight={class: weight}`` multiplies each example's weight by its class's
+        before clipping (arrays, datasets and ``PrivateRun`` datasets alike)."""
+        table = check_class_weight(kwargs.pop("class_weight", None))
+        if table is not None or self._dp_class_weight is not None:
+            self.train_function = None  # retrace: the table is a constant of the step
+        self._dp_class_weight = table
+        try:
+            return self._dp_fit(x, y, **kwargs)
+        finally:
+            if self._dp_class_weight is not None:
+                self._dp_class_weight = None
+                self.train_function = None
+
+    def _dp_fit(self, x=None, y=None, **kwargs):
         from keras_noisecurve.privacy.run_data import RunData
 
         run = x.run if isinstance(x, RunData) else None
@@ -433,6 +461,9 @@ class PrivateModel(keras.Model):
             raise ValueError(_not_the_plan(optimizer.run) + " Got a batch without the run's step index.")
         if sample_weight is not None:
             sample_weight = tf.reshape(tf.cast(sample_weight, tf.float32), [-1])
+        if self._dp_class_weight is not None:  # fit(class_weight=...): w_i·cw[y_i], before clipping
+            weights_of_class = class_weights(self._dp_class_weight, y)
+            sample_weight = weights_of_class if sample_weight is None else sample_weight * weights_of_class
         if not self.trainable_variables:  # an unbuilt subclassed model: create its weights
             self(x, training=False)
         scale = self._dp_loss_scale
@@ -460,6 +491,12 @@ class PrivateModel(keras.Model):
         clipped = add_regularization(
             self, clipped, expected_batch_size=optimizer.expected_batch_size, num_replicas=_num_replicas()
         )
+        penalty = weight_penalty(self, (x, y, sample_weight), chunked=self._dp_microbatch_size is not None or self._dp_clipping == "vectorized")  # add_loss: weights only, else refused
+        if penalty is not None:
+            clipped = add_weight_penalty(
+                self, clipped, penalty, expected_batch_size=optimizer.expected_batch_size,
+                num_replicas=_num_replicas(),
+            )
         if not optimizer.built:  # as Keras's apply would, but outside the checks' control dependencies
             with keras.name_scope(optimizer.name, caller=optimizer):
                 optimizer.build(self.trainable_variables)
@@ -489,6 +526,17 @@ class PrivateModel(keras.Model):
         logs[nonfinite.METRIC] = epoch_dropped
         return logs
 
+    def test_step(self, data):
+        """``evaluate``: the loss ``fit`` logs (the compiled per-example loss, weighted mean
+        Σ_i w_i·loss_i / Σ_i w_i, without regularisation) and the compiled metrics, for
+        every model ``fit`` accepts (dict or list outputs included)."""
+        data, _ = _split_step(data)
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        y_pred = self(x, training=False)
+        losses = tf.cast(_train_loss(self._dp_loss_fn, 1.0)(y, y_pred), tf.float32)
+        weights = tf.ones_like(losses) if sample_weight is None else tf.reshape(tf.cast(sample_weight, tf.float32), [-1])
+        _compat.loss_tracker(self).update_state(losses, sample_weight=weights)
+        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def _refuse(self, grads, step, iteration, optimizer, dropped, real):
         """The clipped sum, or zeros when this step must not use its batch.

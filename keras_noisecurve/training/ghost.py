@@ -41,9 +41,12 @@ Conv1D/Conv2D with groups = 1, LayerNormalization, GroupNormalization, ... see
 one layer's call per example: custom layers, KerasHub embeddings, TimeDistributed,
 configurations a rule does not handle). Layers without weights of their own
 (activations, pooling, reshapes, dropout, containers, attention wrappers) need
-nothing, provided they do not mix examples. Refused: BatchNormalization in training
-mode (it mixes examples), a layer whose rows are not examples (caught at call time)
-and a weight read outside its own layer's call (caught when the step is traced,
+nothing, provided they do not mix examples. A layer that sees rows that are not
+examples (a broadcast row, token rows) is clipped through its innermost caller that
+takes one row per example (:mod:`keras_noisecurve.training.ghost_rows`, found before
+any step). Refused: BatchNormalization in training mode (it mixes examples), a layer
+on other rows with no such caller, and a weight read outside its own layer's call
+(caught when the step is traced,
 :mod:`keras_noisecurve.training.ghost_reads`).
 """
 
@@ -58,11 +61,13 @@ import tensorflow as tf
 from keras_noisecurve import _compat
 from keras_noisecurve._validation import check_int
 from keras_noisecurve.training.clipped_sum import ClippedSum, chunked_clipped_sum
-from keras_noisecurve.training.ghost_generic import GenericRule, owned_trainable
+from keras_noisecurve.training import ghost_rows
+from keras_noisecurve.training.ghost_generic import CallerRule, GenericRule, owned_trainable
 from keras_noisecurve.training.ghost_layers import find_rule
 from keras_noisecurve.training.ghost_reads import check_reads
 
 _GENERIC = GenericRule()
+_CALLER = CallerRule()
 
 __all__ = ["describe", "ghost_clipped_sum", "observe_layer_norms", "plan", "supports"]
 
@@ -131,6 +136,26 @@ def plan(model):
             visit(child)
 
     visit(model)
+    return _through_callers(model, out, trainable)
+
+
+def _through_callers(model, entries, trainable):
+    """``entries`` with every layer that sees rows that are not examples (a broadcast row,
+    token rows) clipped through its innermost caller whose call takes one row per example
+    (:mod:`keras_noisecurve.training.ghost_rows`): the caller, with all its sublayers'
+    weights, replaces the entries inside it."""
+    found = ghost_rows.callers(model, [layer for layer, _, _ in entries])
+    if not found:
+        return entries
+    callers = list({id(c): c for c in found.values()}.values())
+    subtree = {id(c): {id(layer) for layer in _compat.flatten_layers(c)} for c in callers}
+    callers = [c for c in callers if not any(d is not c and id(c) in subtree[id(d)] for d in callers)]
+    covered = set().union(*(subtree[id(c)] for c in callers))
+    out = [entry for entry in entries if id(entry[0]) not in covered]
+    for caller in callers:
+        variables = [v for v in caller.trainable_variables if id(v) in trainable]
+        if variables:
+            out.append((caller, _CALLER, variables))
     return out
 
 
@@ -268,18 +293,24 @@ def _check_clip(l2_norm_clip):
     return float(l2_norm_clip)
 
 
-def _check_rows(layer, g, per_example_loss):
-    """A recorded layer must see one row per example (not, e.g., examples × time)."""
+def _check_rows(layer, g, per_example_loss, groups=False):
+    """A recorded layer must see one row per example (not, e.g., examples × time), or, for
+    a caller of layers on other rows (``groups``: its input rows were probed to be the
+    examples), k rows per example in example-major order."""
     rows, examples = g.shape[0], per_example_loss.shape[0]
     message = (
         f"{_layer_label(layer)} was called on a tensor whose first axis is not the batch "
-        "of examples (e.g. inside a wrapper that reshapes the batch); ghost clipping "
-        "cannot attribute its gradient to examples. Use clipping='vectorized' (the reference engine: an exact "
-        "per-example loop, about P times a single gradient's cost)."
+        "of examples (a broadcast row, or examples reshaped into rows); ghost clipping "
+        "cannot attribute its gradient to examples. Put the code that broadcasts or reshapes "
+        "the batch, and the layers it feeds, in one layer whose call takes and returns one "
+        "row per example: its weights are then clipped through that layer; or use clipping='vectorized' "
+        "(the reference engine: an exact per-example loop, about P times a single gradient's cost)."
     )
     if rows is not None and examples is not None:
-        if rows != examples:
+        if rows != examples and not (groups and rows >= examples and examples and rows % examples == 0):
             raise ValueError(message + f" ({rows} rows for {examples} examples)")
+    elif groups:
+        tf.debugging.assert_equal(tf.shape(g)[0] % tf.shape(per_example_loss)[0], 0, message=message)
     else:
         tf.debugging.assert_equal(tf.shape(g)[0], tf.shape(per_example_loss)[0], message=message)
 
@@ -334,7 +365,7 @@ def _ghost_step(model, loss_fn, x, y, sample_weight, clip, training, entries):
         g = [next(gs) if _differentiable(t) else None for t in outs]
         for gk in g:
             if gk is not None:
-                _check_rows(layer, gk, per_example_loss)
+                _check_rows(layer, gk, per_example_loss, groups=isinstance(rule, CallerRule))
         c = {**c, "g": g if isinstance(rule, GenericRule) else g[0]}
         by_layer.setdefault(id(layer), (layer, rule, own, []))[3].append(c)
 

@@ -38,7 +38,7 @@ import tensorflow as tf
 from keras_noisecurve import _compat
 from keras_noisecurve.training.ghost_common import Rule, norm_dtype, per_example_sq, weighted_sum
 
-__all__ = ["GenericRule", "RNNFallbackRule", "TimeDistributedRule", "owned_trainable"]
+__all__ = ["CallerRule", "GenericRule", "RNNFallbackRule", "TimeDistributedRule", "outside_outputs", "owned_trainable"]
 
 
 def owned_trainable(layer, trainable_ids) -> list:
@@ -61,6 +61,40 @@ def _batched(t, batch) -> bool:
     return t.shape[0] == batch
 
 
+def outside_outputs(out):
+    """``out`` with each differentiable tensor replaced by ``tf.identity`` of it (its Keras
+    mask kept): the seeds of the layer's per-example VJP.
+
+    The VJP re-runs the layer and differentiates ALL its outputs, internal paths
+    included, so it must be seeded with ``∂L/∂out_k`` from OUTSIDE the layer only. The
+    gradient at a tensor the layer also used inside (T5's attention returns the
+    ``position_bias`` it added to its scores) would otherwise carry that internal path
+    a second time. A fresh identity made after the call has no consumer inside it.
+    A later call of the same layer that consumes this output is outside code: its
+    contribution is part of the seed, as the chain rule wants.
+    """
+
+    def leaf(t):
+        if not isinstance(t, tf.Tensor) or not (t.dtype.is_floating or t.dtype.is_complex):
+            return t
+        return _compat.copy_keras_mask(t, tf.identity(t))
+
+    return tf.nest.map_structure(leaf, out)
+
+
+def _seed(g, i, p, batch, out_i):
+    """Example i's rows of the output gradient ``g``, shaped as the re-run's output ``out_i``.
+
+    ``g`` has one row per example (row i) or k·P rows in example-major order (rows
+    i·k … i·k + k − 1, as a reshape of (P, k, ...) to rows lays them out); ``p`` is P
+    (a scalar tensor), ``batch`` its static value or ``None``."""
+    if batch is not None and g.shape.rank and g.shape[0] == batch:
+        return tf.cast(tf.expand_dims(g[i], 0), out_i.dtype)
+    k = tf.shape(g)[0] // p
+    rows = g[i * k : (i + 1) * k]
+    return tf.cast(tf.reshape(rows, tf.shape(out_i)), out_i.dtype)
+
+
 class GenericRule(Rule):
     """Per-example gradients of one layer's own weights by a VJP of its own call.
 
@@ -79,7 +113,10 @@ class GenericRule(Rule):
         return list(_compat.own_trainable_variables(layer))
 
     def forward(self, layer, original_call, record, inputs, *args, **kwargs):
-        out = original_call(inputs, *args, **kwargs)
+        # Every differentiable output leaves the call through a fresh identity: only code
+        # OUTSIDE the layer consumes it, so the engine's gradient at it is the gradient that
+        # flows in from outside (see :func:`outside_outputs`).
+        out = outside_outputs(original_call(inputs, *args, **kwargs))
         record(out=out, call=(original_call, inputs, args, kwargs))
         return out
 
@@ -114,7 +151,10 @@ class GenericRule(Rule):
 
         def example(i):
             def take(t):
-                return t[i : i + 1] if _batched(t, batch) else t
+                # t[i][None], not t[i:i+1]: the row keeps a static leading 1, so the layer's
+                # shape arithmetic sees Python ints as in its recorded call (T5 under a float64
+                # policy mixes int64 aranges of static sizes with int32 dynamic ones otherwise)
+                return tf.expand_dims(t[i], 0) if _batched(t, batch) else t
 
             x_i, args_i, kwargs_i = tf.nest.map_structure(take, arguments)
             with tf.GradientTape(watch_accessed_variables=False) as tape:
@@ -123,7 +163,7 @@ class GenericRule(Rule):
             return tape.gradient(
                 [out_i[k] for k in keep],
                 targets,
-                output_gradients=[tf.cast(gs[k][i : i + 1], out_i[k].dtype) for k in keep],
+                output_gradients=[_seed(gs[k], i, p, batch, out_i[k]) for k in keep],
                 unconnected_gradients=tf.UnconnectedGradients.ZERO,
             )
 
@@ -137,6 +177,22 @@ class GenericRule(Rule):
 
         _, arrays = tf.while_loop(lambda i, _: i < p, body, (tf.constant(0), arrays))
         return [a.stack() for a in arrays]
+
+
+class CallerRule(GenericRule):
+    """A layer that calls others on rows that are not examples (a broadcast row, P·L token
+    rows: :mod:`keras_noisecurve.training.ghost_rows`) while its own call takes one row per
+    example: its weights and all its sublayers' are clipped through its own call, re-run
+    per example. Never matched by class: the engine's plan assigns it."""
+
+    kind = "generic"
+    covers_sublayers = True
+
+    def matches(self, layer) -> bool:
+        return False
+
+    def expected_variables(self, layer):
+        return list(layer.trainable_variables)
 
 
 class TimeDistributedRule(GenericRule):

@@ -1,0 +1,168 @@
+"""Layers whose rows are not examples, found before training and clipped through a caller.
+
+Ghost clipping attributes a layer's gradient to examples by the leading axis of the
+tensors it sees. Some layers see other rows:
+
+* a **broadcast** input of one row, shared by every example (ViT's position
+  ``Embedding`` on constant ids of shape (1, L); DeBERTa-v3's ``LayerNormalization``
+  of its relative embeddings): the gradient at its output is already the sum over
+  examples and cannot be split;
+* **rows that are tokens**: examples reshaped to P·L rows (Mixtral's MoE router
+  ``Dense`` and expert bank, any layer after a ``Reshape`` to rows).
+
+Both are exact when clipped through the innermost CALLER whose own call takes one row
+per example: a layer that owns the broadcast or reshaping code (ViT's
+``ViTPatchingAndEmbedding``, DeBERTa's ``RelativeEmbedding``, Mixtral's sparse MoE
+block), re-run per example by the per-layer fallback
+(:class:`~keras_noisecurve.training.ghost_generic.GenericRule`) with every weight of its
+sublayers: example i's rows go in, example i's outputs come out, broadcast and
+reshape included. An output of that caller with k·P rows (Mixtral's router logits) is
+split into P groups of k rows in example-major order (rows i·k … i·k + k − 1 are
+example i's, as a reshape of (P, k, ...) lays them out).
+
+:func:`probe` finds these layers before any step (so ``make_private``, ``supports`` and
+``describe`` know): it traces the model once (never runs it) on a batch of
+``PROBE_BATCH`` examples built from the model's input specs, noting for every layer call
+the rows of its first input and of its outputs and the chain of calls enclosing it.
+A model without input specs (a subclassed model never called symbolically) is not
+probed; a layer with other rows is then refused when its step is traced.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+import tensorflow as tf
+
+from keras_noisecurve import _compat
+
+__all__ = ["PROBE_BATCH", "callers", "probe"]
+
+#: the batch size of the probing trace (not 1, so that broadcast rows stand out)
+PROBE_BATCH = 3
+#: the size given to the other unknown input dimensions (e.g. a sequence length)
+_PROBE_LENGTH = 4
+
+_LOCK = threading.Lock()
+_CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _input_specs(model):
+    """TensorSpecs of one batch of ``PROBE_BATCH`` examples for ``model``, or ``None``."""
+    import keras
+
+    for layer in _compat.flatten_layers(model):
+        if not isinstance(layer, keras.Model) or not getattr(layer, "inputs", None):
+            continue
+        try:
+            inputs = layer.input
+        except (AttributeError, ValueError):  # e.g. a Sequential never called
+            continue
+
+        def spec(t):
+            shape = list(t.shape)
+            shape = [PROBE_BATCH] + [_PROBE_LENGTH if d is None else d for d in shape[1:]]
+            return tf.TensorSpec(shape, tf.as_dtype(t.dtype))
+
+        return tf.nest.map_structure(spec, inputs)
+    return None
+
+
+def _rows(t):
+    return t.shape[0] if isinstance(t, tf.Tensor) and t.shape.rank else None
+
+
+def probe(model):
+    """``{id(layer): [(rows_in, rows_out, enclosing)]}`` for every call of every layer of
+    ``model`` in one traced forward pass on ``PROBE_BATCH`` examples (cached per model).
+
+    ``rows_in``: the leading size of the call's first input tensor (``None``: none);
+    ``rows_out``: those of its output tensors; ``enclosing``: the layers whose calls
+    enclose this one, outermost first. ``None`` when the model cannot be probed (no input
+    specs, or the symbolic call fails: the engine then checks rows at trace time).
+    """
+    cached = _CACHE.get(model)
+    if cached is not None:
+        return cached or None
+    specs = _input_specs(model)
+    result = {}
+    if specs is not None:
+        layers = list(_compat.flatten_layers(model))
+        stack, found = [], {}
+
+        def wrap(layer, original):
+            def call(*args, **kwargs):
+                first = next((t for t in tf.nest.flatten((args, kwargs)) if isinstance(t, tf.Tensor)), None)
+                stack.append(layer)
+                try:
+                    out = original(*args, **kwargs)
+                finally:
+                    stack.pop()
+                outs = [_rows(t) for t in tf.nest.flatten(out) if isinstance(t, tf.Tensor)]
+                found.setdefault(id(layer), []).append((_rows(first), outs, list(stack)))
+                return out
+
+            return call
+
+        with _LOCK:
+            saved = [(layer, layer.__dict__.get("call")) for layer in layers]
+            try:
+                for layer in layers:
+                    object.__setattr__(layer, "call", wrap(layer, layer.call))
+                tf.function(lambda x: tf.nest.flatten(model(x, training=False))).get_concrete_function(specs)
+                result = found
+            except Exception:  # noqa: BLE001 — a model that cannot be traced here is checked at step time
+                result = {}
+            finally:
+                for layer, own in saved:
+                    if own is None:
+                        layer.__dict__.pop("call", None)
+                    else:
+                        object.__setattr__(layer, "call", own)
+    _CACHE[model] = result
+    return result or None
+
+
+def _examples(rows_in, rows_out, root=False) -> bool:
+    """A call with one row per example in, and P or k·P rows per output (P only for the
+    model itself: its outputs go to the per-example loss)."""
+    if rows_in != PROBE_BATCH:
+        return False
+    if root:
+        return all(r is None or r == PROBE_BATCH for r in rows_out)
+    return all(r is None or (r >= PROBE_BATCH and r % PROBE_BATCH == 0) for r in rows_out)
+
+
+def callers(model, layers) -> dict:
+    """``{id(layer): caller}`` for each of ``layers`` some call of which sees rows that are
+    not examples: the innermost layer enclosing ALL its calls (or the layer itself, when
+    only its outputs have k·P rows) whose every call takes one row per example
+    (``model`` itself at worst). Empty when ``model`` cannot be probed.
+
+    Raises:
+      ValueError: no such caller (``model``'s own outputs are not per example), naming the layer.
+    """
+    calls = probe(model)
+    if not calls:
+        return {}
+    out = {}
+    for layer in layers:
+        seen = calls.get(id(layer), [])
+        if all(rows_in == PROBE_BATCH and all(r == PROBE_BATCH or r is None for r in rows_out)
+               for rows_in, rows_out, _ in seen):
+            continue
+        chains = [enclosing + [layer] for _, _, enclosing in seen]  # the layer itself may do
+        common = [c for c in chains[0] if all(any(c is e for e in chain) for chain in chains[1:])]
+        good = [c for c in common if all(_examples(i, o, c is model) for i, o, _ in calls.get(id(c), []))]
+        if not good:
+            rows = sorted({rows_in for rows_in, _, _ in seen if rows_in != PROBE_BATCH}, key=str)
+            raise ValueError(
+                f"{type(layer).__name__} layer '{layer.name}' sees rows that are not examples (for a batch of "
+                f"{PROBE_BATCH} examples its input has {rows} rows) and no layer calling it takes one row per "
+                "example, so its gradient cannot be attributed to examples. Put the code that broadcasts or "
+                "reshapes the batch and the layers it feeds in one layer whose call takes and returns one row "
+                "per example (its weights are then clipped through that layer)"
+            )
+        out[id(layer)] = good[-1]
+    return out
