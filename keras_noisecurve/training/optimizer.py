@@ -37,8 +37,6 @@ from __future__ import annotations
 
 import warnings
 
-import importlib
-
 import keras
 import numpy as np
 
@@ -62,13 +60,9 @@ __all__ = ["NoiseCurveOptimizer"]
 
 _PACKAGE = "keras_noisecurve"
 
-#: the module of each backend's ``OptimizerBackend`` (the slot variables, the per-step
-#: noise and the per-variable update); a third backend is one more entry
-IMPLEMENTATIONS = {
-    "tensorflow": "keras_noisecurve.training.optimizer_tf",
-    "jax": "keras_noisecurve.backend.jax.optimizer",
-}
-_impl = importlib.import_module(IMPLEMENTATIONS[_backend.name()])
+# the backend's half of the optimizer (slot variables, per-step noise, per-variable
+# update): keras_noisecurve.backend.<backend>.optimizer.OptimizerBackend, picked once
+_impl = _backend.module("optimizer")
 
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)

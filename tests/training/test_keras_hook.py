@@ -1,5 +1,5 @@
 """The optimizer overrides a private hook of Keras's TensorFlow optimizer,
-``_distributed_tf_update_step`` (training/optimizer_tf.py says why no public hook does the
+``_distributed_tf_update_step`` (backend/tensorflow/optimizer.py says why no public hook does the
 job). These tests fail loudly when a Keras release removes or renames it, changes its
 signature, or stops calling it once per step around the per-variable updates."""
 
@@ -11,7 +11,7 @@ import pytest
 import tensorflow as tf
 
 from keras_noisecurve.training import NoiseCurveOptimizer
-from keras_noisecurve.training import optimizer_tf as optimizer_module
+from keras_noisecurve.backend.tensorflow import optimizer as optimizer_module
 from tests.training.helpers import random_banded_c
 
 HOOK = "_distributed_tf_update_step"
@@ -22,7 +22,7 @@ def test_keras_still_has_the_hook_with_the_signature_we_override():
     keras_hook = getattr(keras.optimizers.Optimizer, HOOK, None)
     assert keras_hook is not None, (
         f"keras {keras.__version__} has no Optimizer.{HOOK}: NoiseCurveOptimizer's once-per-step "
-        "noise setup is never called (see training/optimizer_tf.py)."
+        "noise setup is never called (see backend/tensorflow/optimizer.py)."
     )
     assert list(inspect.signature(keras_hook).parameters) == SIGNATURE, (
         f"keras {keras.__version__} changed the signature of Optimizer.{HOOK}: "

@@ -170,7 +170,13 @@ class TrainStepBackend:
         return scale
 
     def _dp_batches(self, data, optimizer):
-        return data.batches(optimizer)
+        batches = data.batches(optimizer)
+        if len(batches) == 0:  # nothing to build the model from: refuse as _StopAtPlanEnd does
+            raise RuntimeError(
+                f"the plan of {data.run.steps} steps is complete (the optimizer has taken {batches.start} steps): "
+                "no further private step is possible with this run."
+            )
+        return batches
 
     def _dp_step_callbacks(self):
         steps = self.optimizer.noise.steps

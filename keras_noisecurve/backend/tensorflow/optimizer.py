@@ -1,14 +1,13 @@
-"""The TensorFlow half of ``NoiseCurveOptimizer`` (``optimizer.py``): the slot variables'
+"""The TensorFlow half of ``NoiseCurveOptimizer`` (``keras_noisecurve.training.optimizer``): the slot variables'
 creation, the per-step noise work and the per-variable update in TensorFlow ops.
 
 ``NoiseCurveOptimizer`` inherits from :class:`OptimizerBackend` of the backend in use
 (this module under ``KERAS_BACKEND=tensorflow``, ``keras_noisecurve.backend.jax.optimizer``
-under JAX), picked once when ``keras_noisecurve.training.optimizer`` is imported. Its
-hooks: ``_dp_check_inner_strategy``, ``_dp_key_variable``, ``_dp_state_variable``,
-``_dp_check_inner_steps``, ``_dp_read_position`` and ``update_step``.
-
-It lives in ``training`` (not in ``keras_noisecurve.backend.tensorflow``) because it
-draws the noise with the TensorFlow generator of ``training/noise.py``.
+under JAX), picked once when ``keras_noisecurve.training.optimizer`` is imported
+(``backend.module("optimizer")``). Its hooks: ``_dp_check_inner_strategy``,
+``_dp_key_variable``, ``_dp_state_variable``, ``_dp_check_inner_steps``,
+``_dp_read_position`` and ``update_step``; what they need of the optimizer (the noise
+stream, the variable index, the inner optimizer) they reach through ``self``.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_noisecurve import _compat
-from keras_noisecurve.training.noise import normal_from_seed, step_seed, variable_seed
+from keras_noisecurve.backend.tensorflow.noise import normal_from_seed, step_seed, variable_seed
 
 __all__ = ["OptimizerBackend"]
 
@@ -61,10 +60,6 @@ class OptimizerBackend:
         """``(step, sampling key int64 (2,))`` read from the variables."""
         return int(self.iterations.value.numpy()), np.asarray(self._sampling_key.value.numpy(), dtype=np.int64)
 
-    def _dp_noise_key_value(self):
-        """The noise key as int64 (2,) numpy."""
-        return np.asarray(self._noise_key.numpy(), dtype=np.int64)
-
     # Keras's TensorFlow optimizer calls this PRIVATE hook once per step, in cross-replica
     # context, around the per-variable update_step calls (_backend_update_step ->
     # maybe_merge_call). No public hook runs there: apply() runs once per replica, in
@@ -94,7 +89,7 @@ class OptimizerBackend:
         slot t mod (b − 1) overwritten, in place; the BLT accumulators are rewritten in
         place. Under ``tf.distribute`` the unfused ``StreamNoise.advance`` and a scatter.
         """
-        index = _compat.variable_index(self, variable)
+        index = self._dp_variable_index(variable)
         noise = self._step_noise or _StepNoise(self)
         dtype = variable.dtype
         std = self.l2_norm_clip * self.noise_multiplier
