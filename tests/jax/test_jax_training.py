@@ -62,6 +62,7 @@ def test_the_training_api_imports_no_tensorflow_under_jax():
         "import sys, numpy as np, keras\n"
         "import keras_noisecurve as knc\n"
         "from keras_noisecurve import training, callbacks\n"
+        "from keras_noisecurve import *  # every export of the JAX backend\n"
         "run = knc.PrivateRun(num_examples=16, batch_size=8, steps=2, noise_multiplier=1.0, delta=1e-5, seed=0)\n"
         "m = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1, use_bias=False)])\n"
         "p = knc.make_private(m)\n"
