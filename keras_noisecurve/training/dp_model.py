@@ -190,7 +190,8 @@ class PrivateModel(_impl.TrainStepBackend, keras.Model):
     def compile(self, optimizer=None, loss=None, **kwargs):
         """``keras.Model.compile`` that requires a ``NoiseCurveOptimizer`` and a single loss.
 
-        ``jit_compile`` defaults to ``False``: ``jit_compile=True`` works (the step checks
+        On TensorFlow ``jit_compile`` defaults to ``False`` (on JAX, Keras's default: the step is
+        jit-compiled): ``jit_compile=True`` works (the step checks
         are tensors XLA keeps, see ``_refuse``) and is faster on the transformer block but
         slower on dense models on CPU, with a long first compilation (docs/training.md,
         "XLA"); recurrent layers are refused under it.
