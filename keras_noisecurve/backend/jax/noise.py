@@ -29,8 +29,24 @@ __all__ = [
     "normal_from_seed",
     "standard_normal",
     "step_seed",
+    "variable_normals",
     "variable_seed",
 ]
+
+
+class _Arrays:
+    """jax.numpy for ``keras_noisecurve.backend.philox``, with ``materialize``
+    (``jax.lax.optimization_barrier``): the key and counter words of a Philox chain are
+    computed once instead of being copied by XLA into every fusion that reads them
+    (which made a jitted draw take seconds to compile)."""
+
+    materialize = staticmethod(jax.lax.optimization_barrier)
+
+    def __getattr__(self, name):
+        return getattr(jnp, name)
+
+
+_xp = _Arrays()
 
 
 def key_words(key) -> np.ndarray:
@@ -67,15 +83,20 @@ def _seed_words(seed, name="seed"):
 
 def _data_words(data, name):
     """The (low, high) uint32 words of an int64 ``data`` given as a Python/numpy integer
-    (any value in [−2⁶³, 2⁶³)) or a jax integer scalar of at most 32 bits (sign-extended)."""
-    if isinstance(data, (int, np.integer)) and not isinstance(data, bool):
+    (any value in [−2⁶³, 2⁶³)) or a jax integer scalar (sign-extended to 64 bits; 64-bit
+    ones exist only with x64 on)."""
+    host = isinstance(data, (int, np.integer)) or (isinstance(data, np.ndarray) and data.shape == ()
+                                                    and np.issubdtype(data.dtype, np.integer))
+    if host and not isinstance(data, bool):  # numpy int64 values keep their 64 bits
         lo, hi = philox.int64_words(int(data))
         return jnp.uint32(lo), jnp.uint32(hi)
     value = jnp.asarray(data)
     if value.shape != () or not jnp.issubdtype(value.dtype, jnp.integer):
         raise ValueError(f"{name} must be an integer scalar, got dtype {value.dtype} and shape {value.shape}.")
-    if jnp.dtype(value.dtype).itemsize > 4:
-        raise ValueError(f"{name} must have at most 32 bits under JAX (x64 is off), got {value.dtype}.")
+    if jnp.dtype(value.dtype).itemsize > 4:  # x64 on: split the 64-bit value
+        mask = jnp.asarray(0xFFFFFFFF, value.dtype)
+        return (jnp.bitwise_and(value, mask).astype(jnp.uint32),
+                jnp.bitwise_and(jnp.right_shift(value, 32), mask).astype(jnp.uint32))
     unsigned = jnp.issubdtype(value.dtype, jnp.unsignedinteger)
     lo = value.astype(jnp.uint32) if unsigned else jax.lax.bitcast_convert_type(value.astype(jnp.int32), jnp.uint32)
     hi = jnp.uint32(0) if unsigned else jnp.where(value < 0, jnp.uint32(0xFFFFFFFF), jnp.uint32(0))
@@ -84,7 +105,7 @@ def _data_words(data, name):
 
 def _fold_in(seed, data, name):
     lo, hi = _data_words(data, name)
-    return philox.fold_in(jnp, _seed_words(seed), lo, hi)
+    return philox.fold_in(_xp, _seed_words(seed), lo, hi)
 
 
 def step_seed(key, step):
@@ -120,21 +141,59 @@ def normal_from_seed(seed, shape, dtype=jnp.float32, scale=None):
     Args:
       seed: (4,) uint32 or int32 words, e.g. ``variable_seed(step_seed(key, t), k)``.
       shape: a fully defined shape.
-      dtype: floating dtype of the result.
+      dtype: floating dtype of the result (float64 gives float32 while JAX's x64 is off,
+        as every JAX array does).
       scale: optional scalar multiplying the draw (folded into the Box–Muller radius).
 
     Returns:
       a jax array of ``shape`` and ``dtype``.
     """
     shape = _shape(shape)
+    dtype, compute = _dtypes(dtype)
+    seed = _seed_words(seed)
+    angle_seed = philox.fold_in(_xp, seed, jnp.uint32(1), jnp.uint32(0))
+    z = philox.box_muller(_xp, seed, angle_seed, int(np.prod(shape, dtype=np.int64)), compute, scale)
+    return jnp.reshape(z, shape).astype(dtype)
+
+
+def _dtypes(dtype):
+    """The result and compute dtypes of a draw: float64 is float32 while x64 is off, and
+    the arithmetic is float32 except for float64."""
     dtype = jnp.dtype(dtype)
     if not jnp.issubdtype(dtype, jnp.floating):
         raise ValueError(f"dtype must be a floating dtype, got {dtype}.")
-    compute = jnp.dtype(jnp.float64) if dtype == jnp.float64 and jax.config.jax_enable_x64 else jnp.dtype(jnp.float32)
-    seed = _seed_words(seed)
-    angle_seed = philox.fold_in(jnp, seed, jnp.uint32(1), jnp.uint32(0))
-    z = philox.box_muller(jnp, seed, angle_seed, int(np.prod(shape, dtype=np.int64)), compute, scale)
-    return jnp.reshape(z, shape).astype(dtype)
+    dtype = jax.dtypes.canonicalize_dtype(dtype)
+    return dtype, jnp.dtype(jnp.float64) if dtype == jnp.float64 else jnp.dtype(jnp.float32)
+
+
+def variable_normals(seed, shapes, dtypes=jnp.float32, scales=None, indices=None):
+    """The draws of every variable of a step at once: entry k is
+    ``normal_from_seed(variable_seed(seed, indices[k]), shapes[k], dtypes[k], scales[k])``,
+    the same values, with the Philox blocks of all variables computed as lanes of a few
+    vectorised blocks (``keras_noisecurve.backend.philox.variable_normals``): a jitted step
+    traces ~7 Philox blocks however many variables it has, instead of ~8 per variable.
+
+    Args:
+      seed: the step seed's words (``step_seed(key, t)``), (4,) uint32 or int32.
+      shapes: one fully defined shape per variable.
+      dtypes: one floating dtype for all, or one per variable.
+      scales: ``None`` or one scalar (or ``None``) per variable, multiplying its draw.
+      indices: the variables' indices k (Python ints); default 0, 1, …, len(shapes) − 1.
+
+    Returns:
+      a list of jax arrays, entry k of ``shapes[k]`` and ``dtypes[k]``.
+    """
+    shapes = [_shape(shape) for shape in shapes]
+    count = len(shapes)
+    dtypes = list(dtypes) if isinstance(dtypes, (list, tuple)) else [dtypes] * count
+    indices = list(range(count)) if indices is None else [int(k) for k in indices]
+    if len(dtypes) != count or len(indices) != count or (scales is not None and len(scales) != count):
+        raise ValueError(f"dtypes, indices and scales need one entry per shape ({count}), got {len(dtypes)}, "
+                         f"{len(indices)} and {'-' if scales is None else len(scales)}.")
+    pairs = [_dtypes(dtype) for dtype in dtypes]
+    sizes = [int(np.prod(shape, dtype=np.int64)) for shape in shapes]
+    flat = philox.variable_normals(_xp, _seed_words(seed), indices, sizes, [c for _, c in pairs], scales)
+    return [jnp.reshape(z, shape).astype(dtype) for z, shape, (dtype, _) in zip(flat, shapes, pairs)]
 
 
 def standard_normal(key, step, index, shape, dtype=jnp.float32):
@@ -162,7 +221,9 @@ class JaxOps:
 
     @staticmethod
     def gather(table, index):
-        return jnp.take(table, jnp.asarray(index, jnp.int32), axis=0)
+        """Row ``index`` of ``table``; NaN past the table's end (a step past the plan gives
+        NaN noise, never a silent repeat of the last row: a traced step cannot raise)."""
+        return jnp.take(table, jnp.asarray(index, jnp.int32), axis=0, mode="fill", fill_value=jnp.nan)
 
     @staticmethod
     def slot(step, buffers):

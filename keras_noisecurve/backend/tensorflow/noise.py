@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import tensorflow as tf
 
 from keras_noisecurve import _compat
@@ -57,44 +58,48 @@ def variable_seed(seed, index) -> tf.Tensor:
 
 
 _MASK32 = 0xFFFFFFFF
-_PHILOX_M = philox.PHILOX_M  # Philox-4×32 multipliers
-_PHILOX_W = philox.PHILOX_W  # Philox-4×32 key increments
-_SEED_KEY = philox.SEED_KEY  # TensorFlow's key for turning a seed into (key, counter)
 
 
-def _philox_block(counter, key):
-    """One Philox-4×32-10 block: 4 uint32 words (as uint64 scalars) from a 4-word
-    counter and a 2-word key."""
-    mask = tf.constant(_MASK32, tf.uint64)
-    m0, m1 = (tf.constant(m, tf.uint64) for m in _PHILOX_M)
-    c, k = list(counter), list(key)
-    for r in range(10):
-        p0, p1 = m0 * c[0], m1 * c[2]  # exact: both factors < 2^32
-        hi0, lo0 = tf.bitwise.right_shift(p0, tf.constant(32, tf.uint64)), tf.bitwise.bitwise_and(p0, mask)
-        hi1, lo1 = tf.bitwise.right_shift(p1, tf.constant(32, tf.uint64)), tf.bitwise.bitwise_and(p1, mask)
-        x = tf.bitwise.bitwise_xor
-        c = [x(x(hi1, c[1]), k[0]), lo1, x(x(hi0, c[3]), k[1]), lo0]
-        if r < 9:
-            k = [tf.bitwise.bitwise_and(k[i] + tf.constant(_PHILOX_W[i], tf.uint64), mask) for i in range(2)]
-    return c
+class _Arrays:
+    """The uint32 operations ``keras_noisecurve.backend.philox`` needs, in TensorFlow: the
+    generator's integer code is the one the numpy and JAX runs use."""
+
+    uint32 = tf.uint32
+    multiply = staticmethod(tf.math.multiply)
+    add = staticmethod(tf.math.add)
+    bitwise_and = staticmethod(tf.bitwise.bitwise_and)
+    bitwise_xor = staticmethod(tf.bitwise.bitwise_xor)
+    right_shift = staticmethod(tf.bitwise.right_shift)
+    broadcast_to = staticmethod(tf.broadcast_to)
+    broadcast_shapes = staticmethod(np.broadcast_shapes)
+
+    @staticmethod
+    def asarray(value, dtype):
+        if isinstance(value, tf.Tensor):
+            return value if value.dtype == dtype else tf.cast(value, dtype)
+        return tf.constant(value, dtype)
+
+    @staticmethod
+    def shape(x):
+        return tuple(x.shape)
 
 
 def _philox_key_counter(seed):
-    """TensorFlow's ``StatelessRandomGetKeyCounter`` for Philox, in plain integer ops:
-    one Philox block of the seed's four 32-bit words under a fixed key. (XLA's own
-    kernel truncates each int64 seed word to 32 bits, so an XLA step would draw other
-    noise than the same step without XLA; this gives the same stream in both.)
+    """TensorFlow's ``StatelessRandomGetKeyCounter`` for Philox, in plain integer ops
+    (``keras_noisecurve.backend.philox.key_counter``: one Philox block of the seed's four
+    32-bit words under a fixed key). XLA's own kernel truncates each int64 seed word to
+    32 bits, so an XLA step would draw other noise than the same step without XLA; this
+    gives the same stream in both.
 
     Returns ``key`` uint64 (1,) and ``counter`` uint64 (2,)."""
     words = tf.bitcast(tf.cast(seed, tf.int64), tf.uint64)
     mask = tf.constant(_MASK32, tf.uint64)
     shift = tf.constant(32, tf.uint64)
-    counter = [tf.bitwise.bitwise_and(words[0], mask), tf.bitwise.right_shift(words[0], shift),
-               tf.bitwise.bitwise_and(words[1], mask), tf.bitwise.right_shift(words[1], shift)]
-    mix = _philox_block(counter, [tf.constant(k, tf.uint64) for k in _SEED_KEY])
-    key = mix[0] + tf.bitwise.left_shift(mix[1], shift)
-    high = mix[2] + tf.bitwise.left_shift(mix[3], shift)
-    return tf.reshape(key, [1]), tf.stack([tf.constant(0, tf.uint64), high])
+    split = [tf.bitwise.bitwise_and(words[0], mask), tf.bitwise.right_shift(words[0], shift),
+             tf.bitwise.bitwise_and(words[1], mask), tf.bitwise.right_shift(words[1], shift)]
+    (k0, k1), (c2, c3) = philox.key_counter(_Arrays, [tf.cast(w, tf.uint32) for w in split])
+    wide = lambda lo, hi: tf.cast(lo, tf.uint64) + tf.bitwise.left_shift(tf.cast(hi, tf.uint64), shift)  # noqa: E731
+    return tf.reshape(wide(k0, k1), [1]), tf.stack([tf.constant(0, tf.uint64), wide(c2, c3)])
 
 
 def _philox_bits(seed, n):
