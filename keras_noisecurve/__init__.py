@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os as _os
 
 __version__ = "0.1.0"
 
@@ -68,9 +69,19 @@ def _installed(package: str) -> bool:
         return False
 
 
-__all__ = sorted(
-    name for name in _EXPORTS if name not in _OPTIONAL or _installed(_OPTIONAL[name])
-) + sorted(_SUBMODULES) + ["__version__"]
+#: exports of the TensorFlow backend only: left out of ``__all__`` when ``KERAS_BACKEND``
+#: names another backend (read from the environment: importing keras here would import
+#: TensorFlow under its backend)
+_TENSORFLOW_ONLY = {"fit_distributed", "BandedMatrixFactorizationQuery"}
+
+
+def _exported(name: str) -> bool:
+    if name in _OPTIONAL and not _installed(_OPTIONAL[name]):
+        return False
+    return name not in _TENSORFLOW_ONLY or _os.environ.get("KERAS_BACKEND", "tensorflow") == "tensorflow"
+
+
+__all__ = sorted(name for name in _EXPORTS if _exported(name)) + sorted(_SUBMODULES) + ["__version__"]
 
 
 def __getattr__(name: str):

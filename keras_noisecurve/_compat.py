@@ -30,6 +30,7 @@ __all__ = [
     "iterations_variable",
     "keras_tf_nn_module",
     "learning_rate_value",
+    "is_backend_variable",
     "loss_tracker",
     "optimizer_variables",
     "own_trainable_variables",
@@ -108,6 +109,15 @@ def regularization_losses(model) -> list:
 def compile_metrics(model):
     """The ``CompileMetrics`` that ``compile(metrics=...)`` created (None before compile)."""
     return model._compile_metrics
+
+
+def is_backend_variable(value) -> bool:
+    """Whether ``value`` is a variable of the backend's own framework (a ``tf.Variable``
+    on TensorFlow; JAX has none): imports TensorFlow only when it is already loaded."""
+    import sys
+
+    tf = sys.modules.get("tensorflow")
+    return tf is not None and isinstance(value, tf.Variable)
 
 
 def loss_tracker(model):

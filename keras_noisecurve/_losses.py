@@ -10,10 +10,11 @@ counts with them (:mod:`keras_noisecurve.spectrum.losses`).
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import keras
-import tensorflow as tf
+from keras import ops
 
 __all__ = ["per_example_loss_fn", "single_loss"]
 
@@ -108,21 +109,22 @@ def per_example_loss_fn(loss, *, broadcast_scalar: bool = False) -> Callable:
                     f"({type(y_true).__name__} of {len(y_true) if hasattr(y_true, '__len__') else 1}): "
                     "give one label per output, in the same list/dict structure."
                 )
-            return tf.add_n([one(y_true[k], y_pred[k]) for k in keys])
+            return functools.reduce(ops.add, [one(y_true[k], y_pred[k]) for k in keys])
         return one(y_true, y_pred)
 
     def one(y_true, y_pred):
-        values = tf.convert_to_tensor(fn(y_true, y_pred))
-        if values.shape.rank is not None and values.shape.rank > 1:
-            axes = list(range(1, values.shape.rank))
+        values = ops.convert_to_tensor(fn(y_true, y_pred))
+        rank = len(values.shape)
+        if rank > 1:
+            axes = tuple(range(1, rank))
             if ignore_class is None:
-                values = tf.reduce_mean(values, axis=axes)
+                values = ops.mean(values, axis=axes)
             else:  # the mean over the positions that count (e.g. the tokens of a padded sequence)
-                keep = tf.cast(tf.reshape(tf.not_equal(tf.cast(y_true, tf.int64), ignore_class), tf.shape(values)),
-                               values.dtype)
-                values = tf.reduce_sum(values * keep, axis=axes) / tf.maximum(tf.reduce_sum(keep, axis=axes), 1)
-        if broadcast_scalar and values.shape.rank == 0:
-            values = tf.fill(tf.shape(y_pred)[:1], values)
+                keep = ops.cast(ops.reshape(ops.not_equal(ops.cast(y_true, "int32"), ignore_class),
+                                            ops.shape(values)), values.dtype)
+                values = ops.sum(values * keep, axis=axes) / ops.maximum(ops.sum(keep, axis=axes), 1)
+        if broadcast_scalar and rank == 0:
+            values = ops.broadcast_to(values, ops.shape(y_pred)[:1])
         return values
 
     return per_example

@@ -15,6 +15,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
 def pytest_configure(config):
+    if os.environ["KERAS_BACKEND"] != "tensorflow":  # tests/jax: TensorFlow is not needed
+        return
     try:
         import tensorflow as tf
     except ImportError:  # pragma: no cover - the numpy-only tests still run

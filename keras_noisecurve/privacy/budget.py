@@ -59,6 +59,7 @@ class PrivacyBudget(keras.callbacks.Callback):
         self.log_every_step = bool(log_every_step)
         self.verbose = check_int("verbose", verbose, minimum=0)
         self._allowed_steps: Optional[int] = None
+        self._host_count: Optional[int] = None
         self.stop_reason: Optional[str] = None
         self.stopped_at_step: Optional[int] = None
 
@@ -94,11 +95,22 @@ class PrivacyBudget(keras.callbacks.Callback):
 
     # --------------------------------------------------------------- keras
     def _steps_done(self) -> int:
+        if self._host_count is not None:  # JAX: the variables are synchronised once per epoch
+            return self._host_count
+        return self._read_iterations()
+
+    def _read_iterations(self) -> int:
         # through .numpy(): converting a keras.Variable with numpy warns (DeprecationWarning,
         # its __array__ takes no copy argument)
         iterations = self.model.optimizer.iterations
         value = getattr(iterations, "value", iterations)
         return int(value.numpy()) if hasattr(value, "numpy") else int(value)
+
+    def _counts_on_host(self) -> bool:
+        """Whether steps are counted here rather than read from ``optimizer.iterations``
+        after each batch: a private model on JAX, whose trainer copies the variables back
+        only at the end of an epoch (one optimizer step per batch there)."""
+        return bool(getattr(self.model, "_dp_counts_steps_on_host", False))
 
     def _chunk(self) -> int:
         return max(1, int(getattr(self.model, "steps_per_execution", 1) or 1))
@@ -116,7 +128,10 @@ class PrivacyBudget(keras.callbacks.Callback):
         )
 
     def on_train_begin(self, logs=None):
+        self._host_count = None
         done = self._steps_done()
+        if self._counts_on_host():
+            self._host_count = done
         allowed = self.allowed_steps()
         if done + self._chunk() > allowed:
             raise RuntimeError(
@@ -128,6 +143,8 @@ class PrivacyBudget(keras.callbacks.Callback):
         self.ledger.epsilon(allowed)
 
     def on_train_batch_end(self, batch, logs=None):
+        if self._host_count is not None:
+            self._host_count += 1
         done = self._steps_done()
         if self.log_every_step and logs is not None:
             logs["epsilon"] = self.epsilon_at(done)

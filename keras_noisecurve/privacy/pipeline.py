@@ -14,13 +14,10 @@ same dataset object serves a fresh run and a resumed one.
 
 from __future__ import annotations
 
-import threading
-import warnings
-
 import numpy as np
 import tensorflow as tf
 
-from keras_noisecurve.privacy.sampler import truncation_warning
+from keras_noisecurve.privacy.step_batches import Samplers as _Samplers
 
 __all__ = ["plan_dataset", "replicas_in_sync"]
 
@@ -28,37 +25,6 @@ __all__ = ["plan_dataset", "replicas_in_sync"]
 def replicas_in_sync() -> int:
     """Replicas of the current ``tf.distribute`` strategy (1 outside any)."""
     return int(tf.distribute.get_strategy().num_replicas_in_sync)
-
-
-class _Samplers:
-    """One :class:`BatchSampler` per key (normally one), shared by the pipeline's threads."""
-
-    def __init__(self, run, sample_weight):
-        self._run = run
-        self._weight = sample_weight
-        self._by_key = {}
-        self._lock = threading.Lock()
-        self._warned = False
-
-    def batch(self, step, key):
-        key = np.asarray(key, dtype=np.int64)
-        with self._lock:
-            sampler = self._by_key.get(key.tobytes())
-            if sampler is None:
-                sampler = self._run.sampler(key)
-                self._by_key = {key.tobytes(): sampler}  # keep only the newest key
-        indices, mask, dropped = sampler.batch(int(step))
-        if self._weight is not None:
-            mask = mask * self._weight[indices]
-        if dropped and not self._warned:
-            self._warned = True
-            warnings.warn(
-                truncation_warning(truncated=sampler.truncated_steps, steps=int(step) + 1,
-                                   padded_size=sampler.padded_size, dropped=sampler.dropped_examples,
-                                   overflow_probability=self._run.overflow_probability),
-                RuntimeWarning,
-            )
-        return indices, mask.astype(np.float32)
 
 
 def plan_dataset(run, source, *, position, input_context=None):

@@ -14,11 +14,16 @@ Where the sequence starts is decided when the dataset is ITERATED: it reads
 restored model (``BackupAndRestore``, ``load_model``, ``tf.train.Checkpoint``)
 continues with batch k of the same plan when its optimizer stands at step k.
 
-This module imports TensorFlow only inside :meth:`RunData.batches`.
+On the JAX backend the examples are numpy arrays (:class:`~keras_noisecurve.privacy.
+step_batches.ArraySource`) and the batches a ``keras.utils.PyDataset``
+(``keras_noisecurve.backend.jax.pipeline``) whose start is read when it is made.
+
+This module imports TensorFlow only inside :meth:`RunData.batches` on that backend.
 """
 
 from __future__ import annotations
 
+from keras_noisecurve import backend as _backend
 from keras_noisecurve.privacy.sources import as_source
 
 __all__ = ["RunData"]
@@ -38,7 +43,14 @@ class RunData:
     """
 
     def __init__(self, run, x, y=None, *, sample_weight=None, example_fn=None):
-        source = as_source(x, y, sample_weight=sample_weight, example_fn=example_fn)
+        if _backend.name() == "jax":
+            from keras_noisecurve.privacy.step_batches import ArraySource
+
+            if example_fn is not None:
+                raise ValueError("on the JAX backend run.dataset(...) takes numpy arrays; example_fn is not supported.")
+            source = ArraySource(x, y, sample_weight=sample_weight)
+        else:
+            source = as_source(x, y, sample_weight=sample_weight, example_fn=example_fn)
         if source.num_examples != run.num_examples:
             raise ValueError(
                 f"the data has {source.num_examples} examples but the run was planned for num_examples="
@@ -71,16 +83,16 @@ class RunData:
             input pipeline's per-replica shares of every global batch.
 
         Returns:
-          A dataset of ``(x, y, mask, step)``: x, y with leading dimension P' (the padded
+          On TensorFlow, a dataset of ``(x, y, mask, step)``: x, y with leading dimension P' (the padded
           size P, rounded up to a multiple of the replicas in sync, divided by them when
           sharded by ``input_context``), ``mask`` float32 (P',) (1 = real example, times
           ``sample_weight``), ``step`` int64 (P',) (every entry the step index t). It ends
-          at step T.
+          at step T. On JAX, a ``keras.utils.PyDataset`` of the same ``(x, y, mask,
+          step)`` (numpy; ``step`` int32, P' = P), starting at the optimizer's step when
+          it is made (one per ``fit``; make a new one after restoring a model).
 
         Raises ``ValueError`` for an optimizer not made from a run, or made from another plan.
         """
-        from keras_noisecurve.privacy.pipeline import plan_dataset
-
         run = self._run
         if optimizer is None:
             key = run.initial_key()
@@ -90,6 +102,14 @@ class RunData:
         else:
             check_optimizer(run, optimizer)
             position = optimizer.sampling_position
+        if _backend.name() == "jax":
+            from keras_noisecurve.privacy.step_batches import StepBatches
+
+            if input_context is not None:
+                raise ValueError("input_context is a tf.distribute argument; the JAX backend has none.")
+            return _backend.module("pipeline").run_batches(StepBatches(run, self._source, position()))
+        from keras_noisecurve.privacy.pipeline import plan_dataset
+
         return plan_dataset(run, self._source, position=position, input_context=input_context)
 
     def __iter__(self):

@@ -1,4 +1,4 @@
-"""Private training in Keras 3 (TensorFlow backend).
+"""Private training in Keras 3 (TensorFlow and JAX backends).
 
 - :class:`NoiseCurveOptimizer`: the noisy SGD step from a clipped sum for every
   mixing strategy, C = I (DP-SGD) by default (``optimizer.py``; its argument checks in
@@ -16,25 +16,47 @@
   ``inner=keras.optimizers.SGD(...)`` that runs the update a mixing matrix was solved for.
 """
 
-from keras_noisecurve.training.batchnorm import replace_batch_normalization
-from keras_noisecurve.training.clipping import ClippedSum, get_engine, vectorized_clipped_sum
-from keras_noisecurve.training.distributed import fit_distributed
-from keras_noisecurve.training.dp_model import PrivateModel, make_private
-from keras_noisecurve.training.noise import StreamNoise
-from keras_noisecurve.training.optimizer import NoiseCurveOptimizer
-from keras_noisecurve.training.schedules import LinearCooldown, MultiplierSchedule, learning_rate_schedule
+import importlib
 
-__all__ = [
-    "ClippedSum",
-    "LinearCooldown",
-    "MultiplierSchedule",
-    "NoiseCurveOptimizer",
-    "PrivateModel",
-    "StreamNoise",
-    "fit_distributed",
-    "get_engine",
-    "learning_rate_schedule",
-    "make_private",
-    "replace_batch_normalization",
-    "vectorized_clipped_sum",
-]
+# public name -> module that defines it; loaded on first access, so that importing this
+# package imports no framework and the TensorFlow-only parts (the clipping engines, the
+# ghost-norm rules, fit_distributed) load only where they are used
+_EXPORTS = {
+    "ClippedSum": "keras_noisecurve.training.clipping",
+    "LinearCooldown": "keras_noisecurve.training.schedules",
+    "MultiplierSchedule": "keras_noisecurve.training.schedules",
+    "NoiseCurveOptimizer": "keras_noisecurve.training.optimizer",
+    "PrivateModel": "keras_noisecurve.training.dp_model",
+    "StreamNoise": "keras_noisecurve.training.noise",
+    "fit_distributed": "keras_noisecurve.training.distributed",
+    "get_engine": "keras_noisecurve.training.clipping",
+    "learning_rate_schedule": "keras_noisecurve.training.schedules",
+    "make_private": "keras_noisecurve.training.dp_model",
+    "replace_batch_normalization": "keras_noisecurve.training.batchnorm",
+    "vectorized_clipped_sum": "keras_noisecurve.training.clipping",
+}
+
+#: names that exist on the TensorFlow backend only
+TENSORFLOW_ONLY = ("ClippedSum", "fit_distributed", "get_engine", "vectorized_clipped_sum")
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        if name in TENSORFLOW_ONLY:
+            from keras_noisecurve import backend
+
+            if backend.name() != "tensorflow":
+                raise AttributeError(
+                    f"keras_noisecurve.training.{name} is part of the TensorFlow backend (KERAS_BACKEND="
+                    f"tensorflow); under {backend.name()!r} make_private(model) clips per example itself."
+                )
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'keras_noisecurve.training' has no attribute {name!r}")
+
+
+def __dir__():
+    return __all__

@@ -26,6 +26,7 @@ from keras_noisecurve._losses import per_example_loss_fn
 from keras_noisecurve._validation import check_choice, check_float, check_int
 from keras_noisecurve.training import ghost
 from keras_noisecurve.training.clipped_sum import ClippedSum, chunked_clipped_sum
+from keras_noisecurve.training.model_checks import ENGINES, check_model_is_clippable
 
 __all__ = [
     "ClippedSum",
@@ -36,35 +37,6 @@ __all__ = [
     "get_engine",
     "ENGINES",
 ]
-
-ENGINES = ("auto", "vectorized", "ghost")
-
-
-# ----------------------------------------------------------------------- checks
-def check_model_is_clippable(model) -> None:
-    """Refuse layers that mix examples or add data-dependent losses inside ``call``.
-
-    Raises:
-      ValueError: for a trainable BatchNormalization (training mode mixes the examples of a
-        batch, so per-example clipping would not bound one example's influence) and
-        for activity regularizers (data-dependent losses outside the clipped loss).
-    """
-    for layer in _compat.flatten_layers(model):
-        if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable:
-            raise ValueError(
-                f"layer {layer.name!r} is a BatchNormalization layer: in training mode it mixes "
-                "the examples of a batch, so per-example clipping cannot bound one example's "
-                "influence (no DP guarantee). Use GroupNormalization or LayerNormalization "
-                "(keras_noisecurve.replace_batch_normalization(model) rebuilds a functional or Sequential "
-                "model so, keeping the other weights), or freeze it (layer.trainable = False runs it in "
-                "inference mode)."
-            )
-        if getattr(layer, "activity_regularizer", None) is not None and layer is not model:
-            raise ValueError(
-                f"layer {layer.name!r} has an activity_regularizer: a data-dependent loss that would "
-                "escape per-example clipping. Remove it or add the penalty inside the loss."
-            )
-
 
 def _trainable(model):
     variables = list(model.trainable_variables)

@@ -39,11 +39,11 @@ import warnings
 
 import keras
 import numpy as np
-import tensorflow as tf
 
 from keras_noisecurve import _compat
+from keras_noisecurve import backend as _backend
 from keras_noisecurve.mixing.strategies import load_mixing
-from keras_noisecurve.training.noise import StreamNoise, key_from_seed, normal_from_seed, step_seed, variable_seed
+from keras_noisecurve.training.noise import StreamNoise, key_from_seed
 from keras_noisecurve.training.optimizer_args import (
     IGNORED_DEFAULTS,
     REFUSED,
@@ -60,9 +60,13 @@ __all__ = ["NoiseCurveOptimizer"]
 
 _PACKAGE = "keras_noisecurve"
 
+# the backend's half of the optimizer (slot variables, per-step noise, per-variable
+# update): keras_noisecurve.backend.<backend>.optimizer.OptimizerBackend, picked once
+_impl = _backend.module("optimizer")
+
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)
-class NoiseCurveOptimizer(keras.optimizers.Optimizer):
+class NoiseCurveOptimizer(_impl.OptimizerBackend, keras.optimizers.Optimizer):
     """Private SGD with the noise z̃_t = (C⁻¹Z)_t of a mixing strategy C (C = I: DP-SGD).
 
     ``ĝ_t = (Σ_i clip(g_i, ζ) + ζ·σ·z̃_t) / B`` (docs/design.md#update-rule; paper
@@ -156,13 +160,8 @@ class NoiseCurveOptimizer(keras.optimizers.Optimizer):
             check_inner(inner, NoiseCurveOptimizer)
         learning_rate = check_learning_rate(learning_rate, inner)
         super().__init__(learning_rate=learning_rate, name=name, **kwargs)
-        if inner is not None and _compat.distribution_strategy(inner) is not _compat.distribution_strategy(self):
-            raise ValueError(
-                f"the inner optimizer {type(inner).__name__} was created under another tf.distribute "
-                f"strategy ({type(_compat.distribution_strategy(inner)).__name__}) than this optimizer "
-                f"({type(_compat.distribution_strategy(self)).__name__}): its slot variables would not be "
-                "mirrored like the model's. Create both inside the same `with strategy.scope():`."
-            )
+        if inner is not None:
+            self._dp_check_inner_strategy(inner)
         self._inner = inner
         self.l2_norm_clip = l2_norm_clip
         self.noise_multiplier = noise_multiplier
@@ -209,7 +208,7 @@ class NoiseCurveOptimizer(keras.optimizers.Optimizer):
             )
         if not self.built or self._sampling_key is None:
             return 0, self.run.initial_key()
-        return int(self.iterations.value.numpy()), np.asarray(self._sampling_key.value.numpy(), dtype=np.int64)
+        return self._dp_read_position()
 
     @property
     def noise(self) -> StreamNoise:
@@ -268,23 +267,12 @@ class NoiseCurveOptimizer(keras.optimizers.Optimizer):
         if inner is not None and inner.built:
             self._check_built_inner(inner, variables)
         super().build(variables)
-        key = self._initial_key
-        self._noise_key = self.add_variable(
-            shape=(2,),
-            dtype="int64",
-            initializer=lambda shape, dtype=None: tf.constant(key, dtype=tf.int64),
-            name="noise_key",
-        )
+        # the keys: int64 (2,) on TensorFlow, their four 32-bit words (int32 (4,)) on JAX
+        self._noise_key = self._dp_key_variable(self._initial_key, "noise_key")
         if self.run is not None:
             # The run's secret sampling key, saved and restored with the optimizer (and,
             # under MultiWorkerMirroredStrategy, initialised from the chief's value).
-            sampling_key = self.run.initial_key()
-            self._sampling_key = self.add_variable(
-                shape=(2,),
-                dtype="int64",
-                initializer=lambda shape, dtype=None: tf.constant(sampling_key, dtype=tf.int64),
-                name="sampling_key",
-            )
+            self._sampling_key = self._dp_key_variable(self.run.initial_key(), "sampling_key")
         # One noise-state variable (buffers, *shape) per model variable, None without
         # state: the banded ring keeps its historical name (checkpoints load), the other
         # kinds are "<path>_noise_state".
@@ -295,16 +283,14 @@ class NoiseCurveOptimizer(keras.optimizers.Optimizer):
             if shape is None:
                 self._rings.append(None)
                 continue
-            colocate = var.value if isinstance(var, keras.Variable) else var
-            with _compat.distribution_strategy(self).extended.colocate_vars_with(colocate):
-                state = self.add_variable(
-                    shape=shape,
-                    dtype=var.dtype,
-                    name=f"{getattr(var, 'path', var.name).replace('/', '_')}_{suffix}",
-                )
-            self._rings.append(state)
+            name = f"{getattr(var, 'path', var.name).replace('/', '_')}_{suffix}"
+            self._rings.append(self._dp_state_variable(var, shape, name))
         if inner is not None and not inner.built:
             inner.build(variables)
+
+    def _dp_variable_index(self, variable) -> int:
+        """The position of ``variable`` among the variables this optimizer was built on."""
+        return _compat.variable_index(self, variable)
 
     def _check_built_inner(self, inner, variables):
         """An inner optimizer built before this one must be built on exactly ``variables``
@@ -316,12 +302,7 @@ class NoiseCurveOptimizer(keras.optimizers.Optimizer):
                 f"({len(_compat.trainable_variables(inner))} variables, not the {len(variables)} this optimizer "
                 "trains): its slots belong to another model. Pass a fresh (unbuilt) optimizer as inner."
             )
-        if tf.executing_eagerly() and int(inner.iterations.numpy()) != int(self.iterations.numpy()):
-            raise ValueError(
-                f"the inner optimizer {type(inner).__name__} has already taken {int(inner.iterations.numpy())} "
-                f"steps of its own (this optimizer: {int(self.iterations.numpy())}): its schedule and slots "
-                "would not follow the private steps. Pass a fresh (unbuilt) optimizer as inner."
-            )
+        self._dp_check_inner_steps(inner)
 
     # ------------------------------------------------------------ entry points
     def apply_clipped_sum(self, grads, trainable_variables=None):
@@ -341,6 +322,18 @@ class NoiseCurveOptimizer(keras.optimizers.Optimizer):
         self._private_apply = True
         try:
             return self.apply(grads, trainable_variables)
+        finally:
+            self._private_apply = False
+
+    def stateless_apply_clipped_sum(self, optimizer_variables, grads, trainable_variables):
+        """:meth:`apply_clipped_sum` as a pure function, for a functional train step (the
+        JAX backend's): ``optimizer_variables`` and ``trainable_variables`` are the current
+        values (aligned with ``self.variables`` and the variables this optimizer was built
+        on), ``grads`` the clipped sums. Returns ``(trainable_variables,
+        optimizer_variables)``, the values after the step (Keras's ``stateless_apply``)."""
+        self._private_apply = True
+        try:
+            return self.stateless_apply(optimizer_variables, grads, trainable_variables)
         finally:
             self._private_apply = False
 
@@ -365,66 +358,6 @@ class NoiseCurveOptimizer(keras.optimizers.Optimizer):
     def apply_gradients(self, grads_and_vars):
         grads, variables = zip(*grads_and_vars)
         return self.apply(list(grads), list(variables))
-
-    # Keras's TensorFlow optimizer calls this PRIVATE hook once per step, in cross-replica
-    # context, around the per-variable update_step calls (_backend_update_step ->
-    # maybe_merge_call). No public hook runs there: apply() runs once per replica, in
-    # replica context, and update_step once per variable and replica copy. The work all
-    # variables of a step share (privacy-plan check, step seed, row t of C) is built here
-    # once per step instead of once per variable. Without the hook, update_step builds it
-    # itself (same noise, slower); tests/training/test_keras_hook.py fails if a Keras
-    # release removes the hook, changes its signature or stops calling it.
-    def _distributed_tf_update_step(self, distribution, grads_and_vars, learning_rate):
-        """Build the per-step noise work (plan check, step seed, row of C) once, then
-        the per-variable updates."""
-        self._step_noise = _StepNoise(self)
-        try:
-            return super()._distributed_tf_update_step(distribution, grads_and_vars, learning_rate)
-        finally:
-            self._step_noise = None
-
-    def update_step(self, gradient, variable, learning_rate):
-        """``ĝ = (gradient + ζσ·z̃_t)/B`` (gradient = clipped sum), then
-        ``variable ← variable − η·ĝ`` or, with an inner optimizer,
-        ``inner.update_step(ĝ, variable, learning_rate)`` (``learning_rate`` is then the
-        inner optimizer's η_t).
-
-        Without noise state (b = 1, p = 1, DP-SGD) z̃_t is z_t times a scalar, folded into
-        the draw with ζσ. Otherwise the state gives z̃_t (``StreamNoise.advance_in_place``:
-        one XLA-compiled pass over the state): a ring (banded, toeplitz, fir) has only its
-        slot t mod (b − 1) overwritten, in place; the BLT accumulators are rewritten in
-        place. Under ``tf.distribute`` the unfused ``StreamNoise.advance`` and a scatter.
-        """
-        index = _compat.variable_index(self, variable)
-        noise = self._step_noise or _StepNoise(self)
-        dtype = variable.dtype
-        std = self.l2_norm_clip * self.noise_multiplier
-        seed = variable_seed(noise.seed, index)
-        coefficients = noise.coefficients(dtype)
-        state = self._rings[index]
-        if state is None:  # no state: z̃_t = z_t / C[t, t] (or f_0 z_t), scale folded in
-            scale = self._noise.folded_scale(std, coefficients)
-            noise_term = normal_from_seed(seed, variable.shape, dtype, scale=scale)
-        else:
-            z = normal_from_seed(seed, variable.shape, dtype)
-            if self._noise.fuses(state.value):  # one XLA pass over the state, written in place
-                noise_term = self._noise.advance_in_place(z, noise.step, state.value, coefficients, scale=std)
-            else:  # tf.distribute or a redefined advance(): the unfused reference, a scatter
-                z_tilde, write = self._noise.advance(z, noise.step, state.value, coefficients)
-                if write.slot is not None:  # a ring: write only slot t mod (b − 1), in place
-                    slot = tf.reshape(write.slot, [1])
-                    dense_shape = tf.constant(list(state.shape), tf.int32)  # static: no read of the state
-                    self.assign(state, tf.IndexedSlices(write.value[None], slot, dense_shape))
-                else:
-                    self.assign(state, write.value)
-                noise_term = tf.cast(std, dtype) * z_tilde
-        inner = self.inner
-        if inner is None:
-            rate = tf.cast(learning_rate, dtype) / tf.cast(self.expected_batch_size, dtype)
-            self.assign_sub(variable, rate * (tf.cast(gradient, dtype) + noise_term))
-        else:
-            privatized = (tf.cast(gradient, dtype) + noise_term) / tf.cast(self.expected_batch_size, dtype)
-            inner.update_step(privatized, variable, learning_rate)
 
     # ------------------------------------------------------------------- config
     def get_config(self):
@@ -463,25 +396,3 @@ class NoiseCurveOptimizer(keras.optimizers.Optimizer):
             config["inner"] = keras.saving.deserialize_keras_object(config["inner"], custom_objects=custom_objects)
         return super().from_config(config, custom_objects=custom_objects)
 
-
-class _StepNoise:
-    """What all variables of one step share: the step t, its seed ``step_seed(key, t)``
-    (computed after the privacy-plan check, so no update runs past step T) and the
-    step's coefficients (``StreamNoise.step_coefficients``) per dtype."""
-
-    def __init__(self, optimizer):
-        self._noise = optimizer.noise
-        self.step = optimizer.iterations
-        self._checks = [op for op in [self._noise.assert_in_plan(self.step)] if op is not None]
-        with tf.control_dependencies(self._checks):
-            self.seed = step_seed(optimizer._noise_key, self.step)
-        self._rows = {}
-
-    def coefficients(self, dtype):
-        """The step's ``StepCoefficients`` in ``dtype``, or ``None`` for C = I without a
-        plan; read after the plan check (row T of a banded C does not exist)."""
-        dtype = tf.as_dtype(dtype)
-        if dtype not in self._rows:
-            with tf.control_dependencies(self._checks):
-                self._rows[dtype] = self._noise.step_coefficients(self.step, dtype)
-        return self._rows[dtype]

@@ -65,16 +65,14 @@ _INNER_REFUSED = {
 
 
 def check_backend():
-    """Refuse a Keras backend other than TensorFlow (``RuntimeError``)."""
-    from keras_noisecurve._quiet import probe_devices_quietly
+    """Refuse a Keras backend this library does not run on (``RuntimeError``, from
+    ``keras_noisecurve.backend.name``): TensorFlow and JAX are supported."""
+    from keras_noisecurve import backend
 
-    probe_devices_quietly()  # no "failed call to cuInit" from our first variable on a CPU machine
-    backend = keras.backend.backend()
-    if backend != "tensorflow":
-        raise RuntimeError(
-            f"keras_noisecurve optimizers need the TensorFlow Keras backend, but KERAS_BACKEND is "
-            f"{backend!r}. Set the environment variable KERAS_BACKEND=tensorflow before importing keras."
-        )
+    if backend.name() == "tensorflow":
+        from keras_noisecurve._quiet import probe_devices_quietly
+
+        probe_devices_quietly()  # no "failed call to cuInit" from our first variable on a CPU machine
 
 
 def check_kwargs(kwargs: dict) -> dict:

@@ -15,7 +15,6 @@ from typing import Optional
 
 import keras
 import numpy as np
-import tensorflow as tf
 
 from keras_noisecurve import _compat
 from keras_noisecurve.mixing.objectives import REGISTRY as OBJECTIVE_REGISTRY
@@ -88,24 +87,31 @@ def _learning_rates(learning_rate, steps):
     ``LearningRateSchedule``; ``None`` for a zero-argument callable (unknown)."""
     if isinstance(learning_rate, keras.optimizers.schedules.LearningRateSchedule):
         try:  # most schedules are elementwise: one call for all steps
-            rates = np.asarray(_numpy(learning_rate(tf.range(steps, dtype=tf.int64))), dtype=np.float64)
+            rates = np.asarray(_numpy(learning_rate(keras.ops.arange(steps, dtype=_STEP_DTYPE))), dtype=np.float64)
         except Exception:  # noqa: BLE001 - e.g. a schedule with a tf.cond on the step
             rates = None
         if rates is None or rates.shape != (steps,):
-            rates = np.array([float(_numpy(learning_rate(tf.constant(t, tf.int64)))) for t in range(steps)])
+            rates = np.array([float(_numpy(learning_rate(keras.ops.convert_to_tensor(t, dtype=_STEP_DTYPE)))) for t in range(steps)])
         return rates
-    if isinstance(learning_rate, (keras.Variable, tf.Variable)):
+    if isinstance(learning_rate, keras.Variable) or _compat.is_backend_variable(learning_rate):
         return np.full(steps, float(_numpy(learning_rate)))
     if callable(learning_rate):
         return None
     return np.full(steps, float(learning_rate))
 
 
+#: the step's dtype given to a schedule: int64 as the optimizer's counter on TensorFlow;
+#: JAX without x64 has no int64 (its counters are int32)
+_STEP_DTYPE = "int32" if keras.backend.backend() == "jax" else "int64"
+
+
 def _numpy(value):
     """A tensor or variable as numpy, through ``.numpy()``: ``np.asarray`` on a Keras
     variable warns under numpy 2 (its ``__array__`` takes no ``copy`` argument)."""
     value = value.value if isinstance(value, keras.Variable) else value
-    return value.numpy() if hasattr(value, "numpy") else np.asarray(value)
+    if hasattr(value, "numpy"):
+        return value.numpy()
+    return np.asarray(keras.ops.convert_to_numpy(value))
 
 
 def _float32_rates(rates, rule, steps):

@@ -1,5 +1,5 @@
 """The optimizer overrides a private hook of Keras's TensorFlow optimizer,
-``_distributed_tf_update_step`` (training/optimizer.py says why no public hook does the
+``_distributed_tf_update_step`` (backend/tensorflow/optimizer.py says why no public hook does the
 job). These tests fail loudly when a Keras release removes or renames it, changes its
 signature, or stops calling it once per step around the per-variable updates."""
 
@@ -11,7 +11,7 @@ import pytest
 import tensorflow as tf
 
 from keras_noisecurve.training import NoiseCurveOptimizer
-from keras_noisecurve.training import optimizer as optimizer_module
+from keras_noisecurve.backend.tensorflow import optimizer as optimizer_module
 from tests.training.helpers import random_banded_c
 
 HOOK = "_distributed_tf_update_step"
@@ -22,13 +22,13 @@ def test_keras_still_has_the_hook_with_the_signature_we_override():
     keras_hook = getattr(keras.optimizers.Optimizer, HOOK, None)
     assert keras_hook is not None, (
         f"keras {keras.__version__} has no Optimizer.{HOOK}: NoiseCurveOptimizer's once-per-step "
-        "noise setup is never called (see training/optimizer.py)."
+        "noise setup is never called (see backend/tensorflow/optimizer.py)."
     )
     assert list(inspect.signature(keras_hook).parameters) == SIGNATURE, (
         f"keras {keras.__version__} changed the signature of Optimizer.{HOOK}: "
         f"{inspect.signature(keras_hook)}"
     )
-    ours = optimizer_module.NoiseCurveOptimizer.__dict__[HOOK]
+    ours = optimizer_module.OptimizerBackend.__dict__[HOOK]
     assert list(inspect.signature(ours).parameters) == SIGNATURE
     # Keras's TensorFlow backend reaches the hook from its per-step update.
     assert HOOK in inspect.getsource(keras.optimizers.Optimizer._backend_update_step)
@@ -46,14 +46,14 @@ def test_hook_builds_the_step_noise_once_per_step_before_every_variable_update(m
             built.append(tf.distribute.in_cross_replica_context())
             super().__init__(optimizer)
 
-    update_step = optimizer_module.NoiseCurveOptimizer.update_step
+    update_step = optimizer_module.OptimizerBackend.update_step
 
     def recording_update_step(self, gradient, variable, learning_rate):
         fallback.append(self._step_noise is None)  # None: the hook did not run first
         return update_step(self, gradient, variable, learning_rate)
 
     monkeypatch.setattr(optimizer_module, "_StepNoise", CountingStepNoise)
-    monkeypatch.setattr(optimizer_module.NoiseCurveOptimizer, "update_step", recording_update_step)
+    monkeypatch.setattr(optimizer_module.OptimizerBackend, "update_step", recording_update_step)
 
     strategy = tf.distribute.MirroredStrategy([d.name for d in devices[:replicas]])
     shapes = [(3, 2), (2,), (4,)]

@@ -199,9 +199,9 @@ def test_mixing_from_path_and_learning_rate_warnings(tmp_path):
         NoiseCurveOptimizer(mixing="dpsgd", **_kw(learning_rate=schedule))
 
 
-def test_non_tensorflow_backend_is_refused(monkeypatch):
-    monkeypatch.setattr(keras.backend, "backend", lambda: "jax")
-    with pytest.raises(RuntimeError, match="TensorFlow Keras backend.*'jax'"):
+def test_unsupported_backend_is_refused(monkeypatch):
+    monkeypatch.setattr(keras.backend, "backend", lambda: "torch")
+    with pytest.raises(RuntimeError, match="runs on the Keras backends tensorflow and jax.*'torch'"):
         NoiseCurveOptimizer(**_kw())
 
 

@@ -1,0 +1,285 @@
+"""The JAX half of ``PrivateModel`` (``keras_noisecurve.training.dp_model``): the private
+``train_step(state, data)``, functional as Keras's JAX trainer wants it, and what ``fit``
+needs around it on JAX.
+
+One step, all under ``jax.jit`` (Keras's JAX trainer compiles ``train_step``)::
+
+    g_i  = ∇_w (w_i·loss_i)(w)                      per example: jax.vmap of jax.grad of
+                                                      the model's stateless_call
+    S    = Σ_i g_i·min(1, ζ/‖g_i‖₂)                  ‖·‖ over ALL trainable variables
+    S   += B·∇reg                                     weight regularisers, unclipped
+    (w, optimizer state) ← optimizer.stateless_apply_clipped_sum(S)
+
+with w_i the batch's mask (padding 0) times any sample weight, applied before clipping.
+The per-example gradients are exact for every layer (``vmap`` of the whole model's
+gradient); ``microbatch_size=m`` evaluates them m examples at a time (``jax.lax.map``
+over chunks; the batch is padded with weight-0 rows to a multiple of m).
+
+Refusals: a batch whose step is not the optimizer's, or a step t ≥ T of a plan, has its
+clipped sum replaced by zeros inside the step (the noise is still applied: it leaks
+nothing) and fit refuses on the host BEFORE a step past the plan (callback). Keras's
+JAX trainer only copies the state back to the variables at the end of an epoch, so
+the host side counts steps itself.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import keras
+import numpy as np
+
+from keras_noisecurve.backend.jax.pipeline import split_step as _split_step
+
+__all__ = ["TrainStepBackend", "clipped_sum", "per_example_grads"]
+
+
+def _past_plan_message(step, steps):
+    return (
+        f"the optimizer's step {step} is past the mixing matrix's plan of {steps} steps (the privacy plan is "
+        "spent): refusing to train past step T, whose noise the privacy accounting does not cover; solve a "
+        "mixing matrix with more steps."
+    )
+
+
+class _RefusePastPlan(keras.callbacks.Callback):
+    """Raises before a step t ≥ T of the optimizer's plan (counted on the host)."""
+
+    def __init__(self, steps):
+        super().__init__()
+        self._steps = steps
+        self._done = 0
+
+    def on_train_begin(self, logs=None):
+        self._done = int(np.asarray(self.model.optimizer.iterations.value))
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self._done >= self._steps:
+            raise RuntimeError(_past_plan_message(self._done, self._steps))
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._done += 1
+
+
+def per_example_grads(model, loss_fn, trainable, non_trainable, x, y, weights, *, training=True):
+    """Per-example gradients of ``weights_i·loss_fn(y_i, model(x_i))``.
+
+    Args:
+      model: a Keras model (its ``stateless_call`` is differentiated).
+      loss_fn: ``(y_true, y_pred) -> (P,)`` per-example losses.
+      trainable, non_trainable: the values of ``model.trainable_variables`` and
+        ``model.non_trainable_variables``.
+      x, y: the batch (leading dimension P); weights: float32 (P,).
+
+    Returns:
+      ``(grads, losses, y_pred, non_trainable)``: a list with one (P, *shape) array
+      per trainable variable, the unweighted losses (P,), the predictions (P, ...) and
+      the non-trainable values after the call of example 0 (e.g. a dropout seed).
+    """
+
+    def one(tv, xi, yi, wi):
+        xb = jax.tree_util.tree_map(lambda a: a[None], xi)
+        yb = jax.tree_util.tree_map(lambda a: a[None], yi)
+        kwargs = {"training": training}
+        y_pred, new_ntv = model.stateless_call(tv, non_trainable, xb, **kwargs)
+        y_pred32 = jax.tree_util.tree_map(
+            lambda t: t.astype(jnp.float32) if t.dtype in (jnp.float16, jnp.bfloat16) else t, y_pred
+        )
+        loss = jnp.reshape(loss_fn(yb, y_pred32), (-1,))[0]
+        return loss * wi.astype(loss.dtype), (loss, jax.tree_util.tree_map(lambda a: a[0], y_pred), new_ntv)
+
+    grad_fn = jax.grad(one, has_aux=True)
+    grads, (losses, y_pred, new_ntv) = jax.vmap(grad_fn, in_axes=(None, 0, 0, 0))(trainable, x, y, weights)
+    new_ntv = [v[0] for v in new_ntv]
+    return list(grads), losses, y_pred, new_ntv
+
+
+def _clip_and_sum(grads, l2_norm_clip):
+    """``(Σ_i clip(g_i, ζ), norms (P,))`` with the global per-example norm."""
+    squares = sum(jnp.sum(jnp.reshape(g.astype(jnp.float32), (g.shape[0], -1)) ** 2, axis=1) for g in grads)
+    norms = jnp.sqrt(squares)
+    clip = jnp.asarray(l2_norm_clip, jnp.float32)
+    factor = clip / jnp.maximum(norms, clip)  # min(1, ζ/‖g‖)
+    sums = [jnp.tensordot(factor.astype(g.dtype), g, axes=1) for g in grads]
+    return sums, norms
+
+
+def clipped_sum(model, loss_fn, trainable, non_trainable, x, y, weights, *, l2_norm_clip,
+                microbatch_size=None, training=True):
+    """``Σ_i clip(w_i·∇loss_i, ζ)`` by per-example gradients (see the module docstring).
+
+    Returns ``(sums, norms, losses, y_pred, non_trainable)``: one array per trainable
+    variable, the norms ‖w_i·∇loss_i‖ (P,) before clipping, the unweighted per-example
+    losses (P,), the predictions and the non-trainable values after the call.
+    """
+    size = int(weights.shape[0])
+    if microbatch_size is None or microbatch_size >= size:
+        grads, losses, y_pred, ntv = per_example_grads(model, loss_fn, trainable, non_trainable, x, y, weights,
+                                                        training=training)
+        sums, norms = _clip_and_sum(grads, l2_norm_clip)
+        return sums, norms, losses, y_pred, ntv
+    m = int(microbatch_size)
+    chunks = -(-size // m)
+    pad = chunks * m - size
+
+    def chunked(a):  # rows padded with copies of row 0 (weight 0), then (chunks, m, ...)
+        if pad:
+            a = jnp.concatenate([a, jnp.repeat(a[:1], pad, axis=0)], axis=0)
+        return jnp.reshape(a, (chunks, m) + a.shape[1:])
+
+    xs, ys = jax.tree_util.tree_map(chunked, x), jax.tree_util.tree_map(chunked, y)
+    ws = chunked(weights) if not pad else jnp.reshape(
+        jnp.concatenate([weights, jnp.zeros((pad,), weights.dtype)]), (chunks, m))
+
+    def chunk(args):
+        xc, yc, wc = args
+        grads, losses, y_pred, ntv = per_example_grads(model, loss_fn, trainable, non_trainable, xc, yc, wc,
+                                                        training=training)
+        sums, norms = _clip_and_sum(grads, l2_norm_clip)
+        return sums, norms, losses, y_pred, ntv
+
+    sums, norms, losses, y_pred, ntv = jax.lax.map(chunk, (xs, ys, ws))
+    unchunk = lambda a: jnp.reshape(a, (chunks * m,) + a.shape[2:])[:size]  # noqa: E731
+    sums = [jnp.sum(s, axis=0) for s in sums]
+    return (sums, unchunk(norms), unchunk(losses), jax.tree_util.tree_map(unchunk, y_pred),
+            [v[0] for v in ntv])
+
+
+class TrainStepBackend:
+    """JAX implementation of ``PrivateModel``'s backend hooks and ``train_step``."""
+
+    _dp_counts_steps_on_host = True  # the variables are synchronised once per epoch
+
+    def _dp_refusal_state(self):
+        return None
+
+    def _dp_nonfinite_state(self):
+        return None  # the vmap engine does not drop non-finite examples (TensorFlow only)
+
+    def _dp_check_engine(self, model):
+        return None  # one engine on JAX (vmap of per-example gradients): nothing to refuse
+
+    def _dp_use_class_weight(self, class_weight):
+        if class_weight is not None:
+            raise ValueError(
+                "fit(class_weight=...) of a private model is implemented on the TensorFlow backend only; on JAX "
+                "multiply the sample weights by the class weights instead (run.dataset(x, y, sample_weight=w))."
+            )
+
+    def _dp_compile_defaults(self, kwargs):
+        if kwargs.get("steps_per_execution", 1) != 1:
+            raise ValueError(
+                "a private model on the JAX backend runs one step per execution (steps_per_execution=1): "
+                f"got steps_per_execution={kwargs['steps_per_execution']!r}."
+            )
+
+    def _dp_check_loss_scale(self, scale):
+        if scale != 1.0:
+            raise ValueError(
+                "float16 loss scaling of private models is implemented on the TensorFlow backend only; on JAX "
+                "use mixed_bfloat16 or float32 (got a loss scale of "
+                f"{scale:g})."
+            )
+        return scale
+
+    def _dp_batches(self, data, optimizer):
+        batches = data.batches(optimizer)
+        if len(batches) == 0:  # nothing to build the model from: refuse as _StopAtPlanEnd does
+            raise RuntimeError(
+                f"the plan of {data.run.steps} steps is complete (the optimizer has taken {batches.start} steps): "
+                "no further private step is possible with this run."
+            )
+        return batches
+
+    def _dp_step_callbacks(self):
+        steps = self.optimizer.noise.steps
+        return [] if steps is None else [_RefusePastPlan(steps)]
+
+    def _dp_fit(self, x, y, kwargs):
+        return super().fit(x, y, **kwargs)
+
+    def train_on_batch(self, x, y=None, sample_weight=None, class_weight=None, return_dict=False):
+        """Keras's ``train_on_batch``, refused on the host past the optimizer's plan."""
+        optimizer = self.optimizer
+        self._dp_check_optimizer(optimizer)
+        if getattr(optimizer, "run", None) is not None:
+            raise ValueError(self._dp_not_the_plan(optimizer.run) + " Got a batch without the run's step index.")
+        steps = optimizer.noise.steps
+        if steps is not None and optimizer.built:
+            done = int(np.asarray(optimizer.iterations.value))
+            if done >= steps:
+                raise RuntimeError(_past_plan_message(done, steps))
+        return super().train_on_batch(x, y, sample_weight=sample_weight, class_weight=class_weight,
+                                      return_dict=return_dict)
+
+    def _symbolic_build(self, iterator=None, data_batch=None):
+        # build from one batch unpacked as (x, y, sample_weight): leave out a run batch's step
+        if data_batch is None and iterator is not None:
+            for _, _, data_or_iterator in iterator:
+                if isinstance(data_or_iterator, (list, tuple)):
+                    data_batch = data_or_iterator[0]
+                else:
+                    data_batch = next(data_or_iterator)
+                break
+        if data_batch is not None:
+            data_batch = _split_step(data_batch)[0]
+        return super()._symbolic_build(data_batch=data_batch)
+
+    def train_step(self, state, data):
+        """One private step (see the module docstring); Keras's JAX ``train_step`` contract:
+        ``state`` = (trainable, non-trainable, optimizer, metrics variables' values),
+        returns ``(logs, new state)``."""
+        trainable, non_trainable, optimizer_values, metrics_values = state
+        data, step = _split_step(data)
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        optimizer = self.optimizer
+        self._dp_check_optimizer(optimizer)
+        if step is None and getattr(optimizer, "run", None) is not None:
+            raise ValueError(self._dp_not_the_plan(optimizer.run) + " Got a batch without the run's step index.")
+        position = [id(v) for v in optimizer.variables].index(id(optimizer.iterations))
+        iteration = optimizer_values[position]
+        size = int(jax.tree_util.tree_leaves(x)[0].shape[0])
+        weights = (jnp.ones((size,), jnp.float32) if sample_weight is None
+                   else jnp.reshape(jnp.asarray(sample_weight, jnp.float32), (-1,)))
+        sums, _, losses, y_pred, non_trainable = clipped_sum(
+            self, self._dp_loss_fn, trainable, non_trainable, x, y, weights,
+            l2_norm_clip=optimizer.l2_norm_clip, microbatch_size=self._dp_microbatch_size, training=True,
+        )
+        sums = self._dp_add_regularization(trainable, non_trainable, sums, optimizer.expected_batch_size)
+        ok = jnp.asarray(True)
+        if step is not None:
+            ok = ok & jnp.all(jnp.asarray(step, jnp.int32) == iteration.astype(jnp.int32))
+        if optimizer.noise.steps is not None:
+            ok = ok & (iteration < optimizer.noise.steps)
+        sums = [jnp.where(ok, s, jnp.zeros_like(s)) for s in sums]
+        trainable, optimizer_values = optimizer.stateless_apply_clipped_sum(optimizer_values, sums, trainable)
+
+        mapping = list(zip(self.metrics_variables, metrics_values))
+        with keras.StatelessScope(state_mapping=mapping) as scope:
+            self._dp_loss_tracker().update_state(losses.astype(jnp.float32), sample_weight=weights)
+            # Padding rows (weight 0) count in no weighted metric; unweighted `metrics=[...]`
+            # see every row (static shapes under jit): see docs/backends.md.
+            logs = self.compute_metrics(x, y, y_pred, sample_weight=weights)
+        metrics_values = [
+            scope.get_current_value(v) if scope.get_current_value(v) is not None else v.value
+            for v in self.metrics_variables
+        ]
+        return logs, (trainable, non_trainable, optimizer_values, metrics_values)
+
+    def _dp_add_regularization(self, trainable, non_trainable, sums, expected_batch_size):
+        """``S + B·∇reg`` for the weight regularisers (data-independent, unclipped)."""
+        regularized = [v for v in self.trainable_variables if getattr(v, "regularizer", None) is not None]
+        if not regularized:
+            return sums
+        ids = {id(v) for v in regularized}
+
+        def reg(tv):
+            total = jnp.asarray(0.0, jnp.float32)
+            for variable, value in zip(self.trainable_variables, tv):
+                if id(variable) in ids:
+                    total = total + jnp.asarray(variable.regularizer(value), jnp.float32)
+            return total
+
+        grads = jax.grad(reg)(list(trainable))
+        scale = float(expected_batch_size)
+        return [s + jnp.asarray(scale, s.dtype) * g.astype(s.dtype) for s, g in zip(sums, grads)]

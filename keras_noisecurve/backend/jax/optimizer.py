@@ -1,0 +1,121 @@
+"""The JAX half of ``NoiseCurveOptimizer`` (``keras_noisecurve.training.optimizer``):
+slot variables, the per-variable noisy update, in ``jax.numpy``.
+
+The optimizer inherits from :class:`OptimizerBackend` under ``KERAS_BACKEND=jax``. On
+JAX, Keras runs an optimizer step through ``stateless_apply`` (variable assignments
+recorded in a ``StatelessScope`` under ``jax.jit``): ``update_step`` reads and assigns
+Keras variables as on TensorFlow, and Keras turns it into a pure function.
+
+The keys are stored as 32-bit words: JAX has no int64 without ``jax_enable_x64``
+(never enabled here), so the noise key (int64 (2,) on TensorFlow) is the int32 (4,)
+variable of its four uint32 words (``noise.key_words``), and the sampling key the int32
+(4,) view of its two int64 words (read back exactly by :meth:`_dp_read_position`).
+
+The noise of step t for variable k is ``normal_from_seed(variable_seed(step_seed(words,
+t), k))`` of ``keras_noisecurve.backend.jax.noise``: the same z_t as TensorFlow's for the
+same key. The update, as on TensorFlow::
+
+    ĝ = (S + ζσ·z̃_t) / B,   w ← w − η·ĝ   (or inner.update_step(ĝ, w, η_t))
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from keras_noisecurve.backend.jax import noise as jax_noise
+
+__all__ = ["OptimizerBackend", "int64_words", "words_int64"]
+
+
+def int64_words(key) -> np.ndarray:
+    """An int64 (2,) key as its int32 (4,) words (little-endian halves): exact."""
+    return np.ascontiguousarray(np.asarray(key, dtype=np.int64)).view(np.int32).copy()
+
+
+def words_int64(words) -> np.ndarray:
+    """The inverse of :func:`int64_words`: int32 (4,) words back to the int64 (2,) key."""
+    return np.ascontiguousarray(np.asarray(words, dtype=np.int32)).view(np.int64).copy()
+
+
+def _is_concrete(value) -> bool:
+    return not isinstance(value, jax.core.Tracer)
+
+
+class OptimizerBackend:
+    """JAX implementation of the backend hooks of ``NoiseCurveOptimizer``."""
+
+    def _dp_check_inner_strategy(self, inner):
+        return None  # no tf.distribute on JAX: keras.distribution places the variables
+
+    def _dp_key_variable(self, key, name):
+        """The key as an int32 (4,) variable: the noise key's uint32 words
+        (``noise.key_words``), the sampling key's int64 halves."""
+        if name == "noise_key":
+            words = np.asarray(jax_noise.key_words(np.asarray(key, np.int64))).astype(np.uint32).view(np.int32)
+        else:
+            words = int64_words(key)
+        return self.add_variable(
+            shape=(4,),
+            dtype="int32",
+            initializer=lambda shape, dtype=None: jnp.asarray(words, dtype=jnp.int32),
+            name=name,
+        )
+
+    def _dp_state_variable(self, var, shape, name):
+        return self.add_variable(shape=shape, dtype=var.dtype, name=name)
+
+    def _dp_check_inner_steps(self, inner):
+        done, ours = int(np.asarray(inner.iterations.value)), int(np.asarray(self.iterations.value))
+        if done != ours:
+            raise ValueError(
+                f"the inner optimizer {type(inner).__name__} has already taken {done} steps of its own "
+                f"(this optimizer: {ours}): its schedule and slots would not follow the private steps. "
+                "Pass a fresh (unbuilt) optimizer as inner."
+            )
+
+    def _dp_read_position(self):
+        """``(step, sampling key int64 (2,))`` read from the variables (host values)."""
+        step = int(np.asarray(self.iterations.value))
+        return step, words_int64(np.asarray(self._sampling_key.value))
+
+    def update_step(self, gradient, variable, learning_rate):
+        """``ĝ = (gradient + ζσ·z̃_t)/B`` (gradient = the clipped sum), then
+        ``variable ← variable − η·ĝ`` or ``inner.update_step(ĝ, variable, η_t)``.
+
+        Without noise state z̃_t is z_t times a scalar (``StreamNoise.folded_scale``),
+        folded into the draw; with state, ``StreamNoise.advance`` gives z̃_t and the
+        state's write, applied functionally (``apply_write``) and assigned. Past the plan
+        (t ≥ T) a concrete step raises here; under ``jit`` the private model refuses the
+        step on the host before it runs."""
+        index = self._dp_variable_index(variable)
+        noise = self._noise
+        step = self.iterations.value
+        if noise.steps is not None and _is_concrete(step) and int(np.asarray(step)) >= noise.steps:
+            raise RuntimeError(
+                f"the mixing matrix plans {noise.steps} steps and they have all been used: the privacy "
+                "plan is spent. Refusing to train past step T (the noise would not be covered by the "
+                "privacy accounting); solve a mixing matrix with more steps."
+            )
+        dtype = variable.dtype
+        std = self.l2_norm_clip * self.noise_multiplier
+        words = jax.lax.bitcast_convert_type(self._noise_key.value, jnp.uint32)
+        seed = jax_noise.variable_seed(jax_noise.step_seed(words, step), index)
+        coefficients = noise.step_coefficients(step, dtype)
+        state = self._rings[index]
+        if state is None:  # no state: z̃_t = z_t / C[t, t] (or f_0 z_t), scale folded in
+            scale = noise.folded_scale(std, coefficients)
+            noise_term = jax_noise.normal_from_seed(seed, tuple(variable.shape), dtype, scale=scale)
+        else:
+            z = jax_noise.normal_from_seed(seed, tuple(variable.shape), dtype)
+            z_tilde, write = noise.advance(z, step, state.value, coefficients)
+            self.assign(state, noise.apply_write(state.value, write))
+            noise_term = jnp.asarray(std, dtype) * z_tilde
+        total = jnp.asarray(gradient, dtype) + noise_term
+        batch = jnp.asarray(self.expected_batch_size, dtype)
+        inner = self.inner
+        if inner is None:  # the TensorFlow path's order of operations: (η/B)·(S + noise)
+            self.assign_sub(variable, (jnp.asarray(learning_rate, dtype) / batch) * total)
+        else:
+            inner.update_step(total / batch, variable, learning_rate)

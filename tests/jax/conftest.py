@@ -1,0 +1,20 @@
+"""The JAX backend's tests: run with ``KERAS_BACKEND=jax python -m pytest tests/jax``.
+
+``tests/conftest.py`` selects TensorFlow unless ``KERAS_BACKEND`` is set, so in the
+default test run this folder is skipped as a whole (with the reason below); the
+cross-backend comparison that the default run does is tests/training/test_cross_backend.py.
+"""
+
+import os
+
+import pytest
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("KERAS_BACKEND") == "jax":
+        return
+    skip = pytest.mark.skip(reason="tests/jax runs under the JAX Keras backend only: KERAS_BACKEND=jax pytest tests/jax")
+    here = os.path.dirname(__file__)
+    for item in items:
+        if str(item.fspath).startswith(here):
+            item.add_marker(skip)
