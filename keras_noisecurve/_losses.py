@@ -1,4 +1,4 @@
-"""Per-example losses from what a user passes as ``loss`` (Keras 3, TensorFlow backend).
+"""Per-example losses from what a user passes as ``loss`` (Keras 3, any backend: ``keras.ops``).
 
 One home for turning a loss name, a ``keras.losses.Loss`` (object or class) or a
 function into ``(y_true, y_pred) -> (P,)``, one UNREDUCED value per example. Private
@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import Callable
 
 import keras
-import tensorflow as tf
 
 __all__ = ["per_example_loss_fn", "single_loss"]
 
@@ -86,17 +85,19 @@ def per_example_loss_fn(loss, *, broadcast_scalar: bool = False) -> Callable:
     ignore_class = _ignore_class(resolved)
 
     def per_example(y_true, y_pred):
-        values = tf.convert_to_tensor(fn(y_true, y_pred))
-        if values.shape.rank is not None and values.shape.rank > 1:
-            axes = list(range(1, values.shape.rank))
+        ops = keras.ops
+        values = ops.convert_to_tensor(fn(y_true, y_pred))
+        rank = len(values.shape)
+        if rank > 1:
+            axes = tuple(range(1, rank))
             if ignore_class is None:
-                values = tf.reduce_mean(values, axis=axes)
+                values = ops.mean(values, axis=axes)
             else:  # the mean over the positions that count (e.g. the tokens of a padded sequence)
-                keep = tf.cast(tf.reshape(tf.not_equal(tf.cast(y_true, tf.int64), ignore_class), tf.shape(values)),
-                               values.dtype)
-                values = tf.reduce_sum(values * keep, axis=axes) / tf.maximum(tf.reduce_sum(keep, axis=axes), 1)
-        if broadcast_scalar and values.shape.rank == 0:
-            values = tf.fill(tf.shape(y_pred)[:1], values)
+                keep = ops.cast(ops.reshape(ops.not_equal(ops.cast(y_true, "int32"), ignore_class), ops.shape(values)),
+                                values.dtype)
+                values = ops.sum(values * keep, axis=axes) / ops.maximum(ops.sum(keep, axis=axes), 1)
+        if broadcast_scalar and rank == 0:
+            values = ops.broadcast_to(values, ops.shape(y_pred)[:1])
         return values
 
     return per_example
