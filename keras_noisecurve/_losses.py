@@ -1,4 +1,4 @@
-"""Per-example losses from what a user passes as ``loss`` (Keras 3, any backend: ``keras.ops``).
+"""Per-example losses from what a user passes as ``loss`` (Keras 3, TensorFlow backend).
 
 One home for turning a loss name, a ``keras.losses.Loss`` (object or class) or a
 function into ``(y_true, y_pred) -> (P,)``, one UNREDUCED value per example. Private
@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Callable
 
 import keras
+from keras import ops
 
 __all__ = ["per_example_loss_fn", "single_loss"]
 
@@ -85,7 +86,6 @@ def per_example_loss_fn(loss, *, broadcast_scalar: bool = False) -> Callable:
     ignore_class = _ignore_class(resolved)
 
     def per_example(y_true, y_pred):
-        ops = keras.ops
         values = ops.convert_to_tensor(fn(y_true, y_pred))
         rank = len(values.shape)
         if rank > 1:
@@ -93,8 +93,8 @@ def per_example_loss_fn(loss, *, broadcast_scalar: bool = False) -> Callable:
             if ignore_class is None:
                 values = ops.mean(values, axis=axes)
             else:  # the mean over the positions that count (e.g. the tokens of a padded sequence)
-                keep = ops.cast(ops.reshape(ops.not_equal(ops.cast(y_true, "int32"), ignore_class), ops.shape(values)),
-                                values.dtype)
+                keep = ops.cast(ops.reshape(ops.not_equal(ops.cast(y_true, "int32"), ignore_class),
+                                            ops.shape(values)), values.dtype)
                 values = ops.sum(values * keep, axis=axes) / ops.maximum(ops.sum(keep, axis=axes), 1)
         if broadcast_scalar and rank == 0:
             values = ops.broadcast_to(values, ops.shape(y_pred)[:1])
