@@ -35,11 +35,21 @@ dp-accounting); never TensorFlow::
     KERAS_BACKEND=jax python benchmarks/bench_gpu.py --small         # tiny sizes (< 1 min on 2 CPU cores)
     KERAS_BACKEND=jax python benchmarks/bench_gpu.py --models mlp gn_cnn --repeats 30
 
-On the project's GPU machines (JAX with CUDA, no Keras, no TensorFlow) the wheels of
-Keras and of this package's missing dependencies travel in ``.whl/`` (ignored by git;
-``benchmarks/README.md``, "GPU benchmark", says how to fill it), and the one command is::
+On the project's GPU machines (Python 3.12 with JAX 0.11 on CUDA, and numpy, scipy,
+absl-py, rich, h5py, ml-dtypes, attrs, wrapt, mpmath there, but no Keras and no TensorFlow)
+the missing wheels travel in ``.whl/`` (ignored by git: ``/.whl/`` in ``.git/info/exclude``),
+filled once on a machine with pip::
 
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD KERAS_BACKEND=jax && python3 benchmarks/bench_gpu.py
+    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+        --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl \
+        keras==3.15.1 namex==0.1.0 optree==0.20.0 dm-tree==0.1.10 dp-accounting==0.6.0
+
+(the machine's own ml-dtypes, h5py, rich and absl-py are left in place: a second ml-dtypes
+beside jaxlib's would break it). The device command, from the repository root, with
+``.whl`` carried::
+
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD KERAS_BACKEND=jax PYTHONUNBUFFERED=1 && python3 benchmarks/bench_gpu.py 2>&1 | tee $OUT/bench_gpu.txt
 """
 
 from __future__ import annotations
@@ -355,7 +365,8 @@ def main(argv=None) -> int:
                                      verbose=args.verbose)
         plain = results.get("plain")
         label = name + (f" L = {size['length']}" if "length" in size else "")
-        row = [label, f"{params / 1e6:.2f}M" if params else "?", str(size["batch"])]
+        count = "?" if not params else (f"{params / 1e6:.2f}M" if params >= 100_000 else f"{params / 1e3:.1f}k")
+        row = [label, count, str(size["batch"])]
         row += [_cell(results[c], plain if c != "plain" else None) for c in configs]
         print("| " + " | ".join(row) + " |", flush=True)
     p = args.recurrence_params if args.recurrence_params is not None else RECURRENCE["small" if args.small else "full"]

@@ -34,7 +34,7 @@ def test_bench_gpu_small_prints_the_table():
                               "| BLT d = 4 | jax_privacy Keras API (DP-SGD) |")
     for name in ("mlp", "gn_cnn", "transformer_small", "transformer_14m"):
         row = next(line for line in rows if line.startswith(f"| {name}"))
-        assert re.match(r"\| [^|]+ \| [0-9.]+M \| \d+ \| [0-9.]+ ms \|", row), row
+        assert re.match(r"\| [^|]+ \| [0-9.]+[Mk] \| \d+ \| [0-9.]+ ms \|", row), row
     recurrence = next(line for line in rows if line.startswith("| noise recurrence alone, b = 16"))
     assert re.search(r"ring step \d+ GB/s \| copy \d+ GB/s \| \d+ % of copy", recurrence), recurrence
     assert "tensorflow imported: False" in out
