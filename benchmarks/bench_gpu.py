@@ -34,6 +34,7 @@ dp-accounting); never TensorFlow::
     KERAS_BACKEND=jax python benchmarks/bench_gpu.py                 # the full table (< 5 min on an H100)
     KERAS_BACKEND=jax python benchmarks/bench_gpu.py --small         # tiny sizes (< 1 min on 2 CPU cores)
     KERAS_BACKEND=jax python benchmarks/bench_gpu.py --models mlp gn_cnn --repeats 30
+    KERAS_BACKEND=jax python benchmarks/bench_gpu.py --small --max-seconds 45   # bounded (tests/e2e)
 
 On the project's GPU machines (Python 3.12 with JAX 0.11 on CUDA, and numpy, scipy,
 absl-py, rich, h5py, ml-dtypes, attrs, wrapt, mpmath there, but no Keras and no TensorFlow)
@@ -234,12 +235,16 @@ def _short(exc) -> str:
     return text[:90] + ("…" if len(text) > 90 else "")
 
 
-def time_model(name, size, configs, *, warmup, repeats, rng, verbose):
-    """{config: median seconds or an error string}, and the parameter count."""
+def time_model(name, size, configs, *, warmup, repeats, rng, verbose, deadline=None):
+    """{config: median seconds or an error string}, and the parameter count. Past
+    ``deadline`` (a ``time.perf_counter()`` value) only the plain step is still started."""
     x, y = batch_data(name, size, rng)
     steps_planned = max(warmup + repeats + 8, 4 * BANDS)
     runs, results, params = {}, {}, None
     for config in configs:
+        if deadline is not None and config != "plain" and time.perf_counter() > deadline:
+            results[config] = "not run (--max-seconds)"
+            continue
         try:
             model = compiled(name, config, size, steps_planned)
             step = step_fn(model, x, y)
@@ -342,6 +347,9 @@ def main(argv=None) -> int:
     parser.add_argument("--recurrence-params", type=int, default=None,
                         help="parameters of the recurrence row (default 124M; 1M with --small; 0 skips it)")
     parser.add_argument("--verbose", action="store_true", help="print the traceback of a failing cell")
+    parser.add_argument("--max-seconds", type=float, default=None,
+                        help="start no private configuration after this many seconds (the plain steps and the "
+                             "recurrence still run; their cells say 'not run'); default: no limit")
     args = parser.parse_args(argv)
     args.repeats = args.repeats or (3 if args.small else 15)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.small else 3)
@@ -361,8 +369,9 @@ def main(argv=None) -> int:
     print("\n".join(lines), flush=True)
     for name in args.models:
         size = SIZES[name][1 if args.small else 0]
+        deadline = None if args.max_seconds is None else started + args.max_seconds
         results, params = time_model(name, size, configs, warmup=args.warmup, repeats=args.repeats, rng=rng,
-                                     verbose=args.verbose)
+                                     verbose=args.verbose, deadline=deadline)
         plain = results.get("plain")
         label = name + (f" L = {size['length']}" if "length" in size else "")
         count = "?" if not params else (f"{params / 1e6:.2f}M" if params >= 100_000 else f"{params / 1e3:.1f}k")
