@@ -1,7 +1,8 @@
 """Curvature spectrum of a Hessian upper bound, estimated on public data (paper §4).
 
-``Spectrum`` (numpy only) is importable without TensorFlow; the estimators
-(HVP, Lanczos, SLQ, tail fit, ``estimate_spectrum``) load TensorFlow on first use.
+``Spectrum`` (numpy only) is importable without a framework; the estimators that
+differentiate a model (HVP, ``estimate_spectrum``, ``clipping_scale``) load the Keras
+backend's derivatives on first use (``keras_noisecurve.backend``: TensorFlow or JAX).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import importlib
 
 from keras_noisecurve.spectrum.artifact import Spectrum
 
-# name -> submodule, loaded lazily (they import TensorFlow)
+# name -> submodule, loaded lazily (some import Keras and its backend)
 _LAZY = {
     # numpy / scipy only
     "lanczos_top_k": "keras_noisecurve.spectrum.lanczos",
@@ -22,7 +23,7 @@ _LAZY = {
     "TailFit": "keras_noisecurve.spectrum.tail",
     "dominance_ratio": "keras_noisecurve.spectrum.certificate",
     "exact_eigenvalues": "keras_noisecurve.spectrum.dense",
-    # TensorFlow / Keras
+    # Keras (TensorFlow or JAX backend)
     "HessianOperator": "keras_noisecurve.spectrum.hvp",
     "dense_hessian": "keras_noisecurve.spectrum.dense",
     "exact_moments": "keras_noisecurve.spectrum.moments",

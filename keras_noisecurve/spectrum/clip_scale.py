@@ -1,4 +1,4 @@
-"""Clipping-aware curvature scale s (TensorFlow).
+"""Clipping-aware curvature scale s (TensorFlow or JAX backend).
 
 With per-example clipping at norm ζ, DP training steps along the mean of clipped
 gradients, (1/n) Σ_i min(1, ζ/‖g_i‖)·g_i. When ζ is below the typical per-example
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from keras_noisecurve import backend
 from keras_noisecurve._validation import check_float, check_int
 
 
@@ -25,33 +26,14 @@ def per_example_gradient_norms(model, x, y, *, loss_fn, batch_size: int = 128) -
       model: a built Keras model, run in inference mode (``training=False``).
       x, y: (n, ...) inputs and labels.
       loss_fn: ``(y_true, y_pred) -> (batch,)`` per-example loss.
-      batch_size: examples per ``tf.vectorized_map`` call.
+      batch_size: examples per vectorised call (``tf.vectorized_map`` on TensorFlow,
+        ``jax.vmap`` on JAX).
 
     Returns:
       (n,) float64 gradient norms, in the units of the loss per unit weight.
     """
-    import tensorflow as tf
-
-    variables = model.trainable_variables
-
-    @tf.function(reduce_retracing=True)
-    def norms(xb, yb):
-        def one(args):
-            xi, yi = args
-            with tf.GradientTape() as tape:
-                pred = model(xi[None], training=False)
-                value = tf.reduce_sum(tf.cast(loss_fn(yi[None], pred), variables[0].dtype))
-            grads = tape.gradient(value, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO)
-            return tf.sqrt(tf.add_n([tf.reduce_sum(tf.square(g)) for g in grads]))
-
-        return tf.vectorized_map(one, (xb, yb))
-
-    x = np.asarray(x)
-    y = np.asarray(y)
-    out = []
-    for start in range(0, x.shape[0], batch_size):
-        out.append(norms(tf.convert_to_tensor(x[start : start + batch_size]), tf.convert_to_tensor(y[start : start + batch_size])).numpy())
-    return np.concatenate(out).astype(np.float64)
+    batch_size = check_int("batch_size", batch_size, minimum=1)
+    return backend.module("hvp").per_example_gradient_norms(model, x, y, loss_fn=loss_fn, batch_size=batch_size)
 
 
 def clipping_scale(

@@ -136,7 +136,7 @@ def estimate_spectrum(
     """Eigenvalues of a Hessian upper bound Ĥ measured on public data (paper §4).
 
     Args:
-      model: a Keras 3 model (TensorFlow backend); never modified.
+      model: a Keras 3 model (TensorFlow or JAX backend); never modified.
       x: (n, ...) public inputs.
       y: optional (n, ...) labels; ``None`` draws random labels uniform over the model's
         output classes (paper §4.1).
@@ -163,7 +163,7 @@ def estimate_spectrum(
       exact_threshold: largest p for which "auto" uses the dense Hessian.
       tail_bins: number of geometric bins of the compressed tail.
       batch_size: examples per HVP batch.
-      strategy: optional ``tf.distribute.Strategy`` for the HVPs.
+      strategy: optional ``tf.distribute.Strategy`` for the HVPs (TensorFlow backend only).
       seed: seed for labels, pre-training order, Lanczos start and SLQ probes.
       verbose: progress bars / messages.
 

@@ -1,4 +1,4 @@
-"""Exact second derivatives through Keras normalisation layers (TensorFlow backend).
+"""Exact second derivatives through Keras normalisation layers.
 
 Keras 3 (TensorFlow backend) computes ``keras.ops.moments`` with ``tf.nn.moments``,
 whose variance is ``mean((x − stop_gradient(mean))²)``. Because Σ(x − mean) = 0, the
@@ -12,6 +12,11 @@ vector products through ``GroupNormalization`` and ``LayerNormalization`` (and
 The replacement is read when a function is *traced*, so every ``tf.function`` whose
 HVPs should be exact must be traced (first called) inside the context; the spectrum
 code does that. ``moment_layers(model)`` lists the layers affected.
+
+Only the TensorFlow backend has the pitfall: Keras's JAX ``moments`` computes the
+variance with ``jnp.var``, whose derivatives follow the mean too, so under
+``KERAS_BACKEND=jax`` the context patches nothing and is exact (and imports no
+TensorFlow).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import contextlib
 import threading
 import warnings
 
-from keras_noisecurve import _compat
+from keras_noisecurve import _compat, backend
 
 _LOCK = threading.RLock()
 _DEPTH = [0]
@@ -45,9 +50,15 @@ def _backend_module():
     return _compat.keras_tf_nn_module()
 
 
+def _needs_patch() -> bool:
+    """Whether the backend's moments stop the mean's gradient (TensorFlow does, JAX does not)."""
+    return backend.name() == "tensorflow"
+
+
 def exact_moments_available() -> bool:
-    """Whether this Keras version can be patched (TensorFlow backend with ``_compute_moments``)."""
-    return _backend_module() is not None
+    """Whether HVPs through moments are exact: always on JAX; on TensorFlow when this Keras
+    version can be patched (``_compute_moments``)."""
+    return not _needs_patch() or _backend_module() is not None
 
 
 @contextlib.contextmanager
@@ -55,8 +66,12 @@ def exact_moments():
     """Within the context, ``keras.ops.moments`` has exact second derivatives.
 
     Re-entrant and thread-safe (a lock is held while active). If this Keras version
-    cannot be patched, a ``RuntimeWarning`` says so and the context does nothing.
+    cannot be patched, a ``RuntimeWarning`` says so and the context does nothing. On
+    JAX, nothing needs patching and the context yields True at once.
     """
+    if not _needs_patch():
+        yield True
+        return
     module = _backend_module()
     if module is None:
         warnings.warn(

@@ -1,4 +1,4 @@
-"""Random-label pre-training on public data (paper §4.1-4.3; TensorFlow/Keras).
+"""Random-label pre-training on public data (paper §4.1-4.3; TensorFlow or JAX backend).
 
 The Hessian upper bound Ĥ is the Hessian at the weights reached by training a copy of
 the model on public inputs with labels drawn uniformly at random: the model is pushed
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from keras_noisecurve import backend
 from keras_noisecurve._validation import check_float, check_int
 
 
@@ -55,9 +56,6 @@ def pretrain(
     Returns:
       list of per-epoch mean training losses.
     """
-    import keras
-    import tensorflow as tf
-
     epochs = check_int("pretrain_epochs", epochs, minimum=0)
     lr = check_float("pretrain_learning_rate", learning_rate, positive=True)
     batch_size = check_int("batch_size", batch_size, minimum=1)
@@ -66,18 +64,7 @@ def pretrain(
     x = np.asarray(x)
     y = np.asarray(y)
     n = x.shape[0]
-    optimizer = keras.optimizers.SGD(learning_rate=lr)
-    variables = model.trainable_variables
-
-    @tf.function(reduce_retracing=True)
-    def step(xb, yb):
-        with tf.GradientTape() as tape:
-            pred = model(xb, training=True)
-            value = tf.reduce_mean(tf.cast(loss_fn(yb, pred), variables[0].dtype))
-        grads = tape.gradient(value, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO)
-        optimizer.apply(grads, variables)
-        return value
-
+    step = backend.module("hvp").sgd_step_fn(model, loss_fn=loss_fn, learning_rate=lr)
     rng = np.random.default_rng(seed)
     history = []
     for epoch in range(epochs):
@@ -85,7 +72,7 @@ def pretrain(
         total = 0.0
         for start in range(0, n, batch_size):
             idx = order[start : start + batch_size]
-            total += float(step(tf.convert_to_tensor(x[idx]), tf.convert_to_tensor(y[idx]))) * idx.size
+            total += step(x[idx], y[idx]) * idx.size
         history.append(total / n)
         if verbose:
             print(f"random-label pre-training epoch {epoch + 1}/{epochs}: loss {history[-1]:.4f}")

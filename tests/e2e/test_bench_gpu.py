@@ -1,0 +1,44 @@
+"""``benchmarks/bench_gpu.py --small`` under ``KERAS_BACKEND=jax`` in a subprocess, with
+TensorFlow unimportable (as on the GPU machines): the one table prints, with a plain step
+time for every model and the recurrence row. ``--max-seconds 45`` bounds the run: private
+configurations not yet started by then say "not run" (their first step compiles the whole
+private step, minutes on a loaded 2-core CPU)."""
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "bench_gpu.py"
+
+RUN = """
+import runpy, sys
+sys.modules["tensorflow"] = None  # as on a machine without TensorFlow
+sys.argv = [sys.argv[1]] + sys.argv[2:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_bench_gpu_small_prints_the_table():
+    pytest.importorskip("jax")
+    env = dict(os.environ, KERAS_BACKEND="jax", JAX_PLATFORMS="cpu")
+    done = subprocess.run([sys.executable, "-c", RUN, str(SCRIPT), "--small", "--max-seconds", "45"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    out = done.stdout
+    assert "devices: cpu" in out and "keras 3." in out and "jax " in out
+    rows = [line for line in out.splitlines() if line.startswith("| ")]
+    assert rows[0].startswith("| model | parameters | B | plain Keras-JAX step | DP-SGD (this library) | banded b = 16 "
+                              "| BLT d = 4 | jax_privacy Keras API (DP-SGD) |")
+    for name in ("mlp", "gn_cnn", "transformer_small", "transformer_14m"):
+        row = next(line for line in rows if line.startswith(f"| {name}"))
+        assert re.match(r"\| [^|]+ \| [0-9.]+[Mk] \| \d+ \| [0-9.]+ ms \|", row), row
+    recurrence = next(line for line in rows if line.startswith("| noise recurrence alone, b = 16"))
+    assert re.search(r"ring step \d+ GB/s \| copy \d+ GB/s \| \d+ % of copy", recurrence), recurrence
+    assert "tensorflow imported: False" in out
+    if (ROOT / "keras_noisecurve" / "backend" / "jax" / "optimizer.py").exists():  # the JAX training step is in
+        assert "import of tensorflow halted" not in out, "a cell imported TensorFlow"  # what a blocked import says
