@@ -13,6 +13,9 @@ Two HTML comments, invisible in the rendered docs, steer a block:
   before a fence: the code runs in the file's namespace just before that block. It defines the
   names a fragment takes from the surrounding prose (``model``, ``x``, ``y``, ``T`` ...) and keeps
   them small (a few steps, a few hundred examples) so that the test stays fast.
+
+One more, for a whole file: ``<!-- docs-test: backend jax -->`` (on a line of its own,
+anywhere) runs that file's blocks with ``KERAS_BACKEND=jax`` instead of ``tensorflow``.
 """
 
 import glob
@@ -31,7 +34,18 @@ DOC_FILES = ["README.md"] + sorted(os.path.relpath(p, ROOT) for p in glob.glob(o
 _FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})\s*([\w+-]*)")
 _SKIP = re.compile(r"^\s*<!--\s*docs-test:\s*skip\b(.*?)-->\s*$")
 _SETUP_START = re.compile(r"^\s*<!--\s*docs-test:\s*setup\s*$")
+_BACKEND = re.compile(r"^\s*<!--\s*docs-test:\s*backend\s+(tensorflow|jax)\s*-->\s*$")
 _ANY_MARKER = re.compile(r"docs-test:")
+
+
+def file_backend(path):
+    """The Keras backend the blocks of ``path`` run with: ``tensorflow`` unless the file
+    has a ``<!-- docs-test: backend NAME -->`` line."""
+    for line in open(os.path.join(ROOT, path), encoding="utf-8"):
+        match = _BACKEND.match(line)
+        if match:
+            return match.group(1)
+    return "tensorflow"
 
 
 @dataclass
@@ -94,6 +108,8 @@ def parse_blocks(path):
                 problems.append(f"{path}:{i + 1}: a docs-test setup comment has a blank line (keep it one HTML block)")
             setup.extend(lines[i + 1:end])
             i = end
+        elif _BACKEND.match(text):
+            pass  # a whole file's backend: file_backend()
         elif _ANY_MARKER.search(text):
             problems.append(f"{path}:{i + 1}: an unknown docs-test marker: {text.strip()!r}")
         i += 1
@@ -152,7 +168,10 @@ def test_doc_code_blocks_run(path, tmp_path):
                                 for b in to_run]), encoding="utf-8")
     work = tmp_path / "cwd"
     work.mkdir()
-    env = dict(os.environ, PYTHONPATH=ROOT, KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="2")
+    backend = file_backend(path)
+    if backend == "jax":
+        pytest.importorskip("jax", reason=f"{path} runs on the JAX backend: install the jax extra")
+    env = dict(os.environ, PYTHONPATH=ROOT, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="2")
     try:
         proc = subprocess.run([sys.executable, "-c", _DRIVER, str(spec)], capture_output=True, text=True,
                               env=env, cwd=work, timeout=300)
