@@ -28,6 +28,10 @@ The canaries' coordinates are disjoint and the noise is independent across coord
 so the canaries are independent trials given their inclusion bits: the Clopper–Pearson
 bound applies, and with m canaries one run does the work of m runs.
 
+``canary_kind="input"`` replaces the linear model and its embedding canaries by input
+canaries through Dense, Conv1D, attention and LayerNormalization layers
+(:mod:`keras_noisecurve.audit.input_canaries`).
+
 ``optimizer_factory``, ``dataset_factory`` and ``model_hook`` let a test audit a
 deliberately broken variant of the same run (tests/audit); they are not needed otherwise.
 """

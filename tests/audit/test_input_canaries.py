@@ -9,7 +9,7 @@ import tensorflow as tf
 
 from keras_noisecurve.audit import input_canaries
 from keras_noisecurve.audit.whitebox import audit_whitebox
-from keras_noisecurve.training import ghost, ghost_dense
+from keras_noisecurve.training import ghost, ghost_conv, ghost_dense, ghost_norm
 
 from . import broken
 
@@ -49,3 +49,33 @@ def test_input_canaries_are_validated_before_training():
         audit_whitebox(canary_kind="input", sampling="cyclic_poisson")
     with pytest.raises(ValueError, match="resume_at"):
         audit_whitebox(canary_kind="input", resume_at=3)
+
+
+#: the test-sized run of docs/audit.md ("Input canaries"): 400 canaries, T = 32 steps, DP-SGD at ε = 1
+INPUT = {"canary_kind": "input", "strategy": "dpsgd", "epsilon": 1.0, "canaries": 400, "epochs": 2,
+         "steps_per_epoch": 16, "learning_rate": 0.05, "seed": 1}
+RULES = {"Dense": ghost_dense.DenseRule, "EinsumDense (attention)": ghost_dense.EinsumDenseRule,
+         "Conv": ghost_conv.ConvRule, "LayerNormalization": ghost_norm.LayerNormalizationRule}
+BRANCH_OF = {"Dense": "dense", "EinsumDense (attention)": "attention", "Conv": "conv", "LayerNormalization": "norm"}
+
+
+@pytest.mark.slow  # about 20-40 s per audit on 2 cores
+def test_a_correct_run_with_input_canaries_is_consistent():
+    result = audit_whitebox(**INPUT).result
+    assert result.verdict == "consistent", result.to_dict()
+    assert result.epsilon_lower <= result.claimed_epsilon
+    assert result.info["canary_gradient_norm_min"] > 2  # every canary's gradient is clipped
+    assert set(result.info["bounds_by_layer"]) == set(input_canaries.BRANCHES)
+
+
+@pytest.mark.slow  # about 20-40 s per audit on 2 cores
+@pytest.mark.parametrize("family", sorted(RULES))
+def test_a_layer_left_unclipped_is_flagged_by_the_input_canaries(family, monkeypatch):
+    """The rule's norm drops its layer's share (patched from outside, tests/audit/broken.py):
+    the canaries of that layer's branch enter the update unclipped and the bound of that
+    branch exceeds the claim."""
+    broken.drop_layer_share(monkeypatch, RULES[family])
+    result = audit_whitebox(**INPUT).result
+    assert result.verdict == "violation", (family, result.epsilon_lower, result.claimed_epsilon, result.best)
+    assert result.best.startswith(BRANCH_OF[family] + ":"), result.best
+    assert result.info["bounds_by_layer"][BRANCH_OF[family]]["epsilon_lower"] > result.claimed_epsilon
