@@ -61,8 +61,16 @@ BRANCH_OF = {"Dense": "dense", "EinsumDense (attention)": "attention", "Conv": "
 
 @pytest.mark.slow  # about 20-40 s per audit on 2 cores
 def test_a_correct_run_with_input_canaries_is_consistent():
-    result = audit_whitebox(**INPUT).result
+    audit = audit_whitebox(**INPUT)
+    result = audit.result
     assert result.verdict == "consistent", result.to_dict()
+    # eq. (2) of input_canaries: at a step it takes part in, an included (clipped) canary adds
+    # exactly 1 to its observation, an excluded one 0; the rest (noise σ ≈ 5.3, other examples)
+    # is the same in both. Seed 1 measured 1.36 ± 0.37; a sign error (−1) fails this.
+    inc, part, obs = audit.included, audit.patterns > 0, audit.observations
+    seen_in, seen_out = obs[:, inc][part[:, inc]], obs[:, ~inc][part[:, ~inc]]
+    se = np.sqrt(seen_in.var() / seen_in.size + seen_out.var() / seen_out.size)
+    assert abs(seen_in.mean() - seen_out.mean() - 1.0) < 3 * se, (seen_in.mean() - seen_out.mean(), se)
     assert result.epsilon_lower <= result.claimed_epsilon
     assert result.info["canary_gradient_norm_min"] > 2  # every canary's gradient is clipped
     assert set(result.info["bounds_by_layer"]) == set(input_canaries.BRANCHES)
