@@ -6,7 +6,8 @@
   whitens the observed noise by C (the Neyman–Pearson test of a correlated-noise run).
 - :mod:`keras_noisecurve.audit.whitebox` and :mod:`keras_noisecurve.audit.blackbox`
   (TensorFlow): the auditors that train through ``make_private`` + ``NoiseCurveOptimizer``
-  + ``PrivateRun``.
+  + ``PrivateRun``; :mod:`keras_noisecurve.audit.input_canaries` (TensorFlow): the white-box
+  audit's input canaries, through Dense, Conv, attention and LayerNormalization layers.
 - :mod:`keras_noisecurve.audit.mechanism` (TensorFlow; ``mechanism_clipping``,
   ``mechanism_noise``) and :mod:`keras_noisecurve.audit.participation` (numpy): the
   mechanism checks on the user's own model and run (clipping, sampling, noise).

@@ -28,6 +28,10 @@ The canaries' coordinates are disjoint and the noise is independent across coord
 so the canaries are independent trials given their inclusion bits: the Clopper–Pearson
 bound applies, and with m canaries one run does the work of m runs.
 
+``canary_kind="input"`` replaces the linear model and its embedding canaries by input
+canaries through Dense, Conv1D, attention and LayerNormalization layers
+(:mod:`keras_noisecurve.audit.input_canaries`).
+
 ``optimizer_factory``, ``dataset_factory`` and ``model_hook`` let a test audit a
 deliberately broken variant of the same run (tests/audit); they are not needed otherwise.
 """
@@ -48,6 +52,7 @@ from keras_noisecurve.audit.report import AuditResult, summarize
 __all__ = ["CANARY_TARGET", "STRATEGIES", "WhiteBoxAudit", "audit_whitebox", "build_mixing", "check_canary_headroom"]
 
 STRATEGIES = ("dpsgd", "banded", "toeplitz", "blt")
+CANARY_KINDS = ("embedding", "input")
 SCORINGS = ("claimed/plan", "empirical/plan", "empirical/any-step", "claimed/poisson", "empirical/poisson")
 
 #: thresholds on the log-likelihood-ratio scores, fixed before any score is seen (Bonferroni):
@@ -242,6 +247,7 @@ def audit_whitebox(
     dataset_factory: Optional[Callable] = None,
     model_hook: Optional[Callable] = None,
     resume_at: Optional[int] = None,
+    canary_kind: str = "embedding",
 ) -> WhiteBoxAudit:
     """Train one private run with white-box gradient canaries and bound its ε from below.
 
@@ -280,6 +286,13 @@ def audit_whitebox(
         ``.keras`` file, load it back (as a new process would: a new ``PrivateRun`` object
         of the same plan, the key and noise state from the file) and train the rest of
         the plan: the audit then covers the resume path.
+      canary_kind: ``"embedding"`` (the linear model above: gradient canaries on embedding
+        rows, independent, Clopper–Pearson and Gaussian-DP bounds) or ``"input"``
+        (:mod:`keras_noisecurve.audit.input_canaries`: input canaries through a model with
+        Dense, Conv1D, MultiHeadAttention and LayerNormalization layers, scored by the
+        alignment of each update with the canary's own clipped gradient; one-run bound,
+        pooled and per layer; ``sampling="fixed_epochs"``, the ``"claimed/plan"`` scoring
+        and no ``resume_at`` only; ``features`` is ignored).
 
     Returns:
       a :class:`WhiteBoxAudit` whose ``result`` holds the claim, the bound and the verdict;
@@ -313,6 +326,14 @@ def audit_whitebox(
     check_choice("thresholds", thresholds, ("grid", "split"))
     check_int("bands", bands, minimum=1)
     check_int("buffers", buffers, minimum=1)
+    canary_kind = check_choice("canary_kind", canary_kind, CANARY_KINDS)
+    if canary_kind == "input":
+        if sampling != "fixed_epochs" or resume_at is not None or (
+                scorings is not None and tuple(scorings) != ("claimed/plan",)):
+            raise ValueError(
+                "canary_kind='input' supports sampling='fixed_epochs', scorings=None or ['claimed/plan'] and "
+                f"resume_at=None only, got sampling={sampling!r}, scorings={scorings!r}, resume_at={resume_at!r}.")
+        scorings = ("claimed/plan",)
     for name, value in (("optimizer_factory", optimizer_factory), ("dataset_factory", dataset_factory),
                         ("model_hook", model_hook)):
         if value is not None and not callable(value):
@@ -340,13 +361,28 @@ def audit_whitebox(
         name = getattr(mixing, "metadata", {}).get("strategy", type(mixing).__name__)
     run = knc.PrivateRun(num_examples=n, batch_size=batch, steps=steps, mixing=mixing, epsilon=epsilon,
                          delta=delta, sampling=sampling, seed=seed)
-    check_canary_headroom(run=run, learning_rate=eta, l2_norm_clip=clip, canaries=m)
+    if canary_kind == "embedding":
+        check_canary_headroom(run=run, learning_rate=eta, l2_norm_clip=clip, canaries=m)
     sampling_check = check_sampling(run=run)
     if not sampling_check.passed:
         raise ValueError("the run's batches do not follow the sampling the accountant analysed, so the claimed "
                          f"epsilon does not describe them; the audit refuses to score them. {sampling_check.line}")
-    patterns = _patterns(run, real, m)
     claimed = run.epsilon()
+    if canary_kind == "input":
+        from keras_noisecurve.audit import input_canaries
+
+        info = {"strategy": name, "sampling": sampling, "steps": steps, "batch_size": run.batch_size,
+                "bands": run.bands, "noise_multiplier": run.noise_multiplier, "target_epsilon": float(epsilon),
+                "canaries": m, "epochs": epochs, "steps_per_epoch": run.steps_per_epoch,
+                "claimed_mu": run.spec.fixed_epoch_sensitivity(epochs) / run.noise_multiplier}
+        out = input_canaries.run_input_audit(
+            run=run, real=real, m=m, eta=eta, clip=clip, seed=seed, delta=delta, confidence=confidence,
+            claimed=claimed, info=info, patterns_of=_patterns, optimizer_factory=optimizer_factory,
+            dataset_factory=dataset_factory, model_hook=model_hook)
+        return WhiteBoxAudit(run=run, included=out.included, observations=out.observations,
+                             probe_observations=np.zeros((steps, 0)), patterns=out.patterns, scores=out.scores,
+                             result=out.result)
+    patterns = _patterns(run, real, m)
 
     rng = np.random.default_rng(seed)
     included = rng.random(m) < 0.5
