@@ -10,7 +10,7 @@ import tensorflow as tf
 
 import keras_noisecurve as knc
 from keras_noisecurve.privacy.run_data import RunData
-from keras_noisecurve.training import optimizer as optimizer_module
+from keras_noisecurve.backend.tensorflow import optimizer as optimizer_module  # the TensorFlow update step
 from keras_noisecurve.training.noise import StateWrite, StreamNoise
 
 
