@@ -30,6 +30,18 @@ class Scale(keras.layers.Layer):
         return x * self.scale
 
 
+@pytest.fixture(autouse=True)
+def _fresh_keras_session():
+    """Each test from a fresh Keras session and fixed seeds (initial weights, the checked
+    examples), whatever ran before it in the worker. Run after the input-canary audit's tests
+    (which reseed the global generators and draw from them), the unpatched SimpleRNN case
+    once failed its clipping check (head Dense relative error 1.46): a state-dependent
+    failure, not yet explained, recorded in the closing note of the session that added this."""
+    keras.backend.clear_session()
+    keras.utils.set_random_seed(0)
+    yield
+
+
 def _head(inputs, features):
     return keras.Model(inputs, keras.layers.Dense(3, name="head")(features))
 
