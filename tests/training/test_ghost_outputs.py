@@ -152,15 +152,9 @@ class Tokens(keras.layers.Layer):
         return tf.reshape(self.dense(rows) * rows, tf.shape(x)), rows
 
 
-def test_rows_that_are_not_examples_are_clipped_through_their_caller():
-    rng = np.random.default_rng(5)
-    inputs = keras.Input((3, D))
-    h = Broadcast()(inputs)
-    h, rows = Tokens()(h)
-    out = keras.layers.Dense(2)(keras.ops.mean(h, axis=1) + keras.ops.mean(rows) * 0.0)
-    model = keras.Model(inputs, out)
-    how = {cls: kind for _, cls, kind in describe(model)}  # known before any step
-    assert how == {"Broadcast": "generic", "Tokens": "generic", "Dense": "Dense"}
+def _assert_rows_match_the_loop(model, rng):
+    """The traced engine's norms and clipped sum on P sequences of 3 rows equal the
+    per-example float64 loop's, at the median norm as the clip."""
     x, y = rng.normal(size=(P, 3, D)), rng.normal(size=(P, 2))
     w = rng.uniform(0.5, 2.0, size=P)
     unclipped, _ = loop_reference(model, mse, x, y, w, np.inf)
@@ -170,6 +164,18 @@ def test_rows_that_are_not_examples_are_clipped_through_their_caller():
     np.testing.assert_allclose(got.norms.numpy(), norms_ref, rtol=RTOL, atol=1e-14)
     for v, g, r in zip(model.trainable_variables, got.grads, sum_ref):
         np.testing.assert_allclose(np.asarray(g), r, rtol=RTOL, atol=1e-12, err_msg=v.path)
+
+
+def test_rows_that_are_not_examples_are_clipped_through_their_caller():
+    rng = np.random.default_rng(5)
+    inputs = keras.Input((3, D))
+    h = Broadcast()(inputs)
+    h, rows = Tokens()(h)
+    out = keras.layers.Dense(2)(keras.ops.mean(h, axis=1) + keras.ops.mean(rows) * 0.0)
+    model = keras.Model(inputs, out)
+    how = {cls: kind for _, cls, kind in describe(model)}  # known before any step
+    assert how == {"Broadcast": "generic", "Tokens": "generic", "Dense": "Dense"}
+    _assert_rows_match_the_loop(model, rng)
 
 
 def test_rows_refused_before_compile_when_no_caller_takes_examples():
@@ -204,12 +210,4 @@ def test_a_layer_returning_token_rows_is_its_own_caller():
     per_example = keras.ops.mean(keras.ops.reshape(logits, (-1, 6)), axis=1, keepdims=True)  # P·3 rows back to P
     out = keras.layers.Dense(2)(keras.ops.mean(h, axis=1)) + 0.1 * per_example
     model = keras.Model(inputs, out)
-    x, y = rng.normal(size=(P, 3, D)), rng.normal(size=(P, 2))
-    w = rng.uniform(0.5, 2.0, size=P)
-    unclipped, _ = loop_reference(model, mse, x, y, w, np.inf)
-    clip = float(np.median(unclipped))
-    norms_ref, sum_ref = loop_reference(model, mse, x, y, w, clip)
-    got = tf.function(lambda x, y, w: ghost_clipped_sum(model, mse, x, y, w, l2_norm_clip=clip, training=False))(x, y, w)
-    np.testing.assert_allclose(got.norms.numpy(), norms_ref, rtol=RTOL, atol=1e-14)
-    for v, g, r in zip(model.trainable_variables, got.grads, sum_ref):
-        np.testing.assert_allclose(np.asarray(g), r, rtol=RTOL, atol=1e-12, err_msg=v.path)
+    _assert_rows_match_the_loop(model, rng)
