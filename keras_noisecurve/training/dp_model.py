@@ -28,6 +28,7 @@ from keras_noisecurve import _compat
 from keras_noisecurve import backend as _backend
 from keras_noisecurve._losses import per_example_loss_fn
 from keras_noisecurve._validation import check_choice, check_float, check_int
+from keras_noisecurve.training.class_weight import check_class_weight
 from keras_noisecurve.training.model_checks import ENGINES, check_model_is_clippable
 from keras_noisecurve.training.optimizer import NoiseCurveOptimizer
 
@@ -313,6 +314,9 @@ class PrivateModel(_impl.TrainStepBackend, keras.Model):
         if extra:
             kwargs["callbacks"] = list(kwargs.pop("callbacks", None) or []) + extra
         return self._dp_fit(x, y, kwargs)
+
+    #: ``{class: weight}`` validated as a dense float32 table (``None`` stays ``None``)
+    _dp_check_class_weight = staticmethod(check_class_weight)
 
     def _dp_check_optimizer(self, optimizer):
         if not isinstance(optimizer, NoiseCurveOptimizer):
