@@ -11,8 +11,8 @@ One training step (docs/design.md#update-rule):
 
 ``class_weight`` multiplies each example's weight before clipping, a layer's
 ``add_loss`` penalty on the weights only is added like a regulariser and one that
-depends on the data is refused (:mod:`keras_noisecurve.training.keras_features`, on
-TensorFlow). ``test_step`` reports the same loss as training (the compiled per-example
+depends on the data is refused (:mod:`keras_noisecurve.training.keras_features` on
+TensorFlow, :mod:`keras_noisecurve.backend.jax.features` on JAX). ``test_step`` reports the same loss as training (the compiled per-example
 loss, weighted mean over the batch); ``predict_step`` is Keras's own.
 """
 
@@ -149,11 +149,12 @@ class PrivateModel(_impl.TrainStepBackend, keras.Model):
     Σ_i w_i·loss_i / Σ_i w_i over the batch (mask-weighted, without the regularisation
     term, and without the examples the engine dropped).
 
-    On TensorFlow, an example whose loss or gradient is not finite is dropped by the
-    clipping engine (it contributes 0, within the clip bound); ``fit`` logs the epoch's
-    count as ``nonfinite_examples`` and warns once per ``fit`` naming the steps; a step
-    whose every real example is non-finite stops ``fit`` before the weights change
-    (``keras_noisecurve.training.nonfinite``; docs/training.md).
+    An example whose loss or gradient is not finite is dropped by the clipping engine
+    (it contributes 0, within the clip bound); ``fit`` logs the epoch's count as
+    ``nonfinite_examples`` and warns once per ``fit`` naming the steps; a step whose
+    every real example is non-finite stops ``fit`` before the weights change
+    (``keras_noisecurve.training.nonfinite``; docs/training.md). On JAX that step applies
+    its noise only and ``fit`` raises at the end of the epoch (docs/backends.md).
     """
 
     def __init__(self, model, clipping="auto", microbatch_size=None, **kwargs):
@@ -278,7 +279,7 @@ class PrivateModel(_impl.TrainStepBackend, keras.Model):
         cannot continue (drawn with ``seed=None`` in another process).
 
         ``class_weight={class: weight}`` multiplies each example's weight by its class's
-        before clipping (arrays, datasets and ``PrivateRun`` datasets alike; TensorFlow)."""
+        before clipping (arrays, datasets and ``PrivateRun`` datasets alike)."""
         class_weight = kwargs.pop("class_weight", None)
         if class_weight is None and self._dp_class_weight is None:
             return self._dp_fit_plan(x, y, **kwargs)
