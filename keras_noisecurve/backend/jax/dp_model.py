@@ -6,11 +6,16 @@ One step, all under ``jax.jit`` (Keras's JAX trainer compiles ``train_step``)::
 
     g_i  = ∇_w (w_i·loss_i)(w)                      per example: jax.vmap of jax.grad of
                                                       the model's stateless_call
-    S    = Σ_i g_i·min(1, ζ/‖g_i‖₂)                  ‖·‖ over ALL trainable variables
-    S   += B·∇reg                                     weight regularisers, unclipped
+    S    = Σ_i g_i·min(1, ζ/‖g_i‖₂)                  ‖·‖ over ALL trainable variables;
+                                                      0 for an example whose loss or norm
+                                                      is not finite (dropped, counted)
+    S   += B·∇(reg + penalty)                         weight regularisers and add_loss
+                                                      penalties on the weights, unclipped
     (w, optimizer state) ← optimizer.stateless_apply_clipped_sum(S)
 
-with w_i the batch's mask (padding 0) times any sample weight, applied before clipping.
+with w_i the batch's mask (padding 0) times any sample weight times the class weight of
+``fit(class_weight=...)``, applied before clipping (``features`` has the non-finite count,
+the class weights and the add_loss check, as the TensorFlow step does them).
 The per-example gradients are exact for every layer (``vmap`` of the whole model's
 gradient); ``microbatch_size=m`` evaluates them m examples at a time (``jax.lax.map``
 over chunks; the batch is padded with weight-0 rows to a multiple of m).
@@ -105,10 +110,15 @@ def _clip_and_sum(grads, losses, l2_norm_clip):
     keep = jnp.logical_not(features.nonfinite_mask(losses, norms))
     clip = jnp.asarray(l2_norm_clip, jnp.float32)
     factor = jnp.where(keep, clip / jnp.maximum(norms, clip), 0.0)  # min(1, ζ/‖g‖), 0 when dropped
-    sums = [jnp.tensordot(factor.astype(g.dtype),
-                          jnp.where(jnp.reshape(keep, (-1,) + (1,) * (g.ndim - 1)), g, jnp.zeros_like(g)), axes=1)
-            for g in grads]
-    return sums, norms
+
+    def plain(grads):
+        return [jnp.tensordot(factor.astype(g.dtype), g, axes=1) for g in grads]
+
+    def masked(grads):  # only when an example was dropped (lax.cond: the usual step skips the pass)
+        return plain([jnp.where(jnp.reshape(keep, (-1,) + (1,) * (g.ndim - 1)), g, jnp.zeros_like(g))
+                      for g in grads])
+
+    return jax.lax.cond(jnp.all(keep), plain, masked, list(grads)), norms
 
 
 def clipped_sum(model, loss_fn, trainable, non_trainable, x, y, weights, *, l2_norm_clip,
