@@ -84,6 +84,10 @@ def test_a_step_whose_every_real_example_is_non_finite_is_refused_and_applies_no
         private.train_on_batch(x, y)
     for w0, w1 in zip(before, weights_of(model)):  # σ = 1e-9: the noise only moves ~1e-10
         np.testing.assert_allclose(w1, w0, rtol=0, atol=1e-7)
+    with pytest.raises(RuntimeError, match="refused step 1 .*every real example"):  # fit: at the epoch's end
+        private.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    for w0, w1 in zip(before, weights_of(model)):
+        np.testing.assert_allclose(w1, w0, rtol=0, atol=1e-7)
 
 
 # ------------------------------------------------------------------------- class_weight
