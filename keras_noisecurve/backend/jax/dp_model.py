@@ -231,7 +231,7 @@ class TrainStepBackend:
             done = int(np.asarray(optimizer.iterations.value))
             if done >= steps:
                 raise RuntimeError(_past_plan_message(done, steps))
-        seen = int(self._dp_nonfinite.values()[features._REFUSED])
+        seen = features.refused_steps(self._dp_nonfinite.values())
         self._dp_use_class_weight(class_weight)
         try:
             logs = super().train_on_batch(x, y, sample_weight=sample_weight, return_dict=return_dict)

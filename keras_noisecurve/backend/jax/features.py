@@ -32,7 +32,8 @@ import numpy as np
 
 __all__ = [
     "METRIC", "NonFiniteExamples", "ReportNonFinite", "all_dropped_message", "class_weights", "count_dropped",
-    "nonfinite_mask", "weight_penalty",
+    "dropped_message",
+    "nonfinite_mask", "raise_if_refused", "refused_steps", "weight_penalty",
 ]
 
 #: the name of the count in ``fit``'s logs (as on TensorFlow)
@@ -124,6 +125,11 @@ def dropped_message(values) -> str:
         "run went on without them. The count per epoch is the 'nonfinite_examples' log of fit. Check the "
         "inputs and labels for inf/nan (numpy.isfinite), or a layer that overflows."
     )
+
+
+def refused_steps(values) -> int:
+    """The number of refused steps in the counts ``values`` (the metric's ``values()``)."""
+    return int(values[_REFUSED])
 
 
 def raise_if_refused(values, seen) -> int:
