@@ -137,8 +137,6 @@ def float64():
 @pytest.mark.parametrize("engine", list(ENGINES))
 @pytest.mark.parametrize("name,case", CASES, ids=[f"{m}-{c}" for m, c in CASES])
 def test_a_non_finite_example_contributes_zero(float64, engine, name, case):
-    if engine == "vectorized" and name == "lstm":
-        pytest.skip("tf.vectorized_map cannot run an LSTM (a variant TypeError), a known limit of the reference engine")
     rng = np.random.default_rng(0)
     model = MODELS[name][0]()
     x, y = _batch(name, case, rng)
