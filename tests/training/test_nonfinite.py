@@ -263,6 +263,32 @@ def test_fit_drops_non_finite_examples_counts_them_and_warns_once(clipping):
     assert int(private.optimizer.iterations.numpy()) == STEPS
 
 
+def test_fit_distributed_counts_them_and_warns_once_as_fit():
+    """fit_distributed (two replicas of a MirroredStrategy, each clipping half of every
+    global batch) logs the same count as fit, over the whole global batches, and warns once."""
+    devices = tf.config.list_logical_devices("CPU")
+    if len(devices) < 2:
+        pytest.skip("needs the 2 logical CPU devices created by tests/conftest.py")
+    from keras_noisecurve.training.distributed import fit_distributed
+
+    bad = [17, 40, 41, 100, 200, 201, 202, 255]
+    x, y = _data(bad)
+    run = PrivateRun(num_examples=N, batch_size=BATCH, steps=STEPS, noise_multiplier=1.0, delta=1e-5, seed=3)
+    expected = _sampled(run, x)
+    assert expected > 0
+    strategy = tf.distribute.MirroredStrategy([d.name for d in devices[:2]])
+    with strategy.scope():
+        private = _private(run, "auto")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history = fit_distributed(private, x, y, run=run, verbose=0)
+    assert history.history[nonfinite.METRIC] == [expected]  # one epoch: every step of the call
+    assert all(np.all(np.isfinite(v)) for v in private.get_weights())
+    dropped = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning) and "dropped" in str(w.message)]
+    assert len(dropped) == 1 and f"dropped {expected} example(s)" in dropped[0]
+    assert int(private.optimizer.iterations.numpy()) == STEPS
+
+
 def test_a_clean_fit_logs_zero_and_does_not_warn():
     x, y = _data([])
     run = PrivateRun(num_examples=N, batch_size=BATCH, steps=4, noise_multiplier=1.0, delta=1e-5, seed=3)
