@@ -27,25 +27,28 @@ from keras_noisecurve.training.ghost_scale import ComputedScaleRule, PReLURule
 
 __all__ = ["FoldedTimeDistributedRule", "foldable"]
 
-#: rules whose forward and analysis take any number of leading position axes
-_POSITIONWISE = (DenseRule, EmbeddingRule, DiagonalScaleRule, ComputedScaleRule, PReLURule)
+#: the rules whose forward and analysis take any number of leading position axes, in the
+#: registry's order (the registry's earlier rules, e.g. LoRA, never take these layers'
+#: configurations that these rules accept)
+_POSITIONWISE = (DenseRule(), EmbeddingRule(), DiagonalScaleRule(), PReLURule(), LayerNormalizationRule(),
+                 ComputedScaleRule())
 
 
 def foldable(rule, layer) -> bool:
     """Whether ``rule`` (the rule of ``layer``) clips ``layer`` exactly when called on a
     (P, T, ...) tensor in place of T calls on (P, ...) slices."""
-    if type(rule) in _POSITIONWISE:
-        return True
-    if type(rule) is LayerNormalizationRule:  # axes counted from the end only
+    if isinstance(rule, LayerNormalizationRule):  # axes counted from the end only
         axes = [layer.axis] if isinstance(layer.axis, int) else list(layer.axis)
         return all(a < 0 for a in axes)
-    return False
+    return any(type(rule) is type(r) for r in _POSITIONWISE)
 
 
 def _inner_rule(layer):
-    from keras_noisecurve.training.ghost_layers import find_rule  # the registry imports this module
-
-    return find_rule(layer)
+    """The position-wise rule that takes ``layer``, or ``None``."""
+    for rule in _POSITIONWISE:
+        if rule.matches(layer) and not rule.check(layer):
+            return rule
+    return None
 
 
 class FoldedTimeDistributedRule(Rule):
@@ -65,7 +68,7 @@ class FoldedTimeDistributedRule(Rule):
         if inner.trainable_variables and not inner.trainable:
             return "its inner layer is frozen"
         rule = _inner_rule(inner)
-        if rule is None or rule.covers_sublayers:
+        if rule is None:
             return f"no position-wise rule for its inner {type(inner).__name__}"
         if not foldable(rule, inner):
             return f"the rule of its inner {type(inner).__name__} ({rule.kind}) is not position-wise"
