@@ -39,6 +39,7 @@ __all__ = [
     "replica_value_specs",
     "swap_compute_moments",
     "symbolic_build",
+    "unautocast_variable",
     "trainable_variable_keys",
     "trainable_variables",
     "update_compile_metrics",
@@ -75,6 +76,14 @@ def own_trainable_variables(layer) -> list:
     """The trainable variables ``layer`` itself created (not its sublayers'): Keras's
     ``Layer._trainable_variables`` (empty when the layer has none)."""
     return getattr(layer, "_trainable_variables", [])
+
+
+def unautocast_variable(variable):
+    """The backend variable behind a Keras ``variable`` (a ``tf.Variable`` on TensorFlow),
+    read WITHOUT Keras's autocast: inside a layer's call under a mixed-precision policy
+    ``variable.value`` is a fresh cast of it, which a ``tf.autodiff.ForwardAccumulator``
+    cannot watch (Keras's ``Variable._value``). Anything else is returned unchanged."""
+    return getattr(variable, "_value", None) if is_backend_variable(getattr(variable, "_value", None)) else variable
 
 
 def copy_keras_mask(source, target):

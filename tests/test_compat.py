@@ -56,6 +56,25 @@ def test_own_trainable_variables_are_the_layer_s_weights_not_its_sublayers():
     assert list(_compat.own_trainable_variables(block)) == [] and len(block.trainable_weights) == 2
 
 
+def test_unautocast_variable_is_the_tf_variable_even_under_a_mixed_policy():
+    import tensorflow as tf
+
+    layer = keras.layers.Dense(2, dtype="mixed_bfloat16")
+    layer.build((None, 3))
+    raw = _compat.unautocast_variable(layer.kernel)
+    assert isinstance(raw, tf.Variable) and raw.dtype == tf.float32
+    seen = []
+
+    class Probe(keras.layers.Layer):
+        def call(self, x):  # inside the call the Keras variable autocasts to bfloat16
+            seen.append((layer.kernel.value.dtype, _compat.unautocast_variable(layer.kernel).dtype))
+            return x
+
+    Probe(dtype="mixed_bfloat16")(tf.ones((1, 3)))
+    assert seen == [(tf.bfloat16, tf.float32)]
+    assert _compat.unautocast_variable(raw) is raw
+
+
 def test_causal_padding_is_kernel_minus_one_times_dilation_on_the_left():
     layer = keras.layers.Conv1D(2, kernel_size=3, dilation_rate=2, padding="causal")
     widths = np.asarray(_compat.causal_padding(layer)).tolist()

@@ -231,8 +231,8 @@ class EinsumDenseRule(DenseRule):
             sizes = dict(zip(ker_spec, layer.kernel.shape))
             kernel = tf.reshape(weighted_outer(a, g, scale), [sizes[c] for c in order])
             out = [(layer.kernel, tf.transpose(kernel, [order.index(c) for c in ker_spec]))]
-            if bias_grads is not None:
-                out.append((layer.bias, weighted_sum(bias_grads, scale)))
+            if bias_grads is not None:  # a bias with size-1 axes, e.g. (1, d), keeps its shape
+                out.append((layer.bias, tf.reshape(weighted_sum(bias_grads, scale), layer.bias.shape)))
             return out
 
         return total, grads

@@ -18,6 +18,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
+from keras_noisecurve import _compat
 from keras_noisecurve.training.ghost_common import (
     Rule,
     concat_positions,
@@ -220,7 +221,7 @@ class DiagonalScaleRule(Rule):
         out = original_call(inputs, *args, **kwargs)
         # The JVP from a second, detached call: outputs computed under a forward
         # accumulator are not differentiated by the enclosing GradientTape.
-        scale = layer.scale.value if isinstance(layer.scale, keras.Variable) else layer.scale
+        scale = _compat.unautocast_variable(layer.scale)  # not a fresh autocast copy (mixed precision)
         with tf.autodiff.ForwardAccumulator(primals=scale, tangents=tf.ones_like(scale)) as acc:
             detached = original_call(tf.stop_gradient(inputs), *args, **kwargs)
         jvp = acc.jvp(detached)

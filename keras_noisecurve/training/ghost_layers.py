@@ -44,12 +44,15 @@ from keras_noisecurve.training.ghost_dense import (
 )
 from keras_noisecurve.training.ghost_norm import GroupNormalizationRule, LayerNormalizationRule
 from keras_noisecurve.training.ghost_rnn import RecurrentRule
+from keras_noisecurve.training.ghost_scale import ComputedScaleRule, PReLURule
+from keras_noisecurve.training.ghost_timedist import FoldedTimeDistributedRule
 
 __all__ = [
     "CONV_CHUNK", "RULES", "ConvRule", "DenseRule", "DiagonalScaleRule", "EinsumDenseRule", "EmbeddingRule",
     "GenericRule", "GroupNormalizationRule", "LayerNormalizationRule", "LoRARule", "PositionEmbeddingRule", "RNNFallbackRule", "RecurrentRule", "ReversibleEmbeddingRule", "Rule", "TimeDistributedRule", "conv_chunk", "conv_sq_norms", "einsum_structure",
     "find_rule", "register_rule", "sequence_sq_norms", "token_sq_norms",
 ]
+__all__ += ["ComputedScaleRule", "FoldedTimeDistributedRule", "PReLURule"]
 
 RULES = (
     LoRARule(),
@@ -59,12 +62,15 @@ RULES = (
     ReversibleEmbeddingRule(),
     PositionEmbeddingRule(),
     DiagonalScaleRule(),
+    PReLURule(),
     ConvRule(),
     LayerNormalizationRule(),
     GroupNormalizationRule(),
     RecurrentRule(),  # LSTM / GRU / SimpleRNN (ghost_rnn)
+    FoldedTimeDistributedRule(),  # TimeDistributed over a position-wise rule (ghost_timedist)
     TimeDistributedRule(),
     RNNFallbackRule(),  # any other RNN, or one RecurrentRule refuses
+    ComputedScaleRule(),  # one (d,) weight, y = u(x) ⊙ (α + w): probed once (ghost_scale), tried last
 )
 
 

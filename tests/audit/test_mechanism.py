@@ -26,8 +26,8 @@ class Scale(keras.layers.Layer):
     def build(self, input_shape):
         self.scale = self.add_weight(shape=(input_shape[-1],), initializer="ones", name="scale")
 
-    def call(self, x):
-        return x * self.scale
+    def call(self, x):  # x·s² (not affine in s: no rule recognises it by what it computes)
+        return x * self.scale * self.scale
 
 
 @pytest.fixture(autouse=True)
