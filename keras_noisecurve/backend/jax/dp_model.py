@@ -24,11 +24,14 @@ the host side counts steps itself.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import keras
 import numpy as np
 
+from keras_noisecurve.backend.jax.ghost import ghost_clipped_sum
 from keras_noisecurve.backend.jax.pipeline import split_step as _split_step
 
 __all__ = ["TrainStepBackend", "clipped_sum", "per_example_grads"]
@@ -157,7 +160,15 @@ class TrainStepBackend:
         return None  # the vmap engine does not drop non-finite examples (TensorFlow only)
 
     def _dp_check_engine(self, model):
-        return None  # one engine on JAX (vmap of per-example gradients): nothing to refuse
+        return None  # the ghost engine's refusals come when the step is traced (keras_noisecurve.backend.jax.ghost)
+
+    def _dp_clipped_sum(self):
+        """The clipping engine: ``clipped_sum`` (whole-model vmap) for ``clipping="vectorized"``, else
+        ``ghost_clipped_sum`` (per-layer ghost norms; ``"auto"`` hands what it cannot attribute to examples to
+        ``clipped_sum``). Both return ``(sums, norms, losses, y_pred, non_trainable)``."""
+        if self._dp_clipping == "vectorized":
+            return clipped_sum
+        return functools.partial(ghost_clipped_sum, clipping=self._dp_clipping, vectorized=clipped_sum)
 
     def _dp_use_class_weight(self, class_weight):
         if class_weight is not None:
@@ -241,7 +252,7 @@ class TrainStepBackend:
         size = int(jax.tree_util.tree_leaves(x)[0].shape[0])
         weights = (jnp.ones((size,), jnp.float32) if sample_weight is None
                    else jnp.reshape(jnp.asarray(sample_weight, jnp.float32), (-1,)))
-        sums, _, losses, y_pred, non_trainable = clipped_sum(
+        sums, _, losses, y_pred, non_trainable = self._dp_clipped_sum()(
             self, self._dp_loss_fn, trainable, non_trainable, x, y, weights,
             l2_norm_clip=optimizer.l2_norm_clip, microbatch_size=self._dp_microbatch_size, training=True,
         )
