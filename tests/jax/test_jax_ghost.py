@@ -250,3 +250,44 @@ def test_private_fit_with_ghost_equals_vectorized_and_ghost_refuses_microbatches
                                                   expected_batch_size=8, seed=0), loss="mse")
     with pytest.raises(ValueError, match="microbatch_size=4 with the ghost engine"):
         private.train_on_batch(x[:8], y[:8])
+
+
+def test_a_recurrent_layer_is_clipped_whole_by_the_fallback():
+    keras.utils.set_random_seed(8)
+    inputs = keras.Input((5, 3))
+    h = keras.layers.LSTM(4, return_sequences=True)(inputs)
+    h = keras.layers.SimpleRNN(3)(keras.layers.Dense(4, activation="relu")(h))
+    model = keras.Model(inputs, keras.layers.Dense(2)(h))
+    rng = _rng(8)
+    x = rng.normal(size=(6, 5, 3)).astype("float32")
+    y = rng.normal(size=(6, 2)).astype("float32")
+    w = _weights(6)
+    _compare(model, x, y, w, _median_clip(model, x, y, w))
+
+
+class _Loop(keras.layers.Layer):
+    """Applies its Dense sublayer three times inside ``keras.ops.fori_loop``."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(4, activation="tanh")
+
+    def build(self, shape):
+        self.dense.build(shape)
+
+    def call(self, x):
+        return keras.ops.fori_loop(0, 3, lambda i, h: self.dense(h), x)
+
+
+def test_a_weighted_layer_inside_a_control_flow_body_is_refused_by_ghost_and_exact_under_auto():
+    keras.utils.set_random_seed(9)
+    inputs = keras.Input((4,))
+    model = keras.Model(inputs, keras.layers.Dense(2)(_Loop()(inputs)))
+    rng = _rng(9)
+    x = rng.normal(size=(6, 4)).astype("float32")
+    y = rng.normal(size=(6, 2)).astype("float32")
+    w = _weights(6)
+    clip = _median_clip(model, x, y, w)
+    with pytest.raises(ValueError, match="inside a JAX control-flow body"):
+        _compare(model, x, y, w, clip, clipping="ghost")
+    _compare(model, x, y, w, clip, clipping="auto")

@@ -11,9 +11,13 @@ One step, all under ``jax.jit`` (Keras's JAX trainer compiles ``train_step``)::
     (w, optimizer state) ← optimizer.stateless_apply_clipped_sum(S)
 
 with w_i the batch's mask (padding 0) times any sample weight, applied before clipping.
-The per-example gradients are exact for every layer (``vmap`` of the whole model's
-gradient); ``microbatch_size=m`` evaluates them m examples at a time (``jax.lax.map``
-over chunks; the batch is padded with weight-0 rows to a multiple of m).
+That is the ``clipping="vectorized"`` engine (:func:`clipped_sum`): the per-example
+gradients are exact for every layer (``vmap`` of the whole model's gradient);
+``microbatch_size=m`` evaluates them m examples at a time (``jax.lax.map`` over chunks;
+the batch is padded with weight-0 rows to a multiple of m). ``clipping="auto"`` and
+``"ghost"`` compute the same ``S`` and norms by per-layer ghost norms instead
+(:mod:`keras_noisecurve.backend.jax.ghost`; ``"auto"`` hands a model it cannot attribute
+to examples, or a microbatched one, to :func:`clipped_sum`).
 
 Refusals: a batch whose step is not the optimizer's, or a step t ≥ T of a plan, has its
 clipped sum replaced by zeros inside the step (the noise is still applied: it leaks

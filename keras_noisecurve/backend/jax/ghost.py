@@ -28,7 +28,9 @@ input, B·L token rows) cannot be attributed to examples by this engine. With
 ``clipping="auto"`` the whole step then uses the exact vectorized engine
 (``vectorized``: ``jax.vmap`` of the whole model's gradient); with ``clipping="ghost"``
 it is refused with a ValueError naming the layer, when the step is first traced (before
-any weight changes). Not detected: a weight read outside its own layer's ``call`` (e.g.
+any weight changes). The same holds for a weighted layer called inside a JAX control-flow
+body of a custom layer (``keras.ops.fori_loop``, ``scan``); Keras's recurrent layers are
+handled: each is one target, clipped whole by the fallback (:func:`targets`). Not detected: a weight read outside its own layer's ``call`` (e.g.
 a custom layer using another layer's kernel): its gradient through that read is missed.
 """
 
@@ -50,11 +52,21 @@ _F32 = jnp.float32
 
 def targets(model):
     """The layers of ``model`` that own trainable weights, with those weights:
-    a list of ``(layer, [variable, ...])`` in Keras's depth-first order."""
+    a list of ``(layer, [variable, ...])`` in Keras's depth-first order.
+
+    A recurrent layer (``keras.layers.RNN`` and its subclasses) is one target with every
+    trainable weight under it: its cell runs inside ``jax.lax.scan``, whose body cannot be
+    recorded per call, so the whole layer goes through the per-layer fallback."""
     trainable_ids = {id(v) for v in model.trainable_variables}
-    found = []
+    found, covered = [], set()
     for layer in _compat.flatten_layers(model, include_self=True, recursive=True):
-        owned = [v for v in _compat.own_trainable_variables(layer) if id(v) in trainable_ids]
+        if id(layer) in covered:
+            continue
+        if isinstance(layer, keras.layers.RNN):
+            covered.update(id(sub) for sub in _compat.flatten_layers(layer, include_self=False, recursive=True))
+            owned = [v for v in layer.trainable_variables if id(v) in trainable_ids]
+        else:
+            owned = [v for v in _compat.own_trainable_variables(layer) if id(v) in trainable_ids]
         if owned:
             found.append((layer, owned))
     return found
@@ -151,7 +163,7 @@ def _rebuild(call, arrays):
 def _rows_problem(layer, call, arrays, shapes, size):
     """Why the call's rows are not the P examples (``None`` when they are)."""
     outs = [shapes[k] for k in call["slots"]]
-    first = next((a for a in arrays if a.ndim >= 1), None)
+    first = next((a for a in arrays if len(a.shape) >= 1), None)
     lead = [s.shape[0] if len(s.shape) else None for s in outs] + ([first.shape[0]] if first is not None else [])
     if any(n != size for n in lead) or not outs:
         return (f"layer {layer.name!r} ({type(layer).__name__}) is called on rows that are not the batch's "
@@ -222,24 +234,40 @@ def ghost_norms(model, loss_fn, trainable, non_trainable, x, y, weights, *, trai
             lambda t: t.astype(_F32) if t.dtype in (jnp.float16, jnp.bfloat16) else t, y_pred)
         losses = jnp.reshape(loss_fn(y, y32), (-1,))
         total = jnp.sum(losses * weights.astype(losses.dtype))
+        if perturbations is None:  # the shape pass keeps shapes only (no tracer outlives its trace)
+            recorder.arrays = [[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays] for arrays in recorder.arrays]
+            return total, (losses, y_pred, new_ntv, None)
         return total, (losses, y_pred, new_ntv, recorder.arrays)
 
-    shape_recorder = _Recorder(layers)
-    jax.eval_shape(lambda: forward(None, shape_recorder))
-    for call, arrays in zip(shape_recorder.calls, shape_recorder.arrays):
-        problem = _rows_problem(layers[call["layer"]], call, arrays, shape_recorder.shapes, size)
-        if problem is not None:
-            if not strict:
-                return None
-            raise ValueError(
-                f"clipping='ghost' on JAX: {problem}; the ghost engine attributes each row of a layer's "
-                "input and output to one example. Use clipping='auto' (which then clips this model with the "
-                "exact vectorized engine) or clipping='vectorized'."
-            )
-    zeros = [jnp.zeros(s.shape, s.dtype) for s in shape_recorder.shapes]
-    recorder = _Recorder(layers, zeros)
-    grad_fn = jax.grad(lambda e: forward(e, _reset(recorder, e)), has_aux=True)
-    grads, (losses, y_pred, new_ntv, recorded) = grad_fn(zeros)
+    try:
+        shape_recorder = _Recorder(layers)
+        with jax.checking_leaks():  # a recorded call inside a control-flow body leaks its tracers
+            jax.eval_shape(lambda: forward(None, shape_recorder))
+        for call, arrays in zip(shape_recorder.calls, shape_recorder.arrays):
+            problem = _rows_problem(layers[call["layer"]], call, arrays, shape_recorder.shapes, size)
+            if problem is not None:
+                if not strict:
+                    return None
+                raise ValueError(
+                    f"clipping='ghost' on JAX: {problem}; the ghost engine attributes each row of a layer's "
+                    "input and output to one example. Use clipping='auto' (which then clips this model with the "
+                    "exact vectorized engine) or clipping='vectorized'."
+                )
+        zeros = [jnp.zeros(s.shape, s.dtype) for s in shape_recorder.shapes]
+        recorder = _Recorder(layers, zeros)
+        grad_fn = jax.grad(lambda e: forward(e, _reset(recorder, e)), has_aux=True)
+        grads, (losses, y_pred, new_ntv, recorded) = grad_fn(zeros)
+    except Exception as err:  # noqa: BLE001 - jax.checking_leaks raises a plain Exception("Leaked trace ...")
+        if "Leaked trace" not in str(err) and not isinstance(err, jax.errors.UnexpectedTracerError):
+            raise
+        if not strict:
+            return None
+        raise ValueError(
+            "clipping='ghost' on JAX: a layer with trainable weights is called inside a JAX control-flow body "
+            "(keras.ops.scan/fori_loop/while_loop in a custom layer's call), where its calls cannot be recorded "
+            "one by one. Use clipping='auto' (the exact vectorized engine for this model) or "
+            "clipping='vectorized'."
+        ) from err
     recorder.perturbations = False  # any later call of a wrapped layer (none expected) passes through
 
     by_layer = {}
