@@ -96,11 +96,12 @@ def test_mlp_with_fused_activation_layer_norm_and_sample_weights():
     assert norms[1] == 0.0
 
 
-def test_cnn_through_the_per_layer_fallback():
+def test_cnn_convolutions_through_the_per_layer_fallback_and_group_norm():
     keras.utils.set_random_seed(1)
     model = keras.Sequential([
         keras.Input((6, 6, 2)),
-        keras.layers.Conv2D(3, 3, activation="relu"),
+        keras.layers.Conv2D(4, 3, activation="relu"),
+        keras.layers.GroupNormalization(groups=2),  # its rule
         keras.layers.MaxPooling2D(),
         keras.layers.Flatten(),
         keras.layers.Dense(4),

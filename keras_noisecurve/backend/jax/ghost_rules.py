@@ -28,6 +28,8 @@ gradient of the layer's own weights, ``sums(c)`` a dict ``{id(variable): Σ_i c_
   L² < vocabulary·d, else a segment sum per example (memory P·vocabulary·d).
 * LayerNormalization over the last axis (no RMS scaling): ``x̂ = (a − mean)/√(var + ε)``,
   gamma gradient ``Σ_l x̂_il ⊙ g_il``, beta ``Σ_l g_il``.
+* GroupNormalization with channels last: the same, with mean and variance over the
+  positions and the channels of each group.
 """
 
 from __future__ import annotations
@@ -213,7 +215,29 @@ def layer_norm_rule(layer, calls):
         var = jnp.mean(jnp.square(a - mean), axis=-1, keepdims=True)
         xs.append(jnp.reshape((a - mean) * jax.lax.rsqrt(var + layer.epsilon), (p, -1, d)))
         gs.append(jnp.reshape(c["g"].astype(_F32), (p, -1, d)))
-    x_hat, g = _cat(xs), _cat(gs)
+    return _affine(layer, _cat(xs), _cat(gs))
+
+
+def group_norm_rule(layer, calls):
+    if type(layer) is not keras.layers.GroupNormalization or not _single(calls):
+        return None
+    if any(layer.axis % c["a"].ndim != c["a"].ndim - 1 for c in calls):
+        return None  # channels not on the last axis
+    d = calls[0]["a"].shape[-1]
+    p = calls[0]["g"].shape[0]
+    groups = layer.groups
+    xs, gs = [], []
+    for c in calls:
+        a = jnp.reshape(c["a"].astype(_F32), (p, -1, groups, d // groups))
+        mean = jnp.mean(a, axis=(1, 3), keepdims=True)
+        var = jnp.mean(jnp.square(a - mean), axis=(1, 3), keepdims=True)
+        xs.append(jnp.reshape((a - mean) * jax.lax.rsqrt(var + layer.epsilon), (p, -1, d)))
+        gs.append(jnp.reshape(c["g"].astype(_F32), (p, -1, d)))
+    return _affine(layer, _cat(xs), _cat(gs))
+
+
+def _affine(layer, x_hat, g):
+    """Per-example gradients of ``gamma ⊙ x̂ + beta`` over the last axis: ``Σ_l x̂_l ⊙ g_l``, ``Σ_l g_l``."""
     per = {}
     if layer.gamma is not None:
         per[id(layer.gamma)] = jnp.sum(x_hat * g, axis=1)
@@ -228,7 +252,7 @@ def layer_norm_rule(layer, calls):
 
 
 #: The rules, tried in order; the first that returns a result is used.
-RULES = (dense_rule, einsum_dense_rule, embedding_rule, layer_norm_rule)
+RULES = (dense_rule, einsum_dense_rule, embedding_rule, layer_norm_rule, group_norm_rule)
 
 
 def find_rule(layer, calls):
