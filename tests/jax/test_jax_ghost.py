@@ -292,3 +292,21 @@ def test_a_weighted_layer_inside_a_control_flow_body_is_refused_by_ghost_and_exa
     with pytest.raises(ValueError, match="inside a JAX control-flow body"):
         _compare(model, x, y, w, clip, clipping="ghost")
     _compare(model, x, y, w, clip, clipping="auto")
+
+
+def test_every_layer_through_the_fallback_alone(monkeypatch):
+    """No rule at all: every layer, the fused-activation Dense and EinsumDense included, goes
+    through the per-layer fallback, which must re-run them as recorded (before the activation)."""
+    from keras_noisecurve.backend.jax import ghost
+
+    monkeypatch.setattr(ghost, "find_rule", lambda layer, calls: None)
+    keras.utils.set_random_seed(10)
+    inputs = keras.Input((3, 4))
+    h = keras.layers.EinsumDense("abc,cd->abd", output_shape=(3, 5), bias_axes="d", activation="tanh")(inputs)
+    h = keras.layers.LayerNormalization()(keras.layers.Dense(5, activation="relu")(h))
+    model = keras.Model(inputs, keras.layers.Dense(2)(keras.layers.Flatten()(h)))
+    rng = _rng(10)
+    x = rng.normal(size=(6, 3, 4)).astype("float32")
+    y = rng.normal(size=(6, 2)).astype("float32")
+    w = _weights(6)
+    _compare(model, x, y, w, _median_clip(model, x, y, w))

@@ -190,9 +190,9 @@ def _fallback(model, layer, owned, calls, grads, trainable, non_trainable, recor
             full = [e[None] if b else a for e, a, b in zip(example_arrays, arrays, batched)]
             args, kwargs = _rebuild(call, full)
             mapping = list(zip(model.trainable_variables, values)) + mapping_rest
-            recorder.bare = index_of_layer
+            recorder.bare = index_of_layer  # this layer as recorded (pre-activation), the others plain
             try:
-                with keras.StatelessScope(state_mapping=mapping):
+                with _recording(recorder), keras.StatelessScope(state_mapping=mapping):
                     out = layer(*args, **kwargs)
             finally:
                 recorder.bare = None
