@@ -310,3 +310,27 @@ def test_every_layer_through_the_fallback_alone(monkeypatch):
     y = rng.normal(size=(6, 2)).astype("float32")
     w = _weights(6)
     _compare(model, x, y, w, _median_clip(model, x, y, w))
+
+
+def test_a_non_finite_example_contributes_nothing():
+    """An example with an infinite input: its norm is not finite and the sums equal the loop's
+    over the other examples (its 0 factor must not give 0·inf = nan)."""
+    model = mlp(seed=11)
+    rng = _rng(11)
+    x = rng.normal(size=(7, 6)).astype("float32") * 2
+    y = rng.normal(size=(7, 3)).astype("float32")
+    x[3, 2] = np.inf
+    w = _weights(7)
+    trainable = [v.value for v in model.trainable_variables]
+    non_trainable = [v.value for v in model.non_trainable_variables]
+    clip = 3.0
+    sums, norms, _, _, _ = jax.jit(lambda tv, ntv: ghost_clipped_sum(
+        model, mse_per_example, tv, ntv, jnp.asarray(x), jnp.asarray(y), jnp.asarray(w), l2_norm_clip=clip))(
+        trainable, non_trainable)
+    others = np.array([i for i in range(7) if i != 3])
+    ref_sums, ref_norms = reference_clipped_sum(model, x[others], y[others], w[others], clip)
+    assert not np.isfinite(np.asarray(norms)[3])
+    np.testing.assert_allclose(np.asarray(norms)[others], ref_norms, rtol=1e-4, atol=1e-6)
+    scale = max(np.max(np.abs(r)) for r in ref_sums)
+    for s, r in zip(sums, ref_sums):
+        np.testing.assert_allclose(np.asarray(s), r, rtol=1e-4, atol=1e-4 * scale)

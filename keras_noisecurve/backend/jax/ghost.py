@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import keras
 
 from keras_noisecurve import _compat
-from keras_noisecurve.backend.jax.ghost_rules import find_rule, uses_pre_activation
+from keras_noisecurve.backend.jax.ghost_rules import find_rule, kept, uses_pre_activation
 
 __all__ = ["ghost_clipped_sum", "ghost_norms", "targets"]
 
@@ -218,7 +218,7 @@ def ghost_norms(model, loss_fn, trainable, non_trainable, x, y, weights, *, trai
 
     Returns:
       ``(sq, sums_fn, losses, y_pred, non_trainable)``: ``sq`` (P,) float32 squared norms
-      ``‖w_i·∇loss_i‖²``; ``sums_fn(c)`` the list, in ``model.trainable_variables`` order, of
+      ``‖w_i·∇loss_i‖²``; ``sums_fn(c, keep=None)`` the list, in ``model.trainable_variables`` order, of
       ``Σ_i c_i·w_i·∇loss_i`` for factors ``c`` (P,); the unweighted losses (P,), the
       predictions and the non-trainable values after the call. ``None`` when ``strict``
       is false and a layer's rows are not the examples.
@@ -291,14 +291,14 @@ def ghost_norms(model, loss_fn, trainable, non_trainable, x, y, weights, *, trai
                 continue
         per = _fallback(model, layer, owned, calls, grads, trainable, non_trainable, recorder, size)
         sq = sq + sum(jnp.sum(jnp.reshape(p * p, (size, -1)), axis=1) for p in per)
-        parts.append((owned, lambda c, per=per, owned=owned: {
-            id(v): jnp.tensordot(c, p, axes=1) for v, p in zip(owned, per)}))
+        parts.append((owned, lambda c, keep=None, per=per, owned=owned: {
+            id(v): jnp.tensordot(c, kept(p, keep), axes=1) for v, p in zip(owned, per)}))
 
-    def sums_fn(c):
+    def sums_fn(c, keep=None):
         c = c.astype(_F32)
         got = {}
         for _, fn in parts:
-            got.update(fn(c))
+            got.update(fn(c, keep))
         return [got[id(v)].astype(t.dtype) if id(v) in got else jnp.zeros_like(t)
                 for v, t in zip(model.trainable_variables, trainable)]
 
@@ -333,7 +333,8 @@ def ghost_clipped_sum(model, loss_fn, trainable, non_trainable, x, y, weights, *
     losses (P,), the predictions and the non-trainable values after the call.
     ``clipping="auto"`` hands a model whose layers see rows that are not examples, or a
     ``microbatch_size`` below the batch size, to ``vectorized`` (same arguments); ``"ghost"``
-    refuses both.
+    refuses both. An example whose loss or norm is not finite contributes 0 to ``sums`` (its
+    rows of every recorded (a, g) are zeroed before the sums, only in a step that has one).
     """
     size = int(weights.shape[0])
     clip = jnp.asarray(l2_norm_clip, _F32)
@@ -353,5 +354,7 @@ def ghost_clipped_sum(model, loss_fn, trainable, non_trainable, x, y, weights, *
                           microbatch_size=microbatch_size, training=training)
     sq, sums_fn, losses, y_pred, ntv = result
     norms = jnp.sqrt(sq)
-    factor = clip / jnp.maximum(norms, clip)  # min(1, ζ/‖g_i‖)
-    return sums_fn(factor), norms, losses, y_pred, ntv
+    keep = jnp.isfinite(norms) & jnp.isfinite(losses)  # a non-finite example is dropped (contributes 0)
+    factor = jnp.where(keep, clip / jnp.maximum(norms, clip), 0.0)  # min(1, ζ/‖g_i‖), 0 when dropped
+    sums = jax.lax.cond(jnp.all(keep), sums_fn, lambda f: sums_fn(f, keep), factor)  # masking only if needed
+    return sums, norms, losses, y_pred, ntv

@@ -11,7 +11,8 @@ gradient is the sum over all its calls.
 
 Each rule is a function ``rule(layer, calls) -> (sq, sums)`` or ``None`` (the engine then
 uses the exact per-layer fallback): ``sq`` (P,) float32 per-example squared norms of the
-gradient of the layer's own weights, ``sums(c)`` a dict ``{id(variable): Σ_i c_i·G_i}``.
+gradient of the layer's own weights, ``sums(c, keep=None)`` a dict ``{id(variable): Σ_i c_i·G_i}``
+(with ``keep`` (P,) bool: the rows of examples not kept zeroed first, see :func:`kept`).
 ``calls`` is a list of dicts with ``"a"`` (the first positional argument of ``call``) and
 ``"g"`` (the gradient at the call's single output).
 
@@ -40,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import keras
 
-__all__ = ["RULES", "find_rule", "sequence_sq_norms", "token_sq_norms", "uses_pre_activation"]
+__all__ = ["RULES", "find_rule", "kept", "sequence_sq_norms", "token_sq_norms", "uses_pre_activation"]
 
 _F32 = jnp.float32
 
@@ -91,6 +92,14 @@ def _scaled(c, g):
     return g * jnp.reshape(c, (-1,) + (1,) * (g.ndim - 1)).astype(g.dtype)
 
 
+def kept(x, keep):
+    """``x`` (P, ...) with the rows of dropped examples (``keep`` (P,) bool false) set to 0, so that
+    a non-finite example's 0 factor cannot give 0·inf = nan in a sum; ``keep=None``: ``x``."""
+    if keep is None:
+        return x
+    return jnp.where(jnp.reshape(keep, (-1,) + (1,) * (x.ndim - 1)), x, jnp.zeros_like(x))
+
+
 def _single(calls):
     """Every call has one array input and one array output with the examples first."""
     return all(hasattr(c["a"], "shape") and hasattr(c["g"], "shape") for c in calls)
@@ -109,10 +118,10 @@ def dense_rule(layer, calls):
         bias_i = jnp.sum(g, axis=1)
         sq = sq + jnp.sum(bias_i * bias_i, axis=1)
 
-    def sums(c):
-        out = {id(layer.kernel): jnp.einsum("pli,plj->ij", a, _scaled(c, g))}
+    def sums(c, keep=None):
+        out = {id(layer.kernel): jnp.einsum("pli,plj->ij", kept(a, keep), _scaled(c, kept(g, keep)))}
         if bias_i is not None:
-            out[id(layer.bias)] = jnp.tensordot(c.astype(_F32), bias_i, axes=1)
+            out[id(layer.bias)] = jnp.tensordot(c.astype(_F32), kept(bias_i, keep), axes=1)
         return out
 
     return sq, sums
@@ -165,11 +174,12 @@ def einsum_dense_rule(layer, calls):
         bias_i = jnp.reshape(bias_i, (p, -1))
         sq = sq + jnp.sum(bias_i * bias_i, axis=1)
 
-    def sums(c):
-        result = {id(layer.kernel): sum(jnp.einsum(f"{inp},{out}->{ker}", x, _scaled(c, y))
+    def sums(c, keep=None):
+        result = {id(layer.kernel): sum(jnp.einsum(f"{inp},{out}->{ker}", kept(x, keep), _scaled(c, kept(y, keep)))
                                         for x, y in zip(a_parts, g_parts))}
         if bias_letters is not None:
-            result[id(layer.bias)] = jnp.reshape(jnp.tensordot(c.astype(_F32), bias_i, axes=1), bias_shape)
+            result[id(layer.bias)] = jnp.reshape(jnp.tensordot(c.astype(_F32), kept(bias_i, keep), axes=1),
+                                                 bias_shape)
         return result
 
     return sq, sums
@@ -191,8 +201,8 @@ def embedding_rule(layer, calls):
     g = _cat([jnp.reshape(c["g"].astype(_F32), (p, -1, d)) for c in calls])
     sq = token_sq_norms(ids, g, vocabulary)
 
-    def sums(c):
-        rows = jnp.reshape(_scaled(c, g), (-1, d))
+    def sums(c, keep=None):
+        rows = jnp.reshape(_scaled(c, kept(g, keep)), (-1, d))
         return {id(layer.embeddings): jnp.zeros((vocabulary, d), _F32).at[jnp.reshape(ids, (-1,))].add(rows)}
 
     return sq, sums
@@ -245,8 +255,8 @@ def _affine(layer, x_hat, g):
         per[id(layer.beta)] = jnp.sum(g, axis=1)
     sq = sum(jnp.sum(v * v, axis=1) for v in per.values())
 
-    def sums(c):
-        return {k: jnp.tensordot(c.astype(_F32), v, axes=1) for k, v in per.items()}
+    def sums(c, keep=None):
+        return {k: jnp.tensordot(c.astype(_F32), kept(v, keep), axes=1) for k, v in per.items()}
 
     return sq, sums
 
