@@ -20,13 +20,13 @@ The cost of correlated noise over DP-SGD (targets: banded b = 16 ≤ 1.15×, BLT
 the unfused reference) in bytes of state read + written per second, against a plain
 memory copy (numpy) moving the same number of bytes, interleaved in the same process::
 
-    python benchmarks/bench_step.py --models mlp512 --clipping auto --configs dpsgd banded16 blt4 \
-        --noise-bandwidth
-    python benchmarks/bench_step.py --models transformer64 --batch-size 64 --clipping auto \
-        --configs dpsgd banded16 blt4
+    python benchmarks/bench_step.py --models mlp512 --configs dpsgd banded16 blt4 --noise-bandwidth
+    python benchmarks/bench_step.py --models transformer64 --batch-size 64 --configs dpsgd banded16 blt4
 
-(``--clipping auto`` picks ghost clipping where every layer has a rule: the fast
-private step, against which the noise's share is measured.)
+(Every private configuration clips with the library's default engine, ``"auto"``: ghost
+norms where a layer has a rule, the fast private step against which the noise's share is
+measured. ``--clipping vectorized`` times the reference engine instead, an exact
+per-example loop: P batch-of-one gradients per step, far slower.)
 
 Ghost clipping (``"ghost"`` config, ghost-norm engine) with the transformer block
 and the peak step memory (TensorFlow's CPU allocator statistics); the line
@@ -79,12 +79,16 @@ from keras_noisecurve.training import NoiseCurveOptimizer, make_private  # noqa:
 
 LEARNING_RATE = 0.05
 
-#: name -> None (non-private) or dict(clipping=engine name, bands=b)
+#: name -> None (non-private) or dict(clipping=engine name, bands=b). The private
+#: configurations clip with the library's default engine, ``"auto"`` (``make_private``'s
+#: default: ghost norms where a layer has a rule, its own per-layer product elsewhere);
+#: ``--clipping vectorized`` times the reference per-example loop instead (slow: P
+#: batch-of-one gradients per step).
 CONFIGS = {
     "non-private": None,
-    "dpsgd": {"clipping": "vectorized", "bands": 1},
-    "banded16": {"clipping": "vectorized", "bands": 16},
-    "blt4": {"clipping": "vectorized", "strategy": ("blt", 4)},
+    "dpsgd": {"clipping": "auto", "bands": 1},
+    "banded16": {"clipping": "auto", "bands": 16},
+    "blt4": {"clipping": "auto", "strategy": ("blt", 4)},
     # ghost-norm clipping (keras_noisecurve.training.ghost), DP-SGD noise
     "ghost": {"clipping": "ghost", "bands": 1},
 }
@@ -92,11 +96,11 @@ CONFIGS = {
 #: --strategies: name -> dict(clipping=engine name, strategy=(kind, size)); size is b
 #: (banded, toeplitz), d (blt) or p (bisr). "dpsgd" is the no-state floor.
 STRATEGY_CONFIGS = {
-    "dpsgd": {"clipping": "vectorized", "bands": 1},
-    "banded64": {"clipping": "vectorized", "strategy": ("banded", 64)},
-    "toeplitz64": {"clipping": "vectorized", "strategy": ("toeplitz", 64)},
-    "blt4": {"clipping": "vectorized", "strategy": ("blt", 4)},
-    "bisr64": {"clipping": "vectorized", "strategy": ("bisr", 64)},
+    "dpsgd": {"clipping": "auto", "bands": 1},
+    "banded64": {"clipping": "auto", "strategy": ("banded", 64)},
+    "toeplitz64": {"clipping": "auto", "strategy": ("toeplitz", 64)},
+    "blt4": {"clipping": "auto", "strategy": ("blt", 4)},
+    "bisr64": {"clipping": "auto", "strategy": ("bisr", 64)},
 }
 
 
@@ -498,7 +502,8 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--clipping", choices=("vectorized", "ghost", "auto"), default=None,
                         help="clipping engine of every private configuration but 'ghost' (default: each "
-                             "configuration's own, vectorized)")
+                             "configuration's own, 'auto', the library's default engine; 'vectorized' is "
+                             "the reference per-example loop, slow)")
     parser.add_argument("--noise-bandwidth", action="store_true",
                         help="also time the noise recurrence alone (fused and unfused) against a memory copy")
     parser.add_argument("--memory-batch-sizes", nargs="*", type=int, default=[],

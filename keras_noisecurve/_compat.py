@@ -41,6 +41,7 @@ __all__ = [
     "symbolic_build",
     "trainable_variable_keys",
     "trainable_variables",
+    "update_compile_metrics",
     "variable_index",
     "variable_key",
 ]
@@ -109,6 +110,37 @@ def regularization_losses(model) -> list:
 def compile_metrics(model):
     """The ``CompileMetrics`` that ``compile(metrics=...)`` created (None before compile)."""
     return model._compile_metrics
+
+
+def update_compile_metrics(model, y, y_pred, *, sample_weight, row_weight) -> None:
+    """``CompileMetrics.update_state`` of ``compile(metrics=..., weighted_metrics=...)``, with
+    the unweighted ``metrics`` given ``row_weight`` as their sample weight (Keras gives them
+    none): a (P,) 0/1 weight leaves rows out of every metric under static shapes (JAX).
+    The weighted metrics get ``sample_weight`` (P,), repeated for each output as Keras does.
+    A metric whose ``update_state`` takes no ``sample_weight`` is called without it.
+    Reads ``CompileMetrics.built/build/_flatten_y/_flat_metrics/_flat_weighted_metrics``."""
+    import inspect
+
+    metrics = model._compile_metrics
+    if metrics is None:
+        return
+    if not metrics.built:
+        metrics.build(y, y_pred)
+    y_true, y_pred = metrics._flatten_y(y), metrics._flatten_y(y_pred)
+
+    def update(metric, y_t, y_p, weight):
+        parameters = inspect.signature(metric.update_state).parameters
+        if "sample_weight" in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
+            metric.update_state(y_t, y_p, sample_weight=weight)
+        else:
+            metric.update_state(y_t, y_p)
+
+    for metric, y_t, y_p in zip(metrics._flat_metrics, y_true, y_pred):
+        if metric:
+            update(metric, y_t, y_p, row_weight)
+    for metric, y_t, y_p in zip(metrics._flat_weighted_metrics, y_true, y_pred):
+        if metric:
+            update(metric, y_t, y_p, sample_weight)
 
 
 def is_backend_variable(value) -> bool:

@@ -97,6 +97,21 @@ def test_compile_metrics_loss_tracker_and_symbolic_build():
     assert float(tracker.result()) == pytest.approx(logs["loss"][0], rel=1e-6)
 
 
+def test_update_compile_metrics_gives_the_unweighted_metrics_the_row_weight():
+    model = _model()
+    model.compile(optimizer="sgd", loss="mse", metrics=["mae"], weighted_metrics=["mae"])
+    rng = np.random.default_rng(0)
+    y, y_pred = rng.normal(size=(6, 2)).astype("float32"), rng.normal(size=(6, 2)).astype("float32")
+    rows = np.array([1, 0, 1, 1, 0, 1], "float32")
+    weights = np.array([2, 5, 1, 0.5, 3, 1], "float32") * rows
+    _compat.update_compile_metrics(model, y, y_pred, sample_weight=weights, row_weight=rows)
+    errors = np.mean(np.abs(y - y_pred), axis=1)  # per-row mean absolute error, in numpy
+    logs = model.get_metrics_result()
+    values = sorted(float(v) for k, v in logs.items() if "mae" in k)
+    want = sorted([np.sum(errors * rows) / np.sum(rows), np.sum(errors * weights) / np.sum(weights)])
+    np.testing.assert_allclose(values, want, rtol=1e-5)
+
+
 # ------------------------------------------------------------------------- optimizers
 def test_optimizer_internals_agree_with_public_views():
     variables = [keras.Variable(np.zeros((2, 3), "float32")), keras.Variable(np.zeros(3, "float32"))]

@@ -25,6 +25,15 @@ The check fails when, beyond ``tolerance`` (relative),
    the engine's clipped sum of a batch holding that example alone (for the examples with
    the largest n_i), and as min(1, ζ/engine norm)·n_i for every example.
 
+The layer the check names (``worst_layer``) is the one whose OWN output is furthest off:
+its rule's per-example norms (1.), or its part of the clipped sum given the clipping
+factors the engine used, c'_i = min(1, ζ/n'_i) with n'_i the engine's norm, against
+Σ_i c'_i·g_iL (the rule's gradient function alone). The error of 3., against the true
+factors, is no attribution: one layer's wrong norm changes every example's factor and so
+every layer's part of the sum, and the part of another layer can be further off than the
+faulty layer's own (a SimpleRNN whose rule drops its share, followed by a Dense head: the
+head's part of the sum off by 1.5, the SimpleRNN's by 1.0).
+
 Dropout and other training-only randomness are off (``training=False``) on both sides,
 so that both differentiate the same function.
 """
@@ -52,12 +61,18 @@ class ClippingCheck:
       reference_dtype: ``"float64"`` (a float64 clone), ``"float64 (k float32 variables)"`` (a
         clone whose layers kept k weights in float32) or ``"float32"`` (the model itself).
       examples: number of examples compared.
-      worst_layer: ``(name, class, rule)`` of the layer with the largest error.
-      worst_error: that error (relative, the largest of its layer-norm and clipped-sum errors).
+      worst_layer: ``(name, class, rule)`` of the layer with the largest error of its own
+        (``own_error``).
+      worst_error: that error (relative): the largest of its layer-norm error and the error
+        of its part of the clipped sum given the engine's clipping factors.
       norm_error: largest relative error of the engine's per-example norms.
-      sum_error: largest relative error of a layer's part of the clipped sum.
+      sum_error: largest relative error of a layer's part of the clipped sum (against the
+        true clipped sum S_L).
       max_contribution: largest per-example contribution / ζ (1 = exactly ζ).
-      layers: ``[{"layer", "class", "rule", "norm_error", "sum_error"}]`` for every layer.
+      layers: ``[{"layer", "class", "rule", "norm_error", "sum_error", "own_sum_error"}]`` for
+        every layer: ``norm_error`` of its rule's norms (``None``: the engine reports none),
+        ``sum_error`` of its part of the clipped sum against S_L, ``own_sum_error`` against
+        the reference gradients scaled by the engine's factors.
       line: one line for a report.
     """
 
@@ -200,6 +215,9 @@ def check_clipping(*, private, loss_fn, l2_norm_clip, x, y, sample_weight=None, 
     with ghost.observe_layer_norms() as seen:
         out = engine(private, loss_fn, x, y, w, l2_norm_clip=l2_norm_clip, training=False)
     engine_norms = np.asarray(out.norms.numpy(), np.float64)
+    # the factors the engine clipped with (0 for an example it dropped as non-finite)
+    engine_factors = np.where(np.isfinite(engine_norms),
+                              np.minimum(1.0, l2_norm_clip / np.maximum(np.nan_to_num(engine_norms), 1e-300)), 0.0)
     engine_sum = [np.asarray(g.numpy(), np.float64) for g in out.grads]
     engine_layer_sq = {}
     for layer, _, _, sq in seen:
@@ -220,9 +238,11 @@ def check_clipping(*, private, loss_fn, l2_norm_clip, x, y, sample_weight=None, 
     norms = np.sqrt(sq.sum(axis=1))
     factors = np.minimum(1.0, l2_norm_clip / np.maximum(norms, 1e-300))
     reference_sum = [sum(factors[i] * grads[i][k] for i in range(size)) for k in range(len(variables))]
+    own_sum = [sum(engine_factors[i] * grads[i][k] for i in range(size)) for k in range(len(variables))]
+    total_own = np.sqrt(sum(float(np.sum(s ** 2)) for s in own_sum))
     total_sum = np.sqrt(sum(float(np.sum(s ** 2)) for s in reference_sum))
 
-    layers, worst = [], (("-", "-", "-"), 0.0)
+    layers, worst = [], None
     for (layer, kind, ks), path in zip(groups, paths + ["(not clipped by any rule)"]):
         ref_layer = np.sqrt(sq[:, ks].sum(axis=1))
         floor = np.maximum(ref_layer, SHARE_FLOOR * norms)
@@ -233,12 +253,16 @@ def check_clipping(*, private, loss_fn, l2_norm_clip, x, y, sample_weight=None, 
         diff = np.sqrt(sum(float(np.sum((engine_sum[k] - reference_sum[k]) ** 2)) for k in ks))
         scale = np.sqrt(sum(float(np.sum(reference_sum[k] ** 2)) for k in ks))
         sum_error = float(diff / max(scale, SHARE_FLOOR * total_sum, 1e-300))
+        own_diff = np.sqrt(sum(float(np.sum((engine_sum[k] - own_sum[k]) ** 2)) for k in ks))
+        own_scale = np.sqrt(sum(float(np.sum(own_sum[k] ** 2)) for k in ks))
+        own_sum_error = float(own_diff / max(own_scale, SHARE_FLOOR * total_own, 1e-300))
         name = (path, type(layer).__name__ if layer is not None else "-", kind)
         layers.append({"layer": name[0], "class": name[1], "rule": name[2], "norm_error": norm_error,
-                       "sum_error": sum_error})
-        error = max(sum_error, norm_error or 0.0)
-        if error >= worst[1]:
+                       "sum_error": sum_error, "own_sum_error": own_sum_error})
+        error = max(own_sum_error, norm_error or 0.0)  # this layer's own error (see the module's docstring)
+        if worst is None or error > worst[1]:  # a tie: the first layer of the plan
             worst = (name, error)
+    worst = worst or (("-", "-", "-"), 0.0)
     norm_error = float(np.max(np.abs(engine_norms - norms) / np.maximum(norms, SHARE_FLOOR * l2_norm_clip)))
     sum_error = max(entry["sum_error"] for entry in layers)
     contribution = np.minimum(1.0, l2_norm_clip / np.maximum(engine_norms, 1e-300)) * norms / l2_norm_clip
@@ -248,7 +272,8 @@ def check_clipping(*, private, loss_fn, l2_norm_clip, x, y, sample_weight=None, 
                         l2_norm_clip=l2_norm_clip, training=False)
         alone = np.sqrt(sum(float(np.sum(np.asarray(g.numpy(), np.float64) ** 2)) for g in single.grads))
         max_contribution = max(max_contribution, alone / l2_norm_clip)
-    passed = (worst[1] <= tolerance and norm_error <= tolerance and max_contribution <= 1.0 + tolerance)
+    passed = (worst[1] <= tolerance and norm_error <= tolerance and sum_error <= tolerance
+              and max_contribution <= 1.0 + tolerance)
     return ClippingCheck(passed=bool(passed), tolerance=float(tolerance), reference_dtype=reference_dtype,
                          examples=size, worst_layer=worst[0], worst_error=float(worst[1]),
                          norm_error=norm_error, sum_error=float(sum_error), max_contribution=max_contribution,
@@ -265,7 +290,7 @@ def merge(checks, *, tolerance):
             if old is None:
                 by_layer[position] = dict(entry)
             else:
-                for key in ("norm_error", "sum_error"):
+                for key in ("norm_error", "sum_error", "own_sum_error"):
                     if entry[key] is not None:
                         old[key] = max(old[key] or 0.0, entry[key])
     merged = dataclasses.replace(
@@ -276,6 +301,7 @@ def merge(checks, *, tolerance):
     verdict = "PASS" if merged.passed else "FAIL"
     line = (f"clipping: {verdict} - {merged.examples} examples, {len(merged.layers)} layers against per-example "
             f"tapes ({merged.reference_dtype}): worst layer '{name}' ({cls}, rule {rule}) relative error "
-            f"{merged.worst_error:.2e}; norms {merged.norm_error:.2e}; largest contribution "
+            f"{merged.worst_error:.2e}; norms {merged.norm_error:.2e}; clipped sum {merged.sum_error:.2e}; "
+            f"largest contribution "
             f"{merged.max_contribution:.6f} x zeta (tolerance {tolerance:g})")
     return dataclasses.replace(merged, line=line)

@@ -48,6 +48,7 @@ import tensorflow as tf
 
 from keras_noisecurve import _compat
 from keras_noisecurve._validation import check_int
+from keras_noisecurve.training import nonfinite
 from keras_noisecurve.training.optimizer import NoiseCurveOptimizer
 
 __all__ = ["assert_same_on_all_workers", "fit_distributed", "is_chief", "worker_checkpoint_dir"]
@@ -402,7 +403,12 @@ def fit_distributed(
 
     Returns:
       the ``keras.callbacks.History``: one entry per metric (e.g. ``loss``), the
-      epoch's value over the steps of this call, synchronised over all replicas.
+      epoch's value over the steps of this call, synchronised over all replicas, and
+      ``nonfinite_examples``, as in ``fit``: the number of real examples dropped in this
+      call because their loss or gradient was not finite (counted over the whole global
+      batch of every step). As ``fit`` does, a call that dropped examples warns once
+      (``RuntimeWarning``, naming the steps), and a step refused under XLA or a float16
+      loss scale raises a ``RuntimeError`` right after it.
 
     Raises:
       ValueError: on every worker, before the first step, when the workers' plans
@@ -465,7 +471,7 @@ def fit_distributed(
 
     spe = int(getattr(model, "steps_per_execution", 1) or 1)
     callback_list = keras.callbacks.CallbackList(
-        list(callbacks or []),
+        list(callbacks or []) + model._dp_step_callbacks(),  # as fit: the non-finite count's warning, refusals
         add_history=True,
         add_progbar=verbose != 0 and is_chief(strategy),
         model=model,
@@ -505,6 +511,8 @@ def fit_distributed(
         callback_list.on_train_batch_begin(done)
         try:
             logs = _floats(_train_function(model, strategy, n)(iterator))
+            # the epoch's dropped examples (train_step's counter; the replicas all-reduce the count)
+            logs[nonfinite.METRIC] = float(nonfinite.epoch_count(model._dp_nonfinite))
         except tf.errors.OutOfRangeError as error:
             raise ValueError(
                 f"the dataset of dataset_fn ran out after fewer than {first + done + n} steps (started at step "

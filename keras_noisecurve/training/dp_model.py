@@ -11,8 +11,8 @@ One training step (docs/design.md#update-rule):
 
 ``class_weight`` multiplies each example's weight before clipping, a layer's
 ``add_loss`` penalty on the weights only is added like a regulariser and one that
-depends on the data is refused (:mod:`keras_noisecurve.training.keras_features`, on
-TensorFlow). ``test_step`` reports the same loss as training (the compiled per-example
+depends on the data is refused (:mod:`keras_noisecurve.training.keras_features` on
+TensorFlow, :mod:`keras_noisecurve.backend.jax.features` on JAX). ``test_step`` reports the same loss as training (the compiled per-example
 loss, weighted mean over the batch); ``predict_step`` is Keras's own.
 """
 
@@ -28,6 +28,7 @@ from keras_noisecurve import _compat
 from keras_noisecurve import backend as _backend
 from keras_noisecurve._losses import per_example_loss_fn
 from keras_noisecurve._validation import check_choice, check_float, check_int
+from keras_noisecurve.training.class_weight import check_class_weight
 from keras_noisecurve.training.model_checks import ENGINES, check_model_is_clippable
 from keras_noisecurve.training.optimizer import NoiseCurveOptimizer
 
@@ -148,11 +149,12 @@ class PrivateModel(_impl.TrainStepBackend, keras.Model):
     Σ_i w_i·loss_i / Σ_i w_i over the batch (mask-weighted, without the regularisation
     term, and without the examples the engine dropped).
 
-    On TensorFlow, an example whose loss or gradient is not finite is dropped by the
-    clipping engine (it contributes 0, within the clip bound); ``fit`` logs the epoch's
-    count as ``nonfinite_examples`` and warns once per ``fit`` naming the steps; a step
-    whose every real example is non-finite stops ``fit`` before the weights change
-    (``keras_noisecurve.training.nonfinite``; docs/training.md).
+    An example whose loss or gradient is not finite is dropped by the clipping engine
+    (it contributes 0, within the clip bound); ``fit`` logs the epoch's count as
+    ``nonfinite_examples`` and warns once per ``fit`` naming the steps; a step whose
+    every real example is non-finite stops ``fit`` before the weights change
+    (``keras_noisecurve.training.nonfinite``; docs/training.md). On JAX that step applies
+    its noise only and ``fit`` raises at the end of the epoch (docs/backends.md).
     """
 
     def __init__(self, model, clipping="auto", microbatch_size=None, **kwargs):
@@ -277,7 +279,7 @@ class PrivateModel(_impl.TrainStepBackend, keras.Model):
         cannot continue (drawn with ``seed=None`` in another process).
 
         ``class_weight={class: weight}`` multiplies each example's weight by its class's
-        before clipping (arrays, datasets and ``PrivateRun`` datasets alike; TensorFlow)."""
+        before clipping (arrays, datasets and ``PrivateRun`` datasets alike)."""
         class_weight = kwargs.pop("class_weight", None)
         if class_weight is None and self._dp_class_weight is None:
             return self._dp_fit_plan(x, y, **kwargs)
@@ -313,6 +315,9 @@ class PrivateModel(_impl.TrainStepBackend, keras.Model):
         if extra:
             kwargs["callbacks"] = list(kwargs.pop("callbacks", None) or []) + extra
         return self._dp_fit(x, y, kwargs)
+
+    #: ``{class: weight}`` validated as a dense float32 table (``None`` stays ``None``)
+    _dp_check_class_weight = staticmethod(check_class_weight)
 
     def _dp_check_optimizer(self, optimizer):
         if not isinstance(optimizer, NoiseCurveOptimizer):

@@ -43,10 +43,16 @@ def _num_replicas() -> int:
 
 
 def _check_step(step, iterations):
-    """Fail the step unless every row of the batch belongs to step ``iterations``."""
+    """Fail the step unless every row of the batch belongs to step ``iterations``.
+
+    Returns the assertion op (``None`` when eager: it has raised already). The caller
+    makes every update of the step depend on it (``tf.control_dependencies``): in a
+    ``tf.function`` an assertion runs, but is not ordered before the variable updates,
+    which it shares no data with, so without the dependency the optimizer could advance
+    (and apply the step's noise) before the assertion stops the step."""
     expected = tf.cast(iterations, tf.int64)
     step = tf.cast(step, tf.int64)
-    tf.debugging.assert_equal(
+    return tf.debugging.assert_equal(
         step,
         tf.fill(tf.shape(step), expected),
         message=(
@@ -212,8 +218,9 @@ class TrainStepBackend:
         optimizer = self.optimizer
         self._dp_check_optimizer(optimizer)  # e.g. optimizer swapped after compile
         iteration = tf.cast(tf.identity(optimizer.iterations), tf.int64)  # before this step's update
+        checks = []  # assertions every update of the step depends on (graph mode; eager: raised already)
         if step is not None:
-            _check_step(step, optimizer.iterations)  # eager/graph; XLA drops it: see _refuse below
+            checks.append(_check_step(step, optimizer.iterations))  # eager/graph; XLA drops it: see _refuse below
         elif getattr(optimizer, "run", None) is not None:  # e.g. train_on_batch(x, y): not the plan's batch
             raise ValueError(self._dp_not_the_plan(optimizer.run) + " Got a batch without the run's step index.")
         if sample_weight is not None:
@@ -242,9 +249,8 @@ class TrainStepBackend:
                 per_example_loss=clipped.per_example_loss / tf.cast(scale, clipped.per_example_loss.dtype),
             )
         dropped, real = nonfinite.count_dropped(clipped.nonfinite, sample_weight, clipped.per_example_loss)
-        checks = []
         if scale == 1.0:  # a float16 overflow is refused in _refuse instead (the loss scale's fault)
-            checks = [nonfinite.assert_some_finite(dropped, real, iteration)]
+            checks.append(nonfinite.assert_some_finite(dropped, real, iteration))
         clipped = add_regularization(
             self, clipped, expected_batch_size=optimizer.expected_batch_size, num_replicas=_num_replicas()
         )

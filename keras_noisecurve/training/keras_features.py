@@ -18,39 +18,12 @@ import numpy as np
 import tensorflow as tf
 
 from keras_noisecurve import _compat
+from keras_noisecurve.training.class_weight import check_class_weight
 
 __all__ = ["add_weight_penalty", "check_class_weight", "class_weights", "weight_penalty"]
 
 
 # ------------------------------------------------------------------ class_weight
-def check_class_weight(class_weight):
-    """``{int class: float weight ≥ 0}`` validated, as a dense (max class + 1,) float32 table
-    (classes not named weigh 1, as in Keras), or ``None``.
-
-    Raises:
-      TypeError / ValueError: not a dict of integer classes to finite weights ≥ 0.
-    """
-    if class_weight is None:
-        return None
-    if not isinstance(class_weight, dict) or not class_weight:
-        raise TypeError(f"class_weight must be a non-empty dict {{class index: weight}}, got {class_weight!r}.")
-    table = {}
-    for key, value in class_weight.items():
-        if isinstance(key, bool) or not isinstance(key, (int, np.integer)) or key < 0:
-            raise ValueError(f"class_weight keys must be class indices (integers >= 0), got {key!r}.")
-        try:
-            value = float(value)
-        except (TypeError, ValueError):
-            raise TypeError(f"class_weight[{key}] must be a number, got {value!r}.") from None
-        if not np.isfinite(value) or value < 0:
-            raise ValueError(f"class_weight[{key}] must be a finite weight >= 0, got {value}.")
-        table[int(key)] = value
-    dense = np.ones(max(table) + 1, np.float32)
-    for key, value in table.items():
-        dense[key] = value
-    return dense
-
-
 def class_weights(table, y):
     """(P,) weight of each example's class: ``table[y_i]``; ``y`` integer labels of shape
     (P,) or (P, 1), or one-hot / probability rows (P, C) (the class is the argmax, as in

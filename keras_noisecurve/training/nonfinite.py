@@ -23,8 +23,8 @@ import keras
 import tensorflow as tf
 
 __all__ = [
-    "METRIC", "WarnNonFinite", "all_dropped", "assert_some_finite", "count_dropped", "message", "record", "reset_epoch",
-    "state",
+    "METRIC", "WarnNonFinite", "all_dropped", "assert_some_finite", "count_dropped", "epoch_count", "message", "record",
+    "reset_epoch", "state",
 ]
 
 #: the name of the count in ``fit``'s logs
@@ -104,6 +104,11 @@ def record(variable, dropped, iteration):
     ])
     variable.assign(new)
     return new[_EPOCH_COUNT]
+
+
+def epoch_count(variable) -> int:
+    """This epoch's dropped examples so far, read on the host from :func:`state`'s ``variable``."""
+    return int(variable.numpy()[_EPOCH_COUNT])
 
 
 def reset_epoch(variable) -> None:

@@ -33,10 +33,11 @@ class Scale(keras.layers.Layer):
 @pytest.fixture(autouse=True)
 def _fresh_keras_session():
     """Each test from a fresh Keras session and fixed seeds (initial weights, the checked
-    examples), whatever ran before it in the worker. Run after the input-canary audit's tests
-    (which reseed the global generators and draw from them), the unpatched SimpleRNN case
-    once failed its clipping check (head Dense relative error 1.46): a state-dependent
-    failure, not yet explained, recorded in the closing note of the session that added this."""
+    examples), whatever ran before it in the worker: isolation, so that a failure can be
+    rerun alone. (It once hid a real defect: after the input-canary tests, other initial
+    weights of the SimpleRNN case made the check name the Dense head instead of the
+    SimpleRNN whose share was dropped; the check now names a layer by its own error,
+    test_a_dropped_share_is_blamed_on_its_layer_when_another_layers_sum_is_further_off.)"""
     keras.backend.clear_session()
     keras.utils.set_random_seed(0)
     yield
@@ -116,6 +117,54 @@ def test_each_layer_family_passes_the_clipping_check_and_a_dropped_share_is_caug
     assert rule == FAMILIES[family].kind and (name == "target" or family == "Dense"), bad.line
     assert bad.worst_error > 0.5  # the layer's share is missing: relative error 1
     assert "clipping: FAIL" in bad.line and f"rule {rule}" in bad.line
+
+
+def test_a_dropped_share_is_blamed_on_its_layer_when_another_layers_sum_is_further_off(monkeypatch):
+    """The clipping check names the layer whose own output is wrong, even when a wrong norm
+    distorts ANOTHER layer's part of the clipped sum more (every example's factor changes).
+
+    Closed form, with the per-layer fallback (generic rule) of ``Scale`` dropping its share
+    and a Dense head, loss_i = y_i·out_i (so ∂loss_i/∂out_i = y_i): scale s = (1, 0), head
+    kernel (1, 1), bias 0; examples x = (1, 3), (1, 3), (1, 0) with y = +1, +1, −1. The head's
+    per-example gradients (x_1·s_1·y, 0, y) are ±(1, 0, 1), norm √2; Scale's, y·x⊙(1, 1), have
+    norms √10, √10, 1; so the true norms are √12, √12, √3 and the true clipped sum of the head,
+    ζ·(1, 0, 1)·(2/√12 − 1/√3), is exactly 0, while the engine, whose norms lost Scale's share
+    (√2 each), sums the head's parts to ζ·(1, 0, 1)/√2: that part is off by far more than 1
+    (relative, floored at 10⁻⁴ of the whole sum), Scale's own part of the sum by 1.5, and
+    Scale's norms by exactly 1. The check used to name the head (the largest clipped-sum error);
+    it must name Scale, whose rule is at fault (its norms), and the head is correct given the
+    factors the engine used."""
+    import tensorflow as tf
+
+    from keras_noisecurve.audit.mechanism_clipping import check_clipping
+
+    inputs = keras.Input((2,))
+    model = keras.Model(inputs, keras.layers.Dense(1, name="head")(Scale(name="target")(inputs)))
+    model.set_weights([np.array([1.0, 0.0], "float32"), np.ones((2, 1), "float32"), np.zeros(1, "float32")])
+    x = np.array([[1.0, 3.0], [1.0, 3.0], [1.0, 0.0]], "float32")
+    y = np.array([[1.0], [1.0], [-1.0]], "float32")
+
+    def linear_loss(y_true, y_pred):  # (P,): loss_i = y_i·out_i
+        return tf.reduce_sum(tf.cast(y_true, y_pred.dtype) * y_pred, axis=-1)
+
+    def check():
+        return check_clipping(private=knc.make_private(model), loss_fn=linear_loss, l2_norm_clip=0.05, x=x, y=y)
+
+    good = check()
+    assert good.passed and good.worst_error < 1e-6, good
+    broken.drop_layer_share(monkeypatch, ghost_generic.GenericRule)
+    bad = check()
+    assert not bad.passed
+    by_name = {entry["layer"]: entry for entry in bad.layers}
+    # the situation of the closed form: the head's part of the clipped sum is the most distorted
+    assert by_name["head"]["sum_error"] > 100 and by_name["target"]["sum_error"] == pytest.approx(
+        np.hypot(1 / np.sqrt(2), 6 / np.sqrt(2) - np.sqrt(3)) / np.sqrt(3), rel=1e-5)
+    assert by_name["target"]["norm_error"] == pytest.approx(1.0) and by_name["head"]["norm_error"] < 1e-6
+    assert bad.worst_layer == ("target", "Scale", "generic") and bad.worst_error == pytest.approx(1.0), bad.layers
+    # each layer's own error: Scale's norms are off by exactly 1; given the engine's factors,
+    # both parts of the sum are right
+    assert by_name["target"]["own_sum_error"] < 1e-6 and by_name["head"]["own_sum_error"] < 1e-6
+    assert bad.sum_error > 100  # still reported, and failing
 
 
 def _run(strategy="banded", sampling="fixed_epochs", n=120, batch=12, epochs=2, **optimizer):

@@ -109,6 +109,45 @@ def test_optimizer_noise_equals_dense_inverse(kind):
     assert np.std(dense) > 0.3  # not vacuous
 
 
+def test_multi_variable_model_noise_is_the_numpy_philox_draw_of_each_variable():
+    """Issue 31's z_t across backends, for a model of several variables: the private
+    model's update with a zero clipped sum (every sample weight 0) and η = B = ζ = σ = 1
+    over T = 3 banded steps (b = 3) is −z̃ = −(C⁻¹Z)_t per variable, Z drawn by the numpy Philox
+    (``backend/philox.py`` run with numpy, which tests/backend/test_philox.py checks
+    against TensorFlow's words) with seed fold_in(fold_in(key, t), k), k the variable's
+    position in ``model.trainable_variables`` (as on TensorFlow)."""
+    from keras_noisecurve.backend import philox
+
+    steps, seed = 3, 7
+    mixing = _banded(steps)
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(2)])  # 4 variables
+    private = make_private(model)
+    private.compile(optimizer=NoiseCurveOptimizer(learning_rate=1.0, mixing=mixing, l2_norm_clip=1.0,
+                                                  noise_multiplier=1.0, expected_batch_size=1, seed=seed), loss="mse")
+    x, y = np.ones((4, 4), np.float32), np.zeros((4, 2), np.float32)
+    start = weights_of(model)
+    moved = []
+    for _ in range(steps):
+        before = weights_of(model)
+        private.train_on_batch(x, y, sample_weight=np.zeros(4, np.float32))
+        moved.append([b - a for a, b in zip(weights_of(model), before)])  # z̃_t of each variable
+    words = np.asarray(jax_noise.key_words(key_from_seed(seed)))
+    shapes = [w.shape for w in start]
+    draws = []  # draws[t][k], numpy
+    for t in range(steps):
+        lo, hi = philox.int64_words(t)
+        step_words = philox.fold_in(np, words, lo, hi)
+        draws.append(philox.variable_normals(np, step_words, list(range(len(shapes))),
+                                             [int(np.prod(s)) for s in shapes], np.float32))
+    inverse = np.linalg.inv(mixing.to_dense())
+    for k, shape in enumerate(shapes):
+        want = inverse @ np.array([draws[t][k] for t in range(steps)], np.float64)
+        got = np.array([moved[t][k].reshape(-1) for t in range(steps)], np.float64)
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-5)
+        assert np.std(want) > 0.3
+
+
 # ------------------------------------------------------------------ inner optimizers
 @pytest.mark.parametrize("make_inner", [
     lambda: keras.optimizers.SGD(0.2, momentum=0.9),

@@ -137,8 +137,6 @@ def float64():
 @pytest.mark.parametrize("engine", list(ENGINES))
 @pytest.mark.parametrize("name,case", CASES, ids=[f"{m}-{c}" for m, c in CASES])
 def test_a_non_finite_example_contributes_zero(float64, engine, name, case):
-    if engine == "vectorized" and name == "lstm":
-        pytest.skip("tf.vectorized_map cannot run an LSTM (a variant TypeError), a known limit of the reference engine")
     rng = np.random.default_rng(0)
     model = MODELS[name][0]()
     x, y = _batch(name, case, rng)
@@ -262,6 +260,32 @@ def test_fit_drops_non_finite_examples_counts_them_and_warns_once(clipping):
     assert all(np.isfinite(history.history["loss"]))
     dropped = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning) and "dropped" in str(w.message)]
     assert len(dropped) == 1 and f"dropped {expected} example(s)" in dropped[0] and "step" in dropped[0]
+    assert int(private.optimizer.iterations.numpy()) == STEPS
+
+
+def test_fit_distributed_counts_them_and_warns_once_as_fit():
+    """fit_distributed (two replicas of a MirroredStrategy, each clipping half of every
+    global batch) logs the same count as fit, over the whole global batches, and warns once."""
+    devices = tf.config.list_logical_devices("CPU")
+    if len(devices) < 2:
+        pytest.skip("needs the 2 logical CPU devices created by tests/conftest.py")
+    from keras_noisecurve.training.distributed import fit_distributed
+
+    bad = [17, 40, 41, 100, 200, 201, 202, 255]
+    x, y = _data(bad)
+    run = PrivateRun(num_examples=N, batch_size=BATCH, steps=STEPS, noise_multiplier=1.0, delta=1e-5, seed=3)
+    expected = _sampled(run, x)
+    assert expected > 0
+    strategy = tf.distribute.MirroredStrategy([d.name for d in devices[:2]])
+    with strategy.scope():
+        private = _private(run, "auto")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history = fit_distributed(private, x, y, run=run, verbose=0)
+    assert history.history[nonfinite.METRIC] == [expected]  # one epoch: every step of the call
+    assert all(np.all(np.isfinite(v)) for v in private.get_weights())
+    dropped = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning) and "dropped" in str(w.message)]
+    assert len(dropped) == 1 and f"dropped {expected} example(s)" in dropped[0]
     assert int(private.optimizer.iterations.numpy()) == STEPS
 
 

@@ -25,13 +25,14 @@ def _run(seed=7):
     return PrivateRun(**PLAN, seed=seed)
 
 
-def _model(run, noise_seed=11):
+def _model(run, noise_seed=11, **compile_kwargs):
     keras.utils.set_random_seed(2)
     base = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(2)])
     model = make_private(base, clipping="vectorized")
     model.compile(
         optimizer=NoiseCurveOptimizer(run=run, learning_rate=0.3, l2_norm_clip=0.5, seed=noise_seed),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        **compile_kwargs,
     )
     return model
 
@@ -162,6 +163,59 @@ def test_a_dataset_out_of_step_is_refused(data):
     # by fit before any step (tests/training/test_run_data.py); by hand it fails the step check
     with pytest.raises(tf.errors.InvalidArgumentError, match="restarted at batch 0"):
         train(next(iter(run.dataset(*data).batches(model.optimizer).skip(1))))
+
+
+def _ancestors(op):
+    """Every op ``op`` depends on, through its inputs and its control inputs."""
+    seen, stack = set(), [op]
+    while stack:
+        current = stack.pop()
+        for parent in [t.op for t in current.inputs] + list(current.control_inputs):
+            if parent not in seen:
+                seen.add(parent)
+                stack.append(parent)
+    return seen
+
+
+@pytest.mark.parametrize("loss_scale, plan_check", [(1.0, True), (2.0, True), (2.0, False)])
+def test_a_batch_out_of_step_is_checked_before_any_update(data, loss_scale, plan_check, monkeypatch):
+    """In a ``tf.function`` an assertion runs but is ordered before no variable update it
+    shares no data with: the step check must be a dependency of every write of the step
+    (weights, noise rings, optimizer step), so a batch out of step changes nothing.
+
+    It used to be ordered only by accident: TensorFlow runs the stateful ops without a
+    resource input (assertions) in program order, and a LATER assertion was a dependency of
+    the updates (the non-finite check, absent under a loss scale; the optimizer's plan check
+    t < T). Without the plan check (``plan_check=False``, patched out: the state a refactor
+    could leave) and with a loss scale, nothing ordered the step check before the updates,
+    nor its read of the optimizer's step: this test failed then (in 2 of 3 tries already in
+    ``fit``, the check reading step 0 for the batch of step 1)."""
+    if not plan_check:
+        from keras_noisecurve.training.noise import StreamNoise
+
+        monkeypatch.setattr(StreamNoise, "assert_in_plan", lambda self, step: None)
+    run = _run()
+    model = _model(run, loss_scale=loss_scale)
+    model.fit(run.dataset(*data), verbose=0, epochs=1, steps_per_epoch=3)
+    before = _state(model)
+    stale = next(iter(_run().dataset(*data).batches()))  # batch 0; the optimizer is at step 3
+    train = tf.function(model.train_step)
+    graph = train.get_concrete_function(stale).graph
+    checks = [op for op in graph.get_operations()
+              if op.type in ("If", "StatelessIf", "Assert") and op.name.startswith("assert_equal")]
+    assert len(checks) == 1, [op.name for op in checks]
+    owned = {v.handle.ref(): v.path for v in list(model.trainable_variables) + list(model.optimizer.variables)}
+    placeholders = {inner.op: owned[outer.ref()] for outer, inner in graph.captures if outer.ref() in owned}
+    writes = [op for op in graph.get_operations()
+              if op.type in ("AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp", "StatefulPartitionedCall")
+              and any(t.op in placeholders for t in op.inputs)]
+    written = {placeholders[t.op] for op in writes for t in op.inputs if t.op in placeholders}
+    assert "noisecurve_optimizer/iteration" in written and {v.path for v in model.trainable_variables} <= written
+    unordered = [op.name for op in writes if checks[0] not in _ancestors(op)]
+    assert not unordered, unordered
+    with pytest.raises(tf.errors.InvalidArgumentError, match="another step than the optimizer"):
+        train(stale)
+    _assert_identical(_state(model), before)
 
 
 def test_fit_refuses_another_plan_and_a_complete_plan(data):

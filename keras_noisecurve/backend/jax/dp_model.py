@@ -6,11 +6,16 @@ One step, all under ``jax.jit`` (Keras's JAX trainer compiles ``train_step``)::
 
     g_i  = ∇_w (w_i·loss_i)(w)                      per example: jax.vmap of jax.grad of
                                                       the model's stateless_call
-    S    = Σ_i g_i·min(1, ζ/‖g_i‖₂)                  ‖·‖ over ALL trainable variables
-    S   += B·∇reg                                     weight regularisers, unclipped
+    S    = Σ_i g_i·min(1, ζ/‖g_i‖₂)                  ‖·‖ over ALL trainable variables;
+                                                      0 for an example whose loss or norm
+                                                      is not finite (dropped, counted)
+    S   += B·∇(reg + penalty)                         weight regularisers and add_loss
+                                                      penalties on the weights, unclipped
     (w, optimizer state) ← optimizer.stateless_apply_clipped_sum(S)
 
-with w_i the batch's mask (padding 0) times any sample weight, applied before clipping.
+with w_i the batch's mask (padding 0) times any sample weight times the class weight of
+``fit(class_weight=...)``, applied before clipping (``features`` has the non-finite count,
+the class weights and the add_loss check, as the TensorFlow step does them).
 That is the ``clipping="vectorized"`` engine (:func:`clipped_sum`): the per-example
 gradients are exact for every layer (``vmap`` of the whole model's gradient);
 ``microbatch_size=m`` evaluates them m examples at a time (``jax.lax.map`` over chunks;
@@ -35,6 +40,8 @@ import jax.numpy as jnp
 import keras
 import numpy as np
 
+from keras_noisecurve import _compat
+from keras_noisecurve.backend.jax import features
 from keras_noisecurve.backend.jax.ghost import ghost_clipped_sum
 from keras_noisecurve.backend.jax.pipeline import split_step as _split_step
 
@@ -101,14 +108,24 @@ def per_example_grads(model, loss_fn, trainable, non_trainable, x, y, weights, *
     return list(grads), losses, y_pred, new_ntv
 
 
-def _clip_and_sum(grads, l2_norm_clip):
-    """``(Σ_i clip(g_i, ζ), norms (P,))`` with the global per-example norm."""
+def _clip_and_sum(grads, losses, l2_norm_clip):
+    """``(Σ_i clip(g_i, ζ), norms (P,))`` with the global per-example norm; an example whose
+    loss or norm is not finite is dropped (factor 0, and its gradient replaced by zeros so
+    that 0·inf = nan cannot reach the sum), as the TensorFlow engines do."""
     squares = sum(jnp.sum(jnp.reshape(g.astype(jnp.float32), (g.shape[0], -1)) ** 2, axis=1) for g in grads)
     norms = jnp.sqrt(squares)
+    keep = jnp.logical_not(features.nonfinite_mask(losses, norms))
     clip = jnp.asarray(l2_norm_clip, jnp.float32)
-    factor = clip / jnp.maximum(norms, clip)  # min(1, ζ/‖g‖)
-    sums = [jnp.tensordot(factor.astype(g.dtype), g, axes=1) for g in grads]
-    return sums, norms
+    factor = jnp.where(keep, clip / jnp.maximum(norms, clip), 0.0)  # min(1, ζ/‖g‖), 0 when dropped
+
+    def plain(grads):
+        return [jnp.tensordot(factor.astype(g.dtype), g, axes=1) for g in grads]
+
+    def masked(grads):  # only when an example was dropped (lax.cond: the usual step skips the pass)
+        return plain([jnp.where(jnp.reshape(keep, (-1,) + (1,) * (g.ndim - 1)), g, jnp.zeros_like(g))
+                      for g in grads])
+
+    return jax.lax.cond(jnp.all(keep), plain, masked, list(grads)), norms
 
 
 def clipped_sum(model, loss_fn, trainable, non_trainable, x, y, weights, *, l2_norm_clip,
@@ -117,13 +134,15 @@ def clipped_sum(model, loss_fn, trainable, non_trainable, x, y, weights, *, l2_n
 
     Returns ``(sums, norms, losses, y_pred, non_trainable)``: one array per trainable
     variable, the norms ‖w_i·∇loss_i‖ (P,) before clipping, the unweighted per-example
-    losses (P,), the predictions and the non-trainable values after the call.
+    losses (P,), the predictions and the non-trainable values after the call. An example
+    whose loss or norm is not finite contributes 0 to ``sums`` (the contract of every
+    engine: ``train_step`` counts them from ``losses`` and ``norms``).
     """
     size = int(weights.shape[0])
     if microbatch_size is None or microbatch_size >= size:
         grads, losses, y_pred, ntv = per_example_grads(model, loss_fn, trainable, non_trainable, x, y, weights,
                                                         training=training)
-        sums, norms = _clip_and_sum(grads, l2_norm_clip)
+        sums, norms = _clip_and_sum(grads, losses, l2_norm_clip)
         return sums, norms, losses, y_pred, ntv
     m = int(microbatch_size)
     chunks = -(-size // m)
@@ -142,7 +161,7 @@ def clipped_sum(model, loss_fn, trainable, non_trainable, x, y, weights, *, l2_n
         xc, yc, wc = args
         grads, losses, y_pred, ntv = per_example_grads(model, loss_fn, trainable, non_trainable, xc, yc, wc,
                                                         training=training)
-        sums, norms = _clip_and_sum(grads, l2_norm_clip)
+        sums, norms = _clip_and_sum(grads, losses, l2_norm_clip)
         return sums, norms, losses, y_pred, ntv
 
     sums, norms, losses, y_pred, ntv = jax.lax.map(chunk, (xs, ys, ws))
@@ -161,7 +180,9 @@ class TrainStepBackend:
         return None
 
     def _dp_nonfinite_state(self):
-        return None  # the vmap engine does not drop non-finite examples (TensorFlow only)
+        metric = features.NonFiniteExamples()
+        self._dp_nonfinite_metric = metric  # tracked: a model metric, its counts in Keras's JAX state
+        return metric
 
     def _dp_check_engine(self, model):
         return None  # the ghost engine's refusals come when the step is traced (keras_noisecurve.backend.jax.ghost)
@@ -175,11 +196,11 @@ class TrainStepBackend:
         return functools.partial(ghost_clipped_sum, clipping=self._dp_clipping, vectorized=clipped_sum)
 
     def _dp_use_class_weight(self, class_weight):
-        if class_weight is not None:
-            raise ValueError(
-                "fit(class_weight=...) of a private model is implemented on the TensorFlow backend only; on JAX "
-                "multiply the sample weights by the class weights instead (run.dataset(x, y, sample_weight=w))."
-            )
+        """Set (or with ``None`` clear) the class-weight table of the ``fit`` in progress."""
+        table = self._dp_check_class_weight(class_weight)
+        if table is not None or self._dp_class_weight is not None:
+            self.train_function = None  # retrace: the table is a constant of the step
+        self._dp_class_weight = table
 
     def _dp_compile_defaults(self, kwargs):
         if kwargs.get("steps_per_execution", 1) != 1:
@@ -208,7 +229,8 @@ class TrainStepBackend:
 
     def _dp_step_callbacks(self):
         steps = self.optimizer.noise.steps
-        return [] if steps is None else [_RefusePastPlan(steps)]
+        report = [features.ReportNonFinite(self._dp_nonfinite)]
+        return report if steps is None else report + [_RefusePastPlan(steps)]
 
     def _dp_fit(self, x, y, kwargs):
         return super().fit(x, y, **kwargs)
@@ -224,8 +246,14 @@ class TrainStepBackend:
             done = int(np.asarray(optimizer.iterations.value))
             if done >= steps:
                 raise RuntimeError(_past_plan_message(done, steps))
-        return super().train_on_batch(x, y, sample_weight=sample_weight, class_weight=class_weight,
-                                      return_dict=return_dict)
+        seen = features.refused_steps(self._dp_nonfinite.values())
+        self._dp_use_class_weight(class_weight)
+        try:
+            logs = super().train_on_batch(x, y, sample_weight=sample_weight, return_dict=return_dict)
+        finally:
+            self._dp_use_class_weight(None)
+        features.raise_if_refused(self._dp_nonfinite.values(), seen)
+        return logs
 
     def _symbolic_build(self, iterator=None, data_batch=None):
         # build from one batch unpacked as (x, y, sample_weight): leave out a run batch's step
@@ -256,12 +284,19 @@ class TrainStepBackend:
         size = int(jax.tree_util.tree_leaves(x)[0].shape[0])
         weights = (jnp.ones((size,), jnp.float32) if sample_weight is None
                    else jnp.reshape(jnp.asarray(sample_weight, jnp.float32), (-1,)))
-        sums, _, losses, y_pred, non_trainable = self._dp_clipped_sum()(
+        if self._dp_class_weight is not None:  # fit(class_weight=...): w_i·cw[y_i], before clipping
+            weights = weights * features.class_weights(self._dp_class_weight, y)
+        penalty = features.weight_penalty(self, trainable, non_trainable, x)  # add_loss: weights only, else refused
+        sums, norms, losses, y_pred, non_trainable = self._dp_clipped_sum()(
             self, self._dp_loss_fn, trainable, non_trainable, x, y, weights,
             l2_norm_clip=optimizer.l2_norm_clip, microbatch_size=self._dp_microbatch_size, training=True,
         )
-        sums = self._dp_add_regularization(trainable, non_trainable, sums, optimizer.expected_batch_size)
-        ok = jnp.asarray(True)
+        nonfinite = features.nonfinite_mask(losses, norms)  # dropped by the engine (contributed 0)
+        dropped, real = features.count_dropped(nonfinite, weights)
+        all_dropped = (real > 0) & (dropped == real)
+        sums = self._dp_add_regularization(trainable, non_trainable, sums, optimizer.expected_batch_size,
+                                           penalty=penalty)
+        ok = jnp.logical_not(all_dropped)
         if step is not None:
             ok = ok & jnp.all(jnp.asarray(step, jnp.int32) == iteration.astype(jnp.int32))
         if optimizer.noise.steps is not None:
@@ -269,27 +304,38 @@ class TrainStepBackend:
         sums = [jnp.where(ok, s, jnp.zeros_like(s)) for s in sums]
         trainable, optimizer_values = optimizer.stateless_apply_clipped_sum(optimizer_values, sums, trainable)
 
+        # padding rows (weight 0) and dropped examples count in no metric: weight 0 for the
+        # loss and the weighted metrics, 0/1 row weight for the unweighted ones (static shapes)
+        keep = (weights > 0) & jnp.logical_not(nonfinite)
+        rows = keep.astype(jnp.float32)
+
+        def kept(t):  # a dropped example's values replaced by zeros (0·nan is nan in a metric)
+            return jnp.where(jnp.reshape(keep, (-1,) + (1,) * (jnp.ndim(t) - 1)), t, jnp.zeros_like(t))
+
+        y_kept, y_pred_kept = jax.tree_util.tree_map(kept, (y, y_pred))
         mapping = list(zip(self.metrics_variables, metrics_values))
         with keras.StatelessScope(state_mapping=mapping) as scope:
-            self._dp_loss_tracker().update_state(losses.astype(jnp.float32), sample_weight=weights)
-            # Padding rows (weight 0) count in no weighted metric; unweighted `metrics=[...]`
-            # see every row (static shapes under jit): see docs/backends.md.
-            logs = self.compute_metrics(x, y, y_pred, sample_weight=weights)
+            self._dp_loss_tracker().update_state(kept(losses.astype(jnp.float32)), sample_weight=weights * rows)
+            self._dp_nonfinite.update_state(dropped, iteration, all_dropped)
+            _compat.update_compile_metrics(self, y_kept, y_pred_kept, sample_weight=weights * rows, row_weight=rows)
+            logs = self.get_metrics_result()
         metrics_values = [
             scope.get_current_value(v) if scope.get_current_value(v) is not None else v.value
             for v in self.metrics_variables
         ]
         return logs, (trainable, non_trainable, optimizer_values, metrics_values)
 
-    def _dp_add_regularization(self, trainable, non_trainable, sums, expected_batch_size):
-        """``S + B·∇reg`` for the weight regularisers (data-independent, unclipped)."""
+    def _dp_add_regularization(self, trainable, non_trainable, sums, expected_batch_size, penalty=None):
+        """``S + B·∇(reg + penalty)`` for the weight regularisers and an ``add_loss`` penalty
+        on the weights only (``penalty(trainable)``, :func:`features.weight_penalty`):
+        data-independent, unclipped."""
         regularized = [v for v in self.trainable_variables if getattr(v, "regularizer", None) is not None]
-        if not regularized:
+        if not regularized and penalty is None:
             return sums
         ids = {id(v) for v in regularized}
 
         def reg(tv):
-            total = jnp.asarray(0.0, jnp.float32)
+            total = jnp.asarray(0.0, jnp.float32) if penalty is None else penalty(list(tv))
             for variable, value in zip(self.trainable_variables, tv):
                 if id(variable) in ids:
                     total = total + jnp.asarray(variable.regularizer(value), jnp.float32)
