@@ -13,7 +13,10 @@ one training step of:
   noise_multiplier=1, l2_norm_clip=1, expected_batch_size=B)``), C = I, a random banded C
   with 16 bands, a BLT strategy with 4 buffers;
 - ``jax_privacy``: jax_privacy's Keras API (``jax_privacy.keras.keras_api.make_private``,
-  DP-SGD) when that package is installed, else "not installed".
+  DP-SGD) when that package is installed, else "not installed";
+- ``DP-SGD, vectorized clipping``: DP-SGD with ``make_private(model, clipping="vectorized")``
+  (per-example gradients of the whole model by ``jax.vmap``) instead of the default
+  per-layer ghost norms (``clipping="auto"``, :mod:`keras_noisecurve.backend.jax.ghost`).
 
 Each cell is the median of ``--repeats`` single steps after ``--warmup`` steps, each step
 ended by a host sync (the logs ``train_on_batch`` returns are host numbers, and the first
@@ -68,13 +71,14 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's package
 
 MODELS = ("mlp", "gn_cnn", "transformer_small", "transformer_14m")
-CONFIGS = ("plain", "dpsgd", "banded16", "blt4", "jax_privacy")
+CONFIGS = ("plain", "dpsgd", "banded16", "blt4", "jax_privacy", "dpsgd_vectorized")
 HEADERS = {
     "plain": "plain Keras-JAX step",
     "dpsgd": "DP-SGD (this library)",
     "banded16": "banded b = 16",
     "blt4": "BLT d = 4",
     "jax_privacy": "jax_privacy Keras API (DP-SGD)",
+    "dpsgd_vectorized": "DP-SGD, vectorized clipping",
 }
 LEARNING_RATE = 0.05
 
@@ -207,8 +211,8 @@ def compiled(name, config, size, steps_planned):
     import keras_noisecurve as knc
 
     mixing = {"dpsgd": lambda: "dpsgd", "banded16": lambda: banded_mixing(steps_planned, BANDS),
-              "blt4": lambda: blt_mixing(steps_planned, 4)}[config]()
-    private = knc.make_private(model)
+              "blt4": lambda: blt_mixing(steps_planned, 4), "dpsgd_vectorized": lambda: "dpsgd"}[config]()
+    private = knc.make_private(model, clipping="vectorized" if config == "dpsgd_vectorized" else "auto")
     private.compile(
         optimizer=knc.NoiseCurveOptimizer(learning_rate=LEARNING_RATE, mixing=mixing, l2_norm_clip=1.0,
                                           noise_multiplier=1.0, expected_batch_size=batch, seed=0),

@@ -16,9 +16,13 @@ One step, all under ``jax.jit`` (Keras's JAX trainer compiles ``train_step``)::
 with w_i the batch's mask (padding 0) times any sample weight times the class weight of
 ``fit(class_weight=...)``, applied before clipping (``features`` has the non-finite count,
 the class weights and the add_loss check, as the TensorFlow step does them).
-The per-example gradients are exact for every layer (``vmap`` of the whole model's
-gradient); ``microbatch_size=m`` evaluates them m examples at a time (``jax.lax.map``
-over chunks; the batch is padded with weight-0 rows to a multiple of m).
+That is the ``clipping="vectorized"`` engine (:func:`clipped_sum`): the per-example
+gradients are exact for every layer (``vmap`` of the whole model's gradient);
+``microbatch_size=m`` evaluates them m examples at a time (``jax.lax.map`` over chunks;
+the batch is padded with weight-0 rows to a multiple of m). ``clipping="auto"`` and
+``"ghost"`` compute the same ``S`` and norms by per-layer ghost norms instead
+(:mod:`keras_noisecurve.backend.jax.ghost`; ``"auto"`` hands a model it cannot attribute
+to examples, or a microbatched one, to :func:`clipped_sum`).
 
 Refusals: a batch whose step is not the optimizer's, or a step t ≥ T of a plan, has its
 clipped sum replaced by zeros inside the step (the noise is still applied: it leaks
@@ -29,6 +33,8 @@ the host side counts steps itself.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import keras
@@ -36,6 +42,7 @@ import numpy as np
 
 from keras_noisecurve import _compat
 from keras_noisecurve.backend.jax import features
+from keras_noisecurve.backend.jax.ghost import ghost_clipped_sum
 from keras_noisecurve.backend.jax.pipeline import split_step as _split_step
 
 __all__ = ["TrainStepBackend", "clipped_sum", "per_example_grads"]
@@ -178,7 +185,15 @@ class TrainStepBackend:
         return metric
 
     def _dp_check_engine(self, model):
-        return None  # one engine on JAX (vmap of per-example gradients): nothing to refuse
+        return None  # the ghost engine's refusals come when the step is traced (keras_noisecurve.backend.jax.ghost)
+
+    def _dp_clipped_sum(self):
+        """The clipping engine: ``clipped_sum`` (whole-model vmap) for ``clipping="vectorized"``, else
+        ``ghost_clipped_sum`` (per-layer ghost norms; ``"auto"`` hands what it cannot attribute to examples to
+        ``clipped_sum``). Both return ``(sums, norms, losses, y_pred, non_trainable)``."""
+        if self._dp_clipping == "vectorized":
+            return clipped_sum
+        return functools.partial(ghost_clipped_sum, clipping=self._dp_clipping, vectorized=clipped_sum)
 
     def _dp_use_class_weight(self, class_weight):
         """Set (or with ``None`` clear) the class-weight table of the ``fit`` in progress."""
@@ -272,7 +287,7 @@ class TrainStepBackend:
         if self._dp_class_weight is not None:  # fit(class_weight=...): w_i·cw[y_i], before clipping
             weights = weights * features.class_weights(self._dp_class_weight, y)
         penalty = features.weight_penalty(self, trainable, non_trainable, x)  # add_loss: weights only, else refused
-        sums, norms, losses, y_pred, non_trainable = clipped_sum(
+        sums, norms, losses, y_pred, non_trainable = self._dp_clipped_sum()(
             self, self._dp_loss_fn, trainable, non_trainable, x, y, weights,
             l2_norm_clip=optimizer.l2_norm_clip, microbatch_size=self._dp_microbatch_size, training=True,
         )

@@ -1,0 +1,360 @@
+"""Per-layer ghost-norm clipping on the JAX backend (``make_private(model, clipping="auto")``
+or ``"ghost"``): ``Σ_i clip(w_i·∇loss_i, ζ)`` and the norms ``‖w_i·∇loss_i‖`` without
+the per-example gradients of the whole model, all inside the jitted train step.
+
+1. Recording. Every layer that owns trainable weights has its instance's ``call``
+   replaced, while the step is traced, by a wrapper (restored in ``finally``): it keeps
+   the call's arguments and adds a zero perturbation ``e_k`` (an argument of the
+   differentiated function, shaped like that call's output, learnt by ``jax.eval_shape``
+   of the same recorded call) to every floating output. For Dense and EinsumDense the
+   perturbation goes before the fused activation (the rule needs the linear output).
+2. One ``jax.value_and_grad`` of ``Σ_i w_i·loss_i`` with respect to the perturbations
+   gives ``g_k = ∂(Σ_i w_i·loss_i)/∂z_k`` for every recorded output ``z_k``; the weights
+   are constants of that function, so no weight gradient is formed. The perturbation is
+   added after the layer's own computation: ``g_k`` is the gradient flowing into the
+   output from outside the layer only.
+3. Per layer, the per-example squared norms of ITS weights' gradient: a rule of
+   :mod:`keras_noisecurve.backend.jax.ghost_rules` (Dense, EinsumDense, Embedding,
+   LayerNormalization) from the recorded ``(a, g)``, else the exact per-layer fallback:
+   ``jax.vmap`` over examples of ``∂⟨layer(W; a_i), g_i⟩/∂W`` (the VJP of that one
+   layer's call, every model weight mapped to its traced value, W its own weights).
+   Summed over layers: ``‖w_i·∇loss_i‖²``; ``c_i = min(1, ζ/‖w_i·∇loss_i‖)``.
+4. The clipped sum per layer from the same quantities ("book-keeping"), e.g.
+   ``Σ_{i,l} a_il (c_i g_il)ᵀ`` for a kernel, ``Σ_i c_i G_i`` for a fallback layer.
+
+Rows that are not examples: a recorded call whose floating outputs or first array
+argument do not have the batch size P as their leading dimension (a broadcast batch-1
+input, B·L token rows) cannot be attributed to examples by this engine. With
+``clipping="auto"`` the whole step then uses the exact vectorized engine
+(``vectorized``: ``jax.vmap`` of the whole model's gradient); with ``clipping="ghost"``
+it is refused with a ValueError naming the layer, when the step is first traced (before
+any weight changes). The same holds for a weighted layer called inside a JAX control-flow
+body of a custom layer (``keras.ops.fori_loop``, ``scan``); Keras's recurrent layers are
+handled: each is one target, clipped whole by the fallback (:func:`targets`). Not detected: a weight read outside its own layer's ``call`` (e.g.
+a custom layer using another layer's kernel): its gradient through that read is missed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+import keras
+
+from keras_noisecurve import _compat
+from keras_noisecurve.backend.jax.ghost_rules import find_rule, kept, uses_pre_activation
+
+__all__ = ["ghost_clipped_sum", "ghost_norms", "targets"]
+
+_F32 = jnp.float32
+
+
+def targets(model):
+    """The layers of ``model`` that own trainable weights, with those weights:
+    a list of ``(layer, [variable, ...])`` in Keras's depth-first order.
+
+    A recurrent layer (``keras.layers.RNN`` and its subclasses) is one target with every
+    trainable weight under it: its cell runs inside ``jax.lax.scan``, whose body cannot be
+    recorded per call, so the whole layer goes through the per-layer fallback."""
+    trainable_ids = {id(v) for v in model.trainable_variables}
+    found, covered = [], set()
+    for layer in _compat.flatten_layers(model, include_self=True, recursive=True):
+        if id(layer) in covered:
+            continue
+        if isinstance(layer, keras.layers.RNN):
+            covered.update(id(sub) for sub in _compat.flatten_layers(layer, include_self=False, recursive=True))
+            owned = [v for v in layer.trainable_variables if id(v) in trainable_ids]
+        else:
+            owned = [v for v in _compat.own_trainable_variables(layer) if id(v) in trainable_ids]
+        if owned:
+            found.append((layer, owned))
+    return found
+
+
+def _is_array(x):
+    return isinstance(x, (jax.Array, jax.core.Tracer)) or hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+def _floating(x):
+    return _is_array(x) and jnp.issubdtype(x.dtype, jnp.floating)
+
+
+class _Recorder:
+    """Trace-time state of one recorded forward pass (no Python state survives the trace)."""
+
+    def __init__(self, layers, perturbations=None):
+        self.layers = layers
+        self.perturbations = perturbations  # None: learn the shapes (jax.eval_shape)
+        self.calls = []  # per call: layer index, args treedef, static leaves, array positions
+        self.arrays = []  # per call: the array leaves of (args, kwargs)
+        self.shapes = []  # per perturbation: jax.ShapeDtypeStruct
+        self.bare = None  # layer index whose call runs bare (fallback re-run); others pass through
+
+    def call(self, index, original, args, kwargs):
+        layer = self.layers[index]
+        if self.bare is not None or self.perturbations is False:
+            if self.bare == index and uses_pre_activation(layer):
+                return _without_activation(layer, original, args, kwargs)
+            return original(*args, **kwargs)
+        activation = uses_pre_activation(layer) and layer.activation is not None
+        out = _without_activation(layer, original, args, kwargs) if activation else original(*args, **kwargs)
+        leaves, tree = jax.tree_util.tree_flatten(out)
+        slots = []
+        for j, leaf in enumerate(leaves):
+            if not _floating(leaf):
+                continue
+            k = len(self.shapes)
+            self.shapes.append(jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
+            if self.perturbations is not None:
+                leaves[j] = leaf + self.perturbations[k]
+            slots.append(k)
+        out = jax.tree_util.tree_unflatten(tree, leaves)
+        flat, arg_tree = jax.tree_util.tree_flatten((args, kwargs))
+        positions = [j for j, leaf in enumerate(flat) if _is_array(leaf)]
+        static = [None if _is_array(leaf) else leaf for leaf in flat]
+        self.calls.append({"layer": index, "tree": arg_tree, "static": static, "positions": positions,
+                           "slots": slots, "single": len(leaves) == 1 and len(slots) == 1})
+        self.arrays.append([flat[j] for j in positions])
+        if activation:
+            out = layer.activation(out)
+        return out
+
+
+def _without_activation(layer, original, args, kwargs):
+    saved = layer.activation
+    object.__setattr__(layer, "activation", None)
+    try:
+        return original(*args, **kwargs)
+    finally:
+        object.__setattr__(layer, "activation", saved)
+
+
+@contextlib.contextmanager
+def _recording(recorder):
+    """Replace the ``call`` of every recorded layer instance (trace time only)."""
+    saved = []
+    try:
+        for index, layer in enumerate(recorder.layers):
+            had = "call" in vars(layer)
+            original = layer.call
+
+            def wrapped(*args, _index=index, _original=original, **kwargs):
+                return recorder.call(_index, _original, args, kwargs)
+
+            saved.append((layer, had, original))
+            object.__setattr__(layer, "call", wrapped)
+        yield recorder
+    finally:
+        for layer, had, original in reversed(saved):
+            if had:
+                object.__setattr__(layer, "call", original)
+            else:
+                object.__delattr__(layer, "call")
+
+
+def _rebuild(call, arrays):
+    flat = list(call["static"])
+    for j, value in zip(call["positions"], arrays):
+        flat[j] = value
+    return jax.tree_util.tree_unflatten(call["tree"], flat)
+
+
+def _rows_problem(layer, call, arrays, shapes, size):
+    """Why the call's rows are not the P examples (``None`` when they are)."""
+    outs = [shapes[k] for k in call["slots"]]
+    first = next((a for a in arrays if len(a.shape) >= 1), None)
+    lead = [s.shape[0] if len(s.shape) else None for s in outs] + ([first.shape[0]] if first is not None else [])
+    if any(n != size for n in lead) or not outs:
+        return (f"layer {layer.name!r} ({type(layer).__name__}) is called on rows that are not the batch's "
+                f"{size} examples (leading dimensions {lead})")
+    return None
+
+
+def _fallback(model, layer, owned, calls, grads, trainable, non_trainable, recorder, size):
+    """Per-example gradients (P, *shape) of ``layer``'s own weights, summed over its calls:
+    ``jax.vmap`` over examples of the VJP of the layer's call at its recorded arguments."""
+    owned_ids = [id(v) for v in owned]
+    index = {id(v): j for j, v in enumerate(model.trainable_variables)}
+    mapping_rest = list(zip(model.non_trainable_variables, non_trainable))
+    index_of_layer = recorder.layers.index(layer)
+    total = None
+    for call, arrays in calls:
+        batched = [a.ndim >= 1 and a.shape[0] == size for a in arrays]
+        seeds = [grads[k] for k in call["slots"]]
+
+        def inner(weights, example_arrays, example_seeds, call=call, arrays=arrays, batched=batched):
+            values = list(trainable)
+            for vid, w in zip(owned_ids, weights):
+                values[index[vid]] = w
+            full = [e[None] if b else a for e, a, b in zip(example_arrays, arrays, batched)]
+            args, kwargs = _rebuild(call, full)
+            mapping = list(zip(model.trainable_variables, values)) + mapping_rest
+            recorder.bare = index_of_layer  # this layer as recorded (pre-activation), the others plain
+            try:
+                with _recording(recorder), keras.StatelessScope(state_mapping=mapping):
+                    out = layer(*args, **kwargs)
+            finally:
+                recorder.bare = None
+            leaves = [leaf for leaf in jax.tree_util.tree_leaves(out) if _floating(leaf)]
+            return sum(jnp.vdot(leaf[0].astype(_F32), s.astype(_F32)) for leaf, s in zip(leaves, example_seeds))
+
+        owned_values = [trainable[index[vid]] for vid in owned_ids]
+        in_axes = (None, [0 if b else None for b in batched], [0] * len(seeds))
+        per = jax.vmap(jax.grad(inner), in_axes=in_axes)(owned_values, arrays, seeds)
+        total = per if total is None else [t + p for t, p in zip(total, per)]
+    return [t.astype(_F32) for t in total]
+
+
+def ghost_norms(model, loss_fn, trainable, non_trainable, x, y, weights, *, training=True, strict=True):
+    """Per-layer ghost analysis of one batch (see the module docstring).
+
+    Args:
+      model: the Keras model whose ``stateless_call`` is differentiated.
+      loss_fn: ``(y_true, y_pred) -> (P,)`` per-example losses.
+      trainable, non_trainable: the values of the model's variables.
+      x, y: the batch (P examples); weights: (P,) float32 (sample weight × mask).
+      strict: raise ValueError on rows that are not examples (else return ``None``).
+
+    Returns:
+      ``(sq, sums_fn, losses, y_pred, non_trainable)``: ``sq`` (P,) float32 squared norms
+      ``‖w_i·∇loss_i‖²``; ``sums_fn(c, keep=None)`` the list, in ``model.trainable_variables`` order, of
+      ``Σ_i c_i·w_i·∇loss_i`` for factors ``c`` (P,); the unweighted losses (P,), the
+      predictions and the non-trainable values after the call. ``None`` when ``strict``
+      is false and a layer's rows are not the examples.
+    """
+    found = targets(model)
+    layers = [layer for layer, _ in found]
+    size = int(weights.shape[0])
+
+    def forward(perturbations, recorder):
+        with _recording(recorder):
+            y_pred, new_ntv = model.stateless_call(trainable, non_trainable, x, training=training)
+        y32 = jax.tree_util.tree_map(
+            lambda t: t.astype(_F32) if t.dtype in (jnp.float16, jnp.bfloat16) else t, y_pred)
+        losses = jnp.reshape(loss_fn(y, y32), (-1,))
+        total = jnp.sum(losses * weights.astype(losses.dtype))
+        if perturbations is None:  # the shape pass keeps shapes only (no tracer outlives its trace)
+            recorder.arrays = [[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays] for arrays in recorder.arrays]
+            return total, (losses, y_pred, new_ntv, None)
+        return total, (losses, y_pred, new_ntv, recorder.arrays)
+
+    try:
+        shape_recorder = _Recorder(layers)
+        with jax.checking_leaks():  # a recorded call inside a control-flow body leaks its tracers
+            jax.eval_shape(lambda: forward(None, shape_recorder))
+        for call, arrays in zip(shape_recorder.calls, shape_recorder.arrays):
+            problem = _rows_problem(layers[call["layer"]], call, arrays, shape_recorder.shapes, size)
+            if problem is not None:
+                if not strict:
+                    return None
+                raise ValueError(
+                    f"clipping='ghost' on JAX: {problem}; the ghost engine attributes each row of a layer's "
+                    "input and output to one example. Use clipping='auto' (which then clips this model with the "
+                    "exact vectorized engine) or clipping='vectorized'."
+                )
+        zeros = [jnp.zeros(s.shape, s.dtype) for s in shape_recorder.shapes]
+        recorder = _Recorder(layers, zeros)
+        grad_fn = jax.grad(lambda e: forward(e, _reset(recorder, e)), has_aux=True)
+        grads, (losses, y_pred, new_ntv, recorded) = grad_fn(zeros)
+    except Exception as err:  # noqa: BLE001 - jax.checking_leaks raises a plain Exception("Leaked trace ...")
+        if "Leaked trace" not in str(err) and not isinstance(err, jax.errors.UnexpectedTracerError):
+            raise
+        if not strict:
+            return None
+        raise ValueError(
+            "clipping='ghost' on JAX: a layer with trainable weights is called inside a JAX control-flow body "
+            "(keras.ops.scan/fori_loop/while_loop in a custom layer's call), where its calls cannot be recorded "
+            "one by one. Use clipping='auto' (the exact vectorized engine for this model) or "
+            "clipping='vectorized'."
+        ) from err
+    recorder.perturbations = False  # any later call of a wrapped layer (none expected) passes through
+
+    by_layer = {}
+    for call, arrays in zip(recorder.calls, recorded):
+        by_layer.setdefault(call["layer"], []).append((call, arrays))
+    sq = jnp.zeros((size,), _F32)
+    parts = []  # (owned variables, sums_fn)
+    for index, (layer, owned) in enumerate(found):
+        calls = by_layer.get(index, [])
+        if not calls:
+            continue  # not called: its weights' gradient is zero
+        rule = None
+        if all(call["single"] for call, _ in calls):
+            ruled = [{"a": _first_argument(call, arrays), "g": grads[call["slots"][0]]} for call, arrays in calls]
+            rule = find_rule(layer, ruled)
+        if rule is not None:
+            layer_sq, sums_fn = rule[1]
+            if _keys(owned, sums_fn, size):
+                sq = sq + layer_sq
+                parts.append((owned, sums_fn))
+                continue
+        per = _fallback(model, layer, owned, calls, grads, trainable, non_trainable, recorder, size)
+        sq = sq + sum(jnp.sum(jnp.reshape(p * p, (size, -1)), axis=1) for p in per)
+        parts.append((owned, lambda c, keep=None, per=per, owned=owned: {
+            id(v): jnp.tensordot(c, kept(p, keep), axes=1) for v, p in zip(owned, per)}))
+
+    def sums_fn(c, keep=None):
+        c = c.astype(_F32)
+        got = {}
+        for _, fn in parts:
+            got.update(fn(c, keep))
+        return [got[id(v)].astype(t.dtype) if id(v) in got else jnp.zeros_like(t)
+                for v, t in zip(model.trainable_variables, trainable)]
+
+    new_ntv = list(new_ntv)
+    return sq, sums_fn, losses, y_pred, new_ntv
+
+
+def _first_argument(call, arrays):
+    args, _ = _rebuild(call, arrays)
+    return args[0] if args else None
+
+
+def _keys(owned, sums_fn, size):
+    """Whether a rule's sums cover exactly the layer's own weights (else: fallback)."""
+    got = jax.eval_shape(sums_fn, jax.ShapeDtypeStruct((size,), _F32))
+    return set(got) == {id(v) for v in owned}
+
+
+def _reset(recorder, perturbations):
+    recorder.perturbations = perturbations
+    recorder.calls, recorder.arrays, recorder.shapes = [], [], []
+    return recorder
+
+
+def ghost_clipped_sum(model, loss_fn, trainable, non_trainable, x, y, weights, *, l2_norm_clip,
+                      microbatch_size=None, training=True, clipping="ghost", vectorized=None):
+    """``Σ_i clip(w_i·∇loss_i, ζ)`` by ghost norms (see the module docstring); the same contract
+    as ``keras_noisecurve.backend.jax.dp_model.clipped_sum``.
+
+    Returns ``(sums, norms, losses, y_pred, non_trainable)``: one array per trainable
+    variable, the norms ‖w_i·∇loss_i‖ (P,) before clipping, the unweighted per-example
+    losses (P,), the predictions and the non-trainable values after the call.
+    ``clipping="auto"`` hands a model whose layers see rows that are not examples, or a
+    ``microbatch_size`` below the batch size, to ``vectorized`` (same arguments); ``"ghost"``
+    refuses both. An example whose loss or norm is not finite contributes 0 to ``sums`` (its
+    rows of every recorded (a, g) are zeroed before the sums, only in a step that has one).
+    """
+    size = int(weights.shape[0])
+    clip = jnp.asarray(l2_norm_clip, _F32)
+    if microbatch_size is not None and microbatch_size < size and clipping == "auto" and vectorized is not None:
+        return vectorized(model, loss_fn, trainable, non_trainable, x, y, weights, l2_norm_clip=l2_norm_clip,
+                          microbatch_size=microbatch_size, training=training)
+    if microbatch_size is not None and microbatch_size < size:
+        raise ValueError(
+            f"microbatch_size={microbatch_size} with the ghost engine on JAX: the ghost engine needs no "
+            "microbatches (it never forms per-example gradients of the whole model); use microbatch_size=None, "
+            "or clipping='vectorized' to bound the memory of per-example gradients."
+        )
+    result = ghost_norms(model, loss_fn, trainable, non_trainable, x, y, weights, training=training,
+                         strict=clipping != "auto" or vectorized is None)
+    if result is None:
+        return vectorized(model, loss_fn, trainable, non_trainable, x, y, weights, l2_norm_clip=l2_norm_clip,
+                          microbatch_size=microbatch_size, training=training)
+    sq, sums_fn, losses, y_pred, ntv = result
+    norms = jnp.sqrt(sq)
+    keep = jnp.isfinite(norms) & jnp.isfinite(losses)  # a non-finite example is dropped (contributes 0)
+    factor = jnp.where(keep, clip / jnp.maximum(norms, clip), 0.0)  # min(1, ζ/‖g_i‖), 0 when dropped
+    sums = jax.lax.cond(jnp.all(keep), sums_fn, lambda f: sums_fn(f, keep), factor)  # masking only if needed
+    return sums, norms, losses, y_pred, ntv
