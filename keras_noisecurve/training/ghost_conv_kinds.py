@@ -1,0 +1,394 @@
+"""Ghost-clipping rules for the other convolutions: depthwise, separable, grouped, 3-D, transposed.
+
+Every one of these layers has a kernel whose per-example gradient is a sum of outer
+products over output positions, one per *group* of channels:
+
+    ∂W_i[g] = Σ_l x_ilg ⊗ y_ilg          x (P, L, G, d_in), y (P, L, G, d_out)
+
+with, per layer kind (K = the number of kernel taps, k_h·k_w, k or k_d·k_h·k_w):
+
+| layer | x (patches of …) | y | G | d_in | d_out |
+|---|---|---|---|---|---|
+| DepthwiseConv1D/2D | the input a | g | c_in | K | depth multiplier |
+| Conv1D/2D/3D, ``groups`` = G | the input a | g | G | K·c_in/G | c_out/G |
+| Conv1D/2D/3DTranspose | the output gradient g | the input a | 1 | K·c_out | c_in |
+| SeparableConv1D/2D, depthwise | the input a | g_u = g·Wₚᵀ | c_in | K | depth multiplier |
+| SeparableConv1D/2D, pointwise | u (no patches) | g | 1 | c_in·mult | filters |
+
+where *patches* are the windows of the layer's own convolution (same kernel size,
+strides, dilation and padding; :func:`patches`), ``g`` is the gradient of
+``Σ_i w_i·loss_i`` w.r.t. the layer's pre-activation output, and for a separable
+convolution ``u`` is the depthwise stage's output (recorded in the forward pass) and
+``g_u = g·Wₚᵀ`` its gradient (the pointwise kernel Wₚ is a 1×1 convolution: one matmul).
+A transposed convolution's kernel gradient is the convolution's filter gradient with the
+roles swapped: the output gradient is the "input" whose windows are taken, the input the
+"output gradient" (its positions are exactly the windows of the output at the layer's
+strides, for ``output_padding=None``).
+
+:class:`GroupedGrads` takes the cheaper exact form per layer, as the plain conv rule
+does: the per-example gradients (P·G·d_in·d_out numbers) when L² ≥ d_in·d_out, else the
+Gram form ``Σ_g Σ_{l,l'} (x_ilg·x_il'g)(y_ilg·y_il'g)`` (P·G·L² numbers). The clipped sum
+``Σ_i c_i ∂W_i`` comes from the same (x, y) (book-keeping): a weighted sum of the
+per-example gradients, or one contraction over (examples, positions) with ``c ⊙ y``.
+
+Refused by ``check`` (the exact per-layer fallback then clips the layer): ``causal``
+padding on the depthwise/separable/grouped 1-D layers, ``output_padding`` on transposed
+convolutions, and dilation > 1 on 3-D layers (``tf.extract_volume_patches`` has no rates).
+"""
+
+from __future__ import annotations
+
+import math
+
+import keras
+import tensorflow as tf
+
+from keras_noisecurve.training.ghost_common import Rule, norm_dtype, per_example_sq, weighted_sum
+from keras_noisecurve.training.ghost_common import scale_smaller
+from keras_noisecurve.training import kernels as _kernels
+from keras_noisecurve.training.ghost_conv import ConvRule
+
+
+# ------------------------------------------------------------------------ tensor math
+
+
+def channels_last(t: tf.Tensor, layer) -> tf.Tensor:
+    """``t`` (P, …) in the layer's data format, as channels-last."""
+    if getattr(layer, "data_format", "channels_last") == "channels_first":
+        return tf.transpose(t, [0, *range(2, t.shape.rank), 1])
+    return t
+
+
+def patches(x: tf.Tensor, *, kernel_size, strides, dilation_rate, padding: str) -> tf.Tensor:
+    """Windows of a channels-last ``x`` (P, *spatial, C), rank 1, 2 or 3, as (P, L, K, C).
+
+    The windows of the convolution with ``kernel_size`` (K = their product taps, in the
+    kernel's order, e.g. (k_h, k_w)), ``strides``, ``dilation_rate`` and ``padding``
+    (``"valid"``/``"same"``, TensorFlow's convention, the one Keras uses); L output
+    positions in row-major order. Rank 3 needs dilation 1.
+    """
+    rank = len(kernel_size)
+    ks, st, dr = list(kernel_size), list(strides), list(dilation_rate)
+    c = x.shape[-1]
+    if rank == 1:
+        x, ks, st, dr = x[:, None], [1, *ks], [1, *st], [1, *dr]
+    if rank <= 2:
+        windows = tf.image.extract_patches(
+            x, sizes=[1, *ks, 1], strides=[1, *st, 1], rates=[1, *dr, 1], padding=padding.upper()
+        )
+    else:
+        if max(dr) != 1:
+            raise ValueError(f"3-D patches need dilation_rate 1, got {tuple(dr)}")
+        windows = tf.extract_volume_patches(x, ksizes=[1, *ks, 1], strides=[1, *st, 1], padding=padding.upper())
+    return tf.reshape(windows, [tf.shape(x)[0], -1, math.prod(ks), c])
+
+
+def positions(t: tf.Tensor) -> tf.Tensor:
+    """A channels-last (P, *spatial, C) tensor as (P, L, C)."""
+    return tf.reshape(t, [tf.shape(t)[0], -1, t.shape[-1]])
+
+
+class GroupedGrads:
+    """Per-example, per-group gradients ``∂W_i[g] = Σ_l x_ilg ⊗ y_ilg`` of a kernel, exact.
+
+    ``pairs``: the layer's calls as ``(x, y)`` with x (P, L, G, d_in) and y (P, L, G, d_out)
+    (calls are concatenated along L: a shared layer's gradient is the sum over its calls).
+    The form is static: the per-example gradients (P, G, d_in, d_out) when L is known and
+    L² ≥ d_in·d_out, else the Gram form (memory P·G·L²); ``materialise`` (a bool) forces one.
+    """
+
+    def __init__(self, pairs, materialise=None):
+        x = pairs[0][0] if len(pairs) == 1 else tf.concat([p[0] for p in pairs], axis=1)
+        y = pairs[0][1] if len(pairs) == 1 else tf.concat([p[1] for p in pairs], axis=1)
+        self.x, self.y = x, y
+        length, d_in, d_out = x.shape[1], x.shape[-1], y.shape[-1]
+        if materialise is None:
+            materialise = length is not None and length * length >= d_in * d_out
+        self.materialised = bool(materialise)
+        self.per_example = tf.einsum("plgi,plgo->pgio", x, y) if self.materialised else None
+
+    def sq_norms(self) -> tf.Tensor:
+        """(P,): Σ_g ‖∂W_i[g]‖²_F."""
+        if self.materialised:
+            return per_example_sq(self.per_example)
+        xx = tf.einsum("plgi,pmgi->pglm", self.x, self.x)
+        yy = tf.einsum("plgo,pmgo->pglm", self.y, self.y)
+        return tf.reduce_sum(xx * yy, axis=[1, 2, 3])
+
+    def weighted_sum(self, scale) -> tf.Tensor:
+        """(G, d_in, d_out): ``Σ_i scale_i ∂W_i``; an example with ``scale_i = 0`` contributes
+        exactly 0 even when its rows are not finite."""
+        if self.materialised:
+            return weighted_sum(self.per_example, scale)
+        x, y = scale_smaller(self.x, self.y, scale)
+        return tf.einsum("plgi,plgo->gio", x, y)
+
+
+def _bias_grads(layer, gs):
+    """Per-example bias gradient (P, C) from the channels-last output gradients ``gs``."""
+    if not layer.use_bias:
+        return None
+    return tf.add_n([tf.reduce_sum(positions(g), axis=1) for g in gs])
+
+
+def _refuse_xla_channels_first(layer):
+    """Keras runs a grouped or 3-D channels-first convolution through an XLA-compiled op on
+    CPU; on this TensorFlow a bias added to its output is broadcast over the wrong axis for
+    some shapes (the layer computes something else than its definition), so the rule, which
+    differentiates the definition, is refused there: the per-layer fallback differentiates
+    the layer as it runs."""
+    if layer.data_format == "channels_first" and _kernels.device_type() == "CPU":
+        return "channels_first on CPU (Keras runs it through XLA; the bias add is not the layer's definition)"
+    return None
+
+
+def _refuse_causal(layer):
+    if layer.padding == "causal":
+        return "padding='causal'"
+    return None
+
+
+def _add_bias(layer, z, channels):
+    if not layer.use_bias:
+        return z
+    if layer.data_format == "channels_last":
+        shape = (1,) * (layer.rank + 1) + (channels,)
+    else:
+        shape = (1, channels) + (1,) * layer.rank
+    return keras.ops.add(z, keras.ops.reshape(layer.bias, shape))
+
+
+def _activate(layer, z):
+    return layer.activation(z) if layer.activation is not None else z
+
+
+def _depthwise_pairs(layer, a, g, kernel_shape):
+    """(x, y) of a depthwise kernel (*k, C, M): x (P, L, C, K) patches of ``a``, y (P, L, C, M)."""
+    *ks, c, m = kernel_shape
+    x = patches(a, kernel_size=ks, strides=layer.strides, dilation_rate=layer.dilation_rate, padding=layer.padding)
+    x = tf.transpose(x, [0, 1, 3, 2])
+    y = tf.reshape(g, [tf.shape(g)[0], -1, c, m])
+    return x, y
+
+
+def _depthwise_kernel(summed, kernel_shape):
+    """(C, K, M) per-channel sums as the depthwise kernel (*k, C, M)."""
+    return tf.reshape(tf.transpose(summed, [1, 0, 2]), kernel_shape)
+
+
+def _finish(total, bias_grads, terms, layer):
+    """The rule's ``(sq_norms, grads)`` from ``terms`` = [(variable, GroupedGrads, to_kernel)]."""
+    for _, grads, _ in terms:
+        total = grads.sq_norms() if total is None else total + grads.sq_norms()
+    if bias_grads is not None:
+        total += per_example_sq(bias_grads)
+
+    def grads(scale):
+        out = [(variable, to_kernel(g.weighted_sum(scale))) for variable, g, to_kernel in terms]
+        if bias_grads is not None:
+            out.append((layer.bias, weighted_sum(bias_grads, scale)))
+        return out
+
+    return total, grads
+
+
+def _inputs(layer, calls, key="a"):
+    dtype = norm_dtype(calls[0]["g"].dtype)
+    a = [channels_last(tf.cast(tf.stop_gradient(c[key]), dtype), layer) for c in calls]
+    g = [channels_last(tf.cast(c["g"], dtype), layer) for c in calls]
+    return a, g
+
+
+# ------------------------------------------------------------------------ rules
+
+
+class _ExactClassRule(Rule):
+    def matches(self, layer) -> bool:
+        # exactly these classes: a subclass may change the convolution
+        return type(layer) in self.classes
+
+
+class DepthwiseConvRule(_ExactClassRule):
+    """``keras.layers.DepthwiseConv1D`` / ``DepthwiseConv2D``: per channel c, the kernel
+    gradient is ``Σ_l patch_il[:, c] ⊗ g_il[c, :]`` (K × M); the per-example gradients
+    (P·C·K·M numbers, as small as the kernel times P) are formed in one contraction."""
+
+    classes = (keras.layers.DepthwiseConv1D, keras.layers.DepthwiseConv2D)
+    kind = "DepthwiseConv"
+
+    def expected_variables(self, layer):
+        return [layer.kernel, layer.bias if layer.use_bias else None]
+
+    def check(self, layer):
+        return super().check(layer) or _refuse_causal(layer)
+
+    def forward(self, layer, original_call, record, inputs, *args, **kwargs):
+        z = keras.ops.depthwise_conv(
+            inputs, layer.kernel, strides=layer.strides, padding=layer.padding,
+            dilation_rate=layer.dilation_rate, data_format=layer.data_format,
+        )
+        z = _add_bias(layer, z, layer.kernel.shape[-2] * layer.kernel.shape[-1])
+        record(out=z, a=inputs)
+        return _activate(layer, z)
+
+    def analyse(self, layer, calls):
+        a, g = _inputs(layer, calls)
+        shape = tuple(layer.kernel.shape)
+        grads = GroupedGrads([_depthwise_pairs(layer, ai, gi, shape) for ai, gi in zip(a, g)])
+        terms = [(layer.kernel, grads, lambda s: _depthwise_kernel(s, shape))]
+        return _finish(None, _bias_grads(layer, g), terms, layer)
+
+
+class SeparableConvRule(_ExactClassRule):
+    """``keras.layers.SeparableConv1D`` / ``SeparableConv2D``: the depthwise stage
+    (kernel (*k, C, M)) then the pointwise 1×1 stage (kernel (1…, C·M, F)). The forward
+    pass records the depthwise output u; its gradient is ``g_u = g·Wₚᵀ`` (one matmul), and
+    the two kernels' per-example gradients are a depthwise one on (a, g_u) and a dense one
+    on (u, g). Both are summed into each example's norm."""
+
+    classes = (keras.layers.SeparableConv1D, keras.layers.SeparableConv2D)
+    kind = "SeparableConv"
+
+    def expected_variables(self, layer):
+        return [layer.depthwise_kernel, layer.pointwise_kernel, layer.bias if layer.use_bias else None]
+
+    def check(self, layer):
+        return super().check(layer) or _refuse_causal(layer)
+
+    def forward(self, layer, original_call, record, inputs, *args, **kwargs):
+        u = keras.ops.depthwise_conv(
+            inputs, layer.depthwise_kernel, strides=layer.strides, padding=layer.padding,
+            dilation_rate=layer.dilation_rate, data_format=layer.data_format,
+        )
+        # the 1×1 pointwise stage as a contraction over channels (TensorFlow's CPU conv
+        # refuses channels-first; the layer's separable op transposes for it)
+        pointwise = keras.ops.reshape(layer.pointwise_kernel, layer.pointwise_kernel.shape[-2:])
+        equation = "bc...,cf->bf..." if layer.data_format == "channels_first" else "b...c,cf->b...f"
+        z = keras.ops.einsum(equation, u, pointwise)
+        z = _add_bias(layer, z, layer.filters)
+        record(out=z, a=inputs, u=u)
+        return _activate(layer, z)
+
+    def analyse(self, layer, calls):
+        a, g = _inputs(layer, calls)
+        u, _ = _inputs(layer, calls, key="u")
+        dw_shape, pw_shape = tuple(layer.depthwise_kernel.shape), tuple(layer.pointwise_kernel.shape)
+        pointwise = tf.reshape(tf.cast(layer.pointwise_kernel, g[0].dtype), pw_shape[-2:])  # (C·M, F)
+        dw_pairs, pw_pairs = [], []
+        for ai, gi, ui in zip(a, g, u):
+            gz = positions(gi)  # (P, L, F)
+            gu = tf.reshape(tf.matmul(gz, pointwise, transpose_b=True), tf.shape(ui))
+            dw_pairs.append(_depthwise_pairs(layer, ai, gu, dw_shape))
+            pw_pairs.append((positions(ui)[:, :, None], gz[:, :, None]))
+        terms = [
+            (layer.depthwise_kernel, GroupedGrads(dw_pairs), lambda s: _depthwise_kernel(s, dw_shape)),
+            (layer.pointwise_kernel, GroupedGrads(pw_pairs), lambda s: tf.reshape(s, pw_shape)),
+        ]
+        return _finish(None, _bias_grads(layer, g), terms, layer)
+
+
+def _grouped_pairs(layer, a, g):
+    """(x, y) of a grouped kernel (*k, C/G, F): x (P, L, G, K·C/G), y (P, L, G, F/G)."""
+    groups, ks = layer.groups, list(layer.kernel_size)
+    x = patches(a, kernel_size=ks, strides=layer.strides, dilation_rate=layer.dilation_rate, padding=layer.padding)
+    p, k, c = tf.shape(x)[0], math.prod(ks), a.shape[-1] // groups
+    x = tf.reshape(x, [p, -1, k, groups, c])
+    x = tf.reshape(tf.transpose(x, [0, 1, 3, 2, 4]), [p, -1, groups, k * c])
+    y = tf.reshape(g, [p, -1, groups, layer.filters // groups])
+    return x, y
+
+
+class GroupedConvRule(ConvRule):
+    """``keras.layers.Conv1D`` / ``Conv2D`` with ``groups`` > 1: group g's kernel gradient
+    is the plain conv's, on input channels and filters of group g only (the patches of the
+    input, grouped)."""
+
+    classes = (keras.layers.Conv1D, keras.layers.Conv2D)
+    kind = "GroupedConv"
+
+    def check(self, layer):
+        reason = Rule.check(self, layer)
+        if reason:
+            return reason
+        if layer.groups == 1:
+            return "groups=1 (the plain Conv rule)"
+        return _refuse_causal(layer) or _refuse_xla_channels_first(layer)
+
+    def analyse(self, layer, calls):
+        a, g = _inputs(layer, calls)
+        shape, groups = tuple(layer.kernel.shape), layer.groups
+        grads = GroupedGrads([_grouped_pairs(layer, ai, gi) for ai, gi in zip(a, g)])
+
+        def to_kernel(summed):  # (G, K·c, f) -> (*k, c, G·f)
+            *ks, c, f = shape
+            summed = tf.reshape(summed, [groups, math.prod(ks), c, f // groups])
+            return tf.reshape(tf.transpose(summed, [1, 2, 0, 3]), shape)
+
+        return _finish(None, _bias_grads(layer, g), [(layer.kernel, grads, to_kernel)], layer)
+
+
+class Conv3DRule(GroupedConvRule):
+    """``keras.layers.Conv3D`` (any ``groups``): windows from ``tf.extract_volume_patches``;
+    dilation > 1 is refused (the fallback clips it)."""
+
+    classes = (keras.layers.Conv3D,)
+    kind = "Conv3D"
+
+    def check(self, layer):
+        reason = Rule.check(self, layer)
+        if reason:
+            return reason
+        if max(layer.dilation_rate) != 1:
+            return f"dilation_rate={tuple(layer.dilation_rate)} (3-D windows need dilation 1)"
+        return _refuse_xla_channels_first(layer)
+
+
+class ConvTransposeRule(_ExactClassRule):
+    """``keras.layers.Conv1DTranspose`` / ``Conv2DTranspose`` / ``Conv3DTranspose``, kernel
+    (*k, F, C): the gradient is the forward convolution's filter gradient with the roles
+    swapped, ``∂W_i = Σ_l patch(g_i)_l ⊗ a_il`` over the input positions l (the windows of
+    the output gradient at the layer's strides, dilation and padding)."""
+
+    classes = (keras.layers.Conv1DTranspose, keras.layers.Conv2DTranspose, keras.layers.Conv3DTranspose)
+    kind = "ConvTranspose"
+
+    def expected_variables(self, layer):
+        return [layer.kernel, layer.bias if layer.use_bias else None]
+
+    def check(self, layer):
+        reason = super().check(layer)
+        if reason:
+            return reason
+        if layer.output_padding is not None:
+            return f"output_padding={layer.output_padding}"
+        if layer.rank == 3 and max(layer.dilation_rate) != 1:
+            return f"dilation_rate={tuple(layer.dilation_rate)} (3-D windows need dilation 1)"
+        return _refuse_causal(layer)
+
+    def forward(self, layer, original_call, record, inputs, *args, **kwargs):
+        z = keras.ops.conv_transpose(
+            inputs, layer.kernel, strides=list(layer.strides), padding=layer.padding, output_padding=None,
+            dilation_rate=layer.dilation_rate, data_format=layer.data_format,
+        )
+        z = _add_bias(layer, z, layer.filters)
+        record(out=z, a=inputs)
+        return _activate(layer, z)
+
+    def analyse(self, layer, calls):
+        a, g = _inputs(layer, calls)
+        shape = tuple(layer.kernel.shape)
+        pairs = []
+        for ai, gi in zip(a, g):
+            x = patches(gi, kernel_size=layer.kernel_size, strides=layer.strides,
+                        dilation_rate=layer.dilation_rate, padding=layer.padding)
+            x = tf.reshape(x, [tf.shape(x)[0], -1, 1, math.prod(shape[:-1])])  # (P, L_in, 1, K·F)
+            pairs.append((x, positions(ai)[:, :, None]))
+        grads = GroupedGrads(pairs)
+        terms = [(layer.kernel, grads, lambda s: tf.reshape(s, shape))]
+        return _finish(None, _bias_grads(layer, g), terms, layer)
+
+
+__all__ = [
+    "Conv3DRule", "ConvTransposeRule", "DepthwiseConvRule", "GroupedConvRule", "GroupedGrads",
+    "SeparableConvRule", "patches",
+]
