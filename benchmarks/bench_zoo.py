@@ -24,6 +24,7 @@ import time
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests.training.zoo
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_zoo_conv
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -33,20 +34,25 @@ from keras_noisecurve.training import NoiseCurveOptimizer, make_private  # noqa:
 from keras_noisecurve.training.ghost import plan  # noqa: E402
 from keras_noisecurve.training.ghost_generic import GenericRule  # noqa: E402
 from tests.training import zoo  # noqa: E402
+from bench_zoo_conv import CONV_TARGETS, CONV_ZOO  # noqa: E402  (benchmark-only convolution models)
+
+#: every model this benchmark builds: the test zoo and the benchmark-only convolutions
+MODELS = {**zoo.ZOO, **CONV_ZOO}
 
 #: targets of private / non-private on this CPU, by model
 TARGETS = {"bert": 1.5, "bert-lora": 1.5, "gpt2-lm": 1.5, "gpt2-lm-lora": 1.5, "llama-lm": 1.5,
            "llama-lm-lora": 1.5, "gemma-lm": 1.5, "gemma-lm-lora": 1.5, "attention-custom": 1.5, "groupnorm-resnet": 1.6,
            "lstm": 3.0, "gru": 3.0}
+TARGETS.update(CONV_TARGETS)
 
 
 def _steps(name, size, batch):
     rng = np.random.default_rng(0)
     keras.utils.set_random_seed(0)
-    plain = zoo.ZOO[name](rng, size=size)
+    plain = MODELS[name](rng, size=size)
     plain.model.compile(optimizer=keras.optimizers.SGD(0.01), loss=plain.loss, jit_compile=False)
     keras.utils.set_random_seed(0)
-    case = zoo.ZOO[name](np.random.default_rng(0), size=size)
+    case = MODELS[name](np.random.default_rng(0), size=size)
     private = make_private(case.model)
     optimizer = NoiseCurveOptimizer(learning_rate=0.01, mixing="dpsgd", l2_norm_clip=1.0, noise_multiplier=1.0,
                                     expected_batch_size=batch)
@@ -76,7 +82,8 @@ def update_time(private, repeats=20):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=sorted(zoo.ZOO), choices=sorted(zoo.ZOO))
+    parser.add_argument("--models", nargs="+", default=sorted(zoo.ZOO), choices=sorted(MODELS),
+                        help="default: the test zoo; the convolution models (bench_zoo_conv.py) by name")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--length", type=int, default=64, help="tokens per sequence (image side: 16)")
     parser.add_argument("--width", type=int, default=64)

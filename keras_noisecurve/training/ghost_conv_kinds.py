@@ -43,10 +43,10 @@ import math
 import keras
 import tensorflow as tf
 
-from keras_noisecurve.training.ghost_common import Rule, norm_dtype, per_example_sq, weighted_sum
+from keras_noisecurve.training.ghost_common import Rule, dims, norm_dtype, per_example_sq, weighted_sum
 from keras_noisecurve.training.ghost_common import scale_smaller
 from keras_noisecurve.training import kernels as _kernels
-from keras_noisecurve.training.ghost_conv import ConvRule
+from keras_noisecurve.training.ghost_conv import ConvRule, conv_example_grads, materialise_conv
 
 
 # ------------------------------------------------------------------------ tensor math
@@ -98,6 +98,8 @@ class GroupedGrads:
     """
 
     def __init__(self, pairs, materialise=None):
+        if pairs is None:  # from_per_example
+            return
         x = pairs[0][0] if len(pairs) == 1 else tf.concat([p[0] for p in pairs], axis=1)
         y = pairs[0][1] if len(pairs) == 1 else tf.concat([p[1] for p in pairs], axis=1)
         self.x, self.y = x, y
@@ -105,12 +107,29 @@ class GroupedGrads:
         if materialise is None:
             materialise = length is not None and length * length >= d_in * d_out
         self.materialised = bool(materialise)
-        self.per_example = tf.einsum("plgi,plgo->pgio", x, y) if self.materialised else None
+        self.single = x.shape[2] == 1  # one group: plain (batched) matmuls
+        self.per_example = None
+        if self.materialised:
+            if self.single:
+                self.per_example = tf.einsum("pli,plo->pio", x[:, :, 0], y[:, :, 0])[:, None]
+            else:
+                self.per_example = tf.einsum("plgi,plgo->pgio", x, y)
+
+    @classmethod
+    def from_per_example(cls, per_example):
+        """The materialised form from per-example gradients (P, G, d_in, d_out) made elsewhere."""
+        grads = cls(None)
+        grads.materialised, grads.per_example = True, per_example
+        return grads
 
     def sq_norms(self) -> tf.Tensor:
         """(P,): Σ_g ‖∂W_i[g]‖²_F."""
         if self.materialised:
             return per_example_sq(self.per_example)
+        if self.single:
+            x, y = self.x[:, :, 0], self.y[:, :, 0]
+            xx, yy = tf.matmul(x, x, transpose_b=True), tf.matmul(y, y, transpose_b=True)
+            return tf.reduce_sum(xx * yy, axis=[1, 2])
         xx = tf.einsum("plgi,pmgi->pglm", self.x, self.x)
         yy = tf.einsum("plgo,pmgo->pglm", self.y, self.y)
         return tf.reduce_sum(xx * yy, axis=[1, 2, 3])
@@ -121,7 +140,30 @@ class GroupedGrads:
         if self.materialised:
             return weighted_sum(self.per_example, scale)
         x, y = scale_smaller(self.x, self.y, scale)
+        if self.single:
+            d_in, d_out = x.shape[-1], y.shape[-1]
+            return tf.matmul(tf.reshape(x, [-1, d_in]), tf.reshape(y, [-1, d_out]), transpose_a=True)[None]
         return tf.einsum("plgi,plgo->gio", x, y)
+
+
+def example_grads_3d(images, kernel_size, strides, padding) -> tf.Tensor:
+    """Per-example kernel gradients (P, K·c_in, c_out) of a 3-D convolution (groups = 1,
+    dilation 1): one ``Conv3DBackpropFilterV2`` per example in a ``tf.map_fn``, summed over
+    the calls ``images`` = [(a (P, D, H, W, c_in), g (P, D', H', W', c_out))] (channels-last).
+    The P calls do the work of the layer's ordinary weight-gradient step; the windows
+    (``tf.extract_volume_patches``) would cost far more."""
+    a0, g0 = images[0]
+    c_in, c_out, k = a0.shape[-1], g0.shape[-1], math.prod(kernel_size)
+
+    def one(i):
+        return tf.add_n([
+            tf.reshape(tf.compat.v1.nn.conv3d_backprop_filter_v2(
+                a[i : i + 1], [*kernel_size, c_in, c_out], g[i : i + 1], strides=[1, *strides, 1],
+                padding=padding.upper()), [k * c_in, c_out])
+            for a, g in images
+        ])
+
+    return tf.map_fn(one, tf.range(tf.shape(a0)[0]), fn_output_signature=tf.TensorSpec([k * c_in, c_out], a0.dtype))
 
 
 def _bias_grads(layer, gs):
@@ -169,6 +211,45 @@ def _depthwise_pairs(layer, a, g, kernel_shape):
     x = tf.transpose(x, [0, 1, 3, 2])
     y = tf.reshape(g, [tf.shape(g)[0], -1, c, m])
     return x, y
+
+
+def _native_depthwise(layer) -> bool:
+    """Whether :func:`_depthwise_example_grads` runs: TensorFlow's depthwise filter gradient
+    takes equal strides in both spatial axes and dilation 1 (a 1-D layer is an image of
+    height 1, so only stride 1)."""
+    strides = [1, *layer.strides] if len(layer.strides) == 1 else list(layer.strides)
+    return max(layer.dilation_rate) == 1 and len(set(strides)) == 1
+
+
+def _depthwise_example_grads(layer, images, kernel_shape):
+    """Per-example depthwise kernel gradients (P, C, K, M) from channels-last pairs ``(a, g)``
+    (a (P, *spatial, C), g (P, *spatial', C·M)), all examples in ONE depthwise filter-gradient
+    call: the (example, channel) pairs become the P·C channels of a batch-1 image, so the
+    filter gradient (k…, P·C, M) holds every example's kernel gradient side by side, with no
+    cross-example terms. The cost of the layer's ordinary weight-gradient step."""
+    *ks, c, m = kernel_shape
+    k = math.prod(ks)
+    total = 0.0
+    for a, g in images:
+        if len(ks) == 1:
+            a, g = a[:, None], g[:, None]
+        p = tf.shape(a)[0]
+        a_img = tf.reshape(tf.transpose(a, [1, 2, 0, 3]), [1, *dims(a)[1:3], p * c])
+        g_img = tf.reshape(tf.transpose(g, [1, 2, 0, 3]), [1, *dims(g)[1:3], p * c * m])
+        stride = layer.strides[0]
+        kernel = tf.nn.depthwise_conv2d_backprop_filter(
+            a_img, [*([1] * (2 - len(ks))), *ks, p * c, m], g_img, strides=[1, stride, stride, 1],
+            padding=layer.padding.upper(),
+        )
+        total += tf.reshape(kernel, [k, p, c, m])
+    return tf.transpose(total, [1, 2, 0, 3])
+
+
+def _depthwise_grads(layer, a, g, kernel_shape):
+    """:class:`GroupedGrads` (G = C, d_in = K, d_out = M) of a depthwise kernel."""
+    if _native_depthwise(layer):
+        return GroupedGrads.from_per_example(_depthwise_example_grads(layer, list(zip(a, g)), kernel_shape))
+    return GroupedGrads([_depthwise_pairs(layer, ai, gi, kernel_shape) for ai, gi in zip(a, g)])
 
 
 def _depthwise_kernel(summed, kernel_shape):
@@ -234,8 +315,7 @@ class DepthwiseConvRule(_ExactClassRule):
     def analyse(self, layer, calls):
         a, g = _inputs(layer, calls)
         shape = tuple(layer.kernel.shape)
-        grads = GroupedGrads([_depthwise_pairs(layer, ai, gi, shape) for ai, gi in zip(a, g)])
-        terms = [(layer.kernel, grads, lambda s: _depthwise_kernel(s, shape))]
+        terms = [(layer.kernel, _depthwise_grads(layer, a, g, shape), lambda s: _depthwise_kernel(s, shape))]
         return _finish(None, _bias_grads(layer, g), terms, layer)
 
 
@@ -274,14 +354,14 @@ class SeparableConvRule(_ExactClassRule):
         u, _ = _inputs(layer, calls, key="u")
         dw_shape, pw_shape = tuple(layer.depthwise_kernel.shape), tuple(layer.pointwise_kernel.shape)
         pointwise = tf.reshape(tf.cast(layer.pointwise_kernel, g[0].dtype), pw_shape[-2:])  # (C·M, F)
-        dw_pairs, pw_pairs = [], []
-        for ai, gi, ui in zip(a, g, u):
+        gu, pw_pairs = [], []
+        for gi, ui in zip(g, u):
             gz = positions(gi)  # (P, L, F)
-            gu = tf.reshape(tf.matmul(gz, pointwise, transpose_b=True), tf.shape(ui))
-            dw_pairs.append(_depthwise_pairs(layer, ai, gu, dw_shape))
+            gu.append(tf.reshape(tf.matmul(gz, pointwise, transpose_b=True), tf.shape(ui)))
             pw_pairs.append((positions(ui)[:, :, None], gz[:, :, None]))
         terms = [
-            (layer.depthwise_kernel, GroupedGrads(dw_pairs), lambda s: _depthwise_kernel(s, dw_shape)),
+            (layer.depthwise_kernel, _depthwise_grads(layer, a, gu, dw_shape),
+             lambda s: _depthwise_kernel(s, dw_shape)),
             (layer.pointwise_kernel, GroupedGrads(pw_pairs), lambda s: tf.reshape(s, pw_shape)),
         ]
         return _finish(None, _bias_grads(layer, g), terms, layer)
@@ -317,7 +397,11 @@ class GroupedConvRule(ConvRule):
     def analyse(self, layer, calls):
         a, g = _inputs(layer, calls)
         shape, groups = tuple(layer.kernel.shape), layer.groups
-        grads = GroupedGrads([_grouped_pairs(layer, ai, gi) for ai, gi in zip(a, g)])
+        if layer.rank == 3 and groups == 1:
+            per_example = example_grads_3d(list(zip(a, g)), layer.kernel_size, layer.strides, layer.padding)
+            grads = GroupedGrads.from_per_example(per_example[:, None])
+        else:
+            grads = GroupedGrads([_grouped_pairs(layer, ai, gi) for ai, gi in zip(a, g)])
 
         def to_kernel(summed):  # (G, K·c, f) -> (*k, c, G·f)
             *ks, c, f = shape
@@ -377,6 +461,20 @@ class ConvTransposeRule(_ExactClassRule):
     def analyse(self, layer, calls):
         a, g = _inputs(layer, calls)
         shape = tuple(layer.kernel.shape)
+        ks, dilated = list(layer.kernel_size), max(layer.dilation_rate) > 1
+        length = sum(math.prod(ai.shape[1:-1]) for ai in a) if all(ai.shape[1:-1].is_fully_defined() for ai in a) else None
+        if layer.rank == 3:  # roles swapped: g is the image, a the output gradient
+            per_example = example_grads_3d(list(zip(g, a)), ks, layer.strides, layer.padding)
+            grads = GroupedGrads.from_per_example(per_example[:, None])
+            return _finish(None, _bias_grads(layer, g), [(layer.kernel, grads, lambda s: tf.reshape(s, shape))], layer)
+        if not dilated and materialise_conv(length, math.prod(shape[:-1]), shape[-1]):
+            # per-example filter gradients of the swapped convolution (ghost_conv), one
+            # batched or grouped Conv2DBackpropFilter per chunk of examples
+            images = [(gi, ai) if layer.rank == 2 else (gi[:, None], ai[:, None]) for ai, gi in zip(a, g)]
+            filter_hw, strides = (ks, layer.strides) if layer.rank == 2 else ([1, *ks], [1, *layer.strides])
+            grads = conv_example_grads(images, filter_hw, list(strides), layer.padding.upper())
+            terms = [(layer.kernel, grads, lambda s: tf.reshape(s, shape))]
+            return _finish(None, _bias_grads(layer, g), terms, layer)
         pairs = []
         for ai, gi in zip(a, g):
             x = patches(gi, kernel_size=layer.kernel_size, strides=layer.strides,
