@@ -210,3 +210,15 @@ def test_channels_first_grouped_and_3d_convolutions_take_the_fallback_on_cpu():
     for shape, layer in [(_cf((6, 6, 4)), L.Conv2D(4, 3, groups=2, data_format="channels_first", name="conv")),
                          (_cf((4, 4, 4, 2)), L.Conv3D(3, 2, data_format="channels_first", name="conv"))]:
         _check(_model(shape, layer), "generic")
+
+
+@pytest.mark.parametrize("build", [
+    lambda: keras.applications.MobileNetV2(weights=None, input_shape=(32, 32, 3), classes=4, alpha=0.35),
+    lambda: keras.applications.EfficientNetB0(weights=None, input_shape=(32, 32, 3), classes=4),
+], ids=["MobileNetV2", "EfficientNetB0"])
+def test_mobile_networks_have_no_layer_on_the_fallback(build):
+    from keras_noisecurve.training.batchnorm import replace_batch_normalization
+
+    model = replace_batch_normalization(build())
+    kinds = {how for _, _, how in describe(model)}
+    assert "generic" not in kinds and "DepthwiseConv" in kinds, kinds
