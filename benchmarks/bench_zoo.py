@@ -24,6 +24,7 @@ import time
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests.training.zoo
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_zoo_conv
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -34,15 +35,18 @@ from keras_noisecurve.training.ghost import plan  # noqa: E402
 from keras_noisecurve.training.ghost_generic import GenericRule  # noqa: E402
 from tests.training import zoo  # noqa: E402
 from tests.training import zoo_extra, zoo_norms  # noqa: E402
+from bench_zoo_conv import CONV_TARGETS, CONV_ZOO  # noqa: E402  (benchmark-only convolution models)
 
-#: the benchmark's models: the test zoo, T5, and the norms recognised by computation + TimeDistributed
-MODELS = {**zoo.ZOO, "t5": zoo_extra.t5_seq2seq, **zoo_norms.NORMS}
+#: every model this benchmark builds: the test zoo, T5, the norms recognised by computation +
+#: TimeDistributed, and the benchmark-only convolutions
+MODELS = {**zoo.ZOO, "t5": zoo_extra.t5_seq2seq, **zoo_norms.NORMS, **CONV_ZOO}
 
 #: targets of private / non-private on this CPU, by model
 TARGETS = {"bert": 1.5, "bert-lora": 1.5, "gpt2-lm": 1.5, "gpt2-lm-lora": 1.5, "llama-lm": 1.5,
            "llama-lm-lora": 1.5, "gemma-lm": 1.5, "gemma-lm-lora": 1.5, "attention-custom": 1.5, "groupnorm-resnet": 1.6,
            "lstm": 3.0, "gru": 3.0}
 TARGETS.update({"t5": 1.5, "qwen3-lm": 1.5, "phi3-lm": 1.5, "qwen-lm": 1.5, "timedistributed": 1.5})
+TARGETS.update(CONV_TARGETS)
 
 
 def _steps(name, size, batch):
@@ -81,7 +85,8 @@ def update_time(private, repeats=20):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=sorted(zoo.ZOO), choices=sorted(MODELS))
+    parser.add_argument("--models", nargs="+", default=sorted(zoo.ZOO), choices=sorted(MODELS),
+                        help="default: the test zoo; the convolution models (bench_zoo_conv.py) by name")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--length", type=int, default=64, help="tokens per sequence (image side: 16)")
     parser.add_argument("--width", type=int, default=64)

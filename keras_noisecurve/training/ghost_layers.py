@@ -32,6 +32,13 @@ from __future__ import annotations
 
 from keras_noisecurve.training.ghost_common import Rule, sequence_sq_norms
 from keras_noisecurve.training.ghost_conv import CONV_CHUNK, ConvRule, conv_chunk, conv_sq_norms
+from keras_noisecurve.training.ghost_conv_kinds import (
+    Conv3DRule,
+    ConvTransposeRule,
+    DepthwiseConvRule,
+    GroupedConvRule,
+    SeparableConvRule,
+)
 from keras_noisecurve.training.ghost_embedding import DiagonalScaleRule, PositionEmbeddingRule, ReversibleEmbeddingRule
 from keras_noisecurve.training.ghost_lora import LoRARule
 from keras_noisecurve.training.ghost_generic import GenericRule, RNNFallbackRule, TimeDistributedRule
@@ -64,6 +71,11 @@ RULES = (
     DiagonalScaleRule(),
     PReLURule(),
     ConvRule(),
+    GroupedConvRule(),  # Conv1D/Conv2D with groups > 1 (ghost_conv_kinds)
+    Conv3DRule(),
+    DepthwiseConvRule(),
+    SeparableConvRule(),
+    ConvTransposeRule(),
     LayerNormalizationRule(),
     GroupNormalizationRule(),
     RecurrentRule(),  # LSTM / GRU / SimpleRNN (ghost_rnn)

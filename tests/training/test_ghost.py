@@ -294,8 +294,10 @@ def test_batch_norm_refused_in_supports_and_at_call():
 
 def test_configurations_without_a_fast_rule_take_the_fallback_and_are_exact():
     rng = np.random.default_rng(4)
-    grouped = keras.Sequential([keras.Input((5, 5, 4)), keras.layers.Conv2D(4, 3, groups=2, name="gconv")])
-    depthwise = keras.Sequential([keras.Input((5, 5, 4)), keras.layers.DepthwiseConv2D(3, name="dw")])
+    grouped = keras.Sequential([keras.Input((8, 4)), keras.layers.Conv1D(4, 3, groups=2, padding="causal", name="gconv")])
+    depthwise = keras.Sequential(
+        [keras.Input((4, 4, 2)), keras.layers.Conv2DTranspose(2, 3, strides=2, output_padding=1, name="dw")]
+    )
     per_head = keras.Sequential(
         [keras.Input((2, 3)), keras.layers.EinsumDense("abc,bcd->abd", output_shape=(2, 4), name="perhead")]
     )

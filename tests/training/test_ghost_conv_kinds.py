@@ -1,0 +1,224 @@
+"""The depthwise, separable, grouped, 3-D and transposed convolution rules are exact.
+
+Each configuration (strides, padding, dilation, data format, bias, fused activation,
+depth multiplier, groups) is compared in float64 against an independent per-example
+``tf.GradientTape`` loop (``loop_reference``): per-example norms and the clipped sum,
+with the clip at the median norm so that some examples are clipped. ``describe`` must
+report the new rule, not the per-layer fallback.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import keras
+
+from keras_noisecurve.training.ghost import describe, ghost_clipped_sum, supports
+from keras_noisecurve.training.ghost_conv_kinds import GroupedGrads, patches
+from tests.training.helpers import float64_layers, loop_reference, mse
+
+P = 5
+RTOL = 1e-6
+
+float64 = pytest.fixture(autouse=True)(float64_layers)
+
+L = keras.layers
+
+
+def _check(model, kind, layer_name="conv", seed=0):
+    rng = np.random.default_rng(seed)
+    try:
+        model(np.zeros((1,) + tuple(model.input_shape[1:])))
+    except (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError) as error:
+        pytest.skip(f"the layer itself does not run on this device: {str(error).splitlines()[0][:120]}")
+    assert dict((n, how) for n, _, how in describe(model))[layer_name] == kind
+    assert supports(model) == (True, "")
+    x = rng.normal(size=(P,) + tuple(model.input_shape[1:]))
+    y = rng.normal(size=(P,) + tuple(model.output_shape[1:]))
+    w = rng.uniform(0.5, 2.0, size=P)
+    w[1] = 0.0  # a padded example
+    norms, _ = loop_reference(model, mse, x, y, w, np.inf)
+    clip = float(np.median(norms[norms > 0]))
+    norms_ref, sum_ref = loop_reference(model, mse, x, y, w, clip)
+    got = ghost_clipped_sum(model, mse, x, y, w, l2_norm_clip=clip, training=False)
+    np.testing.assert_allclose(got.norms.numpy(), norms_ref, rtol=RTOL, atol=1e-12)
+    assert got.norms.numpy()[1] == 0.0
+    scale = max(np.max(np.abs(g)) for g in sum_ref)
+    for v, g, r in zip(model.trainable_variables, got.grads, sum_ref):
+        np.testing.assert_allclose(np.asarray(g), r, rtol=RTOL, atol=RTOL * scale, err_msg=v.path)
+
+
+def _model(shape, layer, head=True):
+    layers = [keras.Input(shape), layer]
+    if head:
+        layers += [L.Flatten(), L.Dense(2)]
+    return keras.Sequential(layers)
+
+
+def _cf(shape):
+    """A channels-last input shape moved to channels-first."""
+    return (shape[-1], *shape[:-1])
+
+
+DEPTHWISE = {
+    "2d-valid-mult2-tanh": ((7, 6, 3), lambda: L.DepthwiseConv2D(3, depth_multiplier=2, activation="tanh", name="conv")),
+    "2d-same-stride2-nobias": ((7, 6, 3), lambda: L.DepthwiseConv2D((3, 2), strides=2, padding="same", use_bias=False,
+                                                                    name="conv")),
+    "2d-same-dilated": ((7, 7, 2), lambda: L.DepthwiseConv2D(3, dilation_rate=2, padding="same", name="conv")),
+    "2d-channels-first": (_cf((6, 6, 3)), lambda: L.DepthwiseConv2D(3, strides=2, data_format="channels_first",
+                                                                    activation="relu", name="conv")),
+    "1d-same-stride2": ((9, 3), lambda: L.DepthwiseConv1D(3, strides=2, padding="same", depth_multiplier=3,
+                                                          name="conv")),
+    "1d-valid-dilated": ((9, 2), lambda: L.DepthwiseConv1D(2, dilation_rate=3, activation="tanh", name="conv")),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DEPTHWISE))
+def test_depthwise(case):
+    shape, build = DEPTHWISE[case]
+    _check(_model(shape, build()), "DepthwiseConv")
+
+
+SEPARABLE = {
+    "2d-same-stride2-mult2-relu": ((7, 6, 3), lambda: L.SeparableConv2D(4, 3, strides=2, padding="same",
+                                                                        depth_multiplier=2, activation="relu",
+                                                                        name="conv")),
+    "2d-valid-dilated-nobias": ((8, 8, 2), lambda: L.SeparableConv2D(3, 3, dilation_rate=2, use_bias=False,
+                                                                     name="conv")),
+    "2d-channels-first": (_cf((6, 6, 3)), lambda: L.SeparableConv2D(4, 2, data_format="channels_first",
+                                                                    activation="tanh", name="conv")),
+    "1d-same": ((9, 3), lambda: L.SeparableConv1D(5, 3, padding="same", depth_multiplier=2, name="conv")),
+    "1d-valid-stride2": ((9, 2), lambda: L.SeparableConv1D(3, 2, strides=2, activation="tanh", name="conv")),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SEPARABLE))
+def test_separable(case):
+    shape, build = SEPARABLE[case]
+    _check(_model(shape, build()), "SeparableConv")
+
+
+GROUPED = {
+    "2d-valid-groups2-tanh": ((6, 6, 4), lambda: L.Conv2D(6, 3, groups=2, activation="tanh", name="conv")),
+    "2d-same-stride2-groups3-nobias": ((7, 6, 6), lambda: L.Conv2D(3, (2, 3), strides=2, padding="same", groups=3,
+                                                                   use_bias=False, name="conv")),
+    "2d-dilated": ((7, 7, 4), lambda: L.Conv2D(4, 2, dilation_rate=2, padding="same", groups=4, name="conv")),
+    "1d-same-stride2": ((9, 4), lambda: L.Conv1D(6, 3, strides=2, padding="same", groups=2, name="conv")),
+}
+
+
+@pytest.mark.parametrize("case", sorted(GROUPED))
+def test_grouped_conv(case):
+    shape, build = GROUPED[case]
+    _check(_model(shape, build()), "GroupedConv")
+
+
+CONV3D = {
+    "valid-relu": ((4, 5, 5, 2), lambda: L.Conv3D(3, 2, activation="relu", name="conv")),
+    "same-stride2-nobias": ((5, 5, 4, 2), lambda: L.Conv3D(3, (3, 2, 3), strides=(2, 1, 2), padding="same",
+                                                           use_bias=False, name="conv")),
+    "groups2": ((4, 4, 4, 4), lambda: L.Conv3D(4, 2, groups=2, padding="same", name="conv")),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CONV3D))
+def test_conv3d(case):
+    shape, build = CONV3D[case]
+    _check(_model(shape, build()), "Conv3D")
+
+
+TRANSPOSE = {
+    "2d-valid-stride2-tanh": ((4, 3, 3), lambda: L.Conv2DTranspose(2, 3, strides=2, activation="tanh", name="conv")),
+    "2d-same-stride2-nobias": ((3, 4, 2), lambda: L.Conv2DTranspose(3, (3, 2), strides=2, padding="same",
+                                                                    use_bias=False, name="conv")),
+    "2d-kernel-below-stride": ((3, 3, 2), lambda: L.Conv2DTranspose(2, 1, strides=2, name="conv")),
+    "2d-same-dilated": ((4, 4, 2), lambda: L.Conv2DTranspose(2, 3, dilation_rate=2, padding="same", name="conv")),
+    "2d-channels-first": (_cf((3, 3, 2)), lambda: L.Conv2DTranspose(2, 3, strides=2, padding="same",
+                                                                    data_format="channels_first", name="conv")),
+    "1d-same-stride3": ((4, 3), lambda: L.Conv1DTranspose(2, 4, strides=3, padding="same", name="conv")),
+    "3d-valid-stride2": ((2, 3, 2, 2), lambda: L.Conv3DTranspose(2, 2, strides=(2, 1, 2), name="conv")),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TRANSPOSE))
+def test_conv_transpose(case):
+    shape, build = TRANSPOSE[case]
+    _check(_model(shape, build()), "ConvTranspose")
+
+
+def test_shared_layers_called_on_two_sizes():
+    # one layer of each kind called twice (different spatial sizes): its per-example
+    # gradient is the sum over both calls
+    for shared, kind in [
+        (L.DepthwiseConv2D(3, padding="same", name="conv"), "DepthwiseConv"),
+        (L.SeparableConv2D(3, 3, padding="same", name="conv"), "SeparableConv"),
+        (L.Conv2D(4, 3, padding="same", groups=2, name="conv"), "GroupedConv"),
+        (L.Conv2DTranspose(2, 3, strides=2, padding="same", name="conv"), "ConvTranspose"),
+    ]:
+        inp = keras.Input((6, 6, 2 if kind == "ConvTranspose" else 4))
+        big = shared(inp)
+        small = shared(L.AveragePooling2D(2)(inp) if kind != "ConvTranspose" else inp[:, :3, :3])
+        out = L.Concatenate()([L.GlobalAveragePooling2D()(big), L.GlobalAveragePooling2D()(small)])
+        _check(keras.Model(inp, L.Dense(2)(out)), kind)
+
+
+@pytest.mark.parametrize("materialise", [True, False], ids=["materialised", "gram"])
+def test_grouped_grads_both_forms_match_numpy(materialise):
+    rng = np.random.default_rng(3)
+    x, y = rng.normal(size=(3, 4, 2, 5)), rng.normal(size=(3, 4, 2, 3))
+    per_example = np.einsum("plgi,plgo->pgio", x, y)  # numpy, the definition
+    grads = GroupedGrads([(tf.constant(x[:, :1]), tf.constant(y[:, :1])), (tf.constant(x[:, 1:]), tf.constant(y[:, 1:]))],
+                         materialise=materialise)
+    assert grads.materialised == materialise
+    np.testing.assert_allclose(grads.sq_norms().numpy(), np.sum(per_example**2, axis=(1, 2, 3)), rtol=1e-12)
+    scale = np.array([0.5, 0.0, 2.0])
+    np.testing.assert_allclose(grads.weighted_sum(tf.constant(scale)).numpy(),
+                               np.einsum("p,pgio->gio", scale, per_example), rtol=1e-12)
+
+
+def test_patches_are_the_windows_of_the_convolution():
+    # convolving with a kernel K equals contracting the patches with K (rank 1, 2, 3)
+    rng = np.random.default_rng(5)
+    for shape, ks, st, dr, pad in [((2, 9, 3), (3,), (2,), (1,), "same"), ((2, 7, 6, 3), (3, 2), (1, 1), (1, 2), "valid"),
+                                   ((2, 7, 6, 3), (3, 2), (2, 3), (1, 1), "same"),
+                                   ((2, 5, 4, 6, 2), (2, 3, 2), (1, 2, 2), (1, 1, 1), "same")]:
+        x = rng.normal(size=shape)
+        kernel = rng.normal(size=(*ks, shape[-1], 4))
+        want = keras.ops.conv(x, kernel, strides=st, padding=pad, dilation_rate=dr).numpy()
+        got = patches(tf.constant(x), kernel_size=ks, strides=st, dilation_rate=dr, padding=pad).numpy()
+        got = np.einsum("plkc,kco->plo", got, kernel.reshape(-1, shape[-1], 4))
+        np.testing.assert_allclose(got, want.reshape(got.shape), rtol=1e-10, atol=1e-12)
+
+
+def test_refused_configurations_take_the_exact_fallback():
+    rng = np.random.default_rng(6)
+    for layer in [L.Conv1D(4, 3, padding="causal", groups=2, name="conv"),
+                  L.Conv2DTranspose(2, 3, strides=2, output_padding=1, name="conv"),
+                  L.Conv3D(2, 2, dilation_rate=2, name="conv")]:
+        shape = {1: (8, 4), 2: (4, 4, 2), 3: (5, 5, 5, 2)}[layer.rank]
+        model = _model(shape, layer)
+        assert dict((n, how) for n, _, how in describe(model))["conv"] == "generic"
+        _check(model, "generic", seed=int(rng.integers(100)))
+
+
+def test_channels_first_grouped_and_3d_convolutions_take_the_fallback_on_cpu():
+    # Keras runs them through XLA on CPU, where the layer's bias add does not follow its
+    # definition for some shapes: the rule refuses, and the fallback matches the layer
+    if tf.config.list_logical_devices("GPU"):
+        pytest.skip("the refusal is for CPU devices")
+    for shape, layer in [(_cf((6, 6, 4)), L.Conv2D(4, 3, groups=2, data_format="channels_first", name="conv")),
+                         (_cf((4, 4, 4, 2)), L.Conv3D(3, 2, data_format="channels_first", name="conv"))]:
+        _check(_model(shape, layer), "generic")
+
+
+@pytest.mark.parametrize("build", [
+    lambda: keras.applications.MobileNetV2(weights=None, input_shape=(32, 32, 3), classes=4, alpha=0.35),
+    lambda: keras.applications.EfficientNetB0(weights=None, input_shape=(32, 32, 3), classes=4),
+], ids=["MobileNetV2", "EfficientNetB0"])
+def test_mobile_networks_have_no_layer_on_the_fallback(build):
+    from keras_noisecurve.training.batchnorm import replace_batch_normalization
+
+    model = replace_batch_normalization(build())
+    kinds = {how for _, _, how in describe(model)}
+    assert "generic" not in kinds and "DepthwiseConv" in kinds, kinds
