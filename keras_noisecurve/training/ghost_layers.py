@@ -55,11 +55,14 @@ from keras_noisecurve.training.ghost_scale import ComputedScaleRule, PReLURule
 from keras_noisecurve.training.ghost_timedist import FoldedTimeDistributedRule
 
 __all__ = [
-    "CONV_CHUNK", "RULES", "ConvRule", "DenseRule", "DiagonalScaleRule", "EinsumDenseRule", "EmbeddingRule",
-    "GenericRule", "GroupNormalizationRule", "LayerNormalizationRule", "LoRARule", "PositionEmbeddingRule", "RNNFallbackRule", "RecurrentRule", "ReversibleEmbeddingRule", "Rule", "TimeDistributedRule", "conv_chunk", "conv_sq_norms", "einsum_structure",
-    "find_rule", "register_rule", "sequence_sq_norms", "token_sq_norms",
+    "CONV_CHUNK", "RULES", "ComputedScaleRule", "Conv3DRule", "ConvRule", "ConvTransposeRule",
+    "DenseRule", "DepthwiseConvRule", "DiagonalScaleRule", "EinsumDenseRule", "EmbeddingRule",
+    "FoldedTimeDistributedRule", "GenericRule", "GroupNormalizationRule", "GroupedConvRule",
+    "LayerNormalizationRule", "LoRARule", "PReLURule", "PositionEmbeddingRule", "RNNFallbackRule",
+    "RecurrentRule", "ReversibleEmbeddingRule", "Rule", "SeparableConvRule", "TimeDistributedRule",
+    "conv_chunk", "conv_sq_norms", "einsum_structure", "find_rule", "register_rule",
+    "sequence_sq_norms", "token_sq_norms",
 ]
-__all__ += ["ComputedScaleRule", "FoldedTimeDistributedRule", "PReLURule"]
 
 RULES = (
     LoRARule(),
