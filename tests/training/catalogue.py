@@ -386,3 +386,40 @@ def coverage(model) -> dict:
     for _, _, how in describe(model):
         counts[how] = counts.get(how, 0) + 1
     return dict(sorted(counts.items()))
+
+
+def fit_and_compare(case, *, seed=3) -> float:
+    """One private step of ``case.model`` through the documented API — ``make_private``,
+    a ``PrivateRun`` (B = P, one step, every example once), ``NoiseCurveOptimizer`` with
+    plain SGD at η = 1, ``fit(run.dataset(x, y))`` — with the noise switched off after
+    construction (σ = 0, a test-only setting), against :func:`loop_gradients`.
+
+    ζ is half the smallest per-example norm of the loop, so every example is clipped and
+    its factor ζ/‖g_i‖ enters the sum: an error in any example's norm shows in the sum.
+    The step moves the weights by Δw = −η·S/B (docs/design.md#update-rule), so the clipped
+    sum the engine computed inside ``fit`` is S = −B·Δw.
+
+    Returns ‖S − S_ref‖₂ / ‖S_ref‖₂ over all trainable variables.
+    """
+    import keras_noisecurve as knc
+    from keras_noisecurve._losses import per_example_loss_fn
+
+    model = case.model
+    per_example, _ = loop_gradients(model, per_example_loss_fn(case.loss), case.x, case.y, np.ones(P))
+    norms = np.array([np.sqrt(sum(np.sum(g**2) for g in grads)) for grads in per_example])
+    clip = 0.5 * float(np.min(norms[norms > 0]))
+    sum_ref = [sum(min(1.0, clip / n) * grads[k] for n, grads in zip(norms, per_example) if n > 0)
+               for k in range(len(per_example[0]))]
+    run = knc.PrivateRun(num_examples=P, batch_size=P, steps=1, noise_multiplier=1.0, delta=1e-5,
+                         sampling="fixed_epochs", seed=seed)
+    private = knc.make_private(model)
+    optimizer = knc.NoiseCurveOptimizer(run=run, learning_rate=1.0, l2_norm_clip=clip)
+    optimizer.noise_multiplier = 0.0  # σ = 0: no privacy, an exact comparison (set before the first step)
+    private.compile(optimizer=optimizer, loss=case.loss)
+    before = [v.numpy().astype(np.float64) for v in model.trainable_variables]
+    history = private.fit(run.dataset(case.x, case.y), verbose=0)
+    if not np.isfinite(history.history["loss"]).all():
+        raise AssertionError(f"non-finite loss: {history.history['loss']}")
+    got = [-P * (v.numpy().astype(np.float64) - b) for v, b in zip(model.trainable_variables, before)]
+    diff = np.sqrt(sum(np.sum((g - r) ** 2) for g, r in zip(got, sum_ref)))
+    return float(diff / np.sqrt(sum(np.sum(r**2) for r in sum_ref)))

@@ -1,10 +1,12 @@
 """The whole KerasHub catalogue: every ``*Backbone`` class the installed keras-hub exports.
 
 Each backbone of ``tests/training/catalogue.py``'s ``BUILDERS`` is built offline from a
-tiny config in float64 with a small classification head, its clipped sum and per-example
-norms under the default engine (``clipping="auto"``, traced as ``fit`` traces it) are
-compared with an independent per-example ``tf.GradientTape`` loop, and it then trains one
-step through ``make_private`` + ``PrivateRun`` + ``fit``. Every other exported backbone is
+tiny config in float64 with a small classification head and trains one step through
+``make_private`` + ``PrivateRun`` + ``fit`` (default engine, ``clipping="auto"``) with the
+noise off; the clipped sum that step applied (−B·Δw) is compared with an independent
+per-example ``tf.GradientTape`` loop, with ζ below every example's norm so that every
+per-example norm enters the sum through its clip factor ζ/‖g_i‖ (one trace per model: the
+CI budget). ``benchmarks/catalogue_table.py`` compares the norms directly too. Every other exported backbone is
 in ``NOT_BUILT`` with its reason, and a new keras-hub class in neither fails
 :func:`test_every_exported_backbone_is_built_or_listed`: none is skipped silently.
 
@@ -61,6 +63,12 @@ XFAIL = {
         "padding: the model mixes the examples of a batch (its output for an example changes with "
         "the rest of the batch by ~3e-3), and per-example gradients are not defined"
     ),
+    "MixtralBackbone": (
+        "keras-hub 0.32.0's MixtralSparseMoeBlock computes its load-balancing loss whenever training=True "
+        "(even at router_aux_loss_coef=0) with the padding mask cast to float32, which fails "
+        "against float64 routing weights: a float64 Mixtral cannot run a training step (float32 "
+        "trains privately and matches the loop: tests/training/test_zoo_extra.py)"
+    ),
 }
 
 
@@ -88,20 +96,8 @@ def test_every_exported_backbone_is_built_or_listed():
 @pytest.mark.parametrize("name", _params())
 def test_backbone_matches_a_per_example_float64_loop_and_trains(name):
     case = catalogue.make_case(name, dtype="float64")
-    got = catalogue.compare_with_loop(case)
-    rtol = RTOL_FLOAT32_INSIDE if name in FLOAT32_INSIDE else RTOL
-    assert got.norm_error < rtol and got.sum_error < rtol, (got, rtol)
-
-    # one private step through the documented API
-    run = knc.PrivateRun(num_examples=catalogue.P, batch_size=4, steps=1, noise_multiplier=1.0, delta=1e-5,
-                         sampling="fixed_epochs", seed=3)
-    private = knc.make_private(case.model)
-    private.compile(optimizer=knc.NoiseCurveOptimizer(run=run, learning_rate=0.05, l2_norm_clip=1.0), loss=case.loss)
-    before = [v.numpy().copy() for v in case.model.trainable_variables]
-    history = private.fit(run.dataset(case.x, case.y), verbose=0)
-    assert np.isfinite(history.history["loss"]).all()
-    assert int(private.optimizer.iterations.numpy()) == 1
-    assert any(not np.array_equal(b, v.numpy()) for b, v in zip(before, case.model.trainable_variables))
+    error = catalogue.fit_and_compare(case)
+    assert error < (RTOL_FLOAT32_INSIDE if name in FLOAT32_INSIDE else RTOL), error
 
 
 class KeywordInputs(keras.layers.Layer):
