@@ -141,3 +141,18 @@ def test_a_layer_called_with_its_inputs_by_keyword_is_clipped_exactly():
     for k, g in enumerate(got.grads):
         ref = sum(min(1.0, clip / n) * grads[k] for n, grads in zip(norms, per_example))
         np.testing.assert_allclose(g.numpy(), ref, rtol=1e-12, atol=1e-15)
+
+
+def test_the_coverage_table_of_docs_models_is_generated_from_the_rules():
+    # docs/models.md lists the rules the engine tries, rendered from the registry: a rule added
+    # (or a class it names) without regenerating the table fails here
+    from keras_noisecurve.training.ghost_layers import RULES, rule_table
+    from tests.training import rules_table
+
+    rows = rule_table()
+    assert [row["kind"] for row in rows][-len(RULES):] == [rule.kind for rule in RULES]
+    recurrent = next(row for row in rows if row["kind"] == "Recurrent")
+    assert {"LSTM", "GRU"} <= set(recurrent["layers"]) and not recurrent["fallback"]
+    assert rules_table.current(rules_table.DOC.read_text()) == rules_table.render(), (
+        "docs/models.md's rule table differs from the registry: run python -m tests.training.rules_table --write"
+    )
