@@ -232,6 +232,8 @@ def _make_wrapper(layer, rule, original_call):
         # ``call(inputs=...)``): the rules take them as the first positional argument
         if not args and first in kwargs:
             args = (kwargs.pop(first),)
+        if not args:
+            raise TypeError(f"{_layer_label(layer)} was called without inputs (positional or {first!r}=...)")
         inputs, args = args[0], args[1:]
         recorder = getattr(_LOCAL, "recorder", None)
         if recorder is None:
