@@ -53,6 +53,7 @@ on other rows with no such caller, and a weight read outside its own layer's cal
 from __future__ import annotations
 
 import contextlib
+import inspect
 import threading
 import weakref
 
@@ -213,8 +214,27 @@ class _Recorder:
         return record
 
 
+def _first_argument(original_call):
+    """The name of the first parameter of a layer's ``call`` (its inputs), or ``None``."""
+    try:
+        params = list(inspect.signature(original_call).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    first = params[0] if params else None
+    return first.name if first is not None and first.kind in (first.POSITIONAL_OR_KEYWORD, first.KEYWORD_ONLY) else None
+
+
 def _make_wrapper(layer, rule, original_call):
-    def call(inputs, *args, **kwargs):
+    first = _first_argument(original_call)
+
+    def call(*args, **kwargs):
+        # a caller may pass the inputs by keyword (``layer(hidden_states=x)``, Keras's own
+        # ``call(inputs=...)``): the rules take them as the first positional argument
+        if not args and first in kwargs:
+            args = (kwargs.pop(first),)
+        if not args:
+            raise TypeError(f"{_layer_label(layer)} was called without inputs (positional or {first!r}=...)")
+        inputs, args = args[0], args[1:]
         recorder = getattr(_LOCAL, "recorder", None)
         if recorder is None:
             return original_call(inputs, *args, **kwargs)

@@ -117,3 +117,41 @@ def find_rule(layer):
         if rule.matches(layer) and not rule.check(layer):
             return rule
     return None
+
+
+def _rule_layers(rule) -> list:
+    """The layer classes a rule names: its ``classes`` and the KerasHub classes it finds by
+    module (``hub``, ``module``); empty when it matches by an ``isinstance`` of its own."""
+    names = [cls.__name__ for cls in rule.classes]
+    hub = getattr(rule, "hub", ())
+    if hub and isinstance(hub[0], str):  # one (module, class name) pair
+        hub = (hub,)
+    for entry in hub:
+        if isinstance(entry, (tuple, list)) and len(entry) >= 2 and isinstance(entry[1], str):
+            names.append(entry[1])
+    module = getattr(rule, "module", None)
+    if module:
+        names.append(f"{module.rsplit('.', 1)[-1].title().replace('_', '')} (KerasHub)")
+    return list(dict.fromkeys(names))
+
+
+def rule_table() -> list:
+    """One row per rule the engine tries, in order (registered rules first, then
+    :data:`RULES`): ``{"kind", "layers", "fallback", "summary"}``.
+
+    ``kind`` is what :func:`~keras_noisecurve.training.ghost.describe` reports for a layer the
+    rule takes; ``layers`` the class names it names (empty: it matches by ``isinstance`` in its
+    ``matches``, the summary says which); ``fallback`` True when the rule re-runs the layer per
+    example (the per-layer fallback's cost); ``summary`` the first paragraph of its docstring.
+    Documentation (docs/models.md) is rendered from this, so it follows the registry.
+    """
+    rows = []
+    for rule in (*_REGISTERED, *RULES):
+        doc = (type(rule).__doc__ or "").strip().split("\n\n")[0]
+        rows.append({
+            "kind": rule.kind,
+            "layers": _rule_layers(rule),
+            "fallback": isinstance(rule, GenericRule),
+            "summary": " ".join(doc.split()),
+        })
+    return rows

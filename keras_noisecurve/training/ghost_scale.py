@@ -122,7 +122,8 @@ def probe_affine_scale(layer) -> bool:
 
 
 class ComputedScaleRule(Rule):
-    """Any layer :func:`probe_affine_scale` recognises (RMS norms under any class name).
+    """Any layer whose only weight w (d,) enters as ``y = u(x) ⊙ (α + w)`` (α = 0 or 1), recognised by
+    probing its call once before training (RMS norms under any class name: Qwen, Qwen3, Phi-3, T5).
 
     Per example, ``G_i = Σ_positions g_i ⊙ u_i`` (d,) with ``u = ∂y/∂w`` recorded in
     the forward pass: the layer's own call runs once under a forward-mode accumulator

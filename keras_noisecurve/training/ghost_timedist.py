@@ -52,7 +52,9 @@ def _inner_rule(layer):
 
 
 class FoldedTimeDistributedRule(Rule):
-    """``TimeDistributed(inner)`` whose inner rule is position-wise (:func:`foldable`)."""
+    """``TimeDistributed(inner)`` with ``inner`` a ``Dense``, ``Embedding``, ``LayerNormalization`` over
+    negative axes, an RMS norm or ``PReLU``: the inner rule on the whole (P, T, ...) input, T one more
+    position axis of each example."""
 
     kind = "TimeDistributed (folded)"
     covers_sublayers = True
