@@ -12,8 +12,9 @@
   per example. What the probe cannot decide (a call that needs other arguments, fails,
   is not affine such as ``x ⊙ w²``, mixes examples) stays on the per-layer fallback.
   At each step the rule records ``u(x) = ∂y/∂w`` (a forward-mode derivative with
-  tangent 1 on ``w``, taken in the same call that produces ``y``) and the output
-  gradient ``g``; example i's gradient of ``w`` is ``Σ_positions g_i ⊙ u_i`` (d,).
+  tangent 1 on ``w``, from a second, detached call of the layer: an output computed
+  under a forward accumulator is not differentiated by an eager ``GradientTape``) and
+  the output gradient ``g``; example i's gradient of ``w`` is ``Σ_positions g_i ⊙ u_i`` (d,).
 - :class:`PReLURule`: ``keras.layers.PReLU``, ``y = relu(x) − α ⊙ relu(−x)``, so
   ``∂y/∂α = min(x, 0)`` and example i's gradient of ``α`` (shape ``input_shape[1:]``
   with 1 on the shared axes) is ``Σ_{shared axes} min(x_i, 0) ⊙ g_i``.
@@ -126,10 +127,11 @@ class ComputedScaleRule(Rule):
     probing its call once before training (RMS norms under any class name: Qwen, Qwen3, Phi-3, T5).
 
     Per example, ``G_i = Σ_positions g_i ⊙ u_i`` (d,) with ``u = ∂y/∂w`` recorded in
-    the forward pass: the layer's own call runs once under a forward-mode accumulator
-    with tangent 1 on ``w`` (its output is the layer's output; the enclosing tape
-    differentiates it as usual), and since ``y_k`` depends on ``w`` only through ``w_k``,
-    the JVP is ``u`` itself. ``‖G_i‖²`` and ``Σ_i c_i·G_i`` follow.
+    the forward pass: the layer's call runs a second time, on its detached input, under a
+    forward-mode accumulator with tangent 1 on ``w`` (an output computed under the
+    accumulator is not differentiated by an eager ``GradientTape``, so the layer's own
+    output comes from the first, ordinary call), and since ``y_k`` depends on ``w`` only
+    through ``w_k``, the JVP is ``u`` itself. ``‖G_i‖²`` and ``Σ_i c_i·G_i`` follow.
     """
 
     kind = "RMSNorm (by computation)"
@@ -145,10 +147,14 @@ class ComputedScaleRule(Rule):
 
     def forward(self, layer, original_call, record, inputs, *args, **kwargs):
         weight = self.weight(layer)
+        out = original_call(inputs, *args, **kwargs)
+        # The slope from a second, detached call: an output computed under a forward
+        # accumulator is not differentiated by the enclosing GradientTape when the step
+        # runs eagerly (its gradient would come back as zeros: run_eagerly=True, the audit).
         primal = _compat.unautocast_variable(weight)  # not a fresh autocast copy (mixed precision)
         with tf.autodiff.ForwardAccumulator(primals=primal, tangents=tf.ones_like(primal)) as acc:
-            out = original_call(inputs, *args, **kwargs)
-        slope = acc.jvp(out)
+            detached = original_call(tf.stop_gradient(inputs), *args, **kwargs)
+        slope = acc.jvp(detached)
         if slope is None:
             raise ValueError(f"{type(layer).__name__} layer '{layer.name}': its output does not depend on "
                              f"its weight '{weight.path}'.")

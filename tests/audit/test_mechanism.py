@@ -30,6 +30,13 @@ class Scale(keras.layers.Layer):
         return x * self.scale * self.scale
 
 
+class LinearScale(Scale):
+    """``x ⊙ s``: the rule for layers recognised by what they compute takes it."""
+
+    def call(self, x):
+        return x * self.scale
+
+
 @pytest.fixture(autouse=True)
 def _fresh_keras_session():
     """Each test from a fresh Keras session and fixed seeds (initial weights, the checked
@@ -123,7 +130,7 @@ def test_a_dropped_share_is_blamed_on_its_layer_when_another_layers_sum_is_furth
     """The clipping check names the layer whose own output is wrong, even when a wrong norm
     distorts ANOTHER layer's part of the clipped sum more (every example's factor changes).
 
-    Closed form, with the per-layer fallback (generic rule) of ``Scale`` dropping its share
+    Closed form, with the rule of ``LinearScale`` (``x ⊙ s``, recognised by what it computes) dropping its share
     and a Dense head, loss_i = y_i·out_i (so ∂loss_i/∂out_i = y_i): scale s = (1, 0), head
     kernel (1, 1), bias 0; examples x = (1, 3), (1, 3), (1, 0) with y = +1, +1, −1. The head's
     per-example gradients (x_1·s_1·y, 0, y) are ±(1, 0, 1), norm √2; Scale's, y·x⊙(1, 1), have
@@ -137,9 +144,10 @@ def test_a_dropped_share_is_blamed_on_its_layer_when_another_layers_sum_is_furth
     import tensorflow as tf
 
     from keras_noisecurve.audit.mechanism_clipping import check_clipping
+    from keras_noisecurve.training.ghost_scale import ComputedScaleRule
 
     inputs = keras.Input((2,))
-    model = keras.Model(inputs, keras.layers.Dense(1, name="head")(Scale(name="target")(inputs)))
+    model = keras.Model(inputs, keras.layers.Dense(1, name="head")(LinearScale(name="target")(inputs)))
     model.set_weights([np.array([1.0, 0.0], "float32"), np.ones((2, 1), "float32"), np.zeros(1, "float32")])
     x = np.array([[1.0, 3.0], [1.0, 3.0], [1.0, 0.0]], "float32")
     y = np.array([[1.0], [1.0], [-1.0]], "float32")
@@ -152,7 +160,7 @@ def test_a_dropped_share_is_blamed_on_its_layer_when_another_layers_sum_is_furth
 
     good = check()
     assert good.passed and good.worst_error < 1e-6, good
-    broken.drop_layer_share(monkeypatch, ghost_generic.GenericRule)
+    broken.drop_layer_share(monkeypatch, ComputedScaleRule)
     bad = check()
     assert not bad.passed
     by_name = {entry["layer"]: entry for entry in bad.layers}
@@ -160,7 +168,7 @@ def test_a_dropped_share_is_blamed_on_its_layer_when_another_layers_sum_is_furth
     assert by_name["head"]["sum_error"] > 100 and by_name["target"]["sum_error"] == pytest.approx(
         np.hypot(1 / np.sqrt(2), 6 / np.sqrt(2) - np.sqrt(3)) / np.sqrt(3), rel=1e-5)
     assert by_name["target"]["norm_error"] == pytest.approx(1.0) and by_name["head"]["norm_error"] < 1e-6
-    assert bad.worst_layer == ("target", "Scale", "generic") and bad.worst_error == pytest.approx(1.0), bad.layers
+    assert bad.worst_layer == ("target", "LinearScale", "RMSNorm (by computation)") and bad.worst_error == pytest.approx(1.0), bad.layers
     # each layer's own error: Scale's norms are off by exactly 1; given the engine's factors,
     # both parts of the sum are right
     assert by_name["target"]["own_sum_error"] < 1e-6 and by_name["head"]["own_sum_error"] < 1e-6

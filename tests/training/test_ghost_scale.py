@@ -37,8 +37,9 @@ def _kinds(model):
     return out
 
 
-def _compare(model, loss, x, y, rtol=RTOL):
-    """The default engine (traced) against the per-example loop: norms and clipped sum."""
+def _compare(model, loss, x, y, rtol=RTOL, eager=False):
+    """The default engine (traced, or eager as under ``run_eagerly=True`` and the audit)
+    against the per-example loop: norms and clipped sum."""
     loss_fn = per_example_loss_fn(loss)
     engine = get_engine("auto", model)
     w = np.random.default_rng(4).uniform(0.5, 2.0, size=len(y))
@@ -46,8 +47,8 @@ def _compare(model, loss, x, y, rtol=RTOL):
     norms, _ = loop_reference(model, loss_fn, x, y, w, np.inf)
     clip = float(np.median(norms[norms > 0]))
     norms_ref, sum_ref = loop_reference(model, loss_fn, x, y, w, clip)
-    step = tf.function(lambda x, y, w: engine(model, loss_fn, x, y, w, l2_norm_clip=clip, training=False))
-    got = step(x, y, w)
+    step = lambda x, y, w: engine(model, loss_fn, x, y, w, l2_norm_clip=clip, training=False)  # noqa: E731
+    got = (step if eager else tf.function(step))(x, y, w)
     np.testing.assert_allclose(got.norms.numpy(), norms_ref, rtol=rtol, atol=1e-12)
     scale = max(np.max(np.abs(g)) for g in sum_ref)
     for v, g, r in zip(model.trainable_variables, got.grads, sum_ref):
@@ -116,6 +117,22 @@ def _xy(n=5, length=4, d=6):
 
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+@pytest.mark.parametrize("rank", [2, 3])
+def test_a_scale_matches_the_loop_when_the_step_runs_eagerly(rank):
+    """Regression: the output the enclosing tape differentiates must not be the one computed
+    under the forward accumulator (an eager GradientTape gives it a zero gradient, and the
+    scale's gradient was silently dropped: found by the audit's clipping check)."""
+    x, y = _xy()
+    if rank == 2:
+        inputs = keras.Input((6,))
+        model = keras.Model(inputs, keras.layers.Dense(3)(Scale(alpha=1.0)(keras.layers.Dense(6)(inputs))))
+        x = x[:, 0]
+    else:
+        model = _dense_model(Scale(alpha=1.0))
+    assert COMPUTED in _kinds(model)["Scale"]
+    _compare(model, LOSS, x, y, eager=True)
 
 
 @pytest.mark.parametrize("alpha", [0.0, 1.0])
