@@ -47,6 +47,7 @@ from keras_noisecurve.training.ghost_common import Rule, dims, norm_dtype, per_e
 from keras_noisecurve.training.ghost_common import scale_smaller
 from keras_noisecurve.training import kernels as _kernels
 from keras_noisecurve.training.ghost_conv import ConvRule, conv_example_grads, materialise_conv
+from keras_noisecurve.training.ghost_taps import LiveTapGrads, tap_example_grads
 
 
 # ------------------------------------------------------------------------ tensor math
@@ -247,121 +248,27 @@ def _depthwise_example_grads(layer, images, kernel_shape):
     return tf.transpose(total, [1, 2, 0, 3])
 
 
-#: output positions up to which :func:`tap_example_grads` stacks the taps' slices (measured:
-#: docs/performance.md, "Depthwise, separable, grouped, 3-D and transposed convolutions")
-TAPS_STACKED_POSITIONS = 16
-
-
-def _window_geometry(n, out, k, s, d, padding):
-    """(pad_before, pad_after, live taps) of one spatial axis of a convolution: input size
-    ``n``, output size ``out``, kernel ``k``, stride ``s``, dilation ``d``, TensorFlow's
-    ``"same"``/``"valid"`` padding. Tap j reads padded index o·s + j·d; it is *live* when
-    some output position o reads an input entry (not padding) through it."""
-    extent = (out - 1) * s + (k - 1) * d + 1
-    before = max(extent - n, 0) // 2 if padding == "same" else 0
-    live = [j for j in range(k) if any(0 <= o * s + j * d - before < n for o in range(out))]
-    return before, max(extent - n - before, 0), live
-
-
-def tap_example_grads(a, g, *, kernel_size, strides, dilation_rate, padding, multiplier):
-    """Per-example depthwise kernel gradients at the live taps, one slice per tap.
-
-    ``a`` (P, *spatial, C) channels-last input (rank 1 or 2, static spatial sizes),
-    ``g`` (P, *spatial', C·M) the output gradient, ``multiplier`` = M. Tap
-    t = (j_h, j_w) of the kernel sees the input shifted by t·dilation and taken at the
-    layer's strides (zero padding as TensorFlow's ``padding``), so
-
-        ∂W_i[c, t, m] = Σ_l a_pad[i, l·s + t·d, c] · g_i[l, c·M + m]
-
-    (P·L·C·K·M multiply-adds, no windows formed). A tap that reads only padding at every
-    output position has a zero gradient and is not computed (a 5×5 ``same`` kernel on a
-    1×1 map has one live tap). Strided layers take the taps from the input split into its
-    stride phases (one transpose), so that every tap is a contiguous slice.
-
-    Returns ``(per_example, live)``: per_example (P, C, T, M) for the T live taps and
-    ``live`` their flat indices (row-major in the kernel's spatial axes) among the K taps.
-    """
-    rank = len(kernel_size)
-    ks, st, dr = list(kernel_size), list(strides), list(dilation_rate)
-    if rank == 1:
-        a, g, ks, st, dr = a[:, None], g[:, None], [1, *ks], [1, *st], [1, *dr]
-    c = a.shape[-1]
-    (oh, ow), p = g.shape[1:3], tf.shape(a)[0]
-    geometry = [_window_geometry(n, o, k, s, d, padding)
-                for n, o, k, s, d in zip(a.shape[1:3], (oh, ow), ks, st, dr)]
-    # pad to the windows' extent, then up to a multiple of the stride, and split each
-    # axis into (block, phase): padded index b·s + r
-    pads, blocks = [], []
-    for (before, after, _), n, s in zip(geometry, a.shape[1:3], st):
-        size = before + n + after
-        blocks.append(-(-size // s))
-        pads.append([before, blocks[-1] * s - size + after])
-    a = tf.pad(a, [[0, 0], *pads, [0, 0]])
-    if max(st) > 1:
-        a = tf.reshape(a, [p, blocks[0], st[0], blocks[1], st[1], c])
-        a = tf.transpose(a, [2, 4, 0, 1, 3, 5])  # (s_h, s_w, P, blocks_h, blocks_w, C)
-    xs, live = [], []
-    for jh in geometry[0][2]:
-        for jw in geometry[1][2]:
-            (bh, rh), (bw, rw) = divmod(jh * dr[0], st[0]), divmod(jw * dr[1], st[1])
-            xs.append(a[rh, rw, :, bh : bh + oh, bw : bw + ow] if max(st) > 1 else a[:, bh : bh + oh, bw : bw + ow])
-            live.append(jh * ks[1] + jw)
-    y = g if multiplier == 1 else tf.reshape(g, [p, oh, ow, c, multiplier])
-
-    def spread(x):  # x (…, C) against y's (C, M) when M > 1
-        return x if multiplier == 1 else x[..., None]
-
-    if oh * ow <= TAPS_STACKED_POSITIONS:  # small maps: one product over all taps at once
-        per_example = tf.reduce_sum(spread(tf.stack(xs, axis=1)) * y[:, None], axis=[2, 3])
-    else:  # one product per tap: no (P, T, H', W', C) copy
-        per_example = tf.stack([tf.reduce_sum(spread(x) * y, axis=[1, 2]) for x in xs], axis=1)
-    return (per_example if multiplier > 1 else per_example[..., None]), live  # (P, T, C, M)
-
-
-class _LiveTapGrads(GroupedGrads):
-    """Per-example depthwise gradients (P, T, C, M) at T of the kernel's K taps (the others
-    are exactly 0, :func:`tap_example_grads`): the norms from the live taps, the clipped sum
-    scattered to (C, K, M)."""
-
-    def __init__(self, per_example, live, taps):
-        super().__init__(None)
-        self.materialised, self.per_example, self.live, self.taps = True, per_example, live, taps
-
-    def weighted_sum(self, scale):
-        summed = super().weighted_sum(scale)  # (T, C, M)
-        if len(self.live) != self.taps:
-            summed = tf.scatter_nd([[t] for t in self.live], summed, [self.taps, *summed.shape[1:]])
-        return tf.transpose(summed, [1, 0, 2])
-
-
 def _depthwise_grads(layer, a, g, kernel_shape):
     """:class:`GroupedGrads` (G = C, d_in = K, d_out = M) of a depthwise kernel.
 
     Three exact forms (measured on CPU at B = 32, docs/performance.md): TensorFlow's
-    depthwise filter gradient over the P·C (example, channel) pairs where every side of
-    the input is at least 2 kernel sizes (1.1–1.9 ms on 8×8 to 32×32 maps with 3×3
-    kernels, but 50–450 ms on smaller maps and with 5×5 kernels on 8×8); else one slice
-    per live tap (:func:`tap_example_grads`, 0.7–5 ms on EfficientNetB0's 8×8 to 1×1
-    maps, where the windows took 2–20 ms); the windows (:func:`patches`) only when the
-    spatial sizes are not static.
+    depthwise filter gradient over the P·C (example, channel) pairs for kernels of at most
+    3 taps a side on inputs of at least 2 kernel sizes a side (1.1–1.9 ms on 8×8 to 32×32
+    maps, but 50–450 ms on 4×4 and smaller maps, and with 5×5 kernels on 8×8 and 11×11
+    inputs); else one slice of the input per live tap (:func:`tap_example_grads`,
+    0.7–5 ms on EfficientNetB0's 8×8 to 1×1 maps, where the windows took 2–20 ms); the
+    windows (:func:`patches`) only when the spatial sizes are not static.
     """
-    ks, c, m = kernel_shape[:-2], kernel_shape[-2], kernel_shape[-1]
+    ks, m = kernel_shape[:-2], kernel_shape[-1]
     static = all(t.shape[1:-1].is_fully_defined() for t in (*a, *g))
-    large = static and all(all(n >= 2 * k for n, k in zip(ai.shape[1:-1], ks)) for ai in a)
+    large = static and max(ks) <= 3 and all(all(n >= 2 * k for n, k in zip(ai.shape[1:-1], ks)) for ai in a)
     if _native_depthwise(layer) and large:
         return GroupedGrads.from_per_example(_depthwise_example_grads(layer, list(zip(a, g)), kernel_shape))
     if not static:
         return GroupedGrads([_depthwise_pairs(layer, ai, gi, kernel_shape) for ai, gi in zip(a, g)])
     taps = [tap_example_grads(ai, gi, kernel_size=ks, strides=layer.strides, dilation_rate=layer.dilation_rate,
                               padding=layer.padding, multiplier=m) for ai, gi in zip(a, g)]
-    if len(taps) == 1:
-        return _LiveTapGrads(*taps[0], math.prod(ks))
-    # a shared layer: every call's live taps placed among all K (a zero row for the others), summed
-    total = 0.0
-    for per_example, live in taps:
-        padded = tf.concat([per_example, tf.zeros_like(per_example[:, :1])], axis=1)
-        total += tf.gather(padded, [live.index(t) if t in live else len(live) for t in range(math.prod(ks))], axis=1)
-    return _LiveTapGrads(total, list(range(math.prod(ks))), math.prod(ks))
+    return LiveTapGrads(taps, math.prod(ks))
 
 
 def _depthwise_kernel(summed, kernel_shape):
