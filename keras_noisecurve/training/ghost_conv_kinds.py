@@ -47,6 +47,7 @@ from keras_noisecurve.training.ghost_common import Rule, dims, norm_dtype, per_e
 from keras_noisecurve.training.ghost_common import scale_smaller
 from keras_noisecurve.training import kernels as _kernels
 from keras_noisecurve.training.ghost_conv import ConvRule, conv_example_grads, materialise_conv
+from keras_noisecurve.training.ghost_taps import LiveTapGrads, tap_example_grads
 
 
 # ------------------------------------------------------------------------ tensor math
@@ -248,16 +249,26 @@ def _depthwise_example_grads(layer, images, kernel_shape):
 
 
 def _depthwise_grads(layer, a, g, kernel_shape):
-    """:class:`GroupedGrads` (G = C, d_in = K, d_out = M) of a depthwise kernel."""
-    ks = kernel_shape[:-2]
-    # TensorFlow's CPU depthwise filter gradient over P·C channels is fast on large maps
-    # (32×32, 3×3: 1.4 ms against 23 ms for the windows) but 30–200x slower than the
-    # windows on small ones (8×8 and below with 5×5 kernels, 2×2 and 1×1 maps of 576–1152
-    # channels: MobileNetV2, EfficientNetB0): it runs where every side is ≥ 4 kernel sizes
-    large = all(ai.shape[1:-1].is_fully_defined() and all(n >= 4 * k for n, k in zip(ai.shape[1:-1], ks)) for ai in a)
+    """:class:`GroupedGrads` (G = C, d_in = K, d_out = M) of a depthwise kernel.
+
+    Three exact forms (measured on CPU at B = 32, docs/performance.md): TensorFlow's
+    depthwise filter gradient over the P·C (example, channel) pairs for kernels of at most
+    3 taps a side on inputs of at least 2 kernel sizes a side (1.1–1.9 ms on 8×8 to 32×32
+    maps, but 50–450 ms on 4×4 and smaller maps, and with 5×5 kernels on 8×8 and 11×11
+    inputs); else one slice of the input per live tap (:func:`tap_example_grads`,
+    0.7–5 ms on EfficientNetB0's 8×8 to 1×1 maps, where the windows took 2–20 ms); the
+    windows (:func:`patches`) only when the spatial sizes are not static.
+    """
+    ks, m = kernel_shape[:-2], kernel_shape[-1]
+    static = all(t.shape[1:-1].is_fully_defined() for t in (*a, *g))
+    large = static and max(ks) <= 3 and all(all(n >= 2 * k for n, k in zip(ai.shape[1:-1], ks)) for ai in a)
     if _native_depthwise(layer) and large:
         return GroupedGrads.from_per_example(_depthwise_example_grads(layer, list(zip(a, g)), kernel_shape))
-    return GroupedGrads([_depthwise_pairs(layer, ai, gi, kernel_shape) for ai, gi in zip(a, g)])
+    if not static:
+        return GroupedGrads([_depthwise_pairs(layer, ai, gi, kernel_shape) for ai, gi in zip(a, g)])
+    taps = [tap_example_grads(ai, gi, kernel_size=ks, strides=layer.strides, dilation_rate=layer.dilation_rate,
+                              padding=layer.padding, multiplier=m) for ai, gi in zip(a, g)]
+    return LiveTapGrads(taps, math.prod(ks))
 
 
 def _depthwise_kernel(summed, kernel_shape):

@@ -512,6 +512,47 @@ def test_conv2d_gram_form_on_small_maps(channels):
     check_model(model, rng.normal(size=(P, 3, 4, channels)), rng.normal(size=(P, 2)))
 
 
+POINTWISE = {
+    # (input shape, layer): L² against c_in·c_out picks the norms' form of the Dense map
+    "5x5-same-materialised": ((5, 5, 3), lambda: keras.layers.Conv2D(4, 1, padding="same", activation="tanh")),
+    "3x3-valid-gram": ((3, 3, 16), lambda: keras.layers.Conv2D(8, 1, activation="relu")),
+    "1x1-map-product": ((1, 1, 6), lambda: keras.layers.Conv2D(5, 1)),
+    "stride2-same-odd": ((5, 4, 3), lambda: keras.layers.Conv2D(4, 1, strides=2, padding="same", use_bias=False)),
+    "stride-2x3-valid": ((7, 8, 2), lambda: keras.layers.Conv2D(3, 1, strides=(2, 3), activation="tanh")),
+    "dilated": ((4, 4, 3), lambda: keras.layers.Conv2D(2, 1, dilation_rate=2, padding="same")),
+    "conv1d-causal-stride2": ((9, 3), lambda: keras.layers.Conv1D(4, 1, strides=2, padding="causal")),
+}
+
+
+@pytest.mark.parametrize("case", sorted(POINTWISE))
+def test_pointwise_conv_is_a_dense_map_of_pixels(case, monkeypatch):
+    # a 1×1 convolution takes the Dense form (pixels at the strides × output gradients);
+    # float64 per-example loop and vectorized engine
+    taken = []
+    original = ghost_conv.ConvRule._pointwise
+
+    def spy(self, *args):
+        taken.append(True)
+        return original(self, *args)
+
+    monkeypatch.setattr(ghost_conv.ConvRule, "_pointwise", spy)
+    shape, build = POINTWISE[case]
+    rng = np.random.default_rng(sorted(POINTWISE).index(case))
+    model = keras.Sequential([keras.Input(shape), build(), keras.layers.Flatten(), keras.layers.Dense(2)])
+    check_model(model, rng.normal(size=(P, *shape)), rng.normal(size=(P, 2)))
+    assert taken
+
+
+def test_shared_pointwise_conv_on_two_map_sizes():
+    # one 1×1 Conv2D called on a 4×4 and a 1×1 map: its per-example gradient sums both calls
+    rng = np.random.default_rng(44)
+    big, small = keras.Input((4, 4, 3)), keras.Input((1, 1, 3))
+    shared = keras.layers.Conv2D(5, 1, activation="tanh")
+    pooled = [keras.layers.GlobalAveragePooling2D()(shared(t)) for t in (big, small)]
+    model = keras.Model([big, small], keras.layers.Dense(2)(keras.layers.Concatenate()(pooled)))
+    check_model(model, [rng.normal(size=(P, 4, 4, 3)), rng.normal(size=(P, 1, 1, 3))], rng.normal(size=(P, 2)))
+
+
 def test_group_normalization_fast_and_generic_paths():
     # channels last on a rank-3 input and without scale (fast path: out = x·s + t, no
     # x̂), on a rank-2 input (no positions), and along axis 1 (the generic x̂ path);

@@ -16,6 +16,7 @@ import keras
 
 from keras_noisecurve.training.ghost import describe, ghost_clipped_sum, supports
 from keras_noisecurve.training.ghost_conv_kinds import GroupedGrads, patches
+from keras_noisecurve.training.ghost_taps import LiveTapGrads, tap_example_grads
 from tests.training.helpers import float64_layers, loop_reference, mse
 
 P = 5
@@ -71,6 +72,16 @@ DEPTHWISE = {
     "1d-same-stride2": ((9, 3), lambda: L.DepthwiseConv1D(3, strides=2, padding="same", depth_multiplier=3,
                                                           name="conv")),
     "1d-valid-dilated": ((9, 2), lambda: L.DepthwiseConv1D(2, dilation_rate=3, activation="tanh", name="conv")),
+    # small maps (the taps form): dead taps, strided phases, both products
+    "2d-1x1-map-5x5-same": ((1, 1, 4), lambda: L.DepthwiseConv2D(5, padding="same", name="conv")),
+    "2d-2x2-map-5x5-same-mult2": ((2, 2, 3), lambda: L.DepthwiseConv2D(5, padding="same", depth_multiplier=2,
+                                                                       activation="tanh", name="conv")),
+    "2d-8x8-5x5-stride2-same": ((8, 8, 2), lambda: L.DepthwiseConv2D(5, strides=2, padding="same", name="conv")),
+    "2d-11x11-5x5-stride2-valid": ((11, 11, 2), lambda: L.DepthwiseConv2D(5, strides=2, name="conv")),
+    "2d-7x8-3x3-stride3-mult2": ((7, 8, 2), lambda: L.DepthwiseConv2D(3, strides=3, padding="same",
+                                                                      depth_multiplier=2, name="conv")),
+    # a large map and a 3×3 kernel: TensorFlow's depthwise filter gradient
+    "2d-8x8-3x3-native": ((8, 8, 2), lambda: L.DepthwiseConv2D(3, padding="same", activation="relu", name="conv")),
 }
 
 
@@ -78,6 +89,68 @@ DEPTHWISE = {
 def test_depthwise(case):
     shape, build = DEPTHWISE[case]
     _check(_model(shape, build()), "DepthwiseConv")
+
+
+TAPS = [  # (input shape, kernel, strides, dilation, padding, multiplier)
+    ((1, 1, 3), (5, 5), (1, 1), (1, 1), "same", 1),
+    ((2, 3, 2), (5, 3), (1, 1), (1, 1), "same", 2),
+    ((8, 8, 2), (5, 5), (2, 2), (1, 1), "same", 1),
+    ((11, 9, 2), (5, 3), (2, 2), (1, 1), "valid", 1),
+    ((7, 7, 2), (3, 3), (1, 1), (2, 2), "same", 1),
+    ((6, 5, 2), (3, 2), (2, 1), (1, 2), "same", 3),
+    ((9, 2), (3,), (2,), (1,), "same", 2),
+    ((12, 2), (2,), (1,), (3,), "valid", 1),
+]
+
+
+@pytest.mark.parametrize("shape,kernel,strides,dilation,padding,mult", TAPS)
+def test_tap_example_grads_equal_a_per_example_loop(shape, kernel, strides, dilation, padding, mult):
+    # the live taps' per-example gradients, the norms and the scattered clipped sum against
+    # float64 GradientTape gradients of Σ depthwise_conv(a_i, W)·g_i, one example at a time
+    rng = np.random.default_rng(len(shape) * 100 + kernel[0] * 10 + mult)
+    c = shape[-1]
+    a = rng.normal(size=(P, *shape))
+    w = tf.Variable(rng.normal(size=(*kernel, c, mult)))
+    out = keras.ops.depthwise_conv(a[:1], w, strides=strides, padding=padding, dilation_rate=dilation)
+    g = rng.normal(size=(P, *out.shape[1:]))
+    want = []
+    for i in range(P):
+        with tf.GradientTape() as tape:
+            z = keras.ops.depthwise_conv(a[i : i + 1], w, strides=strides, padding=padding, dilation_rate=dilation)
+            loss = tf.reduce_sum(z * g[i : i + 1])
+        want.append(tape.gradient(loss, w).numpy().reshape(-1, c, mult))  # (K, C, M)
+    want = np.stack(want)
+    per_example, live = tap_example_grads(tf.constant(a), tf.constant(g), kernel_size=kernel, strides=strides,
+                                          dilation_rate=dilation, padding=padding, multiplier=mult)
+    np.testing.assert_allclose(per_example.numpy(), want[:, live], rtol=1e-12, atol=1e-12)
+    dead = [t for t in range(int(np.prod(kernel))) if t not in live]
+    assert np.all(want[:, dead] == 0.0)
+    grads = LiveTapGrads([(per_example, live)], int(np.prod(kernel)))
+    np.testing.assert_allclose(grads.sq_norms().numpy(), np.sum(want**2, axis=(1, 2, 3)), rtol=1e-12)
+    scale = rng.uniform(size=P)
+    scale[2] = 0.0
+    np.testing.assert_allclose(grads.weighted_sum(tf.constant(scale)).numpy(),
+                               np.einsum("p,pkcm->ckm", scale, want), rtol=1e-12, atol=1e-12)
+
+
+def test_tap_example_grads_validates_its_arguments():
+    a, g = tf.zeros([2, 3, 3, 2]), tf.zeros([2, 3, 3, 2])
+    kw = dict(kernel_size=(3, 3), strides=(1, 1), dilation_rate=(1, 1), multiplier=1)
+    with pytest.raises(ValueError, match="padding must be 'same' or 'valid', got 'causal'"):
+        tap_example_grads(a, g, padding="causal", **kw)
+    with pytest.raises(ValueError, match="C·M = 2·2 channels, got 2"):
+        tap_example_grads(a, g, padding="same", **{**kw, "multiplier": 2})
+    with pytest.raises(ValueError, match="rank-1 or rank-2"):
+        tap_example_grads(tf.zeros([2, 3, 3, 3, 2]), g, padding="same", **kw)
+
+
+def test_shared_depthwise_layer_with_different_live_taps():
+    # a 5×5 kernel on a 4×4 map (every tap live) and on a 1×1 map (the centre tap only)
+    shared = L.DepthwiseConv2D(5, padding="same", name="conv")
+    inp = keras.Input((4, 4, 3))
+    small = shared(L.GlobalAveragePooling2D(keepdims=True)(inp))
+    out = L.Concatenate()([L.GlobalAveragePooling2D()(shared(inp)), L.Flatten()(small)])
+    _check(keras.Model(inp, L.Dense(2)(out)), "DepthwiseConv")
 
 
 SEPARABLE = {

@@ -1,0 +1,139 @@
+"""Per-example depthwise kernel gradients from one slice of the input per kernel tap.
+
+A depthwise kernel (*k, C, M) has, per example i, channel c, tap t and multiplier m, the
+gradient ``∂W_i[c, t, m] = Σ_l a_pad[i, l·s + t·d, c] · g_i[l, c·M + m]``: a product of
+the output gradient with the input shifted by the tap (``s`` the strides, ``d`` the
+dilation, ``a_pad`` the input zero-padded as the layer). Taking the K shifted slices
+directly costs P·L·C·K·M multiply-adds and never forms the windows (K times the input);
+taps that only ever read padding (most of a 5×5 ``same`` kernel on a 2×2 or 1×1 map) are
+exactly zero and are skipped. :mod:`keras_noisecurve.training.ghost_conv_kinds` uses this
+form for depthwise and separable layers where TensorFlow's own depthwise filter gradient
+is slow (small maps, 5×5 kernels; measured in docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from keras_noisecurve.training.ghost_common import per_example_sq, weighted_sum
+
+
+#: output positions up to which :func:`tap_example_grads` stacks the taps' slices (measured:
+#: docs/performance.md, "Depthwise, separable, grouped, 3-D and transposed convolutions")
+TAPS_STACKED_POSITIONS = 16
+
+
+def _window_geometry(n, out, k, s, d, padding):
+    """(pad_before, pad_after, live taps) of one spatial axis of a convolution: input size
+    ``n``, output size ``out``, kernel ``k``, stride ``s``, dilation ``d``, TensorFlow's
+    ``"same"``/``"valid"`` padding. Tap j reads padded index o·s + j·d; it is *live* when
+    some output position o reads an input entry (not padding) through it."""
+    extent = (out - 1) * s + (k - 1) * d + 1
+    before = max(extent - n, 0) // 2 if padding == "same" else 0
+    live = [j for j in range(k) if any(0 <= o * s + j * d - before < n for o in range(out))]
+    return before, max(extent - n - before, 0), live
+
+
+def tap_example_grads(a, g, *, kernel_size, strides, dilation_rate, padding, multiplier):
+    """Per-example depthwise kernel gradients at the live taps, one slice per tap.
+
+    ``a`` (P, *spatial, C) channels-last input (rank 1 or 2, static spatial sizes),
+    ``g`` (P, *spatial', C·M) the output gradient, ``multiplier`` = M. Tap
+    t = (j_h, j_w) of the kernel sees the input shifted by t·dilation and taken at the
+    layer's strides (zero padding as TensorFlow's ``padding``), so
+
+        ∂W_i[c, t, m] = Σ_l a_pad[i, l·s + t·d, c] · g_i[l, c·M + m]
+
+    (P·L·C·K·M multiply-adds, no windows formed). A tap that reads only padding at every
+    output position has a zero gradient and is not computed (a 5×5 ``same`` kernel on a
+    1×1 map has one live tap). Strided layers take the taps from the input split into its
+    stride phases (one transpose), so that every tap is a contiguous slice.
+
+    On maps of at most :data:`TAPS_STACKED_POSITIONS` output positions the slices are
+    stacked and multiplied in one op (fewer, larger ops); on larger maps one product per tap
+    (no copy of K times the input).
+
+    Returns ``(per_example, live)``: per_example (P, T, C, M) for the T live taps and
+    ``live`` their flat indices (row-major in the kernel's spatial axes) among the K taps.
+    """
+    rank = len(kernel_size)
+    if rank not in (1, 2) or a.shape.rank != rank + 2 or g.shape.rank != rank + 2:
+        raise ValueError(f"tap_example_grads takes rank-1 or rank-2 inputs (P, *spatial, C) with a kernel of the same "
+                         f"rank; got a {a.shape}, g {g.shape}, kernel_size={tuple(kernel_size)}")
+    if padding not in ("same", "valid"):
+        raise ValueError(f"padding must be 'same' or 'valid', got {padding!r}")
+    if not (a.shape[1:-1].is_fully_defined() and g.shape[1:-1].is_fully_defined()):
+        raise ValueError(f"tap_example_grads needs static spatial sizes, got a {a.shape}, g {g.shape}")
+    if g.shape[-1] != a.shape[-1] * multiplier:
+        raise ValueError(f"g must have C·M = {a.shape[-1]}·{multiplier} channels, got {g.shape[-1]}")
+    ks, st, dr = list(kernel_size), list(strides), list(dilation_rate)
+    if rank == 1:
+        a, g, ks, st, dr = a[:, None], g[:, None], [1, *ks], [1, *st], [1, *dr]
+    c = a.shape[-1]
+    (oh, ow), p = g.shape[1:3], tf.shape(a)[0]
+    geometry = [_window_geometry(n, o, k, s, d, padding)
+                for n, o, k, s, d in zip(a.shape[1:3], (oh, ow), ks, st, dr)]
+    # pad to the windows' extent, then up to a multiple of the stride, and split each
+    # axis into (block, phase): padded index b·s + r
+    pads, blocks = [], []
+    for (before, after, _), n, s in zip(geometry, a.shape[1:3], st):
+        size = before + n + after
+        blocks.append(-(-size // s))
+        pads.append([before, blocks[-1] * s - size + after])
+    a = tf.pad(a, [[0, 0], *pads, [0, 0]])
+    if max(st) > 1:
+        a = tf.reshape(a, [p, blocks[0], st[0], blocks[1], st[1], c])
+        a = tf.transpose(a, [2, 4, 0, 1, 3, 5])  # (s_h, s_w, P, blocks_h, blocks_w, C)
+    xs, live = [], []
+    for jh in geometry[0][2]:
+        for jw in geometry[1][2]:
+            (bh, rh), (bw, rw) = divmod(jh * dr[0], st[0]), divmod(jw * dr[1], st[1])
+            xs.append(a[rh, rw, :, bh : bh + oh, bw : bw + ow] if max(st) > 1 else a[:, bh : bh + oh, bw : bw + ow])
+            live.append(jh * ks[1] + jw)
+    y = g if multiplier == 1 else tf.reshape(g, [p, oh, ow, c, multiplier])
+
+    def spread(x):  # x (…, C) against y's (C, M) when M > 1
+        return x if multiplier == 1 else x[..., None]
+
+    if oh * ow <= TAPS_STACKED_POSITIONS:  # small maps: one product over all taps at once
+        per_example = tf.reduce_sum(spread(tf.stack(xs, axis=1)) * y[:, None], axis=[2, 3])
+    else:  # one product per tap: no (P, T, H', W', C) copy
+        per_example = tf.stack([tf.reduce_sum(spread(x) * y, axis=[1, 2]) for x in xs], axis=1)
+    return (per_example if multiplier > 1 else per_example[..., None]), live  # (P, T, C, M)
+
+
+
+class LiveTapGrads:
+    """Per-example depthwise gradients at the live taps, in the interface of
+    :class:`~keras_noisecurve.training.ghost_conv_kinds.GroupedGrads`.
+
+    ``calls``: one ``(per_example (P, T, C, M), live)`` pair per call of the layer
+    (:func:`tap_example_grads`), ``taps`` = K. A shared layer's calls are summed over all
+    K taps (each call's dead taps as zero rows). ``sq_norms`` reads the live taps only;
+    ``weighted_sum`` scatters the clipped sum to (C, K, M), zero at the dead taps.
+    """
+
+    def __init__(self, calls, taps):
+        if len(calls) == 1:
+            self.per_example, self.live = calls[0]
+        else:
+            self.per_example, self.live = 0.0, list(range(taps))
+            for per_example, live in calls:
+                padded = tf.concat([per_example, tf.zeros_like(per_example[:, :1])], axis=1)
+                self.per_example += tf.gather(padded, [live.index(t) if t in live else len(live) for t in range(taps)],
+                                              axis=1)
+        self.taps = taps
+
+    def sq_norms(self) -> tf.Tensor:
+        """(P,): Σ_c ‖∂W_i[c]‖²_F."""
+        return per_example_sq(self.per_example)
+
+    def weighted_sum(self, scale) -> tf.Tensor:
+        """(C, K, M): ``Σ_i scale_i ∂W_i``; rows with ``scale_i = 0`` contribute exactly 0."""
+        summed = weighted_sum(self.per_example, scale)  # (T, C, M)
+        if len(self.live) != self.taps:
+            summed = tf.scatter_nd([[t] for t in self.live], summed, [self.taps, *summed.shape[1:]])
+        return tf.transpose(summed, [1, 0, 2])
+
+
+__all__ = ["TAPS_STACKED_POSITIONS", "LiveTapGrads", "tap_example_grads"]
