@@ -135,9 +135,10 @@ def _rule_layers(rule) -> list:
     return list(dict.fromkeys(names))
 
 
-def rule_table() -> list:
+def rule_table(*, registered: bool = True) -> list:
     """One row per rule the engine tries, in order (registered rules first, then
-    :data:`RULES`): ``{"kind", "layers", "fallback", "summary"}``.
+    :data:`RULES`; ``registered=False``: the built-in :data:`RULES` only, whatever modules
+    registered their own): ``{"kind", "layers", "fallback", "summary"}``.
 
     ``kind`` is what :func:`~keras_noisecurve.training.ghost.describe` reports for a layer the
     rule takes; ``layers`` the class names it names (empty: it matches by ``isinstance`` in its
@@ -146,7 +147,7 @@ def rule_table() -> list:
     Documentation (docs/models.md) is rendered from this, so it follows the registry.
     """
     rows = []
-    for rule in (*_REGISTERED, *RULES):
+    for rule in (*(_REGISTERED if registered else ()), *RULES):
         doc = (type(rule).__doc__ or "").strip().split("\n\n")[0]
         rows.append({
             "kind": rule.kind,

@@ -22,7 +22,7 @@ def render() -> str:
     from keras_noisecurve.training.ghost_layers import rule_table
 
     lines = ["| `describe` reports | layer classes | how | what it takes |", "|---|---|---|---|"]
-    for row in rule_table():
+    for row in rule_table(registered=False):  # the library's rules, not those a module registered
         layers = ", ".join(f"`{name}`" for name in row["layers"]) or "(see what it takes)"
         how = ("per-layer fallback: the layer re-run per example (P calls, P × its weights in memory)"
                if row["fallback"] else "its own rule: per-example norms and the clipped sum from the one forward and backward pass, no per-example re-run")
