@@ -230,6 +230,63 @@ def test_rows_that_are_not_examples_are_refused_by_ghost_and_exact_under_auto():
     _compare(model, x, y, w, clip, clipping="auto")  # the exact vectorized engine
 
 
+class _TiedHead(keras.layers.Layer):
+    """Logits from another layer's table (a tied output projection): no weights of its own."""
+
+    def __init__(self, embedding, **kwargs):
+        super().__init__(**kwargs)
+        self.embedding = embedding
+
+    def call(self, h):
+        return keras.ops.matmul(h, keras.ops.transpose(self.embedding.embeddings))
+
+
+class _Borrower(keras.layers.Layer):
+    """Its own scale, times another Dense layer's kernel read directly."""
+
+    def __init__(self, other, **kwargs):
+        super().__init__(**kwargs)
+        self.other = other
+
+    def build(self, shape):
+        self.scale = self.add_weight(shape=(shape[-1],), initializer="ones", name="scale")
+
+    def call(self, h):
+        return keras.ops.matmul(h * self.scale, self.other.kernel)
+
+
+def _tied_model():
+    keras.utils.set_random_seed(9)
+    tokens = keras.Input((4,), dtype="int32")
+    embedding = keras.layers.Embedding(7, 5)
+    h = keras.layers.GlobalAveragePooling1D()(keras.layers.Dense(5)(embedding(tokens)))
+    return keras.Model(tokens, _TiedHead(embedding)(h))
+
+
+def _borrower_model():
+    keras.utils.set_random_seed(10)
+    inputs = keras.Input((5,))
+    dense = keras.layers.Dense(3)
+    h = dense(inputs)
+    return keras.Model(inputs, keras.layers.Add()([h, _Borrower(dense)(keras.layers.Dense(5)(inputs))]))
+
+
+@pytest.mark.parametrize("case", ["tied", "borrowed"])
+def test_a_weight_read_outside_its_layer_is_refused_by_ghost_and_exact_under_auto(case):
+    rng = _rng(9)
+    if case == "tied":
+        model, x = _tied_model(), rng.integers(0, 7, size=(6, 4)).astype("int32")
+        y, where = rng.normal(size=(6, 7)).astype("float32"), "outside any layer"  # the head owns no weight
+    else:
+        model, x = _borrower_model(), rng.normal(size=(6, 5)).astype("float32")
+        y, where = rng.normal(size=(6, 3)).astype("float32"), "inside the call of '"
+    w = _weights(6)
+    clip = _median_clip(model, x, y, w)
+    with pytest.raises(ValueError, match=f"is read {where}.*not by the layer that owns it.*clipping='auto'"):
+        _compare(model, x, y, w, clip, clipping="ghost")
+    _compare(model, x, y, w, clip, clipping="auto")  # the exact vectorized engine
+
+
 def test_private_fit_with_ghost_equals_vectorized_and_ghost_refuses_microbatches():
     rng = _rng(7)
     x = rng.normal(size=(16, 6)).astype("float32")

@@ -30,8 +30,10 @@ input, B·L token rows) cannot be attributed to examples by this engine. With
 it is refused with a ValueError naming the layer, when the step is first traced (before
 any weight changes). The same holds for a weighted layer called inside a JAX control-flow
 body of a custom layer (``keras.ops.fori_loop``, ``scan``); Keras's recurrent layers are
-handled: each is one target, clipped whole by the fallback (:func:`targets`). Not detected: a weight read outside its own layer's ``call`` (e.g.
-a custom layer using another layer's kernel): its gradient through that read is missed.
+handled: each is one target, clipped whole by the fallback (:func:`targets`). A weight read outside its own layer's ``call`` (e.g. a custom layer using another
+layer's kernel, a tied output projection) is found in the shape pass (every variable read
+goes through a reporting stateless scope) and handled the same way: ``"auto"`` clips that
+model with the vectorized engine, ``"ghost"`` refuses it.
 """
 
 from __future__ import annotations
@@ -90,8 +92,24 @@ class _Recorder:
         self.arrays = []  # per call: the array leaves of (args, kwargs)
         self.shapes = []  # per perturbation: jax.ShapeDtypeStruct
         self.bare = None  # layer index whose call runs bare (fallback re-run); others pass through
+        self.active = []  # indices of the recorded layers whose call is running (innermost last)
+        self.owner = {}  # id(trainable variable) -> index of the layer that owns it (the shape pass)
+        self.outside = []  # (variable path, reading layers) of weights read outside their owner's call
+
+    def read(self, variable):
+        """Called for every variable read of the shape pass (:class:`_ReadScope`)."""
+        owner = self.owner.get(id(variable))
+        if owner is not None and owner not in self.active:
+            self.outside.append((variable.path, [self.layers[i].name for i in self.active]))
 
     def call(self, index, original, args, kwargs):
+        self.active.append(index)
+        try:
+            return self._call(index, original, args, kwargs)
+        finally:
+            self.active.pop()
+
+    def _call(self, index, original, args, kwargs):
         layer = self.layers[index]
         if self.bare is not None or self.perturbations is False:
             if self.bare == index and uses_pre_activation(layer):
@@ -119,6 +137,27 @@ class _Recorder:
         if activation:
             out = layer.activation(out)
         return out
+
+
+class _ReadScope(keras.StatelessScope):
+    """Keras's stateless scope (the variables' values from ``state_mapping``) that reports every
+    variable read to ``on_read``: the shape pass finds weights read outside their own layer's call."""
+
+    def __init__(self, on_read, **kwargs):
+        super().__init__(**kwargs)
+        self._on_read = on_read
+
+    def get_current_value(self, variable):
+        self._on_read(variable)
+        return super().get_current_value(variable)
+
+
+def _tracking_call(model, trainable, non_trainable, x, training, recorder):
+    """``model.stateless_call`` (outputs only) under a :class:`_ReadScope` reporting to ``recorder``."""
+    recorder.owner = {id(v): index for index, (_, owned) in enumerate(recorder.targets) for v in owned}
+    mapping = list(zip(model.trainable_variables, trainable)) + list(zip(model.non_trainable_variables, non_trainable))
+    with _ReadScope(recorder.read, state_mapping=mapping):
+        return model.call(x, training=training)
 
 
 def _without_activation(layer, original, args, kwargs):
@@ -229,7 +268,10 @@ def ghost_norms(model, loss_fn, trainable, non_trainable, x, y, weights, *, trai
 
     def forward(perturbations, recorder):
         with _recording(recorder):
-            y_pred, new_ntv = model.stateless_call(trainable, non_trainable, x, training=training)
+            if perturbations is None:  # the shape pass also checks where each weight is read
+                y_pred, new_ntv = _tracking_call(model, trainable, non_trainable, x, training, recorder), None
+            else:
+                y_pred, new_ntv = model.stateless_call(trainable, non_trainable, x, training=training)
         y32 = jax.tree_util.tree_map(
             lambda t: t.astype(_F32) if t.dtype in (jnp.float16, jnp.bfloat16) else t, y_pred)
         losses = jnp.reshape(loss_fn(y, y32), (-1,))
@@ -241,8 +283,20 @@ def ghost_norms(model, loss_fn, trainable, non_trainable, x, y, weights, *, trai
 
     try:
         shape_recorder = _Recorder(layers)
+        shape_recorder.targets = found
         with jax.checking_leaks():  # a recorded call inside a control-flow body leaks its tracers
             jax.eval_shape(lambda: forward(None, shape_recorder))
+        if shape_recorder.outside:
+            if not strict:
+                return None
+            path, readers = shape_recorder.outside[0]
+            where = f"inside the call of {', '.join(repr(r) for r in readers)}" if readers else "outside any layer"
+            raise ValueError(
+                f"clipping='ghost' on JAX: the weight {path!r} is read {where}, not by the layer that owns it "
+                "(e.g. a tied output projection reading an embedding table); the ghost engine would miss that "
+                "part of its per-example gradient. Use clipping='auto' (which then clips this model with the "
+                "exact vectorized engine) or clipping='vectorized'."
+            )
         for call, arrays in zip(shape_recorder.calls, shape_recorder.arrays):
             problem = _rows_problem(layers[call["layer"]], call, arrays, shape_recorder.shapes, size)
             if problem is not None:
