@@ -22,6 +22,8 @@ import warnings
 import keras
 import tensorflow as tf
 
+from keras_noisecurve.backend import messages
+
 __all__ = [
     "METRIC", "WarnNonFinite", "all_dropped", "assert_some_finite", "count_dropped", "epoch_count", "message", "record",
     "reset_epoch", "state",
@@ -118,14 +120,7 @@ def reset_epoch(variable) -> None:
 
 def message(values) -> str:
     """The warning for :func:`state`'s ``values`` (numpy) after a fit that dropped examples."""
-    count, steps, first, last = (int(v) for v in values[:4])
-    where = f"step {first}" if steps == 1 else f"{steps} steps (the first at step {first}, the last at step {last})"
-    return (
-        f"private training dropped {count} example(s) whose loss or gradient was not finite, in {where}: "
-        "they contributed 0 to the clipped sum (within the clip bound, so the privacy guarantee holds) and the "
-        "run went on without them. The count per epoch is the 'nonfinite_examples' log of fit. Check the "
-        "inputs and labels for inf/nan (numpy.isfinite), or a layer that overflows."
-    )
+    return messages.dropped_examples(*(int(v) for v in values[:4]))
 
 
 class WarnNonFinite(keras.callbacks.Callback):

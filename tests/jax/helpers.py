@@ -23,8 +23,9 @@ def mse_per_example(y_true, y_pred):
 
 
 def reference_clipped_sum(model, x, y, weights, clip, loss=mse_per_example):
-    """``(Σ_i clip(w_i ∇loss_i, ζ), norms)`` by a loop over examples: one ``jax.grad`` of
-    the model's ``stateless_call`` per example, norms and clipping in float64 numpy."""
+    """``(Σ_i clip(w_i ∇loss_i, ζ), norms)`` by a loop over examples (inputs may be lists or
+    dicts): one ``jax.grad`` of the model's ``stateless_call`` per example, norms and
+    clipping in float64 numpy."""
     trainable = [v.value for v in model.trainable_variables]
     non_trainable = [v.value for v in model.non_trainable_variables]
     sums = [np.zeros(v.shape, np.float64) for v in trainable]
@@ -35,8 +36,9 @@ def reference_clipped_sum(model, x, y, weights, clip, loss=mse_per_example):
         return wi * loss(yi, pred)[0]
 
     grad_one = jax.jit(jax.grad(loss_one))
-    for i in range(x.shape[0]):
-        grads = [np.asarray(g, np.float64) for g in grad_one(trainable, x[i:i + 1], y[i:i + 1], weights[i])]
+    for i in range(len(y)):
+        xi = jax.tree_util.tree_map(lambda a: a[i:i + 1], x)
+        grads = [np.asarray(g, np.float64) for g in grad_one(trainable, xi, y[i:i + 1], weights[i])]
         norm = np.sqrt(sum(np.sum(g ** 2) for g in grads))
         norms.append(norm)
         factor = min(1.0, clip / norm) if norm > 0 else 1.0

@@ -18,31 +18,7 @@ import pytest
 
 from keras_noisecurve import NoiseCurveOptimizer, make_private
 from keras_noisecurve.backend.jax.ghost import ghost_clipped_sum
-from tests.jax.helpers import mlp, mse_per_example, weights_of
-
-
-def reference_clipped_sum(model, x, y, weights, clip, loss=mse_per_example):
-    """``(Σ_i clip(w_i ∇loss_i, ζ), norms)`` by a loop over examples (inputs may be lists or
-    dicts): one ``jax.grad`` of the model's ``stateless_call`` per example, float64 numpy."""
-    trainable = [v.value for v in model.trainable_variables]
-    non_trainable = [v.value for v in model.non_trainable_variables]
-    sums = [np.zeros(v.shape, np.float64) for v in trainable]
-    norms = []
-
-    def loss_one(tv, xi, yi, wi):  # ONE example, batch of 1: no vmap anywhere
-        pred, _ = model.stateless_call(tv, non_trainable, xi, training=True)
-        return wi * loss(yi, pred)[0]
-
-    grad_one = jax.jit(jax.grad(loss_one))
-    for i in range(len(y)):
-        xi = jax.tree_util.tree_map(lambda a: a[i:i + 1], x)
-        grads = [np.asarray(g, np.float64) for g in grad_one(trainable, xi, y[i:i + 1], weights[i])]
-        norm = np.sqrt(sum(np.sum(g ** 2) for g in grads))
-        norms.append(norm)
-        factor = min(1.0, clip / norm) if norm > 0 else 1.0
-        for s, g in zip(sums, grads):
-            s += factor * g
-    return sums, np.array(norms)
+from tests.jax.helpers import mlp, mse_per_example, reference_clipped_sum, weights_of
 
 
 def _sce(y_true, y_pred):

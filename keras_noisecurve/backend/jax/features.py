@@ -30,6 +30,8 @@ import jax.numpy as jnp
 import keras
 import numpy as np
 
+from keras_noisecurve.backend import messages
+
 __all__ = [
     "METRIC", "NonFiniteExamples", "ReportNonFinite", "all_dropped_message", "class_weights", "count_dropped",
     "dropped_message",
@@ -117,14 +119,7 @@ def all_dropped_message(step, refused) -> str:
 
 def dropped_message(values) -> str:
     """The warning after a ``fit`` that dropped examples (``values``: the metric's counts)."""
-    count, steps, first, last = (int(values[i]) for i in (_FIT_COUNT, _FIT_STEPS, _FIRST, _LAST))
-    where = f"step {first}" if steps == 1 else f"{steps} steps (the first at step {first}, the last at step {last})"
-    return (
-        f"private training dropped {count} example(s) whose loss or gradient was not finite, in {where}: "
-        "they contributed 0 to the clipped sum (within the clip bound, so the privacy guarantee holds) and the "
-        "run went on without them. The count per epoch is the 'nonfinite_examples' log of fit. Check the "
-        "inputs and labels for inf/nan (numpy.isfinite), or a layer that overflows."
-    )
+    return messages.dropped_examples(*(int(values[i]) for i in (_FIT_COUNT, _FIT_STEPS, _FIRST, _LAST)))
 
 
 def refused_steps(values) -> int:
