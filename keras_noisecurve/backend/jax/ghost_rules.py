@@ -41,6 +41,8 @@ import jax
 import jax.numpy as jnp
 import keras
 
+from keras_noisecurve.backend.jax.ghost_conv import CONV_RULES, PRE_ACTIVATION
+
 __all__ = ["RULES", "find_rule", "kept", "sequence_sq_norms", "token_sq_norms", "uses_pre_activation"]
 
 _F32 = jnp.float32
@@ -52,9 +54,9 @@ def _plain(layer) -> bool:
 
 
 def uses_pre_activation(layer) -> bool:
-    """Whether the engine records ``layer``'s output before its fused activation (Dense and
-    EinsumDense of exact type, whose ``call`` is ``activation(linear(x))``)."""
-    return type(layer) in (keras.layers.Dense, keras.layers.EinsumDense) and _plain(layer)
+    """Whether the engine records ``layer``'s output before its fused activation (Dense, EinsumDense
+    and ``ghost_conv.PRE_ACTIVATION`` of exact type, whose ``call`` is ``activation(linear(x))``)."""
+    return type(layer) in (keras.layers.Dense, keras.layers.EinsumDense, *PRE_ACTIVATION) and _plain(layer)
 
 
 def sequence_sq_norms(a, g):
@@ -262,7 +264,7 @@ def _affine(layer, x_hat, g):
 
 
 #: The rules, tried in order; the first that returns a result is used.
-RULES = (dense_rule, einsum_dense_rule, embedding_rule, layer_norm_rule, group_norm_rule)
+RULES = (dense_rule, einsum_dense_rule, embedding_rule, layer_norm_rule, group_norm_rule, *CONV_RULES)
 
 
 def find_rule(layer, calls):
