@@ -30,7 +30,10 @@ Per layer the cheaper exact form is chosen by shapes, as the TensorFlow rules do
 * L² < d_in·d_out — Gram form: ``‖∂W_i‖² = Σ_γ Σ_{l,l'} (x_ilγ·x_il'γ)(y_ilγ·y_il'γ)``
   (memory P·G·L²); clipped sum ``Σ_{i,l} x_ilγ ⊗ (c_i y_ilγ)``, one contraction.
 * else — the per-example gradients ``∂W_i`` (memory P·G·d_in·d_out), ``‖∂W_i‖²`` and
-  ``Σ_i c_i ∂W_i`` from them.
+  ``Σ_i c_i ∂W_i`` from them. For a kernel of more than one tap they come from ONE
+  ``conv_general_dilated`` with the (example, group) pairs as its feature groups
+  (:func:`example_grads`: no patches, the form ``jax.vmap`` of a filter gradient also
+  lowers to); a 1×1 kernel contracts its strided pixels with ``g`` (one einsum).
 
 The bias gradient is ``Σ_l g_il`` (P, filters). Kernels are returned in Keras's layout,
 (*kernel_size, c_in/G, filters) and (*kernel_size, c_in, multiplier). Everything is computed in
@@ -44,11 +47,14 @@ and the transposed convolutions.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import keras
 
-__all__ = ["CONV_RULES", "PRE_ACTIVATION", "conv_rule", "depthwise_rule", "grouped_sq_norms", "window_patches"]
+__all__ = ["CONV_RULES", "PRE_ACTIVATION", "conv_rule", "depthwise_rule", "example_grads", "explicit_padding",
+           "grouped_sq_norms", "window_patches"]
 
 _F32 = jnp.float32
 _CONV = (keras.layers.Conv1D, keras.layers.Conv2D)
@@ -142,24 +148,75 @@ def _scaled(c, y):
     return y * jnp.reshape(c.astype(y.dtype), (-1,) + (1,) * (y.ndim - 1))
 
 
-def _analyse(layer, calls, groups, to_kernel):
-    """``(sq, sums)`` from the calls' (x, y) in groups: ``to_kernel`` maps (G, I, O) to the kernel's layout."""
+def example_grads(a, g, *, kernel_size, strides, dilation_rate, padding, groups):
+    """Per-example kernel gradients (P, G, I, O), I = (channel, tap) = c_in/G·K, O = c_out/G, of a
+    channels-last convolution with ``groups`` groups: ``[i, γ, (c, t), o] = Σ_l a_pad[i, l·s + t·d, γ·c_in/G + c]
+    · g[i, l, γ·O + o]``, as ONE ``conv_general_dilated`` with the (example, group) pairs as its
+    feature groups (no patches): input ``a`` as (c_in/G, *spatial, P·G), filter ``g`` as
+    (*out_spatial, 1, P·G·O), window strides = the layer's dilation, filter dilation = the layer's
+    strides, the layer's padding made explicit (:func:`explicit_padding`), output (c_in/G, *K, P·G·O).
+    ``None`` for an unknown padding."""
+    p, c = a.shape[0], a.shape[-1]
+    spatial, out, rank = a.shape[1:-1], g.shape[1:-1], a.ndim - 2
+    c_group, o_group = c // groups, g.shape[-1] // groups
+    pads = [explicit_padding(n, o, k, s, d, padding)
+            for n, o, k, s, d in zip(spatial, out, kernel_size, strides, dilation_rate)]
+    if any(pad is None for pad in pads):
+        return None
+    lhs = jnp.reshape(a, (p, *spatial, groups, c_group))
+    lhs = jnp.reshape(jnp.transpose(lhs, (rank + 2, *range(1, rank + 1), 0, rank + 1)), (c_group, *spatial, p * groups))
+    rhs = jnp.reshape(jnp.transpose(g, (*range(1, rank + 1), 0, rank + 1)), (*out, 1, p * groups * o_group))
+    spec = ("NWC", "WIO", "NWC") if rank == 1 else ("NHWC", "HWIO", "NHWC")
+    grads = jax.lax.conv_general_dilated(
+        lhs, rhs, window_strides=tuple(dilation_rate), padding=pads, rhs_dilation=tuple(strides),
+        dimension_numbers=spec, feature_group_count=p * groups, precision=jax.lax.Precision.HIGHEST)
+    grads = jnp.reshape(grads, (c_group, -1, p, groups, o_group))  # (c, t, i, γ, o)
+    return jnp.reshape(jnp.transpose(grads, (2, 3, 0, 1, 4)), (p, groups, -1, o_group))
+
+
+def _form(layer, calls, groups):
+    """``(x, y, per)``: the calls' windows x (P, L, G, I) and gradients y (P, L, G, O) for the
+    Gram form (``per`` None), or the per-example gradients ``per`` (P, G, I, O) summed over the
+    calls (x None), whichever :func:`grouped_sq_norms`' criterion L² ≥ I·O picks; ``None`` for
+    an unknown padding. A kernel of more than one tap in the per-example form takes
+    :func:`example_grads` (no patches); a 1×1 kernel's windows are the input's strided pixels."""
     p = calls[0]["g"].shape[0]
+    taps = 1
+    for k in layer.kernel_size:
+        taps *= k
+    length = sum(math.prod(c["g"].shape[1:-1]) for c in calls)
+    d_in, d_out = calls[0]["a"].shape[-1] // groups * taps, calls[0]["g"].shape[-1] // groups
+    geometry = dict(kernel_size=layer.kernel_size, strides=layer.strides, dilation_rate=layer.dilation_rate,
+                    padding=layer.padding)
+    if taps > 1 and length * length >= d_in * d_out:
+        per = [example_grads(c["a"].astype(_F32), c["g"].astype(_F32), groups=groups, **geometry) for c in calls]
+        return None if any(q is None for q in per) else (None, None, sum(per))
     xs, ys = [], []
     for c in calls:
         a, g = c["a"].astype(_F32), c["g"].astype(_F32)
-        x = window_patches(a, out_shape=g.shape[1:-1], kernel_size=layer.kernel_size, strides=layer.strides,
-                           dilation_rate=layer.dilation_rate, padding=layer.padding)
+        x = window_patches(a, out_shape=g.shape[1:-1], **geometry)
         if x is None:
             return None
         xs.append(jnp.reshape(x, (p, x.shape[1], groups, -1)))  # (channel, tap) features split by group
         ys.append(jnp.reshape(g, (p, -1, groups, g.shape[-1] // groups)))
     x = xs[0] if len(xs) == 1 else jnp.concatenate(xs, axis=1)
     y = ys[0] if len(ys) == 1 else jnp.concatenate(ys, axis=1)
-    sq, per = grouped_sq_norms(x, y)
+    if length * length >= d_in * d_out:
+        return None, None, jnp.einsum("plgi,plgo->pgio", x, y)
+    return x, y, None
+
+
+def _analyse(layer, calls, groups, to_kernel):
+    """``(sq, sums)`` of a convolution in ``groups`` groups: ``to_kernel`` maps (G, I, O) to the kernel's layout."""
+    p = calls[0]["g"].shape[0]
+    form = _form(layer, calls, groups)
+    if form is None:
+        return None
+    x, y, per = form
+    sq = jnp.sum(per * per, axis=(1, 2, 3)) if per is not None else grouped_sq_norms(x, y)[0]
     bias_i = None
     if layer.use_bias:
-        bias_i = jnp.reshape(jnp.sum(y, axis=1), (p, -1))
+        bias_i = sum(jnp.sum(jnp.reshape(c["g"].astype(_F32), (p, -1, c["g"].shape[-1])), axis=1) for c in calls)
         sq = sq + jnp.sum(bias_i * bias_i, axis=1)
 
     def sums(c, keep=None):
