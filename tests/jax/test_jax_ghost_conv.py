@@ -227,3 +227,37 @@ def test_gram_and_materialised_forms_agree_with_a_dense_loop():
         want = [sum(np.sum(sum(np.outer(x[i, l, g], y[i, l, g]) for l in range(length)) ** 2) for g in range(2))
                 for i in range(4)]
         np.testing.assert_allclose(np.asarray(sq), want, rtol=1e-5)
+
+
+def test_a_mixed_bfloat16_private_step_with_conv_rules_equals_the_vectorized_engine(fallbacks):
+    """``make_private(clipping="ghost")`` under ``mixed_bfloat16`` (the JAX backend refuses
+    mixed_float16 training: it needs loss scaling) takes one step whose update equals the exact
+    vectorized engine's (``jax.vmap`` of the whole model's gradient) to bfloat16 rounding."""
+    from keras_noisecurve import NoiseCurveOptimizer, make_private
+
+    rng = np.random.default_rng(9)
+    x = rng.normal(size=(8, 8, 8, 3)).astype("float32")
+    y = rng.normal(size=(8, 3)).astype("float32")
+    updates = {}
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    try:
+        for clipping in ("ghost", "vectorized"):
+            keras.utils.set_random_seed(9)
+            inputs = keras.Input((8, 8, 3))
+            h = keras.layers.Conv2D(6, 3, strides=2, padding="same", activation="relu")(inputs)
+            h = keras.layers.DepthwiseConv2D(3, padding="same", activation="relu")(h)
+            outputs = keras.layers.Dense(3, dtype="float32")(keras.layers.Flatten()(h))
+            model = keras.Model(inputs, outputs)
+            before = [np.asarray(v.value, np.float64) for v in model.trainable_variables]
+            private = make_private(model, clipping=clipping)
+            private.compile(optimizer=NoiseCurveOptimizer(learning_rate=1.0, l2_norm_clip=0.05, noise_multiplier=1e-9,
+                                                          expected_batch_size=8, seed=0), loss="mse")
+            private.train_on_batch(x, y)
+            updates[clipping] = [np.asarray(v.value, np.float64) - b for v, b in zip(model.trainable_variables, before)]
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    scale = max(np.max(np.abs(u)) for u in updates["vectorized"])
+    assert scale > 1e-3
+    for a, b in zip(updates["ghost"], updates["vectorized"]):
+        np.testing.assert_allclose(a, b, rtol=3e-2, atol=3e-2 * scale)
+    assert fallbacks == []
