@@ -49,8 +49,7 @@ def fallbacks(monkeypatch):
     return seen
 
 
-def _compare(model, x, y, rtol=1e-4, seed=0):
-    rng = np.random.default_rng(seed)
+def _compare(model, x, y, rtol=1e-4):
     weights = np.ones(len(y), np.float32)
     weights[1], weights[2] = 0.0, 0.5  # a padding row and a sample weight
     _, free = reference_clipped_sum(model, x, y, weights, 1e9)
@@ -67,7 +66,6 @@ def _compare(model, x, y, rtol=1e-4, seed=0):
         assert s.shape == v.shape and s.dtype == v.dtype
         np.testing.assert_allclose(np.asarray(s), r, rtol=rtol, atol=rtol * scale, err_msg=v.path)
     assert np.sum(ref_norms > clip) >= 1 and np.sum((ref_norms < clip) & (ref_norms > 0)) >= 1
-    del rng
 
 
 def _model(input_shape, *layers, outputs=3, seed=0):
@@ -178,7 +176,8 @@ def test_layers_without_a_rule_take_the_exact_fallback(fallbacks):
 
 @pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
 def test_mixed_precision_norms_and_sums(policy, fallbacks):
-    """bfloat16/float16 compute with float32 variables: the rules cast (a, g) to float32."""
+    """bfloat16/float16 compute with float32 variables: the rules cast (a, g) to float32. (Private
+    training under mixed_float16 is refused on JAX, it needs loss scaling; the engine itself is tested.)"""
     keras.mixed_precision.set_global_policy(policy)
     try:
         keras.utils.set_random_seed(6)
