@@ -5,7 +5,7 @@ encoder and decoder of different lengths, three layers per stack so the first la
 ``position_bias`` is reused by two later layers) against an independent loop over single
 examples (plain ``tf.GradientTape``): the per-example norms, the clipped sum, and the bias
 table's own per-example norm (the term the rule computes), eagerly and traced, with
-a dynamic sequence length too.
+a dynamic sequence length too; and the table's per-example norm under ``mixed_bfloat16``.
 """
 
 from __future__ import annotations
@@ -155,3 +155,28 @@ def test_a_cache_is_refused_by_name():
     cache = tf.zeros([P, 2, 3, 2, WIDTH // 2], tf.float64)
     with pytest.raises(ValueError, match=f"'{layer.name}'.*cache"):
         rule.forward(layer, layer.call, lambda **_: None, hidden, cache=cache, cache_update_index=0)
+
+
+def test_mixed_bfloat16_the_tables_per_example_norm_matches_the_loop():
+    # the bias and its per-example copy are bfloat16 (the compute dtype), the bucket ids read
+    # through a bfloat16 lookup stay exact, the norms are float32
+    from tests.training import zoo_extra
+
+    keras.config.set_dtype_policy("mixed_bfloat16")  # the float64 fixture restores the policy after
+    model, x, y = zoo_extra.t5_seq2seq(np.random.default_rng(1))[:3]
+    loss_fn = per_example_loss_fn(keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=0))
+    assert KIND in {how for *_, how in describe(model)}
+    p = len(y)
+    with observe_layer_norms() as seen:
+        ghost_clipped_sum(model, loss_fn, x, y, np.ones(p, "float32"), l2_norm_clip=1e6, training=False)
+    terms = [(layer, sq.numpy()) for layer, rule, _, sq in seen if isinstance(rule, RelativeAttentionBiasRule)]
+    assert len(terms) == 2
+    for layer, got in terms:
+        expected = []
+        for i in range(p):
+            xi = {k: v[i : i + 1] for k, v in x.items()}
+            with tf.GradientTape() as tape:
+                loss = loss_fn(y[i : i + 1], model(xi, training=False))[0]
+            expected.append(np.sum(tf.convert_to_tensor(tape.gradient(loss, layer.relative_attention_bias.value)).numpy() ** 2))
+        assert max(expected) > 0
+        np.testing.assert_allclose(got, expected, rtol=1e-3)
