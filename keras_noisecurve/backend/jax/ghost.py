@@ -22,18 +22,25 @@ the per-example gradients of the whole model, all inside the jitted train step.
 4. The clipped sum per layer from the same quantities ("book-keeping"), e.g.
    ``Σ_{i,l} a_il (c_i g_il)ᵀ`` for a kernel, ``Σ_i c_i G_i`` for a fallback layer.
 
-Rows that are not examples: a recorded call whose floating outputs or first array
-argument do not have the batch size P as their leading dimension (a broadcast batch-1
-input, B·L token rows) cannot be attributed to examples by this engine. With
-``clipping="auto"`` the whole step then uses the exact vectorized engine
-(``vectorized``: ``jax.vmap`` of the whole model's gradient); with ``clipping="ghost"``
-it is refused with a ValueError naming the layer, when the step is first traced (before
-any weight changes). The same holds for a weighted layer called inside a JAX control-flow
-body of a custom layer (``keras.ops.fori_loop``, ``scan``); Keras's recurrent layers are
-handled: each is one target, clipped whole by the fallback (:func:`targets`). A weight read outside its own layer's ``call`` (e.g. a custom layer using another
-layer's kernel, a tied output projection) is found in the shape pass (every variable read
-goes through a reporting stateless scope) and handled the same way: ``"auto"`` clips that
-model with the vectorized engine, ``"ghost"`` refuses it.
+Rows that are not examples (:mod:`keras_noisecurve.backend.jax.ghost_rows`): a recorded
+call whose floating outputs or first array argument do not have the batch size P as their
+leading dimension (a broadcast batch-1 input such as ViT's position ids (1, L), P·L token
+rows such as Mixtral's MoE router), a weighted layer called inside a JAX control-flow body
+of a custom layer (``keras.ops.fori_loop``, ``scan``), and a weight read outside its own
+layer's ``call`` (every variable read of the shape pass goes through a reporting stateless
+scope) cannot be attributed to examples by that layer's rule. The shape pass
+(``jax.eval_shape`` of the recorded forward pass) finds them and routes each to its
+innermost enclosing CALLER: a layer whose every call takes P rows in its first array
+argument and returns P or k·P rows (example-major) in each floating output, enclosing
+every call of the problem layer (and the read), and tracking its weights. That caller
+becomes ONE target clipped whole by the fallback (its ``vmap`` VJP covers every weight
+under it; a k·P-row output is split into P groups of k rows), the layers under it are no
+longer recorded, and the shape pass runs again until nothing is left (:func:`_plan`). The
+rest of the model keeps its rules. Only when no layer but the model itself encloses the
+problem does ``clipping="auto"`` use the exact vectorized engine (``jax.vmap`` of the whole
+model's gradient) and ``clipping="ghost"`` refuse with a ValueError naming the layer or
+weight, when the step is first traced (before any weight changes). Keras's recurrent
+layers are targets whole from the start (:func:`targets`).
 """
 
 from __future__ import annotations
@@ -339,14 +346,15 @@ def ghost_norms(model, loss_fn, trainable, non_trainable, x, y, weights, *, trai
       loss_fn: ``(y_true, y_pred) -> (P,)`` per-example losses.
       trainable, non_trainable: the values of the model's variables.
       x, y: the batch (P examples); weights: (P,) float32 (sample weight × mask).
-      strict: raise ValueError on rows that are not examples (else return ``None``).
+      strict: raise ValueError on rows that are not examples and have no caller but the model
+        (else return ``None``).
 
     Returns:
       ``(sq, sums_fn, losses, y_pred, non_trainable)``: ``sq`` (P,) float32 squared norms
       ``‖w_i·∇loss_i‖²``; ``sums_fn(c, keep=None)`` the list, in ``model.trainable_variables`` order, of
       ``Σ_i c_i·w_i·∇loss_i`` for factors ``c`` (P,); the unweighted losses (P,), the
       predictions and the non-trainable values after the call. ``None`` when ``strict``
-      is false and a layer's rows are not the examples.
+      is false and a layer's rows are not the examples, with no caller but the model.
     """
     size = int(weights.shape[0])
 
@@ -437,9 +445,9 @@ def ghost_clipped_sum(model, loss_fn, trainable, non_trainable, x, y, weights, *
     Returns ``(sums, norms, losses, y_pred, non_trainable)``: one array per trainable
     variable, the norms ‖w_i·∇loss_i‖ (P,) before clipping, the unweighted per-example
     losses (P,), the predictions and the non-trainable values after the call.
-    ``clipping="auto"`` hands a model whose layers see rows that are not examples, or a
-    ``microbatch_size`` below the batch size, to ``vectorized`` (same arguments); ``"ghost"``
-    refuses both. An example whose loss or norm is not finite contributes 0 to ``sums`` (its
+    ``clipping="auto"`` hands a model with a layer whose rows are not examples and that has no
+    caller but the model (see the module docstring), or a ``microbatch_size`` below the batch
+    size, to ``vectorized`` (same arguments); ``"ghost"`` refuses both. An example whose loss or norm is not finite contributes 0 to ``sums`` (its
     rows of every recorded (a, g) are zeroed before the sums, only in a step that has one).
     """
     size = int(weights.shape[0])
