@@ -53,6 +53,17 @@ def test_the_check_runs_each_band_configuration_once(tmp_path, monkeypatch):
     demo._check_training_steps(x, y, batch=8, configs=configs, seed=0)
     # DP-BandMF and NoiseCurve train with the same configuration: checked once
     assert sorted(calls) == [1, 3]
+    # ... and when they differ only in numbers the traced step takes (as the shipped
+    # configurations do: learning rates 0.4 and 0.2), still once
+    calls.clear()
+    configs["NoiseCurve"] = dict(configs["NoiseCurve"], learning_rate=0.25, clip=2.0)
+    demo._check_training_steps(x, y, batch=8, configs=configs, seed=0)
+    assert sorted(calls) == [1, 3]
+    # a different band width or momentum is a different step: checked on its own
+    calls.clear()
+    configs["NoiseCurve"] = dict(configs["NoiseCurve"], momentum=0.5 if configs["NoiseCurve"]["momentum"] != 0.5 else 0.0)
+    demo._check_training_steps(x, y, batch=8, configs=configs, seed=0)
+    assert sorted(calls) == [1, 3, 3]
 
 
 def _spy_private_cnn(monkeypatch):
