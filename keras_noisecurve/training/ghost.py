@@ -111,7 +111,12 @@ def plan(model):
         if id(layer) in seen:
             return
         seen.add(id(layer))
-        if _is_batch_norm(layer) and layer.trainable and layer.trainable_variables:
+        if not layer.trainable_variables:
+            # nothing to clip here or below: a frozen layer, one without weights, or one created
+            # but never called (unbuilt, e.g. EfficientNet's unused squeeze-and-excite convolutions,
+            # whose rules could not even read their kernels)
+            return
+        if _is_batch_norm(layer) and layer.trainable:
             raise ValueError(
                 f"{_layer_label(layer)} normalises with batch statistics in training mode, "
                 "which mixes examples: per-example clipping is not defined for it "

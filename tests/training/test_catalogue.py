@@ -39,6 +39,7 @@ FLOAT32_INSIDE = {name: f"keras_hub/src/models/{where} cast to float32" for name
     "Llama3Backbone": "llama/llama_attention.py, llama_layernorm.py (Llama3 reuses them)",
     "MistralBackbone": "mistral/mistral_attention.py, mistral_layer_norm.py",
     "MixtralBackbone": "mixtral/mixtral_attention.py, mixtral_layer_norm.py",
+    "PaliGemmaBackbone": "gemma/gemma_attention.py, rms_normalization.py (its Gemma decoder)",
     "Phi3Backbone": "phi3/phi3_attention.py, phi3_layernorm.py",
     "QwenBackbone": "qwen/qwen_attention.py, qwen_layernorm.py",
     "Qwen2Backbone": "qwen/qwen_attention.py, qwen_layernorm.py (Qwen2 reuses them)",
@@ -156,6 +157,65 @@ def test_a_layer_called_with_its_inputs_by_keyword_is_clipped_exactly():
     for k, g in enumerate(got.grads):
         ref = sum(min(1.0, clip / n) * grads[k] for n, grads in zip(norms, per_example))
         np.testing.assert_allclose(g.numpy(), ref, rtol=1e-12, atol=1e-15)
+
+
+def _engine_against_loop(model, x, rtol):
+    """The default engine's norms and clipped sum (ζ = median norm) against the loop."""
+    from keras_noisecurve._losses import per_example_loss_fn
+    from keras_noisecurve.training.clipping import get_engine
+
+    rng = np.random.default_rng(1)
+    y, w = rng.integers(0, 2, catalogue.P), np.ones(catalogue.P)
+    loss_fn = per_example_loss_fn(keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    per_example, _ = catalogue.loop_gradients(model, loss_fn, x, y, w)
+    norms = np.array([np.sqrt(sum(np.sum(g**2) for g in grads)) for grads in per_example])
+    clip = float(np.median(norms))
+    engine = get_engine("auto", model)
+    got = tf.function(lambda x, y, w: engine(model, loss_fn, x, y, w, l2_norm_clip=clip, training=False))(x, y, w)
+    np.testing.assert_allclose(got.norms.numpy(), norms, rtol=rtol)
+    for k, g in enumerate(got.grads):
+        ref = sum(min(1.0, clip / n) * grads[k] for n, grads in zip(norms, per_example))
+        np.testing.assert_allclose(np.asarray(g, np.float64), ref, rtol=rtol, atol=rtol * np.max(np.abs(ref)))
+
+
+class UnusedBranch(keras.layers.Layer):
+    """A layer that creates a sublayer it never calls (EfficientNet's squeeze-and-excitation
+    convolutions at ratio 0): the sublayer stays unbuilt, with no weights."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.used = keras.layers.Conv2D(4, 3, dtype=self.dtype_policy)
+        self.unused = keras.layers.Conv2D(4, 1, dtype=self.dtype_policy)
+
+    def call(self, x):
+        return self.used(x)
+
+
+def test_an_unbuilt_layer_inside_the_model_is_ignored_and_the_rest_clipped_exactly():
+    # the planner once asked the Conv rule about the unbuilt layer, which read its kernel:
+    # "You must build the layer before accessing `kernel`" (EfficientNetBackbone)
+    from keras_noisecurve.training.ghost import describe
+
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6, 6, 2), dtype="float64")
+    branch = UnusedBranch(dtype="float64")
+    h = keras.layers.GlobalAveragePooling2D(dtype="float64")(branch(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(2, dtype="float64")(h))
+    assert not branch.unused.built
+    assert [how for _, _, how in describe(model)] == ["Conv", "Dense"]
+    _engine_against_loop(model, np.random.default_rng(0).normal(size=(catalogue.P, 6, 6, 2)), 1e-12)
+
+
+def test_a_float32_depthwise_layer_under_a_float64_head_is_clipped():
+    # EfficientNetBackbone ignores its dtype argument in its layers: float32 layers, a float64
+    # head and loss. The depthwise rule's weighted sum once failed: "Input 'b' of 'MatMul' Op
+    # has type float32 that does not match type float64"
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6, 6, 2))
+    h = keras.layers.DepthwiseConv2D(3, depth_multiplier=2)(inputs)
+    h = keras.layers.GlobalAveragePooling2D()(h)
+    model = keras.Model(inputs, keras.layers.Dense(2, dtype="float64")(h))
+    _engine_against_loop(model, np.random.default_rng(0).normal(size=(catalogue.P, 6, 6, 2)).astype("float32"), 1e-5)
 
 
 def test_the_coverage_table_of_docs_models_is_generated_from_the_rules():
