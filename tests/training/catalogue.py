@@ -236,6 +236,9 @@ BUILDERS = {
         vision_encoder=_sub("metaclip_2.metaclip_2_vision_encoder", "MetaCLIP2VisionEncoder", dtype, **_VISION),
         text_encoder=_sub("metaclip_2.metaclip_2_text_encoder", "MetaCLIP2TextEncoder", dtype, **_TEXT),
         projection_dim=8, dtype=dtype),
+    "SigLIPBackbone": lambda dtype: _hub("SigLIPBackbone")(
+        vision_encoder=_sub("siglip.siglip_vision_encoder", "SigLIPVisionEncoder", dtype, **_VISION),
+        text_encoder=_sub("siglip.siglip_text_encoder", "SigLIPTextEncoder", dtype, **_TEXT), dtype=dtype),
     "PaliGemmaBackbone": _kw("PaliGemmaBackbone", vocabulary_size=V, image_size=16, num_layers=1, num_query_heads=2,
                              num_key_value_heads=1, hidden_dim=W, intermediate_dim=2 * W, head_dim=8,
                              vit_patch_size=4, vit_num_layers=1, vit_num_heads=2, vit_hidden_dim=W,
@@ -254,7 +257,6 @@ NOT_BUILT = {
     "FeaturePyramidBackbone": "an abstract base class (the pyramid-output interface of image backbones), not a model",
     "BASNetBackbone": _composite_reason("an image encoder + prediction and refinement heads"),
     "BLIP2Backbone": _composite_reason("a vision encoder + a Q-Former + a language model"),
-    "SigLIPBackbone": _composite_reason("a SigLIP vision encoder + a text encoder"),
     "DeepLabV3Backbone": _composite_reason("an image encoder backbone + spatial pyramid pooling"),
     "DepthAnythingBackbone": _composite_reason("a DINOv2 image encoder + a DPT neck and head"),
     "DFineBackbone": _composite_reason("an HGNetV2 backbone + a detection transformer with denoising queries"),

@@ -218,6 +218,31 @@ def test_a_float32_depthwise_layer_under_a_float64_head_is_clipped():
     _engine_against_loop(model, np.random.default_rng(0).normal(size=(catalogue.P, 6, 6, 2)).astype("float32"), 1e-5)
 
 
+class FixedLengthPositions(keras.layers.Layer):
+    """Adds position embeddings of exactly ``length`` rows, looked up on constant ids of
+    shape (1, length) broadcast over the batch, to inputs of unknown length: SigLIP's text
+    embedding. A trace at another length fails."""
+
+    def __init__(self, length, **kwargs):
+        super().__init__(**kwargs)
+        self.length = length
+        self.positions = keras.layers.Embedding(length, 3, dtype=self.dtype_policy)
+
+    def call(self, x):
+        return x + self.positions(keras.ops.arange(self.length)[None, :])
+
+
+def test_a_broadcast_row_in_a_model_of_fixed_length_is_clipped_through_its_caller():
+    # the rows probe traced the model at length 4 and failed silently; the position Embedding
+    # (1 row for P examples) was then refused at the first step with advice that did not apply
+    # (SigLIPBackbone): the probe now retries at the traced batch's lengths
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((None, 3), dtype="float64")
+    h = keras.layers.Dense(3, dtype="float64")(FixedLengthPositions(7, dtype="float64")(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(2, dtype="float64")(keras.ops.mean(h, axis=1)))
+    _engine_against_loop(model, np.random.default_rng(0).normal(size=(catalogue.P, 7, 3)), 1e-12)
+
+
 def test_the_coverage_table_of_docs_models_is_generated_from_the_rules():
     # docs/models.md lists the rules the engine tries, rendered from the registry: a rule added
     # (or a class it names) without regenerating the table fails here
