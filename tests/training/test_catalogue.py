@@ -39,6 +39,7 @@ FLOAT32_INSIDE = {name: f"keras_hub/src/models/{where} cast to float32" for name
     "Llama3Backbone": "llama/llama_attention.py, llama_layernorm.py (Llama3 reuses them)",
     "MistralBackbone": "mistral/mistral_attention.py, mistral_layer_norm.py",
     "MixtralBackbone": "mixtral/mixtral_attention.py, mixtral_layer_norm.py",
+    "MobileNetV5Backbone": "mobilenetv5/mobilenetv5_layers.py (its RMS norm)",
     "PaliGemmaBackbone": "gemma/gemma_attention.py, rms_normalization.py (its Gemma decoder)",
     "Phi3Backbone": "phi3/phi3_attention.py, phi3_layernorm.py",
     "QwenBackbone": "qwen/qwen_attention.py, qwen_layernorm.py",
@@ -79,6 +80,11 @@ XFAIL = {
               "(its engine-vs-loop comparison at training=False matches to 1e-7: benchmarks/catalogue_table.py)")
        for name, block in (("QwenMoeBackbone", "QwenSparseMoeBlock"), ("Qwen3MoeBackbone", "Qwen3SparseMoeBlock"),
                            ("Qwen3_5MoeBackbone", "Qwen3.5 sparse MoE block"))},
+    "SegFormerBackbone": (
+        "its MiT image encoder's attention has the hard-coded Dropout(0.1) of MiTBackbone (keras_hub "
+        "src/models/mit/mit_layers.py): active in the fit step (training=True), not in the loop: 0.35 relative "
+        "apart; at training=False the engine matches the loop to 6e-16 (benchmarks/catalogue_table.py)"
+    ),
     "MiTBackbone": (
         "MiT's attention has a hard-coded Dropout(0.1) on its scores and output (keras_hub "
         "src/models/mit/mit_layers.py, no config switches it off), active in the fit step (training=True) "
