@@ -273,6 +273,16 @@ BUILDERS = {
                                stackwise_kv_strides=[[0], [0], [2]], stackwise_use_cpe=[[False], [False], [False]],
                                stem_size=8, num_features=16, use_msfa=True, msfa_indices=(-2, -1),
                                msfa_output_resolution=4, layer_scale_init_value=1e-5, image_shape=_IMG),
+    "SAMBackbone": lambda dtype: _under_policy(dtype, lambda: _hub("SAMBackbone")(
+        image_encoder=_hub("ViTDetBackbone")(hidden_size=W, num_layers=2, intermediate_dim=2 * W, num_heads=2,
+                                             global_attention_layer_indices=[1], image_shape=_IMG, patch_size=8,
+                                             num_output_channels=8, window_size=2),
+        prompt_encoder=_sub("sam.sam_prompt_encoder", "SAMPromptEncoder", dtype, hidden_size=8,
+                            image_embedding_size=(4, 4), input_image_size=(SIDE, SIDE), mask_in_channels=4),
+        mask_decoder=_sub("sam.sam_mask_decoder", "SAMMaskDecoder", dtype, num_layers=1, hidden_size=8,
+                          intermediate_dim=2 * W, num_heads=2, embedding_dim=8, num_multimask_outputs=3,
+                          iou_head_depth=2, iou_head_hidden_dim=8),
+        dtype=dtype)),
     "PaliGemmaBackbone": _kw("PaliGemmaBackbone", vocabulary_size=V, image_size=16, num_layers=1, num_query_heads=2,
                              num_key_value_heads=1, hidden_dim=W, intermediate_dim=2 * W, head_dim=8,
                              vit_patch_size=4, vit_num_layers=1, vit_num_heads=2, vit_hidden_dim=W,
@@ -295,7 +305,6 @@ NOT_BUILT = {
     "BLIP2Backbone": _composite_reason("a vision encoder + a Q-Former + a language model"),
     "DFineBackbone": _composite_reason("an HGNetV2 backbone + a detection transformer with denoising queries"),
     "PARSeqBackbone": _composite_reason("an image encoder + a permuted autoregressive decoder"),
-    "SAMBackbone": _composite_reason("an image encoder + a prompt encoder + a mask decoder"),
     "SAM3PromptableConceptBackbone": _composite_reason(
         "vision, text and geometry encoders + a DETR encoder/decoder + a mask decoder"),
     "StableDiffusion3Backbone": _composite_reason("an MMDiT + a VAE + CLIP-L/CLIP-G (+ T5) text encoders"),
@@ -333,8 +342,9 @@ def _inputs(backbone):
     return {"x": spec}
 
 
-#: sequence lengths of inputs that need more than ``L`` steps (raw audio samples)
-LENGTHS = {"MoonshineBackbone": {"encoder_input_values": 1600, "encoder_padding_mask": 1600}}
+#: sequence lengths of inputs that need another first length than ``L`` (raw audio samples, no mask prompt)
+LENGTHS = {"MoonshineBackbone": {"encoder_input_values": 1600, "encoder_padding_mask": 1600},
+           "SAMBackbone": {"masks": 0}}  # 8 point and 8 box prompts, no mask prompt
 
 
 def _data(backbone, rng, lengths_of=None):
@@ -376,9 +386,20 @@ def _embeddings(backbone, inputs):
     return [backbone.get_vision_embeddings(inputs["images"]), backbone.get_text_embeddings(inputs["token_ids"])]
 
 
+def _masks(backbone, inputs):
+    """SAM's predicted masks and IoU scores: its mask decoder on the backbone's outputs. The
+    backbone returns the image and prompt embeddings only (and the positional embedding of the
+    image grid, one row for the whole batch); its mask decoder, whose weights it holds, is
+    called by the segmenter task, so the head calls it here."""
+    out = backbone(inputs)
+    return backbone.mask_decoder(out["image_embeddings"], out["prompt_dense_positional_embeddings"],
+                                 out["prompt_sparse_embeddings"], out["prompt_dense_embeddings"])
+
+
 #: backbones whose task head reads other tensors than the backbone's outputs: ``(backbone,
 #: its symbolic inputs) -> tensors``
-FEATURES = {name: _embeddings for name in ("CLIPBackbone", "MetaCLIP2Backbone", "SigLIPBackbone")}
+FEATURES = {**{name: _embeddings for name in ("CLIPBackbone", "MetaCLIP2Backbone", "SigLIPBackbone")},
+            "SAMBackbone": _masks}
 
 
 def _head(backbone, dtype, features=None):
