@@ -24,11 +24,12 @@ example i's, as a reshape of (P, k, ...) lays them out).
 ``describe`` know): it traces the model once (never runs it) on a batch of
 ``PROBE_BATCH`` examples built from the model's input specs, noting for every layer call
 the rows of its first input and of its outputs and the chain of calls enclosing it.
-A model without input specs (a subclassed model never called symbolically) is not
-probed; a layer with other rows is then refused when its step is traced. A model whose
-trace fails at that length (an input of unknown length that must have a fixed one:
-SigLIP's text embedding adds position embeddings of exactly ``max_sequence_length``
-rows) is probed again when its step is traced, at the lengths of that batch (``like``).
+A model without input specs (a ``Sequential``, a subclassed model never called
+symbolically), or whose trace fails at that length (an input of unknown length that must
+have a fixed one: SigLIP's text embedding adds position embeddings of exactly
+``max_sequence_length`` rows), is probed when its step is traced, at the lengths of that
+batch (``like``); a layer with other rows and no caller that takes one row per example is
+then refused there.
 """
 
 from __future__ import annotations
@@ -65,7 +66,10 @@ def _input_specs(model, like=None):
     import keras
 
     if like is not None:
-        return tf.nest.map_structure(_spec, like)
+        try:
+            return tf.nest.map_structure(_spec, like)
+        except (AttributeError, TypeError, ValueError):  # not a structure of arrays: not probed
+            return None
     for layer in _compat.flatten_layers(model):
         if not isinstance(layer, keras.Model) or not getattr(layer, "inputs", None):
             continue
