@@ -90,7 +90,7 @@ def _children(layer):
     return _compat.flatten_layers(layer, include_self=False, recursive=False)
 
 
-def plan(model):
+def plan(model, like=None):
     """How each layer's weights are clipped: ``[(layer, rule, variables)]``.
 
     Walks the layer tree from ``model``. A layer that owns trainable weights gets its
@@ -98,7 +98,9 @@ def plan(model):
     has one in a supported configuration, else :class:`GenericRule`, the per-layer
     vector–Jacobian fallback; a rule with ``covers_sublayers`` also takes its
     sublayers' weights (they are not visited). ``variables`` are the layer's
-    trainable variables among ``model.trainable_variables``.
+    trainable variables among ``model.trainable_variables``. ``like``: a batch of inputs
+    at whose lengths to look for rows that are not examples when the model's input specs
+    cannot be traced (:func:`~keras_noisecurve.training.ghost_rows.probe`).
 
     Raises:
       ValueError: a trainable BatchNormalization (it mixes the examples of a batch) or a
@@ -111,7 +113,12 @@ def plan(model):
         if id(layer) in seen:
             return
         seen.add(id(layer))
-        if _is_batch_norm(layer) and layer.trainable and layer.trainable_variables:
+        if not layer.trainable_variables:
+            # nothing to clip here or below: a frozen layer, one without weights, or one created
+            # but never called (unbuilt, e.g. EfficientNet's unused squeeze-and-excite convolutions,
+            # whose rules could not even read their kernels)
+            return
+        if _is_batch_norm(layer) and layer.trainable:
             raise ValueError(
                 f"{_layer_label(layer)} normalises with batch statistics in training mode, "
                 "which mixes examples: per-example clipping is not defined for it "
@@ -137,15 +144,15 @@ def plan(model):
             visit(child)
 
     visit(model)
-    return _through_callers(model, out, trainable)
+    return _through_callers(model, out, trainable, like)
 
 
-def _through_callers(model, entries, trainable):
+def _through_callers(model, entries, trainable, like=None):
     """``entries`` with every layer that sees rows that are not examples (a broadcast row,
     token rows) clipped through its innermost caller whose call takes one row per example
     (:mod:`keras_noisecurve.training.ghost_rows`): the caller, with all its sublayers'
     weights, replaces the entries inside it."""
-    found = ghost_rows.callers(model, [layer for layer, _, _ in entries])
+    found = ghost_rows.callers(model, [layer for layer, _, _ in entries], like)
     if not found:
         return entries
     callers = list({id(c): c for c in found.values()}.values())
@@ -525,7 +532,7 @@ def ghost_clipped_sum(
         microbatch_size = check_int("microbatch_size", microbatch_size, minimum=1)
     if training is not None and not isinstance(training, bool):
         raise TypeError(f"training must be True, False or None, got {training!r}.")
-    entries = plan(model)
+    entries = plan(model, like=x)
     if tf.executing_eagerly():
         _check_reads_once(model, x, training, entries)
 

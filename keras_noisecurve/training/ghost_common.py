@@ -134,8 +134,9 @@ def weighted_outer(a: tf.Tensor, g: tf.Tensor, scale: tf.Tensor) -> tf.Tensor:
 
 def weighted_sum(per_example: tf.Tensor, scale: tf.Tensor) -> tf.Tensor:
     """``Σ_i scale_i · per_example_i`` for a (P, ...) tensor; rows with ``scale_i = 0``
-    contribute exactly 0 even when not finite (:func:`keep_rows`)."""
-    return tf.tensordot(scale, keep_rows(per_example, scale), axes=1)
+    contribute exactly 0 even when not finite (:func:`keep_rows`). ``scale`` is cast to the
+    gradients' dtype (a float32 layer in a model whose loss is float64)."""
+    return tf.tensordot(tf.cast(scale, per_example.dtype), keep_rows(per_example, scale), axes=1)
 
 
 def dims(t: tf.Tensor) -> list:

@@ -24,8 +24,12 @@ example i's, as a reshape of (P, k, ...) lays them out).
 ``describe`` know): it traces the model once (never runs it) on a batch of
 ``PROBE_BATCH`` examples built from the model's input specs, noting for every layer call
 the rows of its first input and of its outputs and the chain of calls enclosing it.
-A model without input specs (a subclassed model never called symbolically) is not
-probed; a layer with other rows is then refused when its step is traced.
+A model without input specs (a ``Sequential``, a subclassed model never called
+symbolically), or whose trace fails at that length (an input of unknown length that must
+have a fixed one: SigLIP's text embedding adds position embeddings of exactly
+``max_sequence_length`` rows), is probed when its step is traced, at the lengths of that
+batch (``like``); a layer with other rows and no caller that takes one row per example is
+then refused there.
 """
 
 from __future__ import annotations
@@ -48,10 +52,24 @@ _LOCK = threading.Lock()
 _CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def _input_specs(model):
-    """TensorSpecs of one batch of ``PROBE_BATCH`` examples for ``model``, or ``None``."""
+def _spec(t):
+    """The TensorSpec of ``PROBE_BATCH`` examples shaped like ``t`` (a KerasTensor, a tensor
+    or an array with a leading batch axis); unknown lengths become ``_PROBE_LENGTH``."""
+    shape = list(t.shape)
+    return tf.TensorSpec([PROBE_BATCH] + [_PROBE_LENGTH if d is None else d for d in shape[1:]],
+                         tf.as_dtype(t.dtype))
+
+
+def _input_specs(model, like=None):
+    """TensorSpecs of one batch of ``PROBE_BATCH`` examples for ``model`` (shaped like the
+    batch ``like`` when given, else from the model's input specs), or ``None``."""
     import keras
 
+    if like is not None:
+        try:
+            return tf.nest.map_structure(_spec, like)
+        except (AttributeError, TypeError, ValueError):  # not a structure of arrays: not probed
+            return None
     for layer in _compat.flatten_layers(model):
         if not isinstance(layer, keras.Model) or not getattr(layer, "inputs", None):
             continue
@@ -59,13 +77,7 @@ def _input_specs(model):
             inputs = layer.input
         except (AttributeError, ValueError):  # e.g. a Sequential never called
             continue
-
-        def spec(t):
-            shape = list(t.shape)
-            shape = [PROBE_BATCH] + [_PROBE_LENGTH if d is None else d for d in shape[1:]]
-            return tf.TensorSpec(shape, tf.as_dtype(t.dtype))
-
-        return tf.nest.map_structure(spec, inputs)
+        return tf.nest.map_structure(_spec, inputs)
     return None
 
 
@@ -73,9 +85,12 @@ def _rows(t):
     return t.shape[0] if isinstance(t, tf.Tensor) and t.shape.rank else None
 
 
-def probe(model):
+def probe(model, like=None):
     """``{id(layer): [(rows_in, rows_out, enclosing)]}`` for every call of every layer of
     ``model`` in one traced forward pass on ``PROBE_BATCH`` examples (cached per model).
+
+    ``like``: a batch of the model's inputs (any leading size), used only when the probe
+    from the input specs failed: the model is then traced again at that batch's lengths.
 
     ``rows_in``: the leading size of the call's first input tensor (``None``: none);
     ``rows_out``: those of its output tensors; ``enclosing``: the layers whose calls
@@ -83,9 +98,9 @@ def probe(model):
     specs, or the symbolic call fails: the engine then checks rows at trace time).
     """
     cached = _CACHE.get(model)
-    if cached is not None:
+    if cached is not None and (cached or like is None):
         return cached or None
-    specs = _input_specs(model)
+    specs = _input_specs(model, like if cached is not None else None)
     result = {}
     if specs is not None:
         layers = list(_compat.flatten_layers(model))
@@ -134,16 +149,17 @@ def _examples(rows_in, rows_out, root=False) -> bool:
     return all(r is None or (r >= PROBE_BATCH and r % PROBE_BATCH == 0) for r in rows_out)
 
 
-def callers(model, layers) -> dict:
+def callers(model, layers, like=None) -> dict:
     """``{id(layer): caller}`` for each of ``layers`` some call of which sees rows that are
     not examples: the innermost layer enclosing ALL its calls (or the layer itself, when
     only its outputs have k·P rows) whose every call takes one row per example
-    (``model`` itself at worst). Empty when ``model`` cannot be probed.
+    (``model`` itself at worst). Empty when ``model`` cannot be probed (``like``: a batch
+    to probe it at when its input specs fail, :func:`probe`).
 
     Raises:
       ValueError: no such caller (``model``'s own outputs are not per example), naming the layer.
     """
-    calls = probe(model)
+    calls = probe(model, like)
     if not calls:
         return {}
     out = {}
