@@ -41,6 +41,8 @@ import jax
 import jax.numpy as jnp
 import keras
 
+from keras_noisecurve.backend.jax.ghost_hub import HUB_RULES
+
 __all__ = ["RULES", "find_rule", "kept", "sequence_sq_norms", "token_sq_norms", "uses_pre_activation"]
 
 _F32 = jnp.float32
@@ -53,8 +55,9 @@ def _plain(layer) -> bool:
 
 def uses_pre_activation(layer) -> bool:
     """Whether the engine records ``layer``'s output before its fused activation (Dense and
-    EinsumDense of exact type, whose ``call`` is ``activation(linear(x))``)."""
-    return type(layer) in (keras.layers.Dense, keras.layers.EinsumDense) and _plain(layer)
+    EinsumDense of exact type, whose ``call`` is ``activation(linear(x))``, LoRA-enabled or not)."""
+    return (type(layer) in (keras.layers.Dense, keras.layers.EinsumDense)
+            and getattr(layer, "quantization_mode", None) is None)
 
 
 def sequence_sq_norms(a, g):
@@ -262,7 +265,7 @@ def _affine(layer, x_hat, g):
 
 
 #: The rules, tried in order; the first that returns a result is used.
-RULES = (dense_rule, einsum_dense_rule, embedding_rule, layer_norm_rule, group_norm_rule)
+RULES = (dense_rule, einsum_dense_rule, embedding_rule, layer_norm_rule, group_norm_rule) + HUB_RULES
 
 
 def find_rule(layer, calls):
