@@ -55,21 +55,12 @@ import keras
 import numpy as np
 
 from keras_noisecurve import _compat
-
-# ghost_rules imports this module (to register HUB_RULES): its helpers are imported inside the
-# functions below, so that either module can be imported first.
+from keras_noisecurve.backend.jax.ghost_forms import kept, parse_einsum, sequence_sq_norms, token_sq_norms
 
 __all__ = ["HUB_RULES", "lora_rule", "position_embedding_rule", "probe_affine_scale", "reversible_embedding_rule",
            "rms_scale_rule"]
 
 _F32 = jnp.float32
-
-
-def _helpers():
-    """``(kept, parse_einsum, sequence_sq_norms, token_sq_norms)`` of :mod:`ghost_rules`."""
-    from keras_noisecurve.backend.jax import ghost_rules
-
-    return ghost_rules.kept, ghost_rules.parse_einsum, ghost_rules.sequence_sq_norms, ghost_rules.token_sq_norms
 
 
 def _scaled(c, g):
@@ -106,7 +97,6 @@ def _kernel_grad(inp, ker, out, a_parts, g_parts):
     """The per-example kernel gradient ``einsum(inp,out->ker)(a_i, g_i)`` of a batched dense map,
     summed over calls: ``(sq (P,), sum(c, keep) -> Σ_i c_i·∂K_i)`` without forming ∂K_i unless a
     kernel axis is also in the input and the output (per-head weights)."""
-    kept, parse_einsum, sequence_sq_norms, token_sq_norms = _helpers()
     ex = inp[0]
     p = a_parts[0].shape[0]
     shared = [ch for ch in ker if ch in inp and ch in out]
@@ -142,7 +132,6 @@ def _bias(layer, out, g_parts):
 def lora_rule(layer, calls):
     """LoRA-enabled Dense / EinsumDense (not quantized): gradients of ``lora_kernel_a``,
     ``lora_kernel_b`` and a trainable bias (see the module docstring)."""
-    kept, parse_einsum, sequence_sq_norms, token_sq_norms = _helpers()
     if type(layer) not in (keras.layers.Dense, keras.layers.EinsumDense) or not getattr(layer, "lora_enabled", False):
         return None
     if getattr(layer, "quantization_mode", None) is not None or not _single(calls):
@@ -273,7 +262,6 @@ def probe_affine_scale(layer) -> bool:
 def rms_scale_rule(layer, calls):
     """A layer recognised by :func:`probe_affine_scale`, called on its input alone:
     ``G_i = Σ_positions g_i ⊙ u_i`` with ``u`` the JVP of the call with tangent 1 on w."""
-    kept, parse_einsum, sequence_sq_norms, token_sq_norms = _helpers()
     if not _single(calls) or any(len(_args(c)[0]) != 1 or _args(c)[1] for c in calls):
         return None
     if not probe_affine_scale(layer):
@@ -305,7 +293,6 @@ def _call_flag(call, name, position, default):
 
 def reversible_embedding_rule(layer, calls):
     """Keras's / KerasHub's ReversibleEmbedding, lookup and reverse calls (see the module docstring)."""
-    kept, parse_einsum, sequence_sq_norms, token_sq_norms = _helpers()
     cls = getattr(keras.layers, "ReversibleEmbedding", None)
     if cls is None or not isinstance(layer, cls) or type(layer).call is not cls.call:
         return None
@@ -357,7 +344,6 @@ def reversible_embedding_rule(layer, calls):
 
 def position_embedding_rule(layer, calls):
     """KerasHub's PositionEmbedding called with ``start_index=0`` and no ``positions``."""
-    kept, parse_einsum, sequence_sq_norms, token_sq_norms = _helpers()
     module = sys.modules.get("keras_hub.src.layers.modeling.position_embedding")
     cls = getattr(module, "PositionEmbedding", None)
     if cls is None or not isinstance(layer, cls) or type(layer).call is not cls.call or not _single(calls):
