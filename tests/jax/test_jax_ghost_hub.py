@@ -98,6 +98,25 @@ def test_lora_dense_and_einsum_dense_with_activation_and_per_head_axes(handled, 
     assert "fallback" not in handled.values()
 
 
+def test_lora_einsum_dense_with_permuted_positions_and_a_summed_input_axis(handled):
+    """Output axes in another order than the input's (``bld,de->bel``) and an input axis summed
+    away (``blcd,de->ble``): the positions of ``a`` and ``g`` must be paired in one order."""
+    keras.utils.set_random_seed(6)
+    inputs = keras.Input((5, 2, 3))
+    summed = keras.layers.EinsumDense("blcd,de->ble", output_shape=(5, 4), bias_axes="e")
+    permuted = keras.layers.EinsumDense("bld,de->bel", output_shape=(3, 5), activation="tanh")
+    h = permuted(summed(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(2)(keras.layers.Flatten()(h)))
+    for layer in (summed, permuted):
+        layer.enable_lora(2)
+    _randomise_lora_b(model, seed=6)
+    rng = np.random.default_rng(6)
+    x = rng.normal(size=(7, 5, 2, 3)).astype("float32")
+    y = rng.normal(size=(7, 2)).astype("float32")
+    _compare(model, x, y, _weights(7))
+    assert handled[id(summed)] == handled[id(permuted)] == "lora_rule"
+
+
 class _OnePlusScale(keras.layers.Layer):
     """A hand-written RMS norm with Gemma's ``(1 + w)`` scale (no known class name)."""
 
@@ -120,6 +139,7 @@ class _SquaredScale(keras.layers.Layer):
         return x * self.w * self.w
 
 
+@pytest.mark.filterwarnings("ignore:You passed `rms_scaling=True`:UserWarning")  # Keras deprecates the argument
 def test_rms_norms_by_computation_and_layer_norm_variants(handled):
     keras.utils.set_random_seed(1)
     inputs = keras.Input((4, 6))
@@ -142,8 +162,7 @@ def test_rms_norms_by_computation_and_layer_norm_variants(handled):
             v.assign(rng.uniform(0.5, 1.5, size=v.shape).astype("float32"))
     x = rng.normal(size=(7, 4, 6)).astype("float32")
     y = rng.normal(size=(7, 2)).astype("float32")
-    with pytest.warns(UserWarning, match="rms_scaling"):  # Keras deprecates LayerNormalization(rms_scaling=True)
-        _compare(model, x, y, _weights(7))
+    _compare(model, x, y, _weights(7))
     got = [handled[id(n)] for n in norms]
     assert got == ["rms_scale_rule", "rms_scale_rule", "layer_norm_rule", "layer_norm_rule", "rms_scale_rule",
                    "fallback"]

@@ -104,10 +104,11 @@ def _kernel_grad(inp, ker, out, a_parts, g_parts):
         per = sum(jnp.einsum(f"{inp},{out}->{ex}{ker}", a, g) for a, g in zip(a_parts, g_parts))
         sq = jnp.sum(jnp.reshape(per * per, (p, -1)), axis=1)
     else:
+        pos = "".join(ch for ch in inp[1:] if ch in out and ch not in ker)  # one order for a and g
         con = "".join(ch for ch in inp[1:] if ch in ker)
         kout = "".join(ch for ch in out[1:] if ch in ker)
-        a = _cat([_flat(x, inp, ex, con) for x in a_parts])
-        g = _cat([_flat(y, out, ex, kout) for y in g_parts])
+        a = _cat([_flat(jnp.einsum(f"{inp}->{ex}{pos}{con}", x), ex + pos + con, ex, con) for x in a_parts])
+        g = _cat([_flat(jnp.einsum(f"{out}->{ex}{pos}{kout}", y), ex + pos + kout, ex, kout) for y in g_parts])
         sq = sequence_sq_norms(a, g)
 
     def total(c, keep=None):
