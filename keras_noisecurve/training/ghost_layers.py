@@ -23,7 +23,7 @@ is the sum over calls and positions of the same outer products.
 This module is the registry (:data:`RULES`, :func:`find_rule`) and re-exports the
 rules' public names: the shared math and :class:`Rule` live in ``ghost_common``, the
 rules in ``ghost_dense`` (Dense, EinsumDense, Embedding), ``ghost_conv``
-(Conv1D/Conv2D), ``ghost_norm`` (normalisation layers) and ``ghost_rnn`` (LSTM, GRU,
+(Conv1D/Conv2D), ``ghost_norm`` (normalisation layers), ``ghost_t5`` (T5's relative-attention bias) and ``ghost_rnn`` (LSTM, GRU,
 SimpleRNN; its rule sets ``covers_sublayers``: the weights of the layer's cell count
 as the layer's own).
 """
@@ -52,6 +52,7 @@ from keras_noisecurve.training.ghost_dense import (
 from keras_noisecurve.training.ghost_norm import GroupNormalizationRule, LayerNormalizationRule
 from keras_noisecurve.training.ghost_rnn import RecurrentRule
 from keras_noisecurve.training.ghost_scale import ComputedScaleRule, PReLURule
+from keras_noisecurve.training.ghost_t5 import RelativeAttentionBiasRule
 from keras_noisecurve.training.ghost_timedist import FoldedTimeDistributedRule
 
 __all__ = [
@@ -59,7 +60,7 @@ __all__ = [
     "DenseRule", "DepthwiseConvRule", "DiagonalScaleRule", "EinsumDenseRule", "EmbeddingRule",
     "FoldedTimeDistributedRule", "GenericRule", "GroupNormalizationRule", "GroupedConvRule",
     "LayerNormalizationRule", "LoRARule", "PReLURule", "PositionEmbeddingRule", "RNNFallbackRule",
-    "RecurrentRule", "ReversibleEmbeddingRule", "Rule", "SeparableConvRule", "TimeDistributedRule",
+    "RecurrentRule", "RelativeAttentionBiasRule", "ReversibleEmbeddingRule", "Rule", "SeparableConvRule", "TimeDistributedRule",
     "conv_chunk", "conv_sq_norms", "einsum_structure", "find_rule", "register_rule",
     "sequence_sq_norms", "token_sq_norms",
 ]
@@ -72,6 +73,7 @@ RULES = (
     ReversibleEmbeddingRule(),
     PositionEmbeddingRule(),
     DiagonalScaleRule(),
+    RelativeAttentionBiasRule(),  # KerasHub T5's relative-attention bias table (ghost_t5)
     PReLURule(),
     ConvRule(),
     GroupedConvRule(),  # Conv1D/Conv2D with groups > 1 (ghost_conv_kinds)

@@ -174,34 +174,34 @@ def test_a_tiny_keras_hub_bert_backbone():
     _compare(model, x, y, w, _median_clip(model, x, y, w, loss=_sce), loss=_sce)
 
 
-class _TokenRows(keras.layers.Layer):
-    """Applies a Dense to the (P·L, d) token rows: rows that are not examples."""
+class _RowsModel(keras.Model):
+    """Applies a Dense to the (P·L, d) token rows in the model's own call: rows that are not
+    examples, with no layer between the Dense and the model to clip it through."""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.dense = keras.layers.Dense(3)
+        self.head = keras.layers.Dense(2)
 
-    def call(self, x):
-        p, length = keras.ops.shape(x)[0], keras.ops.shape(x)[1]
+    def call(self, x, training=None):
+        p = keras.ops.shape(x)[0]
         rows = self.dense(keras.ops.reshape(x, (-1, x.shape[-1])))
-        return keras.ops.reshape(rows, (p, length, 3))
+        return self.head(keras.ops.reshape(rows, (p, -1)))
 
 
-def _rows_model():
+def test_rows_that_are_not_examples_without_a_caller_are_refused_by_ghost_and_exact_under_auto():
+    """The model itself is the only caller: "ghost" refuses, "auto" uses the vectorized engine
+    (tests/jax/test_jax_ghost_rows.py: the same rows inside a layer are clipped through it)."""
     keras.utils.set_random_seed(6)
-    inputs = keras.Input((4, 5))
-    h = keras.layers.Flatten()(_TokenRows()(inputs))
-    return keras.Model(inputs, keras.layers.Dense(2)(h))
-
-
-def test_rows_that_are_not_examples_are_refused_by_ghost_and_exact_under_auto():
-    model = _rows_model()
+    model = _RowsModel()
     rng = _rng(6)
     x = rng.normal(size=(5, 4, 5)).astype("float32")
+    model(x[:1])
     y = rng.normal(size=(5, 2)).astype("float32")
     w = _weights(5)
     clip = _median_clip(model, x, y, w)
-    with pytest.raises(ValueError, match="rows that are not the batch's 5 examples.*clipping='auto'"):
+    with pytest.raises(ValueError, match="rows that are not the batch's 5 examples.*no layer calling it.*"
+                                         "clipping='auto'"):
         _compare(model, x, y, w, clip, clipping="ghost")
     _compare(model, x, y, w, clip, clipping="auto")  # the exact vectorized engine
 
@@ -299,26 +299,26 @@ def test_a_recurrent_layer_is_clipped_whole_by_the_fallback():
     _compare(model, x, y, w, _median_clip(model, x, y, w))
 
 
-class _Loop(keras.layers.Layer):
-    """Applies its Dense sublayer three times inside ``keras.ops.fori_loop``."""
+class _LoopModel(keras.Model):
+    """Applies its Dense three times inside ``keras.ops.fori_loop`` in the model's own call."""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.dense = keras.layers.Dense(4, activation="tanh")
+        self.head = keras.layers.Dense(2)
 
-    def build(self, shape):
-        self.dense.build(shape)
-
-    def call(self, x):
-        return keras.ops.fori_loop(0, 3, lambda i, h: self.dense(h), x)
+    def call(self, x, training=None):
+        return self.head(keras.ops.fori_loop(0, 3, lambda i, h: self.dense(h), x))
 
 
-def test_a_weighted_layer_inside_a_control_flow_body_is_refused_by_ghost_and_exact_under_auto():
+def test_a_weighted_layer_in_a_control_flow_body_of_the_model_is_refused_by_ghost_and_exact_under_auto():
+    """No layer encloses the loop but the model (tests/jax/test_jax_ghost_rows.py: a loop inside
+    a layer is clipped through that layer)."""
     keras.utils.set_random_seed(9)
-    inputs = keras.Input((4,))
-    model = keras.Model(inputs, keras.layers.Dense(2)(_Loop()(inputs)))
+    model = _LoopModel()
     rng = _rng(9)
     x = rng.normal(size=(6, 4)).astype("float32")
+    model(x[:1])
     y = rng.normal(size=(6, 2)).astype("float32")
     w = _weights(6)
     clip = _median_clip(model, x, y, w)

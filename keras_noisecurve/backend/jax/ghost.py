@@ -24,18 +24,25 @@ the per-example gradients of the whole model, all inside the jitted train step.
 4. The clipped sum per layer from the same quantities ("book-keeping"), e.g.
    ``Σ_{i,l} a_il (c_i g_il)ᵀ`` for a kernel, ``Σ_i c_i G_i`` for a fallback layer.
 
-Rows that are not examples: a recorded call whose floating outputs or first array
-argument do not have the batch size P as their leading dimension (a broadcast batch-1
-input, B·L token rows) cannot be attributed to examples by this engine. With
-``clipping="auto"`` the whole step then uses the exact vectorized engine
-(``vectorized``: ``jax.vmap`` of the whole model's gradient); with ``clipping="ghost"``
-it is refused with a ValueError naming the layer, when the step is first traced (before
-any weight changes). The same holds for a weighted layer called inside a JAX control-flow
-body of a custom layer (``keras.ops.fori_loop``, ``scan``); Keras's recurrent layers are
-handled: each is one target, clipped whole by the fallback (:func:`targets`). A weight read outside its own layer's ``call`` (e.g. a custom layer using another
-layer's kernel, a tied output projection) is found in the shape pass (every variable read
-goes through a reporting stateless scope) and handled the same way: ``"auto"`` clips that
-model with the vectorized engine, ``"ghost"`` refuses it.
+Rows that are not examples (:mod:`keras_noisecurve.backend.jax.ghost_rows`): a recorded
+call whose floating outputs or first array argument do not have the batch size P as their
+leading dimension (a broadcast batch-1 input such as ViT's position ids (1, L), P·L token
+rows such as Mixtral's MoE router), a weighted layer called inside a JAX control-flow body
+of a custom layer (``keras.ops.fori_loop``, ``scan``), and a weight read outside its own
+layer's ``call`` (every variable read of the shape pass goes through a reporting stateless
+scope) cannot be attributed to examples by that layer's rule. The shape pass
+(``jax.eval_shape`` of the recorded forward pass) finds them and routes each to its
+innermost enclosing CALLER: a layer whose every call takes P rows in its first array
+argument and returns P or k·P rows (example-major) in each floating output, enclosing
+every call of the problem layer (and the read), and tracking its weights. That caller
+becomes ONE target clipped whole by the fallback (its ``vmap`` VJP covers every weight
+under it; a k·P-row output is split into P groups of k rows), the layers under it are no
+longer recorded, and the shape pass runs again until nothing is left (:func:`_plan`). The
+rest of the model keeps its rules. Only when no layer but the model itself encloses the
+problem does ``clipping="auto"`` use the exact vectorized engine (``jax.vmap`` of the whole
+model's gradient) and ``clipping="ghost"`` refuse with a ValueError naming the layer or
+weight, when the step is first traced (before any weight changes). Keras's recurrent
+layers are targets whole from the start (:func:`targets`).
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ import jax.numpy as jnp
 import keras
 
 from keras_noisecurve import _compat
+from keras_noisecurve.backend.jax import ghost_rows
 from keras_noisecurve.backend.jax.ghost_rules import find_rule, kept, uses_pre_activation
 
 __all__ = ["ghost_clipped_sum", "ghost_norms", "targets"]
@@ -54,19 +62,22 @@ __all__ = ["ghost_clipped_sum", "ghost_norms", "targets"]
 _F32 = jnp.float32
 
 
-def targets(model):
+def targets(model, groups=()):
     """The layers of ``model`` that own trainable weights, with those weights:
     a list of ``(layer, [variable, ...])`` in Keras's depth-first order.
 
     A recurrent layer (``keras.layers.RNN`` and its subclasses) is one target with every
     trainable weight under it: its cell runs inside ``jax.lax.scan``, whose body cannot be
-    recorded per call, so the whole layer goes through the per-layer fallback."""
+    recorded per call, so the whole layer goes through the per-layer fallback. So is each
+    layer of ``groups`` (callers of layers whose rows are not examples,
+    :mod:`~keras_noisecurve.backend.jax.ghost_rows`): the layers under it are not targets."""
     trainable_ids = {id(v) for v in model.trainable_variables}
+    whole = {id(layer) for layer in groups}
     found, covered = [], set()
     for layer in _compat.flatten_layers(model, include_self=True, recursive=True):
         if id(layer) in covered:
             continue
-        if isinstance(layer, keras.layers.RNN):
+        if isinstance(layer, keras.layers.RNN) or id(layer) in whole:
             covered.update(id(sub) for sub in _compat.flatten_layers(layer, include_self=False, recursive=True))
             owned = [v for v in layer.trainable_variables if id(v) in trainable_ids]
         else:
@@ -96,13 +107,15 @@ class _Recorder:
         self.bare = None  # layer index whose call runs bare (fallback re-run); others pass through
         self.active = []  # indices of the recorded layers whose call is running (innermost last)
         self.owner = {}  # id(trainable variable) -> index of the layer that owns it (the shape pass)
-        self.outside = []  # (variable path, reading layers) of weights read outside their owner's call
+        self.outside = []  # (variable path, reading layers, owner index, enclosing chain) of outside reads
+        self.probe = None  # the shape pass's ghost_rows.Probe (its stack: the layer calls running now)
 
     def read(self, variable):
         """Called for every variable read of the shape pass (:class:`_ReadScope`)."""
         owner = self.owner.get(id(variable))
         if owner is not None and owner not in self.active:
-            self.outside.append((variable.path, [self.layers[i].name for i in self.active]))
+            chain = tuple(self.probe.stack) if self.probe is not None else ()
+            self.outside.append((variable.path, [self.layers[i].name for i in self.active], owner, chain))
 
     def call(self, index, original, args, kwargs):
         self.active.append(index)
@@ -201,20 +214,99 @@ def _rebuild(call, arrays):
     return jax.tree_util.tree_unflatten(call["tree"], flat)
 
 
-def _rows_problem(layer, call, arrays, shapes, size):
-    """Why the call's rows are not the P examples (``None`` when they are)."""
-    outs = [shapes[k] for k in call["slots"]]
+def _rows_problem(layer, call, arrays, shapes, size, grouped=False):
+    """Why the call's rows are not the P examples (``None`` when they are; a caller clipped whole,
+    ``grouped``, may return k·P rows, example-major)."""
+    outs = [shapes[k].shape[0] if len(shapes[k].shape) else None for k in call["slots"]]
     first = next((a for a in arrays if len(a.shape) >= 1), None)
-    lead = [s.shape[0] if len(s.shape) else None for s in outs] + ([first.shape[0]] if first is not None else [])
-    if any(n != size for n in lead) or not outs:
-        return (f"layer {layer.name!r} ({type(layer).__name__}) is called on rows that are not the batch's "
-                f"{size} examples (leading dimensions {lead})")
-    return None
+    rows_in = size if first is None else first.shape[0]
+    if ghost_rows.rows_ok(rows_in, outs, size, grouped=grouped):
+        return None
+    return (f"layer {layer.name!r} ({type(layer).__name__}) is called on rows that are not the batch's "
+            f"{size} examples (leading dimensions {outs + ([] if first is None else [rows_in])})")
+
+
+_ADVICE = ("Use clipping='auto' (which then clips this model with the exact vectorized engine) or "
+           "clipping='vectorized', or put the code that broadcasts, reshapes or loops and the layers it feeds in "
+           "one layer whose call takes and returns one row per example (it is then clipped whole).")
+
+
+def _problems(recorder, probe, found, size, groups, leaked):
+    """What the shape pass found that the recorded layers cannot attribute to examples: a list
+    of ``(chains, variables, message)``, ``chains`` the enclosing call chains a caller must be
+    common to (:meth:`ghost_rows.Probe.caller`), ``variables`` the weights it must track."""
+    if leaked is not None:  # the pass stopped there: the rest is seen in the next pass
+        return [([probe.leak] if probe.leak else [], [], (
+            "clipping='ghost' on JAX: a layer with trainable weights is called inside a JAX control-flow body "
+            "(keras.ops.scan/fori_loop/while_loop in a custom layer's call), where its calls cannot be recorded "
+            "one by one, and no layer enclosing that loop takes one row per example. " + _ADVICE))]
+    layers = [layer for layer, _ in found]
+    out, seen = [], set()
+    for path, readers, owner, chain in recorder.outside:
+        if path in seen:
+            continue
+        seen.add(path)
+        where = f"inside the call of {', '.join(repr(r) for r in readers)}" if readers else "outside any layer"
+        out.append(([chain] + probe.chains(layers[owner]), found[owner][1], (
+            f"clipping='ghost' on JAX: the weight {path!r} is read {where}, not by the layer that owns it "
+            "(e.g. a tied output projection reading an embedding table), and no layer enclosing both the read "
+            "and its owner takes one row per example; the ghost engine would miss that part of its per-example "
+            "gradient. " + _ADVICE)))
+    bad = set()
+    for call, arrays in zip(recorder.calls, recorder.arrays):
+        index = call["layer"]
+        layer = layers[index]
+        problem = _rows_problem(layer, call, arrays, recorder.shapes, size, grouped=id(layer) in groups)
+        if problem is not None and index not in bad:
+            bad.add(index)
+            out.append((probe.chains(layer), found[index][1], (
+                f"clipping='ghost' on JAX: {problem}, and no layer calling it takes one row per example; the "
+                "ghost engine attributes each row of a layer's input and output to one example. " + _ADVICE)))
+    return out
+
+
+def _plan(model, forward, size, strict):
+    """The targets of one step: ``(found, shapes, grouped)``, ``found`` as :func:`targets` gives
+    them once every layer whose rows are not examples (or that is called in a control-flow body,
+    or whose weight is read outside its call) is clipped through its caller
+    (:mod:`~keras_noisecurve.backend.jax.ghost_rows`), ``shapes`` the perturbations' shapes and
+    ``grouped`` the ids of those callers. Each shape pass (``jax.eval_shape``) that finds a
+    problem adds its callers and runs again. ``None`` (``strict`` false) or ValueError
+    (``strict``) when a problem has no caller but the model itself."""
+    groups = []
+    for _ in range(len(list(_compat.flatten_layers(model))) + 1):
+        found = targets(model, groups)
+        recorder, probe = _Recorder([layer for layer, _ in found]), ghost_rows.Probe(model)
+        recorder.targets, recorder.probe = found, probe
+        leaked = None
+        try:
+            with probe.installed(), jax.checking_leaks():  # a recorded call in a control-flow body leaks
+                jax.eval_shape(lambda: forward(None, recorder))
+        except Exception as err:  # noqa: BLE001 - jax.checking_leaks raises a plain Exception("Leaked trace ...")
+            if not ghost_rows.is_leak(err):
+                raise
+            leaked = err
+        problems = _problems(recorder, probe, found, size, {id(g) for g in groups}, leaked)
+        if not problems:
+            return found, recorder.shapes, {id(g) for g in groups}
+        added = []
+        for chains, variables, message in problems:
+            caller = probe.caller(chains, variables, size, exclude=groups)
+            if caller is None:
+                if not strict:
+                    return None
+                raise ValueError(message) from leaked
+            if not any(caller is g for g in added):
+                added.append(caller)
+        groups.extend(added)
+    raise AssertionError("the ghost engine's plan did not settle")  # each pass adds a new caller: unreachable
 
 
 def _fallback(model, layer, owned, calls, grads, trainable, non_trainable, recorder, size):
-    """Per-example gradients (P, *shape) of ``layer``'s own weights, summed over its calls:
-    ``jax.vmap`` over examples of the VJP of the layer's call at its recorded arguments."""
+    """Per-example gradients (P, *shape) of ``layer``'s own weights (every weight under a caller
+    clipped whole), summed over its calls: ``jax.vmap`` over examples of the VJP of the layer's call
+    at its recorded arguments, seeded with example i's rows of the gradient at each output (rows
+    i·k … i·k + k − 1 of an output with k·P rows)."""
     owned_ids = [id(v) for v in owned]
     index = {id(v): j for j, v in enumerate(model.trainable_variables)}
     mapping_rest = list(zip(model.non_trainable_variables, non_trainable))
@@ -222,7 +314,8 @@ def _fallback(model, layer, owned, calls, grads, trainable, non_trainable, recor
     total = None
     for call, arrays in calls:
         batched = [a.ndim >= 1 and a.shape[0] == size for a in arrays]
-        seeds = [grads[k] for k in call["slots"]]
+        # example i's rows of each output: P rows, or k·P rows of a caller, example-major
+        seeds = [jnp.reshape(grads[k], (size, grads[k].shape[0] // size) + grads[k].shape[1:]) for k in call["slots"]]
 
         def inner(weights, example_arrays, example_seeds, call=call, arrays=arrays, batched=batched):
             values = list(trainable)
@@ -238,7 +331,7 @@ def _fallback(model, layer, owned, calls, grads, trainable, non_trainable, recor
             finally:
                 recorder.bare = None
             leaves = [leaf for leaf in jax.tree_util.tree_leaves(out) if _floating(leaf)]
-            return sum(jnp.vdot(leaf[0].astype(_F32), s.astype(_F32)) for leaf, s in zip(leaves, example_seeds))
+            return sum(jnp.vdot(leaf.astype(_F32), s.astype(_F32)) for leaf, s in zip(leaves, example_seeds))
 
         owned_values = [trainable[index[vid]] for vid in owned_ids]
         in_axes = (None, [0 if b else None for b in batched], [0] * len(seeds))
@@ -255,17 +348,16 @@ def ghost_norms(model, loss_fn, trainable, non_trainable, x, y, weights, *, trai
       loss_fn: ``(y_true, y_pred) -> (P,)`` per-example losses.
       trainable, non_trainable: the values of the model's variables.
       x, y: the batch (P examples); weights: (P,) float32 (sample weight × mask).
-      strict: raise ValueError on rows that are not examples (else return ``None``).
+      strict: raise ValueError on rows that are not examples and have no caller but the model
+        (else return ``None``).
 
     Returns:
       ``(sq, sums_fn, losses, y_pred, non_trainable)``: ``sq`` (P,) float32 squared norms
       ``‖w_i·∇loss_i‖²``; ``sums_fn(c, keep=None)`` the list, in ``model.trainable_variables`` order, of
       ``Σ_i c_i·w_i·∇loss_i`` for factors ``c`` (P,); the unweighted losses (P,), the
       predictions and the non-trainable values after the call. ``None`` when ``strict``
-      is false and a layer's rows are not the examples.
+      is false and a layer's rows are not the examples, with no caller but the model.
     """
-    found = targets(model)
-    layers = [layer for layer, _ in found]
     size = int(weights.shape[0])
 
     def forward(perturbations, recorder):
@@ -283,47 +375,15 @@ def ghost_norms(model, loss_fn, trainable, non_trainable, x, y, weights, *, trai
             return total, (losses, y_pred, new_ntv, None)
         return total, (losses, y_pred, new_ntv, recorder.arrays)
 
-    try:
-        shape_recorder = _Recorder(layers)
-        shape_recorder.targets = found
-        with jax.checking_leaks():  # a recorded call inside a control-flow body leaks its tracers
-            jax.eval_shape(lambda: forward(None, shape_recorder))
-        if shape_recorder.outside:
-            if not strict:
-                return None
-            path, readers = shape_recorder.outside[0]
-            where = f"inside the call of {', '.join(repr(r) for r in readers)}" if readers else "outside any layer"
-            raise ValueError(
-                f"clipping='ghost' on JAX: the weight {path!r} is read {where}, not by the layer that owns it "
-                "(e.g. a tied output projection reading an embedding table); the ghost engine would miss that "
-                "part of its per-example gradient. Use clipping='auto' (which then clips this model with the "
-                "exact vectorized engine) or clipping='vectorized'."
-            )
-        for call, arrays in zip(shape_recorder.calls, shape_recorder.arrays):
-            problem = _rows_problem(layers[call["layer"]], call, arrays, shape_recorder.shapes, size)
-            if problem is not None:
-                if not strict:
-                    return None
-                raise ValueError(
-                    f"clipping='ghost' on JAX: {problem}; the ghost engine attributes each row of a layer's "
-                    "input and output to one example. Use clipping='auto' (which then clips this model with the "
-                    "exact vectorized engine) or clipping='vectorized'."
-                )
-        zeros = [jnp.zeros(s.shape, s.dtype) for s in shape_recorder.shapes]
-        recorder = _Recorder(layers, zeros)
-        grad_fn = jax.grad(lambda e: forward(e, _reset(recorder, e)), has_aux=True)
-        grads, (losses, y_pred, new_ntv, recorded) = grad_fn(zeros)
-    except Exception as err:  # noqa: BLE001 - jax.checking_leaks raises a plain Exception("Leaked trace ...")
-        if "Leaked trace" not in str(err) and not isinstance(err, jax.errors.UnexpectedTracerError):
-            raise
-        if not strict:
-            return None
-        raise ValueError(
-            "clipping='ghost' on JAX: a layer with trainable weights is called inside a JAX control-flow body "
-            "(keras.ops.scan/fori_loop/while_loop in a custom layer's call), where its calls cannot be recorded "
-            "one by one. Use clipping='auto' (the exact vectorized engine for this model) or "
-            "clipping='vectorized'."
-        ) from err
+    plan = _plan(model, forward, size, strict)
+    if plan is None:
+        return None
+    found, shapes, grouped = plan
+    layers = [layer for layer, _ in found]
+    zeros = [jnp.zeros(s.shape, s.dtype) for s in shapes]
+    recorder = _Recorder(layers, zeros)
+    grad_fn = jax.grad(lambda e: forward(e, _reset(recorder, e)), has_aux=True)
+    grads, (losses, y_pred, new_ntv, recorded) = grad_fn(zeros)
     recorder.perturbations = False  # any later call of a wrapped layer (none expected) passes through
 
     by_layer = {}
@@ -337,7 +397,7 @@ def ghost_norms(model, loss_fn, trainable, non_trainable, x, y, weights, *, trai
         if not calls:
             continue  # not called: its weights' gradient is zero
         rule = None
-        if all(call["single"] for call, _ in calls):
+        if id(layer) not in grouped and all(call["single"] for call, _ in calls):
             ruled = [{"a": _first_argument(call, arrays), "g": grads[call["slots"][0]], "args": _rebuild(call, arrays)}
                      for call, arrays in calls]
             with keras.StatelessScope(state_mapping=values):  # a rule reads the step's weight values
@@ -390,9 +450,9 @@ def ghost_clipped_sum(model, loss_fn, trainable, non_trainable, x, y, weights, *
     Returns ``(sums, norms, losses, y_pred, non_trainable)``: one array per trainable
     variable, the norms ‖w_i·∇loss_i‖ (P,) before clipping, the unweighted per-example
     losses (P,), the predictions and the non-trainable values after the call.
-    ``clipping="auto"`` hands a model whose layers see rows that are not examples, or a
-    ``microbatch_size`` below the batch size, to ``vectorized`` (same arguments); ``"ghost"``
-    refuses both. An example whose loss or norm is not finite contributes 0 to ``sums`` (its
+    ``clipping="auto"`` hands a model with a layer whose rows are not examples and that has no
+    caller but the model (see the module docstring), or a ``microbatch_size`` below the batch
+    size, to ``vectorized`` (same arguments); ``"ghost"`` refuses both. An example whose loss or norm is not finite contributes 0 to ``sums`` (its
     rows of every recorded (a, g) are zeroed before the sums, only in a step that has one).
     """
     size = int(weights.shape[0])

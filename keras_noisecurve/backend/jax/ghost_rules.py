@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import keras
 
+from keras_noisecurve.backend.jax.ghost_conv import CONV_RULES, PRE_ACTIVATION
 from keras_noisecurve.backend.jax.ghost_forms import kept, parse_einsum, sequence_sq_norms, token_sq_norms
 from keras_noisecurve.backend.jax.ghost_hub import HUB_RULES
 
@@ -53,9 +54,10 @@ def _plain(layer) -> bool:
 
 
 def uses_pre_activation(layer) -> bool:
-    """Whether the engine records ``layer``'s output before its fused activation (Dense and
-    EinsumDense of exact type, whose ``call`` is ``activation(linear(x))``, LoRA-enabled or not)."""
-    return (type(layer) in (keras.layers.Dense, keras.layers.EinsumDense)
+    """Whether the engine records ``layer``'s output before its fused activation (Dense, EinsumDense
+    and ``ghost_conv.PRE_ACTIVATION`` of exact type, whose ``call`` is ``activation(linear(x))``;
+    LoRA-enabled or not, not quantized)."""
+    return (type(layer) in (keras.layers.Dense, keras.layers.EinsumDense, *PRE_ACTIVATION)
             and getattr(layer, "quantization_mode", None) is None)
 
 
@@ -217,7 +219,7 @@ def _affine(layer, x_hat, g):
 
 
 #: The rules, tried in order; the first that returns a result is used.
-RULES = (dense_rule, einsum_dense_rule, embedding_rule, layer_norm_rule, group_norm_rule) + HUB_RULES
+RULES = (dense_rule, einsum_dense_rule, embedding_rule, layer_norm_rule, group_norm_rule, *CONV_RULES, *HUB_RULES)
 
 
 def find_rule(layer, calls):

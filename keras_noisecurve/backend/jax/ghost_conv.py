@@ -1,0 +1,267 @@
+"""Ghost-norm rules for convolutions on the JAX backend, in ``jax.numpy`` (traced inside the
+jitted train step): ``Conv1D``/``Conv2D`` (any strides, dilation, ``"valid"``/``"same"``/``"causal"``
+padding, ``groups`` ≥ 1; a 1×1 kernel as a ``Dense`` map of the pixels) and
+``DepthwiseConv1D``/``DepthwiseConv2D``, channels last. The rule contract is the one of
+:mod:`keras_noisecurve.backend.jax.ghost_rules` (``rule(layer, calls) -> (sq, sums)`` or ``None``).
+
+Every one of these kernels has a per-example gradient that is a sum over output positions of
+outer products, one per group of channels (the same table as the TensorFlow rules,
+:mod:`keras_noisecurve.training.ghost_conv_kinds`):
+
+    ∂W_i[γ] = Σ_l x_ilγ ⊗ y_ilγ          x (P, L, G, d_in), y (P, L, G, d_out)
+
+| layer | x (windows of the input a) | y | G | d_in | d_out |
+|---|---|---|---|---|---|
+| Conv1D/2D, ``groups`` = G | patches of a | g | G | c_in/G · K | filters/G |
+| DepthwiseConv1D/2D | patches of a | g | c_in | K | depth multiplier |
+
+with K = k (1-D) or k_h·k_w taps, L the output positions (row-major) and ``g`` the gradient
+of ``Σ_i w_i·loss_i`` at the layer's output BEFORE its fused activation (the engine records
+these layers' outputs there: ``ghost_rules.uses_pre_activation``). The patches are the
+windows of the layer's own convolution (``jax.lax.conv_general_dilated_patches`` with the
+layer's kernel size, strides, dilation and padding written out as explicit (before, after)
+pairs: TensorFlow's ``"same"`` convention, ``(k−1)·d`` zeros before for ``"causal"``); their
+features are ordered (channel, tap). A 1×1 kernel needs no patches: x is the input taken at
+the strides (a 1×1 window never reaches the padding).
+
+Per layer the cheaper exact form is chosen by shapes, as the TensorFlow rules do
+(L summed over the layer's calls):
+
+* L² < d_in·d_out — Gram form: ``‖∂W_i‖² = Σ_γ Σ_{l,l'} (x_ilγ·x_il'γ)(y_ilγ·y_il'γ)``
+  (memory P·G·L²); clipped sum ``Σ_{i,l} x_ilγ ⊗ (c_i y_ilγ)``, one contraction.
+* else — the per-example gradients ``∂W_i`` (memory P·G·d_in·d_out), ``‖∂W_i‖²`` and
+  ``Σ_i c_i ∂W_i`` from them. For a kernel of more than one tap they come from ONE
+  ``conv_general_dilated`` with the (example, group) pairs as its feature groups
+  (:func:`example_grads`: no patches, the form ``jax.vmap`` of a filter gradient also
+  lowers to); a 1×1 kernel contracts its strided pixels with ``g`` (one einsum).
+
+The bias gradient is ``Σ_l g_il`` (P, filters). Kernels are returned in Keras's layout,
+(*kernel_size, c_in/G, filters) and (*kernel_size, c_in, multiplier). Everything is computed in
+float32 (a bfloat16/float16 input or gradient of a mixed-precision policy is cast first).
+
+Not ruled (``None``: the engine's exact per-layer fallback clips them): ``channels_first``,
+LoRA or quantized layers, subclasses, ``SeparableConv1D/2D`` (the gradient of its depthwise
+stage is ``g`` times the pointwise kernel, whose value a rule does not receive), ``Conv3D``
+and the transposed convolutions.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import keras
+
+__all__ = ["CONV_RULES", "PRE_ACTIVATION", "conv_rule", "depthwise_rule", "example_grads", "explicit_padding",
+           "grouped_sq_norms", "window_patches"]
+
+_F32 = jnp.float32
+_CONV = (keras.layers.Conv1D, keras.layers.Conv2D)
+_DEPTHWISE = (keras.layers.DepthwiseConv1D, keras.layers.DepthwiseConv2D)
+
+#: the layer types whose output the engine records before the fused activation (their
+#: ``call`` is ``activation(convolution + bias)``)
+PRE_ACTIVATION = _CONV + _DEPTHWISE
+
+
+def _ruled(layer, types, calls) -> bool:
+    """Exact type, channels last, no LoRA/quantization, one (P, *spatial, C) input and output per call."""
+    if type(layer) not in types or getattr(layer, "data_format", None) != "channels_last":
+        return False
+    if getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None) is not None:
+        return False
+    rank = len(layer.kernel_size)
+    return all(hasattr(c["a"], "shape") and hasattr(c["g"], "shape") and c["a"].ndim == rank + 2
+               and c["g"].ndim == rank + 2 and c["a"].shape[0] == c["g"].shape[0] for c in calls)
+
+
+def explicit_padding(size, out, kernel, stride, dilation, padding):
+    """``(before, after)`` zeros of one spatial axis so that the padded input spans exactly the
+    ``out`` windows: ``before + size + after = (out − 1)·stride + (kernel − 1)·dilation + 1``
+    (``after`` may be negative: trailing entries no window reads). ``before``: 0 for ``"valid"``,
+    ``⌊total/2⌋`` of the TensorFlow ``"same"`` total, ``(kernel − 1)·dilation`` for ``"causal"``;
+    ``None`` for any other padding."""
+    needed = (out - 1) * stride + (kernel - 1) * dilation + 1
+    if padding == "valid":
+        before = 0
+    elif padding == "same":
+        before = max(needed - size, 0) // 2
+    elif padding == "causal":
+        before = (kernel - 1) * dilation
+    else:
+        return None
+    return before, needed - size - before
+
+
+def window_patches(a, *, out_shape, kernel_size, strides, dilation_rate, padding):
+    """The windows of a channels-last convolution of ``a`` (P, *spatial, C), rank 1 or 2.
+
+    ``out_shape``: the output's spatial sizes; the rest as the layer (``padding`` one of
+    ``"valid"``, ``"same"``, ``"causal"``). Returns (P, L, C, K): L = prod(out_shape) positions
+    row-major, K = prod(kernel_size) taps row-major, ``[i, l, c, t] = a_pad[i, l·s + t·d, c]``;
+    ``None`` for an unknown padding.
+    """
+    p, c = a.shape[0], a.shape[-1]
+    spatial = a.shape[1:-1]
+    pads = [explicit_padding(n, o, k, s, d, padding)
+            for n, o, k, s, d in zip(spatial, out_shape, kernel_size, strides, dilation_rate)]
+    if any(pad is None for pad in pads):
+        return None
+    taps = 1
+    for k in kernel_size:
+        taps *= k
+    if taps == 1:  # a 1×1 window: the input pixels at the strides (never the padding)
+        index = tuple(slice(before, before + (o - 1) * s + 1, s)
+                      for (before, _), o, s in zip(pads, out_shape, strides))
+        x = jnp.pad(a, [(0, 0)] + [(max(b, 0), max(e, 0)) for b, e in pads] + [(0, 0)])[(slice(None), *index)]
+        return jnp.reshape(x, (p, -1, c, 1))
+    spec = ("NWC", "WIO", "NWC") if len(spatial) == 1 else ("NHWC", "HWIO", "NHWC")
+    windows = jax.lax.conv_general_dilated_patches(
+        a, tuple(kernel_size), tuple(strides), pads, rhs_dilation=tuple(dilation_rate), dimension_numbers=spec,
+        precision=jax.lax.Precision.HIGHEST)
+    return jnp.reshape(windows, (p, -1, c, taps))
+
+
+def grouped_sq_norms(x, y):
+    """Per-example ``Σ_γ ‖Σ_l x_lγ ⊗ y_lγ‖²_F`` for ``x`` (P, L, G, I), ``y`` (P, L, G, O).
+
+    Returns ``(sq, per)``: ``sq`` (P,); ``per`` the per-example gradients (P, G, I, O) when they
+    were formed (L² ≥ I·O), else ``None`` (the Gram form: P·G·L² numbers)."""
+    length, d_in, d_out = x.shape[1], x.shape[3], y.shape[3]
+    if length * length < d_in * d_out:
+        xx = jnp.einsum("plgi,pmgi->pglm", x, x)
+        yy = jnp.einsum("plgo,pmgo->pglm", y, y)
+        return jnp.sum(xx * yy, axis=(1, 2, 3)), None
+    per = jnp.einsum("plgi,plgo->pgio", x, y)
+    return jnp.sum(per * per, axis=(1, 2, 3)), per
+
+
+def _kept(x, keep):
+    """``x`` (P, ...) with the rows of dropped examples (``keep`` false) zeroed; ``keep=None``: ``x``."""
+    if keep is None:
+        return x
+    return jnp.where(jnp.reshape(keep, (-1,) + (1,) * (x.ndim - 1)), x, jnp.zeros_like(x))
+
+
+def _scaled(c, y):
+    return y * jnp.reshape(c.astype(y.dtype), (-1,) + (1,) * (y.ndim - 1))
+
+
+def example_grads(a, g, *, kernel_size, strides, dilation_rate, padding, groups):
+    """Per-example kernel gradients (P, G, I, O), I = (channel, tap) = c_in/G·K, O = c_out/G, of a
+    channels-last convolution with ``groups`` groups: ``[i, γ, (c, t), o] = Σ_l a_pad[i, l·s + t·d, γ·c_in/G + c]
+    · g[i, l, γ·O + o]``, as ONE ``conv_general_dilated`` with the (example, group) pairs as its
+    feature groups (no patches): input ``a`` as (c_in/G, *spatial, P·G), filter ``g`` as
+    (*out_spatial, 1, P·G·O), window strides = the layer's dilation, filter dilation = the layer's
+    strides, the layer's padding made explicit (:func:`explicit_padding`), output (c_in/G, *K, P·G·O).
+    ``None`` for an unknown padding."""
+    p, c = a.shape[0], a.shape[-1]
+    spatial, out, rank = a.shape[1:-1], g.shape[1:-1], a.ndim - 2
+    c_group, o_group = c // groups, g.shape[-1] // groups
+    pads = [explicit_padding(n, o, k, s, d, padding)
+            for n, o, k, s, d in zip(spatial, out, kernel_size, strides, dilation_rate)]
+    if any(pad is None for pad in pads):
+        return None
+    lhs = jnp.reshape(a, (p, *spatial, groups, c_group))
+    lhs = jnp.reshape(jnp.transpose(lhs, (rank + 2, *range(1, rank + 1), 0, rank + 1)), (c_group, *spatial, p * groups))
+    rhs = jnp.reshape(jnp.transpose(g, (*range(1, rank + 1), 0, rank + 1)), (*out, 1, p * groups * o_group))
+    spec = ("NWC", "WIO", "NWC") if rank == 1 else ("NHWC", "HWIO", "NHWC")
+    grads = jax.lax.conv_general_dilated(
+        lhs, rhs, window_strides=tuple(dilation_rate), padding=pads, rhs_dilation=tuple(strides),
+        dimension_numbers=spec, feature_group_count=p * groups, precision=jax.lax.Precision.HIGHEST)
+    grads = jnp.reshape(grads, (c_group, -1, p, groups, o_group))  # (c, t, i, γ, o)
+    return jnp.reshape(jnp.transpose(grads, (2, 3, 0, 1, 4)), (p, groups, -1, o_group))
+
+
+def _form(layer, calls, groups):
+    """``(x, y, per)``: the calls' windows x (P, L, G, I) and gradients y (P, L, G, O) for the
+    Gram form (``per`` None), or the per-example gradients ``per`` (P, G, I, O) summed over the
+    calls (x None), whichever :func:`grouped_sq_norms`' criterion L² ≥ I·O picks; ``None`` for
+    an unknown padding. A kernel of more than one tap in the per-example form takes
+    :func:`example_grads` (no patches); a 1×1 kernel's windows are the input's strided pixels."""
+    p = calls[0]["g"].shape[0]
+    taps = 1
+    for k in layer.kernel_size:
+        taps *= k
+    length = sum(math.prod(c["g"].shape[1:-1]) for c in calls)
+    d_in, d_out = calls[0]["a"].shape[-1] // groups * taps, calls[0]["g"].shape[-1] // groups
+    geometry = dict(kernel_size=layer.kernel_size, strides=layer.strides, dilation_rate=layer.dilation_rate,
+                    padding=layer.padding)
+    if taps > 1 and length * length >= d_in * d_out:
+        per = [example_grads(c["a"].astype(_F32), c["g"].astype(_F32), groups=groups, **geometry) for c in calls]
+        return None if any(q is None for q in per) else (None, None, sum(per))
+    xs, ys = [], []
+    for c in calls:
+        a, g = c["a"].astype(_F32), c["g"].astype(_F32)
+        x = window_patches(a, out_shape=g.shape[1:-1], **geometry)
+        if x is None:
+            return None
+        xs.append(jnp.reshape(x, (p, x.shape[1], groups, -1)))  # (channel, tap) features split by group
+        ys.append(jnp.reshape(g, (p, -1, groups, g.shape[-1] // groups)))
+    x = xs[0] if len(xs) == 1 else jnp.concatenate(xs, axis=1)
+    y = ys[0] if len(ys) == 1 else jnp.concatenate(ys, axis=1)
+    if length * length >= d_in * d_out:
+        return None, None, jnp.einsum("plgi,plgo->pgio", x, y)
+    return x, y, None
+
+
+def _analyse(layer, calls, groups, to_kernel):
+    """``(sq, sums)`` of a convolution in ``groups`` groups: ``to_kernel`` maps (G, I, O) to the kernel's layout."""
+    p = calls[0]["g"].shape[0]
+    form = _form(layer, calls, groups)
+    if form is None:
+        return None
+    x, y, per = form
+    sq = jnp.sum(per * per, axis=(1, 2, 3)) if per is not None else grouped_sq_norms(x, y)[0]
+    bias_i = None
+    if layer.use_bias:
+        bias_i = sum(jnp.sum(jnp.reshape(c["g"].astype(_F32), (p, -1, c["g"].shape[-1])), axis=1) for c in calls)
+        sq = sq + jnp.sum(bias_i * bias_i, axis=1)
+
+    def sums(c, keep=None):
+        c = c.astype(_F32)
+        if per is not None:
+            kernel = jnp.tensordot(c, _kept(per, keep), axes=1)
+        else:
+            kernel = jnp.einsum("plgi,plgo->gio", _kept(x, keep), _scaled(c, _kept(y, keep)))
+        out = {id(layer.kernel): to_kernel(kernel)}
+        if bias_i is not None:
+            out[id(layer.bias)] = jnp.tensordot(c, _kept(bias_i, keep), axes=1)
+        return out
+
+    return sq, sums
+
+
+def conv_rule(layer, calls):
+    """``Conv1D``/``Conv2D`` (exact types), channels last, ``groups`` ≥ 1: see the module docstring."""
+    if not _ruled(layer, _CONV, calls):
+        return None
+    groups, taps = layer.groups, len(layer.kernel_size)
+    filters, c_group = layer.filters, layer.kernel.shape[-2]
+
+    def to_kernel(kernel):  # (G, c_group·K, filters/G) -> (*kernel_size, c_group, filters)
+        kernel = jnp.reshape(kernel, (groups, c_group, -1, filters // groups))  # (G, c, K, o)
+        kernel = jnp.transpose(kernel, (2, 1, 0, 3))  # (K, c, G, o): filter index γ·(filters/G) + o
+        return jnp.reshape(kernel, (*layer.kernel_size[:taps], c_group, filters))
+
+    return _analyse(layer, calls, groups, to_kernel)
+
+
+def depthwise_rule(layer, calls):
+    """``DepthwiseConv1D``/``DepthwiseConv2D`` (exact types), channels last: G = c_in groups of
+    K taps × ``depth_multiplier`` outputs (output channel c·M + m)."""
+    if not _ruled(layer, _DEPTHWISE, calls):
+        return None
+    channels, multiplier = layer.kernel.shape[-2], layer.kernel.shape[-1]
+    if any(c["a"].shape[-1] != channels or c["g"].shape[-1] != channels * multiplier for c in calls):
+        return None
+
+    def to_kernel(kernel):  # (C, K, M) -> (*kernel_size, C, M)
+        return jnp.reshape(jnp.transpose(kernel, (1, 0, 2)), (*layer.kernel_size, channels, multiplier))
+
+    return _analyse(layer, calls, channels, to_kernel)
+
+
+#: registered into ``ghost_rules.RULES``
+CONV_RULES = (conv_rule, depthwise_rule)

@@ -1,0 +1,151 @@
+"""Layers whose rows are not examples, clipped on JAX through a caller
+(:mod:`keras_noisecurve.backend.jax.ghost`; the TensorFlow engine does the same in
+``keras_noisecurve/training/ghost_rows.py``).
+
+Ghost clipping attributes a layer's gradient to examples by the leading axis of the
+arrays its call sees. Some weighted layers cannot be attributed that way:
+
+* a **broadcast** input of one row shared by every example (ViT's position ``Embedding``
+  on constant ids of shape (1, L); DeBERTa-v3's ``LayerNormalization`` of its relative
+  embeddings): the gradient at its output is already the sum over examples;
+* **rows that are tokens**: examples reshaped to P·L rows (Mixtral's MoE router ``Dense``
+  and expert bank, any layer after a ``Reshape`` to rows);
+* a weighted layer called inside a JAX control-flow body (``keras.ops.fori_loop``,
+  ``scan``) of a custom layer, whose calls cannot be recorded one by one;
+* a weight read outside its own layer's call (a tied head reading an embedding table).
+
+Each is exact when clipped through the innermost CALLER whose own call takes one row per
+example: a layer enclosing every call of the problem layer (and, for a read, the read
+itself) whose first array argument has P rows and whose floating outputs have P or k·P
+rows, and which tracks the problem layer's weights. The engine then records that caller
+instead of the layers under it and clips it as ONE target of the per-layer fallback
+(``jax.vmap`` over examples of the VJP of the caller's call with respect to every
+trainable weight under it): example i's rows go in, example i's outputs come out,
+broadcast, reshape and loop included. An output of the caller with k·P rows (Mixtral's
+router logits) is split into P groups of k rows, example-major (rows i·k … i·k + k − 1
+are example i's, as a reshape of (P, k, ...) lays them out).
+
+:class:`Probe` watches the engine's shape pass (``jax.eval_shape`` of the recorded
+forward pass, run anyway before every traced step): every layer of the model has its
+instance's ``call`` wrapped to note the rows of its first array argument and of its
+floating outputs and the chain of layer calls enclosing it, and the innermost layer call
+through which a leaked-tracer error passes (a recorded call inside a control-flow body).
+:meth:`Probe.caller` picks the caller from those notes. The model itself is never a
+caller: when only it encloses the problem, the problem stands (``clipping="auto"`` uses
+the vectorized engine, ``"ghost"`` refuses).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+
+from keras_noisecurve import _compat
+
+__all__ = ["Probe", "is_leak", "rows_ok"]
+
+
+def _rows(leaf):
+    return leaf.shape[0] if len(leaf.shape) else None
+
+
+def _array(x):
+    return isinstance(x, (jax.Array, jax.core.Tracer)) or hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+def is_leak(err) -> bool:
+    """Whether ``err`` is JAX's report of a tracer leaked out of a control-flow body."""
+    return "Leaked trace" in str(err) or isinstance(err, jax.errors.UnexpectedTracerError)
+
+
+def rows_ok(rows_in, rows_out, size, *, grouped) -> bool:
+    """Whether a call is attributable to the ``size`` examples: ``rows_in`` (the leading
+    size of its first array argument) is ``size`` and every floating output has ``size``
+    rows, or (``grouped``: a caller clipped whole) ``k·size`` rows for some k ≥ 1."""
+    if rows_in != size or not rows_out:
+        return False
+    if grouped:
+        return all(r is not None and r >= size and r % size == 0 for r in rows_out)
+    return all(r == size for r in rows_out)
+
+
+class Probe:
+    """Rows and enclosing calls of every layer call of one traced forward pass of ``model``.
+
+    ``calls``: per completed call, ``(layer, rows_in, rows_out, enclosing)`` with
+    ``enclosing`` the tuple of layers whose calls enclose it, outermost first (the model
+    itself is left out). ``leak``: the enclosing chain, innermost last, of the innermost
+    call through which a leaked-tracer error passed (``None``: none). ``stack``: the chain
+    of the calls running now (read by the engine when a weight is read)."""
+
+    def __init__(self, model):
+        self.layers = list(_compat.flatten_layers(model, include_self=False, recursive=True))
+        self.stack = []
+        self.calls = []
+        self.leak = None
+
+    @contextlib.contextmanager
+    def installed(self):
+        """Wrap the ``call`` of every layer instance (trace time only; restored on exit).
+        Enter it before the engine's own recording, which then wraps these wrappers."""
+        saved = []
+        try:
+            for layer in self.layers:
+                had = "call" in vars(layer)
+                original = layer.call
+
+                def wrapped(*args, _layer=layer, _original=original, **kwargs):
+                    return self._call(_layer, _original, args, kwargs)
+
+                saved.append((layer, had, original))
+                object.__setattr__(layer, "call", wrapped)
+            yield self
+        finally:
+            for layer, had, original in reversed(saved):
+                if had:
+                    object.__setattr__(layer, "call", original)
+                else:
+                    object.__delattr__(layer, "call")
+
+    def _call(self, layer, original, args, kwargs):
+        first = next((a for a in jax.tree_util.tree_leaves((args, kwargs)) if _array(a) and len(a.shape)), None)
+        enclosing = tuple(self.stack)
+        self.stack.append(layer)
+        try:
+            out = original(*args, **kwargs)
+        except Exception as err:
+            if self.leak is None and is_leak(err):
+                self.leak = tuple(self.stack)
+            raise
+        finally:
+            self.stack.pop()
+        outs = [_rows(leaf) for leaf in jax.tree_util.tree_leaves(out)
+                if _array(leaf) and jnp.issubdtype(leaf.dtype, jnp.floating)]
+        self.calls.append((layer, None if first is None else first.shape[0], outs, enclosing))
+        return out
+
+    def chains(self, layer):
+        """The chains ``enclosing + (layer,)`` of every completed call of ``layer``."""
+        return [enclosing + (layer,) for seen, _, _, enclosing in self.calls if seen is layer]
+
+    def caller(self, chains, variables, size, *, exclude=()):
+        """The innermost layer present in every chain of ``chains`` (so enclosing every
+        call and read they describe) whose every completed call takes ``size`` rows and
+        returns ``size`` or ``k·size`` rows (:func:`rows_ok`, grouped), that tracks every
+        variable of ``variables`` among its trainable variables, and is not in ``exclude``;
+        ``None`` when only the model itself encloses them all."""
+        if not chains:
+            return None
+        wanted = {id(v) for v in variables}
+        common = [c for c in chains[0] if all(any(c is e for e in chain) for chain in chains[1:])]
+        for candidate in reversed(common):
+            if any(candidate is e for e in exclude):
+                continue
+            if not wanted <= {id(v) for v in candidate.trainable_variables}:
+                continue
+            if all(rows_ok(rows_in, rows_out, size, grouped=True)
+                   for seen, rows_in, rows_out, _ in self.calls if seen is candidate):
+                return candidate
+        return None
