@@ -15,7 +15,9 @@ the per-example gradients of the whole model, all inside the jitted train step.
    output from outside the layer only.
 3. Per layer, the per-example squared norms of ITS weights' gradient: a rule of
    :mod:`keras_noisecurve.backend.jax.ghost_rules` (Dense, EinsumDense, Embedding,
-   LayerNormalization) from the recorded ``(a, g)``, else the exact per-layer fallback:
+   LayerNormalization; :mod:`~keras_noisecurve.backend.jax.ghost_hub`: LoRA, RMS norms, KerasHub's
+   embeddings) from the recorded ``(a, g)`` (the rule runs under a stateless scope of the step's
+   weight values), else the exact per-layer fallback:
    ``jax.vmap`` over examples of ``∂⟨layer(W; a_i), g_i⟩/∂W`` (the VJP of that one
    layer's call, every model weight mapped to its traced value, W its own weights).
    Summed over layers: ``‖w_i·∇loss_i‖²``; ``c_i = min(1, ζ/‖w_i·∇loss_i‖)``.
@@ -389,14 +391,17 @@ def ghost_norms(model, loss_fn, trainable, non_trainable, x, y, weights, *, trai
         by_layer.setdefault(call["layer"], []).append((call, arrays))
     sq = jnp.zeros((size,), _F32)
     parts = []  # (owned variables, sums_fn)
+    values = list(zip(model.trainable_variables, trainable)) + list(zip(model.non_trainable_variables, non_trainable))
     for index, (layer, owned) in enumerate(found):
         calls = by_layer.get(index, [])
         if not calls:
             continue  # not called: its weights' gradient is zero
         rule = None
         if id(layer) not in grouped and all(call["single"] for call, _ in calls):
-            ruled = [{"a": _first_argument(call, arrays), "g": grads[call["slots"][0]]} for call, arrays in calls]
-            rule = find_rule(layer, ruled)
+            ruled = [{"a": _first_argument(call, arrays), "g": grads[call["slots"][0]], "args": _rebuild(call, arrays)}
+                     for call, arrays in calls]
+            with keras.StatelessScope(state_mapping=values):  # a rule reads the step's weight values
+                rule = find_rule(layer, ruled)
         if rule is not None:
             layer_sq, sums_fn = rule[1]
             if _keys(owned, sums_fn, size):

@@ -35,13 +35,13 @@ gradient of the layer's own weights, ``sums(c, keep=None)`` a dict ``{id(variabl
 
 from __future__ import annotations
 
-import string
-
 import jax
 import jax.numpy as jnp
 import keras
 
 from keras_noisecurve.backend.jax.ghost_conv import CONV_RULES, PRE_ACTIVATION
+from keras_noisecurve.backend.jax.ghost_forms import kept, parse_einsum, sequence_sq_norms, token_sq_norms
+from keras_noisecurve.backend.jax.ghost_hub import HUB_RULES
 
 __all__ = ["RULES", "find_rule", "kept", "sequence_sq_norms", "token_sq_norms", "uses_pre_activation"]
 
@@ -55,35 +55,10 @@ def _plain(layer) -> bool:
 
 def uses_pre_activation(layer) -> bool:
     """Whether the engine records ``layer``'s output before its fused activation (Dense, EinsumDense
-    and ``ghost_conv.PRE_ACTIVATION`` of exact type, whose ``call`` is ``activation(linear(x))``)."""
-    return type(layer) in (keras.layers.Dense, keras.layers.EinsumDense, *PRE_ACTIVATION) and _plain(layer)
-
-
-def sequence_sq_norms(a, g):
-    """Per-example ``‖Σ_l a_il g_ilᵀ‖²_F``; ``a`` (P, L, d_in), ``g`` (P, L, d_out) -> (P,)."""
-    length, d_in, d_out = a.shape[1], a.shape[2], g.shape[2]
-    if length == 1:
-        return jnp.sum(a * a, axis=(1, 2)) * jnp.sum(g * g, axis=(1, 2))
-    if length * length < d_in * d_out:
-        aa = jnp.einsum("pli,pmi->plm", a, a)
-        gg = jnp.einsum("plj,pmj->plm", g, g)
-        return jnp.sum(aa * gg, axis=(1, 2))
-    per_example = jnp.einsum("pli,plj->pij", a, g)
-    return jnp.sum(per_example * per_example, axis=(1, 2))
-
-
-def token_sq_norms(ids, g, vocabulary):
-    """Per-example squared norm of an embedding table's gradient.
-
-    ``ids`` (P, L) int, ``g`` (P, L, d) -> (P,): ``Σ_{l,l'} [id_l = id_l'] (g_l·g_l')`` when
-    L² < vocabulary·d, else ``‖segment_sum(g by id)‖²`` per example.
-    """
-    p, length, d = g.shape
-    if length * length < vocabulary * d:
-        same = (ids[:, :, None] == ids[:, None, :]).astype(g.dtype)
-        return jnp.sum(same * jnp.einsum("pld,pmd->plm", g, g), axis=(1, 2))
-    rows = jnp.zeros((p, vocabulary, d), g.dtype).at[jnp.arange(p)[:, None], ids].add(g)
-    return jnp.sum(rows * rows, axis=(1, 2))
+    and ``ghost_conv.PRE_ACTIVATION`` of exact type, whose ``call`` is ``activation(linear(x))``;
+    LoRA-enabled or not, not quantized)."""
+    return (type(layer) in (keras.layers.Dense, keras.layers.EinsumDense, *PRE_ACTIVATION)
+            and getattr(layer, "quantization_mode", None) is None)
 
 
 def _cat(parts):
@@ -92,14 +67,6 @@ def _cat(parts):
 
 def _scaled(c, g):
     return g * jnp.reshape(c, (-1,) + (1,) * (g.ndim - 1)).astype(g.dtype)
-
-
-def kept(x, keep):
-    """``x`` (P, ...) with the rows of dropped examples (``keep`` (P,) bool false) set to 0, so that
-    a non-finite example's 0 factor cannot give 0·inf = nan in a sum; ``keep=None``: ``x``."""
-    if keep is None:
-        return x
-    return jnp.where(jnp.reshape(keep, (-1,) + (1,) * (x.ndim - 1)), x, jnp.zeros_like(x))
 
 
 def _single(calls):
@@ -127,18 +94,6 @@ def dense_rule(layer, calls):
         return out
 
     return sq, sums
-
-
-def parse_einsum(equation, input_rank):
-    """``(input, kernel, output)`` letters of an EinsumDense equation, ``...`` expanded for an
-    input of rank ``input_rank``."""
-    lhs, out = equation.replace(" ", "").split("->")
-    inp, ker = lhs.split(",")
-    if "..." in inp:
-        fresh = [ch for ch in string.ascii_letters if ch not in equation]
-        filler = "".join(fresh[: input_rank - len(inp.replace("...", ""))])
-        inp, out = inp.replace("...", filler), out.replace("...", filler)
-    return inp, ker, out
 
 
 def einsum_dense_rule(layer, calls):
@@ -264,7 +219,7 @@ def _affine(layer, x_hat, g):
 
 
 #: The rules, tried in order; the first that returns a result is used.
-RULES = (dense_rule, einsum_dense_rule, embedding_rule, layer_norm_rule, group_norm_rule, *CONV_RULES)
+RULES = (dense_rule, einsum_dense_rule, embedding_rule, layer_norm_rule, group_norm_rule, *CONV_RULES, *HUB_RULES)
 
 
 def find_rule(layer, calls):
