@@ -72,7 +72,7 @@ def test_mlp_with_fused_activation_layer_norm_and_sample_weights():
     assert norms[1] == 0.0
 
 
-def test_cnn_convolutions_through_the_per_layer_fallback_and_group_norm():
+def test_cnn_convolutions_and_group_norm():
     keras.utils.set_random_seed(1)
     model = keras.Sequential([
         keras.Input((6, 6, 2)),
@@ -367,3 +367,47 @@ def test_a_non_finite_example_contributes_nothing():
     scale = max(np.max(np.abs(r)) for r in ref_sums)
     for s, r in zip(sums, ref_sums):
         np.testing.assert_allclose(np.asarray(s), r, rtol=1e-4, atol=1e-4 * scale)
+
+
+def _dot_precisions(jaxpr):
+    """The ``precision`` of every ``dot_general`` in ``jaxpr`` and the jaxprs nested in it."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            found.append(eqn.params["precision"])
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else [value]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    found.extend(_dot_precisions(inner))
+    return found
+
+
+def test_the_rules_products_run_at_full_float32_precision_and_the_model_at_the_users():
+    """A rule's norm and its sum are different products of (a, g): under TensorFloat-32 (a GPU's
+    default for float32) they would round differently and an example's clipped contribution
+    could exceed ζ. Every product the rules add is HIGHEST; the model's own forward and
+    backward products keep the default precision (None)."""
+    model = mlp(seed=3)
+    rng = _rng(3)
+    x = jnp.asarray(rng.normal(size=(5, 6)).astype("float32"))
+    y = jnp.asarray(rng.normal(size=(5, 3)).astype("float32"))
+    w = jnp.ones((5,), jnp.float32)
+    trainable = [v.value for v in model.trainable_variables]
+    non_trainable = [v.value for v in model.non_trainable_variables]
+
+    def step(tv, ntv):
+        return ghost_clipped_sum(model, mse_per_example, tv, ntv, x, y, w, l2_norm_clip=1.0)[:2]
+
+    def plain(tv, ntv):
+        return jax.grad(lambda t: jnp.sum(mse_per_example(y, model.stateless_call(t, ntv, x)[0])))(tv)
+
+    highest = (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST)
+    model_products = _dot_precisions(jax.make_jaxpr(plain)(trainable, non_trainable).jaxpr)
+    step_products = _dot_precisions(jax.make_jaxpr(step)(trainable, non_trainable).jaxpr)
+    assert model_products and all(p is None for p in model_products)
+    exact = [p for p in step_products if p == highest]
+    # the step holds the model's forward/backward products (default precision) plus the rules' (HIGHEST)
+    assert len(exact) >= 4, step_products  # two Dense kernels: a norm and a sum product each at least
+    assert all(p in (None, highest) for p in step_products)
+    assert len(step_products) - len(exact) <= len(model_products)

@@ -61,6 +61,14 @@ __all__ = ["ghost_clipped_sum", "ghost_norms", "targets"]
 
 _F32 = jnp.float32
 
+#: Full float32 precision for the rules' products. On a GPU, JAX's default precision lets a
+#: float32 matmul run in TensorFloat-32 (about 3 decimal digits): a rule's norm
+#: ``Σ (a·a')(g·g')`` and its book-keeping sum ``Σ a (c g)ᵀ`` would then round differently,
+#: and an example's clipped contribution could exceed ζ by ~1e-3 relative, more than the
+#: sensitivity the accounting assumes. The model's own forward and backward pass keep the
+#: user's precision; the per-layer fallback computes norms and sums from the same arrays.
+_EXACT = jax.default_matmul_precision("highest")
+
 
 def targets(model, groups=()):
     """The layers of ``model`` that own trainable weights, with those weights:
@@ -400,7 +408,9 @@ def ghost_norms(model, loss_fn, trainable, non_trainable, x, y, weights, *, trai
         if id(layer) not in grouped and all(call["single"] for call, _ in calls):
             ruled = [{"a": _first_argument(call, arrays), "g": grads[call["slots"][0]], "args": _rebuild(call, arrays)}
                      for call, arrays in calls]
-            with keras.StatelessScope(state_mapping=values):  # a rule reads the step's weight values
+            # a rule reads the step's weight values; its norms and its sums are two different
+            # products of (a, g), so they run at full float32 precision (_EXACT)
+            with keras.StatelessScope(state_mapping=values), _EXACT:
                 rule = find_rule(layer, ruled)
         if rule is not None:
             layer_sq, sums_fn = rule[1]
@@ -416,8 +426,9 @@ def ghost_norms(model, loss_fn, trainable, non_trainable, x, y, weights, *, trai
     def sums_fn(c, keep=None):
         c = c.astype(_F32)
         got = {}
-        for _, fn in parts:
-            got.update(fn(c, keep))
+        with _EXACT:
+            for _, fn in parts:
+                got.update(fn(c, keep))
         return [got[id(v)].astype(t.dtype) if id(v) in got else jnp.zeros_like(t)
                 for v, t in zip(model.trainable_variables, trainable)]
 
