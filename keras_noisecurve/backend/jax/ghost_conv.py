@@ -1,7 +1,7 @@
 """Ghost-norm rules for convolutions on the JAX backend, in ``jax.numpy`` (traced inside the
 jitted train step): ``Conv1D``/``Conv2D`` (any strides, dilation, ``"valid"``/``"same"``/``"causal"``
-padding, ``groups`` ≥ 1; a 1×1 kernel as a ``Dense`` map of the pixels) and
-``DepthwiseConv1D``/``DepthwiseConv2D``, channels last. The rule contract is the one of
+padding, ``groups`` ≥ 1; a 1×1 kernel as a ``Dense`` map of the pixels),
+``DepthwiseConv1D``/``DepthwiseConv2D`` and ``SeparableConv1D``/``SeparableConv2D``, channels last. The rule contract is the one of
 :mod:`keras_noisecurve.backend.jax.ghost_rules` (``rule(layer, calls) -> (sq, sums)`` or ``None``).
 
 Every one of these kernels has a per-example gradient that is a sum over output positions of
@@ -14,6 +14,8 @@ outer products, one per group of channels (the same table as the TensorFlow rule
 |---|---|---|---|---|---|
 | Conv1D/2D, ``groups`` = G | patches of a | g | G | c_in/G · K | filters/G |
 | DepthwiseConv1D/2D | patches of a | g | c_in | K | depth multiplier |
+| SeparableConv1D/2D, depthwise kernel | patches of a | g_d = g·P_wᵀ | c_in | K | depth multiplier |
+| SeparableConv1D/2D, pointwise kernel | d (no patches) | g | 1 | c_in·M | filters |
 
 with K = k (1-D) or k_h·k_w taps, L the output positions (row-major) and ``g`` the gradient
 of ``Σ_i w_i·loss_i`` at the layer's output BEFORE its fused activation (the engine records
@@ -23,6 +25,12 @@ layer's kernel size, strides, dilation and padding written out as explicit (befo
 pairs: TensorFlow's ``"same"`` convention, ``(k−1)·d`` zeros before for ``"causal"``); their
 features are ordered (channel, tap). A 1×1 kernel needs no patches: x is the input taken at
 the strides (a 1×1 window never reaches the padding).
+
+A separable layer computes ``z = d·P_w + b``, ``d = depthwise(a)`` (P, L, c_in·M), P_w its
+pointwise kernel (1…, c_in·M, filters) as a matrix: ``d`` is recomputed from ``a`` and the
+step's depthwise kernel (:func:`depthwise_output`; the rule reads the kernels' values under the
+engine's stateless scope), the gradient at ``d`` is ``g_d = g·P_wᵀ``, and the example's squared
+norm is the sum of the depthwise kernel's, the pointwise kernel's and the bias's.
 
 Per layer the cheaper exact form is chosen by shapes, as the TensorFlow rules do
 (L summed over the layer's calls):
@@ -40,9 +48,7 @@ The bias gradient is ``Σ_l g_il`` (P, filters). Kernels are returned in Keras's
 float32 (a bfloat16/float16 input or gradient of a mixed-precision policy is cast first).
 
 Not ruled (``None``: the engine's exact per-layer fallback clips them): ``channels_first``,
-LoRA or quantized layers, subclasses, ``SeparableConv1D/2D`` (the gradient of its depthwise
-stage is ``g`` times the pointwise kernel, whose value a rule does not receive), ``Conv3D``
-and the transposed convolutions.
+LoRA or quantized layers, subclasses, ``Conv3D`` and the transposed convolutions.
 """
 
 from __future__ import annotations
