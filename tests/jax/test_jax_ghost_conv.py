@@ -3,8 +3,8 @@ against the INDEPENDENT per-example loop of tests/jax/helpers.reference_clipped_
 ``jax.grad`` of the model's ``stateless_call`` per example, clipping in float64 numpy).
 
 Every test also records which layers went through the engine's per-layer fallback (by
-wrapping ``ghost._fallback``): a ruled layer must not, an unruled one (channels_first,
-SeparableConv) must, and stay exact.
+wrapping ``ghost._fallback``): a ruled layer must not, an unruled one (channels_first) must,
+and stay exact.
 
 Tolerance: float32. The ghost engine computes its norms in float32 by design (``ghost.py``
 accumulates ``sq`` in float32), so running the models in float64 would not test more digits
@@ -142,6 +142,70 @@ def test_depthwise_rule_equals_the_per_example_loop(case, fallbacks):
     assert fallbacks == []
 
 
+SEPARABLE = {
+    # 6×6×3 (2-D) / 9×3 (1-D) inputs. Pointwise stage: materialised when L² ≥ C·M·filters, else Gram;
+    # depthwise stage on (a, g·P_wᵀ): example_grads when L² ≥ K·M, else Gram ("strided-gram": L = 4)
+    "2d-same-stride-2-multiplier-2-relu": (2, dict(filters=4, kernel_size=3, strides=2, padding="same",
+                                                   depth_multiplier=2, activation="relu")),
+    "2d-valid-dilation-2-no-bias": (2, dict(filters=3, kernel_size=2, dilation_rate=2, use_bias=False)),
+    "2d-valid-3x2-tanh": (2, dict(filters=5, kernel_size=(3, 2), activation="tanh")),
+    "2d-strided-gram": (2, dict(filters=8, kernel_size=3, strides=2, depth_multiplier=2)),
+    "2d-same-dilation-odd-strides": (2, dict(filters=4, kernel_size=(2, 3), dilation_rate=(2, 1), padding="same",
+                                             activation="gelu")),
+    "2d-pointwise-1x1-strided": (2, dict(filters=4, kernel_size=1, strides=2, depth_multiplier=2)),
+    "1d-same-stride-2-multiplier-2": (1, dict(filters=4, kernel_size=4, strides=2, padding="same",
+                                              depth_multiplier=2)),
+    "1d-valid-dilation-2-no-bias-relu": (1, dict(filters=2, kernel_size=3, dilation_rate=2, use_bias=False,
+                                                 activation="relu")),
+    "1d-gram": (1, dict(filters=6, kernel_size=5, strides=3, depth_multiplier=2, activation="tanh")),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SEPARABLE))
+def test_separable_rule_equals_the_per_example_loop(case, fallbacks):
+    """The separable rule (pointwise kernel as a Dense map of the recomputed depthwise output,
+    depthwise kernel on (a, g·P_wᵀ), bias Σ_l g): norms and clipped sums of all three weights."""
+    rank, kwargs = SEPARABLE[case]
+    layer = keras.layers.SeparableConv2D(**kwargs) if rank == 2 else keras.layers.SeparableConv1D(**kwargs)
+    model = _model((6, 6, 3) if rank == 2 else (9, 3), layer, seed=10)
+    _compare(model, *_data(model, seed=10))
+    assert fallbacks == []
+
+
+def test_a_shared_separable_layer_reads_the_steps_weight_values(fallbacks):
+    """One SeparableConv2D called on two map sizes (its positions add up), and the step's weight
+    values differ from the variables' stored ones: the rule must read the traced values (the
+    engine's stateless scope), not the variables."""
+    keras.utils.set_random_seed(11)
+    inputs = keras.Input((6, 6, 3))
+    shared = keras.layers.SeparableConv2D(3, 3, padding="same", depth_multiplier=2, activation="relu")
+    a = shared(inputs)
+    b = shared(keras.layers.MaxPooling2D()(inputs))
+    h = keras.layers.Concatenate()([keras.layers.Flatten()(a), keras.layers.Flatten()(b)])
+    model = keras.Model(inputs, keras.layers.Dense(3)(h))
+    x, y = _data(model, n=8, seed=11)
+    rng = np.random.default_rng(11)
+    step_values = [np.asarray(v.value) + 0.3 * rng.normal(size=v.shape).astype("float32")
+                   for v in model.trainable_variables]
+    weights = np.ones(len(y), np.float32)
+    for v, value in zip(model.trainable_variables, step_values):
+        v.assign(value)
+    ref_sums, ref_norms = reference_clipped_sum(model, x, y, weights, 1e9)
+    clip = float(np.median(ref_norms))
+    ref_sums, ref_norms = reference_clipped_sum(model, x, y, weights, clip)
+    for v in model.trainable_variables:  # the stored values are now not the step's
+        v.assign(np.asarray(v.value) * 0.5 + 0.1)
+    non_trainable = [v.value for v in model.non_trainable_variables]
+    sums, norms = jax.jit(lambda tv, x, y, w: ghost_clipped_sum(
+        model, mse_per_example, tv, non_trainable, x, y, w, l2_norm_clip=clip, clipping="ghost")[:2])(
+        [jnp.asarray(v) for v in step_values], x, y, jnp.asarray(weights))
+    np.testing.assert_allclose(np.asarray(norms), ref_norms, rtol=1e-4)
+    scale = max(np.max(np.abs(r)) for r in ref_sums)
+    for s, r in zip(sums, ref_sums):
+        np.testing.assert_allclose(np.asarray(s), r, rtol=1e-4, atol=1e-4 * scale)
+    assert fallbacks == []
+
+
 def test_a_small_cnn_with_a_shared_convolution_called_on_two_map_sizes(fallbacks):
     """A mobile-style stack (conv, depthwise, 1×1, GroupNorm, pooling) and one Conv2D called
     twice on different map sizes: its positions from both calls add up."""
@@ -160,8 +224,8 @@ def test_a_small_cnn_with_a_shared_convolution_called_on_two_map_sizes(fallbacks
 
 
 def test_layers_without_a_rule_take_the_exact_fallback(fallbacks):
-    """channels_first and SeparableConv (whose depthwise stage's gradient needs the pointwise
-    kernel's value) are not ruled: the fallback clips them, exactly, before the activation."""
+    """channels_first convolutions are not ruled: the fallback clips them, exactly, before the
+    activation (the channels-last SeparableConv layers around it take their rule)."""
     keras.utils.set_random_seed(5)
     inputs = keras.Input((6, 6, 3))
     h = keras.layers.SeparableConv2D(4, 3, padding="same", depth_multiplier=2, activation="relu",
@@ -171,7 +235,7 @@ def test_layers_without_a_rule_take_the_exact_fallback(fallbacks):
     h = keras.layers.SeparableConv1D(2, 3, name="separable1d")(keras.layers.Reshape((15, 5))(h))
     model = keras.Model(inputs, keras.layers.Dense(2)(keras.layers.Flatten()(h)))
     _compare(model, *_data(model, seed=5))
-    assert sorted(set(fallbacks)) == ["first", "separable", "separable1d"]
+    assert sorted(set(fallbacks)) == ["first"]
 
 
 @pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
@@ -185,6 +249,7 @@ def test_mixed_precision_norms_and_sums(policy, fallbacks):
         h = keras.layers.Conv2D(6, 3, strides=2, padding="same", activation="relu")(inputs)
         h = keras.layers.DepthwiseConv2D(3, padding="same", depth_multiplier=2, activation="relu")(h)
         h = keras.layers.Conv2D(4, 1, groups=2)(keras.layers.GroupNormalization(groups=3)(h))
+        h = keras.layers.SeparableConv2D(4, 3, padding="same", depth_multiplier=2, activation="relu")(h)
         h = keras.layers.Conv1D(3, 3, padding="causal")(keras.layers.Reshape((16, 4))(h))
         outputs = keras.layers.Dense(3, dtype="float32")(keras.layers.Flatten()(h))
         model = keras.Model(inputs, outputs)

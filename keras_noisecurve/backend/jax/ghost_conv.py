@@ -1,7 +1,7 @@
 """Ghost-norm rules for convolutions on the JAX backend, in ``jax.numpy`` (traced inside the
 jitted train step): ``Conv1D``/``Conv2D`` (any strides, dilation, ``"valid"``/``"same"``/``"causal"``
-padding, ``groups`` ≥ 1; a 1×1 kernel as a ``Dense`` map of the pixels) and
-``DepthwiseConv1D``/``DepthwiseConv2D``, channels last. The rule contract is the one of
+padding, ``groups`` ≥ 1; a 1×1 kernel as a ``Dense`` map of the pixels),
+``DepthwiseConv1D``/``DepthwiseConv2D`` and ``SeparableConv1D``/``SeparableConv2D``, channels last. The rule contract is the one of
 :mod:`keras_noisecurve.backend.jax.ghost_rules` (``rule(layer, calls) -> (sq, sums)`` or ``None``).
 
 Every one of these kernels has a per-example gradient that is a sum over output positions of
@@ -14,6 +14,8 @@ outer products, one per group of channels (the same table as the TensorFlow rule
 |---|---|---|---|---|---|
 | Conv1D/2D, ``groups`` = G | patches of a | g | G | c_in/G · K | filters/G |
 | DepthwiseConv1D/2D | patches of a | g | c_in | K | depth multiplier |
+| SeparableConv1D/2D, depthwise kernel | patches of a | g_d = g·P_wᵀ | c_in | K | depth multiplier |
+| SeparableConv1D/2D, pointwise kernel | d (no patches) | g | 1 | c_in·M | filters |
 
 with K = k (1-D) or k_h·k_w taps, L the output positions (row-major) and ``g`` the gradient
 of ``Σ_i w_i·loss_i`` at the layer's output BEFORE its fused activation (the engine records
@@ -23,6 +25,12 @@ layer's kernel size, strides, dilation and padding written out as explicit (befo
 pairs: TensorFlow's ``"same"`` convention, ``(k−1)·d`` zeros before for ``"causal"``); their
 features are ordered (channel, tap). A 1×1 kernel needs no patches: x is the input taken at
 the strides (a 1×1 window never reaches the padding).
+
+A separable layer computes ``z = d·P_w + b``, ``d = depthwise(a)`` (P, L, c_in·M), P_w its
+pointwise kernel (1…, c_in·M, filters) as a matrix: ``d`` is recomputed from ``a`` and the
+step's depthwise kernel (:func:`depthwise_output`; the rule reads the kernels' values under the
+engine's stateless scope), the gradient at ``d`` is ``g_d = g·P_wᵀ``, and the example's squared
+norm is the sum of the depthwise kernel's, the pointwise kernel's and the bias's.
 
 Per layer the cheaper exact form is chosen by shapes, as the TensorFlow rules do
 (L summed over the layer's calls):
@@ -40,9 +48,7 @@ The bias gradient is ``Σ_l g_il`` (P, filters). Kernels are returned in Keras's
 float32 (a bfloat16/float16 input or gradient of a mixed-precision policy is cast first).
 
 Not ruled (``None``: the engine's exact per-layer fallback clips them): ``channels_first``,
-LoRA or quantized layers, subclasses, ``SeparableConv1D/2D`` (the gradient of its depthwise
-stage is ``g`` times the pointwise kernel, whose value a rule does not receive), ``Conv3D``
-and the transposed convolutions.
+LoRA or quantized layers, subclasses, ``Conv3D`` and the transposed convolutions.
 """
 
 from __future__ import annotations
@@ -53,16 +59,17 @@ import jax
 import jax.numpy as jnp
 import keras
 
-__all__ = ["CONV_RULES", "PRE_ACTIVATION", "conv_rule", "depthwise_rule", "example_grads", "explicit_padding",
-           "grouped_sq_norms", "window_patches"]
+__all__ = ["CONV_RULES", "PRE_ACTIVATION", "conv_rule", "depthwise_output", "depthwise_rule", "example_grads",
+           "explicit_padding", "grouped_sq_norms", "separable_rule", "window_patches"]
 
 _F32 = jnp.float32
 _CONV = (keras.layers.Conv1D, keras.layers.Conv2D)
 _DEPTHWISE = (keras.layers.DepthwiseConv1D, keras.layers.DepthwiseConv2D)
+_SEPARABLE = (keras.layers.SeparableConv1D, keras.layers.SeparableConv2D)
 
 #: the layer types whose output the engine records before the fused activation (their
 #: ``call`` is ``activation(convolution + bias)``)
-PRE_ACTIVATION = _CONV + _DEPTHWISE
+PRE_ACTIVATION = _CONV + _DEPTHWISE + _SEPARABLE
 
 
 def _ruled(layer, types, calls) -> bool:
@@ -206,16 +213,20 @@ def _form(layer, calls, groups):
     return x, y, None
 
 
-def _analyse(layer, calls, groups, to_kernel):
-    """``(sq, sums)`` of a convolution in ``groups`` groups: ``to_kernel`` maps (G, I, O) to the kernel's layout."""
+def _analyse(layer, calls, groups, to_kernel, kernel_var=None, bias_var=None):
+    """``(sq, sums)`` of a convolution in ``groups`` groups: ``to_kernel`` maps (G, I, O) to the kernel's layout.
+    ``kernel_var``/``bias_var``: the variables the sums are keyed by (default ``layer.kernel`` and,
+    with ``layer.use_bias``, ``layer.bias``; a separable layer passes its depthwise kernel and no bias)."""
     p = calls[0]["g"].shape[0]
+    if kernel_var is None:
+        kernel_var, bias_var = layer.kernel, (layer.bias if layer.use_bias else None)
     form = _form(layer, calls, groups)
     if form is None:
         return None
     x, y, per = form
     sq = jnp.sum(per * per, axis=(1, 2, 3)) if per is not None else grouped_sq_norms(x, y)[0]
     bias_i = None
-    if layer.use_bias:
+    if bias_var is not None:
         bias_i = sum(jnp.sum(jnp.reshape(c["g"].astype(_F32), (p, -1, c["g"].shape[-1])), axis=1) for c in calls)
         sq = sq + jnp.sum(bias_i * bias_i, axis=1)
 
@@ -225,9 +236,9 @@ def _analyse(layer, calls, groups, to_kernel):
             kernel = jnp.tensordot(c, _kept(per, keep), axes=1)
         else:
             kernel = jnp.einsum("plgi,plgo->gio", _kept(x, keep), _scaled(c, _kept(y, keep)))
-        out = {id(layer.kernel): to_kernel(kernel)}
+        out = {id(kernel_var): to_kernel(kernel)}
         if bias_i is not None:
-            out[id(layer.bias)] = jnp.tensordot(c, _kept(bias_i, keep), axes=1)
+            out[id(bias_var)] = jnp.tensordot(c, _kept(bias_i, keep), axes=1)
         return out
 
     return sq, sums
@@ -263,5 +274,88 @@ def depthwise_rule(layer, calls):
     return _analyse(layer, calls, channels, to_kernel)
 
 
+def depthwise_output(a, kernel, *, out_shape, strides, dilation_rate, padding):
+    """The depthwise stage of a channels-last separable convolution, recomputed: ``a`` (P, *spatial, C),
+    ``kernel`` (*kernel_size, C, M) -> ``d`` (P, *out_shape, C·M), ``d[i, l, c·M + m] =
+    Σ_t a_pad[i, l·s + t·dil, c]·kernel[t, c, m]`` (one ``conv_general_dilated`` with C feature groups,
+    the padding of :func:`explicit_padding`); ``None`` for an unknown padding."""
+    kernel_size, channels = kernel.shape[:-2], kernel.shape[-2]
+    pads = [explicit_padding(n, o, k, s, d, padding)
+            for n, o, k, s, d in zip(a.shape[1:-1], out_shape, kernel_size, strides, dilation_rate)]
+    if any(pad is None for pad in pads):
+        return None
+    spec = ("NWC", "WIO", "NWC") if a.ndim == 3 else ("NHWC", "HWIO", "NHWC")
+    return jax.lax.conv_general_dilated(
+        a, jnp.reshape(kernel, (*kernel_size, 1, -1)), window_strides=tuple(strides), padding=pads,
+        rhs_dilation=tuple(dilation_rate), dimension_numbers=spec, feature_group_count=channels,
+        precision=jax.lax.Precision.HIGHEST)
+
+
+def separable_rule(layer, calls):
+    """``SeparableConv1D``/``SeparableConv2D`` (exact types), channels last: ``z = pointwise(d) + b``,
+    ``d = depthwise(a)`` (P, *out, C·M), pointwise kernel W_p (1…, C·M, F) as a matrix P_w (C·M, F).
+
+    * pointwise kernel: a Dense map of the positions, ``∂W_p,i = Σ_l d_il ⊗ g_il`` (Gram form or
+      materialised, :func:`grouped_sq_norms` with one group), ``d`` recomputed from ``a`` and the
+      step's depthwise kernel (:func:`depthwise_output`);
+    * depthwise kernel: the depthwise rule on ``(a, g_d)``, ``g_d = g·P_wᵀ`` (P, *out, C·M), the
+      gradient at ``d`` (the output channel c·M + m of the depthwise stage is row c·M + m of P_w);
+    * bias: ``Σ_l g_il``.
+
+    ``‖∇_i‖² = ‖∂W_d,i‖² + ‖∂W_p,i‖² + ‖∂b_i‖²``. The kernels' values are the step's (the engine's
+    stateless scope)."""
+    if not _ruled(layer, _SEPARABLE, calls):
+        return None
+    channels, multiplier = layer.depthwise_kernel.shape[-2], layer.depthwise_kernel.shape[-1]
+    filters = layer.pointwise_kernel.shape[-1]
+    if any(c["a"].shape[-1] != channels or c["g"].shape[-1] != filters for c in calls):
+        return None
+    p = calls[0]["g"].shape[0]
+    depthwise = jnp.asarray(layer.depthwise_kernel.value, _F32)  # the step's traced values (engine scope)
+    pointwise = jnp.reshape(jnp.asarray(layer.pointwise_kernel.value, _F32), (channels * multiplier, filters))
+    geometry = dict(strides=layer.strides, dilation_rate=layer.dilation_rate, padding=layer.padding)
+    xs, ys, inner = [], [], []
+    for c in calls:
+        a, g = c["a"].astype(_F32), c["g"].astype(_F32)
+        d = depthwise_output(a, depthwise, out_shape=g.shape[1:-1], **geometry)
+        if d is None:
+            return None
+        xs.append(jnp.reshape(d, (p, -1, 1, channels * multiplier)))
+        ys.append(jnp.reshape(g, (p, -1, 1, filters)))
+        inner.append({"a": a, "g": jnp.einsum("p...f,jf->p...j", g, pointwise,
+                                              precision=jax.lax.Precision.HIGHEST)})
+
+    def to_depthwise(kernel):  # (C, K, M) -> (*kernel_size, C, M)
+        return jnp.reshape(jnp.transpose(kernel, (1, 0, 2)), (*layer.kernel_size, channels, multiplier))
+
+    stage = _analyse(layer, inner, channels, to_depthwise, layer.depthwise_kernel, None)
+    if stage is None:
+        return None
+    depthwise_sq, depthwise_sums = stage
+    x = xs[0] if len(xs) == 1 else jnp.concatenate(xs, axis=1)
+    y = ys[0] if len(ys) == 1 else jnp.concatenate(ys, axis=1)
+    pointwise_sq, per = grouped_sq_norms(x, y)
+    sq = depthwise_sq + pointwise_sq
+    bias_i = None
+    if layer.use_bias:
+        bias_i = jnp.sum(y[:, :, 0], axis=1)
+        sq = sq + jnp.sum(bias_i * bias_i, axis=1)
+    shape = layer.pointwise_kernel.shape
+
+    def sums(c, keep=None):
+        out = depthwise_sums(c, keep)
+        c = c.astype(_F32)
+        if per is not None:
+            kernel = jnp.tensordot(c, _kept(per, keep), axes=1)
+        else:
+            kernel = jnp.einsum("plgi,plgo->gio", _kept(x, keep), _scaled(c, _kept(y, keep)))
+        out[id(layer.pointwise_kernel)] = jnp.reshape(kernel, shape)
+        if bias_i is not None:
+            out[id(layer.bias)] = jnp.tensordot(c, _kept(bias_i, keep), axes=1)
+        return out
+
+    return sq, sums
+
+
 #: registered into ``ghost_rules.RULES``
-CONV_RULES = (conv_rule, depthwise_rule)
+CONV_RULES = (conv_rule, depthwise_rule, separable_rule)
