@@ -15,8 +15,9 @@ the per-example gradients of the whole model, all inside the jitted train step.
    output from outside the layer only.
 3. Per layer, the per-example squared norms of ITS weights' gradient: a rule of
    :mod:`keras_noisecurve.backend.jax.ghost_rules` (Dense, EinsumDense, Embedding,
-   LayerNormalization; :mod:`~keras_noisecurve.backend.jax.ghost_hub`: LoRA, RMS norms, KerasHub's
-   embeddings) from the recorded ``(a, g)`` (the rule runs under a stateless scope of the step's
+   LayerNormalization, GroupNormalization; :mod:`~keras_noisecurve.backend.jax.ghost_conv`:
+   Conv1D/2D, depthwise and separable convolutions; :mod:`~keras_noisecurve.backend.jax.ghost_hub`:
+   LoRA, RMS norms, KerasHub's embeddings) from the recorded ``(a, g)`` (the rule runs under a stateless scope of the step's
    weight values), else the exact per-layer fallback:
    ``jax.vmap`` over examples of ``∂⟨layer(W; a_i), g_i⟩/∂W`` (the VJP of that one
    layer's call, every model weight mapped to its traced value, W its own weights).
