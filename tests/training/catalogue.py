@@ -133,6 +133,16 @@ BUILDERS = {
     "OPTBackbone": _text("OPTBackbone", max_sequence_length=L, **_NO_DROP),
     "GemmaBackbone": _gqa("GemmaBackbone", head_dim=8),
     "Gemma3Backbone": _gqa("Gemma3Backbone", head_dim=8, image_size=16),
+    # text only (no vision or audio encoder config): the AltUp/Laurel decoder with per-layer inputs
+    "Gemma3nBackbone": _kw("Gemma3nBackbone", text_vocab_size=V, text_hidden_size=W, num_hidden_layers=1,
+                           pad_token_id=0, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                           intermediate_size=[2 * W], hidden_activation="gelu_approximate",
+                           layer_types=["full_attention"], sliding_window=4, rope_theta=10000.0,
+                           max_position_embeddings=2 * L, vocab_size_per_layer_input=V,
+                           hidden_size_per_layer_input=2, altup_num_inputs=2, laurel_rank=1),
+    # text only (no vision or audio encoder), with per-layer token inputs
+    "Gemma4Backbone": _gqa("Gemma4Backbone", num_layers=1, head_dim=8, image_size=16, hidden_size_per_layer_input=2,
+                           sliding_window_size=4),
     "LlamaBackbone": _gqa("LlamaBackbone"),
     "Llama3Backbone": _gqa("Llama3Backbone"),
     "MistralBackbone": _gqa("MistralBackbone"),
@@ -174,6 +184,13 @@ BUILDERS = {
                            encoder_head_dim=8, encoder_layer_types=["full_attention"], decoder_hidden_dim=W,
                            decoder_intermediate_dim=2 * W, decoder_num_layers=1, decoder_num_attention_heads=2,
                            decoder_num_key_value_heads=1, decoder_head_dim=8, decoder_layer_types=["full_attention"]),
+    # text only (no vision encoder)
+    "T5Gemma2Backbone": _kw("T5Gemma2Backbone", vocabulary_size=V, encoder_hidden_dim=W, encoder_intermediate_dim=2 * W,
+                            encoder_num_layers=1, encoder_num_attention_heads=2, encoder_num_key_value_heads=1,
+                            encoder_head_dim=8, encoder_layer_types=["full_attention"], decoder_hidden_dim=W,
+                            decoder_intermediate_dim=2 * W, decoder_num_layers=1, decoder_num_attention_heads=2,
+                            decoder_num_key_value_heads=1, decoder_head_dim=8,
+                            decoder_layer_types=["full_attention"]),
     "EdRecBackbone": _kw("EdRecBackbone", vocab_size=V, num_layers_enc=1, num_layers_dec=1, hidden_dim=W,
                          intermediate_dim=2 * W, num_heads=2),
     "WhisperBackbone": _text("WhisperBackbone", num_mels=8, max_encoder_sequence_length=2 * L,
@@ -310,10 +327,6 @@ NOT_BUILT = {
     "StableDiffusion3Backbone": _composite_reason("an MMDiT + a VAE + CLIP-L/CLIP-G (+ T5) text encoders"),
     "FluxBackbone": ("a diffusion transformer whose inputs are latents, text embeddings, position ids and a "
                      "timestep: no per-example classification target to attach a head to without a sampler"),
-    "Gemma3nBackbone": _composite_reason("a text decoder with AltUp/Laurel blocks + optional vision and audio "
-                                          "encoder configs"),
-    "Gemma4Backbone": _composite_reason("a text decoder with per-layer inputs + optional vision and audio encoders"),
-    "T5Gemma2Backbone": _composite_reason("a T5Gemma encoder-decoder + an optional vision encoder"),
 }
 
 
@@ -362,6 +375,8 @@ def _data(backbone, rng, lengths_of=None):
                     value[i, shape[1] - (i % 3):] = 0
             elif "segment" in name:
                 value = np.zeros(shape, dtype)
+            elif "position" in name and len(shape) == 2:  # position ids (Gemma4): 0, 1, 2, … in each example
+                value = np.tile(np.arange(shape[1], dtype=dtype), (P, 1))
             else:
                 value = rng.integers(1, V, size=shape).astype(dtype)
                 if len(shape) == 2:
@@ -370,12 +385,9 @@ def _data(backbone, rng, lengths_of=None):
             out[name] = value
         else:
             out[name] = rng.normal(size=shape).astype(dtype)
-    spec = backbone.input
-    if not isinstance(spec, (dict, list, tuple)):
+    if not isinstance(backbone.input, (dict, list, tuple)):
         return out["x"]
-    if isinstance(spec, (list, tuple)):
-        return [out[t.name] for t in spec]
-    return out
+    return out  # a list of inputs too is fed by name (see _head): tf.data maps no lists
 
 
 def _embeddings(backbone, inputs):
@@ -404,7 +416,10 @@ FEATURES = {**{name: _embeddings for name in ("CLIPBackbone", "MetaCLIP2Backbone
 
 def _head(backbone, dtype, features=None):
     inputs = backbone.input
-    found = features(backbone, inputs) if features else backbone(inputs)
+    if isinstance(inputs, (list, tuple)):  # a list of inputs (Gemma3n): the classifier takes them by name
+        inputs = _inputs(backbone)
+    found = features(backbone, inputs) if features else backbone(list(inputs.values()) if isinstance(
+        backbone.input, (list, tuple)) else inputs)
     outputs = [t for t in keras.tree.flatten(found)
                if "float" in keras.backend.standardize_dtype(t.dtype) and len(t.shape) >= 3 or
                (len(t.shape) == 2 and t.shape[-1] is not None and "float" in keras.backend.standardize_dtype(t.dtype))]
