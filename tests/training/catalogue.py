@@ -300,6 +300,12 @@ BUILDERS = {
                           intermediate_dim=2 * W, num_heads=2, embedding_dim=8, num_multimask_outputs=3,
                           iou_head_depth=2, iou_head_hidden_dim=8),
         dtype=dtype)),
+    # a one-layer ViT image encoder + a one-layer permuted autoregressive decoder, dropout off
+    "PARSeqBackbone": lambda dtype: _hub("PARSeqBackbone")(
+        image_encoder=_hub("ViTBackbone")(image_shape=_IMG16, patch_size=4, num_layers=1, num_heads=2, hidden_dim=W,
+                                          mlp_dim=2 * W, dtype=dtype),
+        vocabulary_size=V, max_label_length=L, decoder_hidden_dim=W, num_decoder_layers=1, num_decoder_heads=2,
+        decoder_mlp_dim=2 * W, dropout_rate=0.0, attention_dropout=0.0, dtype=dtype),
     "PaliGemmaBackbone": _kw("PaliGemmaBackbone", vocabulary_size=V, image_size=16, num_layers=1, num_query_heads=2,
                              num_key_value_heads=1, hidden_dim=W, intermediate_dim=2 * W, head_dim=8,
                              vit_patch_size=4, vit_num_layers=1, vit_num_heads=2, vit_hidden_dim=W,
@@ -321,7 +327,6 @@ NOT_BUILT = {
                        "weights at 32×32 pixels, too large for the catalogue's CI budget"),
     "BLIP2Backbone": _composite_reason("a vision encoder + a Q-Former + a language model"),
     "DFineBackbone": _composite_reason("an HGNetV2 backbone + a detection transformer with denoising queries"),
-    "PARSeqBackbone": _composite_reason("an image encoder + a permuted autoregressive decoder"),
     "SAM3PromptableConceptBackbone": _composite_reason(
         "vision, text and geometry encoders + a DETR encoder/decoder + a mask decoder"),
     "StableDiffusion3Backbone": _composite_reason("an MMDiT + a VAE + CLIP-L/CLIP-G (+ T5) text encoders"),
