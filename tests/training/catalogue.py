@@ -306,6 +306,19 @@ BUILDERS = {
                                           mlp_dim=2 * W, dtype=dtype),
         vocabulary_size=V, max_label_length=L, decoder_hidden_dim=W, num_decoder_layers=1, num_decoder_heads=2,
         decoder_mlp_dim=2 * W, dropout_rate=0.0, attention_dropout=0.0, dtype=dtype),
+    # a one-layer ViT + a one-layer Q-Former (2 query tokens, cross-attention) + a one-layer OPT decoder
+    "BLIP2Backbone": lambda dtype: _hub("BLIP2Backbone")(
+        vision_encoder=_sub("blip2.blip2_vision_encoder", "BLIP2VisionEncoder", dtype, image_size=16, patch_size=4,
+                            num_layers=1, num_heads=2, hidden_dim=W, intermediate_dim=2 * W, use_patch_bias=True,
+                            use_class_token=True, use_mha_bias=True, use_mlp_bias=True, dropout_rate=0.0,
+                            layer_norm_epsilon=1e-6, initializer_range=0.02),
+        qformer=_sub("blip2.blip2_qformer", "BLIP2QFormer", dtype, num_query_tokens=2, num_layers=1, num_heads=2,
+                     hidden_dim=W, intermediate_dim=2 * W, vision_dim=W, cross_attention_frequency=1, dropout=0.0,
+                     layer_norm_epsilon=1e-6),
+        language_model=_sub("blip2.blip2_custom_opt", "BLIP2CustomOPT", dtype, vocabulary_size=V, num_layers=1,
+                            num_heads=2, hidden_dim=W, intermediate_dim=2 * W, num_query_tokens=2, dropout=0.0,
+                            max_sequence_length=2 * L, qformer_hidden_dim=W),
+        dtype=dtype),
     "PaliGemmaBackbone": _kw("PaliGemmaBackbone", vocabulary_size=V, image_size=16, num_layers=1, num_query_heads=2,
                              num_key_value_heads=1, hidden_dim=W, intermediate_dim=2 * W, head_dim=8,
                              vit_patch_size=4, vit_num_layers=1, vit_num_heads=2, vit_hidden_dim=W,
@@ -325,7 +338,6 @@ NOT_BUILT = {
     "BASNetBackbone": ("its prediction head runs 3×3 convolutions of 8× the projection width, and that width must "
                        "equal the first stage of its ResNet encoder, which keras-hub fixes at 64 filters: 48.6M "
                        "weights at 32×32 pixels, too large for the catalogue's CI budget"),
-    "BLIP2Backbone": _composite_reason("a vision encoder + a Q-Former + a language model"),
     "DFineBackbone": _composite_reason("an HGNetV2 backbone + a detection transformer with denoising queries"),
     "SAM3PromptableConceptBackbone": _composite_reason(
         "vision, text and geometry encoders + a DETR encoder/decoder + a mask decoder"),
