@@ -113,6 +113,8 @@ XFAIL = {
 HEAVY = {
     "DepthAnythingBackbone": ("a DINOv2 encoder + a DPT neck and head of 33 convolutions even at the tiniest "
                               "config: ~160 s on 2 cores, 3-7x any other backbone"),
+    "DFineBackbone": ("an HGNetV2 (BatchNorm frozen) + a hybrid encoder + a deformable-attention decoder with "
+                      "query selection, one layer each: ~86 s on 2 loaded cores"),
     "BLIP2Backbone": ("three sub-models (a ViT, a Q-Former with cross-attention, an OPT decoder), one layer each: "
                       "~36 s on 2 loaded cores"),
 }
