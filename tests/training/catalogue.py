@@ -353,7 +353,12 @@ NOT_BUILT = {
                        "weights at 32×32 pixels, too large for the catalogue's CI budget"),
     "SAM3PromptableConceptBackbone": _composite_reason(
         "vision, text and geometry encoders + a DETR encoder/decoder + a mask decoder"),
-    "StableDiffusion3Backbone": _composite_reason("an MMDiT + a VAE + CLIP-L/CLIP-G (+ T5) text encoders"),
+    "StableDiffusion3Backbone": ("its graph is one classifier-free-guided sampling step, not a training forward pass: "
+                                 "it reads num_steps[0] and guidance_scale[0] (example 0's values for the whole "
+                                 "batch) and runs its MMDiT on 2P rows (each prompt and its negative stacked on the "
+                                 "batch axis; stable_diffusion_3_backbone.py), so an example's output depends on "
+                                 "example 0 unless every example shares those two inputs; and its parts (an MMDiT, "
+                                 "a VAE, CLIP-L/CLIP-G (+ T5) text encoders) have no tiny offline config here yet"),
     "FluxBackbone": ("a diffusion transformer whose inputs are latents, text embeddings, position ids and a "
                      "timestep: no per-example classification target to attach a head to without a sampler"),
 }
