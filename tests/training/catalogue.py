@@ -133,6 +133,16 @@ BUILDERS = {
     "OPTBackbone": _text("OPTBackbone", max_sequence_length=L, **_NO_DROP),
     "GemmaBackbone": _gqa("GemmaBackbone", head_dim=8),
     "Gemma3Backbone": _gqa("Gemma3Backbone", head_dim=8, image_size=16),
+    # text only (no vision or audio encoder config): the AltUp/Laurel decoder with per-layer inputs
+    "Gemma3nBackbone": _kw("Gemma3nBackbone", text_vocab_size=V, text_hidden_size=W, num_hidden_layers=1,
+                           pad_token_id=0, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                           intermediate_size=[2 * W], hidden_activation="gelu_approximate",
+                           layer_types=["full_attention"], sliding_window=4, rope_theta=10000.0,
+                           max_position_embeddings=2 * L, vocab_size_per_layer_input=V,
+                           hidden_size_per_layer_input=2, altup_num_inputs=2, laurel_rank=1),
+    # text only (no vision or audio encoder), with per-layer token inputs
+    "Gemma4Backbone": _gqa("Gemma4Backbone", num_layers=1, head_dim=8, image_size=16, hidden_size_per_layer_input=2,
+                           sliding_window_size=4),
     "LlamaBackbone": _gqa("LlamaBackbone"),
     "Llama3Backbone": _gqa("Llama3Backbone"),
     "MistralBackbone": _gqa("MistralBackbone"),
@@ -174,6 +184,13 @@ BUILDERS = {
                            encoder_head_dim=8, encoder_layer_types=["full_attention"], decoder_hidden_dim=W,
                            decoder_intermediate_dim=2 * W, decoder_num_layers=1, decoder_num_attention_heads=2,
                            decoder_num_key_value_heads=1, decoder_head_dim=8, decoder_layer_types=["full_attention"]),
+    # text only (no vision encoder)
+    "T5Gemma2Backbone": _kw("T5Gemma2Backbone", vocabulary_size=V, encoder_hidden_dim=W, encoder_intermediate_dim=2 * W,
+                            encoder_num_layers=1, encoder_num_attention_heads=2, encoder_num_key_value_heads=1,
+                            encoder_head_dim=8, encoder_layer_types=["full_attention"], decoder_hidden_dim=W,
+                            decoder_intermediate_dim=2 * W, decoder_num_layers=1, decoder_num_attention_heads=2,
+                            decoder_num_key_value_heads=1, decoder_head_dim=8,
+                            decoder_layer_types=["full_attention"]),
     "EdRecBackbone": _kw("EdRecBackbone", vocab_size=V, num_layers_enc=1, num_layers_dec=1, hidden_dim=W,
                          intermediate_dim=2 * W, num_heads=2),
     "WhisperBackbone": _text("WhisperBackbone", num_mels=8, max_encoder_sequence_length=2 * L,
@@ -283,6 +300,38 @@ BUILDERS = {
                           intermediate_dim=2 * W, num_heads=2, embedding_dim=8, num_multimask_outputs=3,
                           iou_head_depth=2, iou_head_hidden_dim=8),
         dtype=dtype)),
+    # a one-layer ViT image encoder + a one-layer permuted autoregressive decoder, dropout off
+    "PARSeqBackbone": lambda dtype: _hub("PARSeqBackbone")(
+        image_encoder=_hub("ViTBackbone")(image_shape=_IMG16, patch_size=4, num_layers=1, num_heads=2, hidden_dim=W,
+                                          mlp_dim=2 * W, dtype=dtype),
+        vocabulary_size=V, max_label_length=L, decoder_hidden_dim=W, num_decoder_layers=1, num_decoder_heads=2,
+        decoder_mlp_dim=2 * W, dropout_rate=0.0, attention_dropout=0.0, dtype=dtype),
+    # a one-layer ViT + a one-layer Q-Former (2 query tokens, cross-attention) + a one-layer OPT decoder
+    "BLIP2Backbone": lambda dtype: _hub("BLIP2Backbone")(
+        vision_encoder=_sub("blip2.blip2_vision_encoder", "BLIP2VisionEncoder", dtype, image_size=16, patch_size=4,
+                            num_layers=1, num_heads=2, hidden_dim=W, intermediate_dim=2 * W, use_patch_bias=True,
+                            use_class_token=True, use_mha_bias=True, use_mlp_bias=True, dropout_rate=0.0,
+                            layer_norm_epsilon=1e-6, initializer_range=0.02),
+        qformer=_sub("blip2.blip2_qformer", "BLIP2QFormer", dtype, num_query_tokens=2, num_layers=1, num_heads=2,
+                     hidden_dim=W, intermediate_dim=2 * W, vision_dim=W, cross_attention_frequency=1, dropout=0.0,
+                     layer_norm_epsilon=1e-6),
+        language_model=_sub("blip2.blip2_custom_opt", "BLIP2CustomOPT", dtype, vocabulary_size=V, num_layers=1,
+                            num_heads=2, hidden_dim=W, intermediate_dim=2 * W, num_query_tokens=2, dropout=0.0,
+                            max_sequence_length=2 * L, qformer_hidden_dim=W),
+        dtype=dtype),
+    # a two-stage HGNetV2 (strides 4, 8) + a one-layer hybrid encoder and decoder, 4 queries, no denoising
+    "DFineBackbone": lambda dtype: _hub("DFineBackbone")(
+        backbone=_hub("HGNetV2Backbone")(depths=[1, 1], embedding_size=16, hidden_sizes=[16, 16], stem_channels=[3, 8, 16],
+                                         hidden_act="relu", use_learnable_affine_block=True,
+                                         stackwise_stage_filters=[[16, 8, 16, 1, 1, 3], [16, 8, 16, 1, 1, 3]],
+                                         apply_downsample=[False, True], use_lightweight_conv_block=[False, True],
+                                         image_shape=_IMG, out_features=["stage1", "stage2"], dtype=dtype),
+        decoder_in_channels=[W, W], encoder_hidden_dim=W, num_labels=CLASSES, num_denoising=0,
+        learn_initial_query=False, num_queries=4, anchor_image_size=(SIDE, SIDE), feat_strides=[4, 8],
+        num_feature_levels=2, hidden_dim=W, encoder_in_channels=[W, W], encode_proj_layers=[1], num_attention_heads=2,
+        encoder_ffn_dim=2 * W, num_encoder_layers=1, hidden_expansion=0.5, depth_multiplier=0.34, eval_idx=-1,
+        num_decoder_layers=1, decoder_attention_heads=2, decoder_ffn_dim=2 * W, decoder_n_points=[2, 2],
+        lqe_hidden_dim=8, num_lqe_layers=2, out_features=["stage1", "stage2"], image_shape=_IMG, seed=0, dtype=dtype),
     "PaliGemmaBackbone": _kw("PaliGemmaBackbone", vocabulary_size=V, image_size=16, num_layers=1, num_query_heads=2,
                              num_key_value_heads=1, hidden_dim=W, intermediate_dim=2 * W, head_dim=8,
                              vit_patch_size=4, vit_num_layers=1, vit_num_heads=2, vit_hidden_dim=W,
@@ -302,18 +351,16 @@ NOT_BUILT = {
     "BASNetBackbone": ("its prediction head runs 3×3 convolutions of 8× the projection width, and that width must "
                        "equal the first stage of its ResNet encoder, which keras-hub fixes at 64 filters: 48.6M "
                        "weights at 32×32 pixels, too large for the catalogue's CI budget"),
-    "BLIP2Backbone": _composite_reason("a vision encoder + a Q-Former + a language model"),
-    "DFineBackbone": _composite_reason("an HGNetV2 backbone + a detection transformer with denoising queries"),
-    "PARSeqBackbone": _composite_reason("an image encoder + a permuted autoregressive decoder"),
     "SAM3PromptableConceptBackbone": _composite_reason(
         "vision, text and geometry encoders + a DETR encoder/decoder + a mask decoder"),
-    "StableDiffusion3Backbone": _composite_reason("an MMDiT + a VAE + CLIP-L/CLIP-G (+ T5) text encoders"),
+    "StableDiffusion3Backbone": ("its graph is one classifier-free-guided sampling step, not a training forward pass: "
+                                 "it reads num_steps[0] and guidance_scale[0] (example 0's values for the whole "
+                                 "batch) and runs its MMDiT on 2P rows (each prompt and its negative stacked on the "
+                                 "batch axis; stable_diffusion_3_backbone.py), so an example's output depends on "
+                                 "example 0 unless every example shares those two inputs; and its parts (an MMDiT, "
+                                 "a VAE, CLIP-L/CLIP-G (+ T5) text encoders) have no tiny offline config here yet"),
     "FluxBackbone": ("a diffusion transformer whose inputs are latents, text embeddings, position ids and a "
                      "timestep: no per-example classification target to attach a head to without a sampler"),
-    "Gemma3nBackbone": _composite_reason("a text decoder with AltUp/Laurel blocks + optional vision and audio "
-                                          "encoder configs"),
-    "Gemma4Backbone": _composite_reason("a text decoder with per-layer inputs + optional vision and audio encoders"),
-    "T5Gemma2Backbone": _composite_reason("a T5Gemma encoder-decoder + an optional vision encoder"),
 }
 
 
@@ -362,6 +409,8 @@ def _data(backbone, rng, lengths_of=None):
                     value[i, shape[1] - (i % 3):] = 0
             elif "segment" in name:
                 value = np.zeros(shape, dtype)
+            elif "position" in name and len(shape) == 2:  # position ids (Gemma4): 0, 1, 2, … in each example
+                value = np.tile(np.arange(shape[1], dtype=dtype), (P, 1))
             else:
                 value = rng.integers(1, V, size=shape).astype(dtype)
                 if len(shape) == 2:
@@ -370,12 +419,9 @@ def _data(backbone, rng, lengths_of=None):
             out[name] = value
         else:
             out[name] = rng.normal(size=shape).astype(dtype)
-    spec = backbone.input
-    if not isinstance(spec, (dict, list, tuple)):
+    if not isinstance(backbone.input, (dict, list, tuple)):
         return out["x"]
-    if isinstance(spec, (list, tuple)):
-        return [out[t.name] for t in spec]
-    return out
+    return out  # a list of inputs too is fed by name (see _head): tf.data maps no lists
 
 
 def _embeddings(backbone, inputs):
@@ -404,7 +450,10 @@ FEATURES = {**{name: _embeddings for name in ("CLIPBackbone", "MetaCLIP2Backbone
 
 def _head(backbone, dtype, features=None):
     inputs = backbone.input
-    found = features(backbone, inputs) if features else backbone(inputs)
+    if isinstance(inputs, (list, tuple)):  # a list of inputs (Gemma3n): the classifier takes them by name
+        inputs = _inputs(backbone)
+    found = features(backbone, inputs) if features else backbone(list(inputs.values()) if isinstance(
+        backbone.input, (list, tuple)) else inputs)
     outputs = [t for t in keras.tree.flatten(found)
                if "float" in keras.backend.standardize_dtype(t.dtype) and len(t.shape) >= 3 or
                (len(t.shape) == 2 and t.shape[-1] is not None and "float" in keras.backend.standardize_dtype(t.dtype))]
