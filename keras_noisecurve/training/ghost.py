@@ -113,12 +113,12 @@ def plan(model, like=None):
         if id(layer) in seen:
             return
         seen.add(id(layer))
-        if not layer.trainable_variables:
-            # nothing to clip here or below: a frozen layer, one without weights, or one created
-            # but never called (unbuilt, e.g. EfficientNet's unused squeeze-and-excite convolutions,
-            # whose rules could not even read their kernels)
+        if not layer.built and not layer.variables:
+            # created but never called (EfficientNet's unused squeeze-and-excite convolutions):
+            # no weights to clip, and its rules could not even read its kernel. A frozen layer is
+            # still visited: KerasHub's LoRA freezes a layer whose sublayers' biases still train.
             return
-        if _is_batch_norm(layer) and layer.trainable:
+        if _is_batch_norm(layer) and layer.trainable and layer.trainable_variables:
             raise ValueError(
                 f"{_layer_label(layer)} normalises with batch statistics in training mode, "
                 "which mixes examples: per-example clipping is not defined for it "
