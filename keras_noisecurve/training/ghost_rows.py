@@ -99,7 +99,7 @@ def probe(model, like=None):
     """
     cached = _CACHE.get(model)
     if cached is not None and (cached or like is None):
-        return cached or None
+        return _strong(cached) or None
     specs = _input_specs(model, like if cached is not None else None)
     result = {}
     if specs is not None:
@@ -135,8 +135,16 @@ def probe(model, like=None):
                         layer.__dict__.pop("call", None)
                     else:
                         object.__setattr__(layer, "call", own)
-    _CACHE[model] = result
+    # The cache holds the enclosing layers by weak reference: a strong one would keep the
+    # model (its own key, the outermost enclosing layer) and its variables alive for good.
+    _CACHE[model] = {key: [(i, o, [weakref.ref(c) for c in enclosing]) for i, o, enclosing in seen]
+                     for key, seen in result.items()}
     return result or None
+
+
+def _strong(cached):
+    """The probe result held weakly in ``_CACHE``, with its enclosing layers dereferenced."""
+    return {key: [(i, o, [r() for r in enclosing]) for i, o, enclosing in seen] for key, seen in cached.items()}
 
 
 def _examples(rows_in, rows_out, root=False) -> bool:

@@ -236,3 +236,22 @@ def test_optimizer_config_round_trip_on_jax():
     again = NoiseCurveOptimizer.from_config(opt.get_config())
     assert again.get_config() == opt.get_config()
     assert again.run.same_plan(run) and isinstance(again.inner, keras.optimizers.Adam)
+
+
+@pytest.mark.parametrize("clipping", ["ghost", "vectorized"])
+def test_a_model_trained_privately_is_freed_once_the_user_drops_it(clipping):
+    # no cache of the library keeps the model, its variables or its compiled step alive
+    import gc
+    import weakref
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(8, 4)).astype("float32"), rng.normal(size=(8, 1)).astype("float32")
+    model = _tiny()
+    private = make_private(model, clipping=clipping)
+    private.compile(optimizer=NoiseCurveOptimizer(learning_rate=0.1, l2_norm_clip=1.0, noise_multiplier=1.0,
+                                                  expected_batch_size=4, seed=0), loss="mse")
+    private.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    refs = [weakref.ref(model), weakref.ref(private)]
+    del model, private
+    gc.collect()
+    assert [r() for r in refs] == [None, None]

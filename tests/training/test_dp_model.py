@@ -189,3 +189,22 @@ def test_unbuilt_subclassed_model_builds_on_first_step(data):
     model.fit(x[:B], y[:B], batch_size=B, verbose=0)
     assert int(model.optimizer.iterations.numpy()) == 1
     assert len(model.trainable_variables) == 4
+
+
+@pytest.mark.parametrize("clipping", ["ghost", "vectorized"])
+def test_a_model_trained_privately_is_freed_once_the_user_drops_it(clipping, data):
+    # A cache that held the model strongly (the ghost engine's per-model probe once did,
+    # through its chains of enclosing layers) kept every model, its variables and its
+    # traced steps alive for the life of the process.
+    import gc
+    import weakref
+
+    x, y = data
+    model = _sequential()
+    private = make_private(model, clipping=clipping)
+    private.compile(optimizer=_opt(), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    private.fit(x, y, batch_size=B, epochs=1, verbose=0)
+    refs = [weakref.ref(model), weakref.ref(private)]
+    del model, private
+    gc.collect()
+    assert [r() for r in refs] == [None, None]
