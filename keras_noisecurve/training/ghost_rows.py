@@ -40,6 +40,7 @@ import weakref
 import tensorflow as tf
 
 from keras_noisecurve import _compat
+from keras_noisecurve.backend.calls import wrapped_calls
 
 __all__ = ["PROBE_BATCH", "callers", "probe"]
 
@@ -121,20 +122,12 @@ def probe(model, like=None):
             return call
 
         with _LOCK:
-            saved = [(layer, layer.__dict__.get("call")) for layer in layers]
             try:
-                for layer in layers:
-                    object.__setattr__(layer, "call", wrap(layer, layer.call))
-                tf.function(lambda x: tf.nest.flatten(model(x, training=False))).get_concrete_function(specs)
+                with wrapped_calls(layers, wrap=wrap):
+                    tf.function(lambda x: tf.nest.flatten(model(x, training=False))).get_concrete_function(specs)
                 result = found
             except Exception:  # noqa: BLE001 — a model that cannot be traced here is checked at step time
                 result = {}
-            finally:
-                for layer, own in saved:
-                    if own is None:
-                        layer.__dict__.pop("call", None)
-                    else:
-                        object.__setattr__(layer, "call", own)
     # The cache holds the enclosing layers by weak reference: a strong one would keep the
     # model (its own key, the outermost enclosing layer) and its variables alive for good.
     _CACHE[model] = {key: [(i, o, [weakref.ref(c) for c in enclosing]) for i, o, enclosing in seen]

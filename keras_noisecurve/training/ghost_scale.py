@@ -26,72 +26,30 @@ Shapes: P examples, d the width of the last axis.
 
 from __future__ import annotations
 
-import threading
-import weakref
-
 import keras
 import numpy as np
 import tensorflow as tf
 
 from keras_noisecurve import _compat
+from keras_noisecurve.backend import affine_scale
 from keras_noisecurve.training.ghost_common import Rule, norm_dtype, per_example_sq, weighted_sum
 
 __all__ = ["ComputedScaleRule", "PReLURule", "probe_affine_scale"]
 
 #: the probing input: PROBE_SHAPE + (d,), P = 2 examples of 3 positions
-PROBE_SHAPE = (2, 3)
-#: relative tolerance of the affinity check, by the layer's compute dtype (float64 layers
-#: may compute in float32 inside, e.g. Gemma's norm; what is not affine misses by O(1))
-_TOLERANCE = {"float64": 1e-4, "float32": 1e-4, "float16": 3e-2, "bfloat16": 3e-2}
-
-_LOCK = threading.Lock()
-_PROBED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # layer -> (id(weight), bool)
+PROBE_SHAPE = affine_scale.PROBE_SHAPE
 
 
-def _single_weight(layer):
-    """The layer's one weight if it has exactly one in all (own and sublayers', trainable or
-    not), trainable, of shape (d,) with d known; else ``None``."""
-    weights = list(layer.weights)
-    own = list(_compat.own_trainable_variables(layer))
-    if len(weights) != 1 or len(own) != 1 or weights[0] is not own[0]:
-        return None
-    w = own[0]
-    if len(w.shape) != 1 or w.shape[0] is None or not w.trainable:
-        return None
-    return w
-
-
-def _outputs(layer, x, weight, value):
-    with keras.StatelessScope(state_mapping=[(weight, tf.constant(value, dtype=weight.dtype))]):
-        y = layer(x)
+def _outputs(layer, weight, value, x):
+    """The layer's output (float64 numpy) on ``x`` (float32) with ``weight`` read as ``value``."""
+    with keras.StatelessScope(state_mapping=[(weight, tf.constant(value.astype(weight.dtype), dtype=weight.dtype))]):
+        y = layer(x.astype("float32"))
     if isinstance(y, (list, tuple, dict)):
         raise TypeError("more than one output")
     return np.asarray(keras.ops.convert_to_numpy(keras.ops.cast(y, "float64")))
 
 
-def _affine(layer, weight) -> bool:
-    d = int(weight.shape[0])
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(*PROBE_SHAPE, d)).astype("float32")
-    # four weight vectors, far apart entry by entry (|a − b| ≥ 1), none near 0 or −1
-    a = rng.uniform(0.5, 1.5, d)
-    b = -rng.uniform(2.0, 3.0, d)
-    c = rng.uniform(2.0, 3.0, d)
-    e = -rng.uniform(0.2, 0.4, d)
-    ys = [_outputs(layer, x, weight, v.astype(weight.dtype)) for v in (a, b, c, e)]
-    if any(y.shape != x.shape or not np.all(np.isfinite(y)) for y in ys):
-        return False
-    ya, yb, yc, ye = ys
-    u = (ya - yb) / (a - b)  # the slope, if y = u ⊙ (α + w)
-    scale = max(float(np.max(np.abs(y))) for y in ys)
-    if not scale > 0 or not float(np.max(np.abs(u))) > 0:
-        return False
-    tol = _TOLERANCE.get(str(layer.compute_dtype), 3e-2) * scale
-    if any(np.max(np.abs(y - (ya + u * (v - a)))) > tol for y, v in ((yc, c), (ye, e))):
-        return False
-    # one row per example: example 0 alone gives the same rows
-    first = _outputs(layer, x[:1], weight, a.astype(weight.dtype))
-    return bool(np.max(np.abs(first - ya[:1])) <= tol)
+_PROBE = affine_scale.AffineScaleProbe(outputs=_outputs, scope=tf.init_scope)
 
 
 def probe_affine_scale(layer) -> bool:
@@ -104,22 +62,10 @@ def probe_affine_scale(layer) -> bool:
     other two outputs must be ``y_a + u ⊙ (w − a)`` to a tolerance of the compute dtype
     (relative 1e-4 float64/float32, 3e-2 float16/bfloat16, of the largest output), the
     output must have the input's shape, and example 0 alone must give the same rows.
-    Any exception of the call counts as "no" (the per-layer fallback).
+    Any exception of the call counts as "no" (the per-layer fallback). The decision is
+    :func:`keras_noisecurve.backend.affine_scale.affine_in_weight`, shared with the JAX engine.
     """
-    weight = _single_weight(layer)
-    if weight is None or not layer.built:
-        return False
-    with _LOCK:
-        cached = _PROBED.get(layer)
-        if cached is not None and cached[0] == id(weight):
-            return cached[1]
-        try:
-            with tf.init_scope():
-                result = _affine(layer, weight)
-        except Exception:  # noqa: BLE001 — a call the probe cannot run is left to the fallback
-            result = False
-        _PROBED[layer] = (id(weight), result)
-        return result
+    return _PROBE(layer)
 
 
 class ComputedScaleRule(Rule):

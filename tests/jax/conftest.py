@@ -18,3 +18,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if str(item.fspath).startswith(here):
             item.add_marker(skip)
+
+
+@pytest.fixture
+def fallbacks(monkeypatch):
+    """The names of the layers the JAX ghost engine sent to its per-layer fallback (trace time,
+    in order; a caller clipped whole is one of them)."""
+    from tests.jax.helpers import spy_fallback
+
+    names = []
+    spy_fallback(monkeypatch, lambda layer: names.append(layer.name))
+    return names

@@ -49,3 +49,18 @@ def reference_clipped_sum(model, x, y, weights, clip, loss=mse_per_example):
 
 def weights_of(model):
     return [np.array(keras.ops.convert_to_numpy(v.value)) for v in model.trainable_variables]
+
+
+def spy_fallback(monkeypatch, record):
+    """Make the JAX ghost engine call ``record(layer)`` for every layer (or caller clipped
+    whole) it sends to its per-layer fallback, at trace time, before the fallback itself runs
+    unchanged (``ghost._fallback`` wrapped through ``monkeypatch``, undone after the test)."""
+    from keras_noisecurve.backend.jax import ghost
+
+    original = ghost._fallback
+
+    def spying(model, layer, *args, **kwargs):
+        record(layer)
+        return original(model, layer, *args, **kwargs)
+
+    monkeypatch.setattr(ghost, "_fallback", spying)

@@ -2,9 +2,9 @@
 against the INDEPENDENT per-example loop of tests/jax/helpers.reference_clipped_sum (one
 ``jax.grad`` of the model's ``stateless_call`` per example, clipping in float64 numpy).
 
-Every test also records which layers went through the engine's per-layer fallback (by
-wrapping ``ghost._fallback``): a ruled layer must not, an unruled one (channels_first) must,
-and stay exact.
+Every test also records which layers went through the engine's per-layer fallback (the
+``fallbacks`` fixture of tests/jax/conftest.py): a ruled layer must not, an unruled one
+(channels_first) must, and stay exact.
 
 Tolerance: float32. The ghost engine computes its norms in float32 by design (``ghost.py``
 accumulates ``sq`` in float32), so running the models in float64 would not test more digits
@@ -24,7 +24,6 @@ import keras
 import numpy as np
 import pytest
 
-from keras_noisecurve.backend.jax import ghost
 from keras_noisecurve.backend.jax.ghost import ghost_clipped_sum
 from keras_noisecurve.backend.jax.ghost_conv import explicit_padding, grouped_sq_norms, window_patches
 from tests.jax.helpers import mse_per_example, reference_clipped_sum
@@ -33,20 +32,6 @@ from tests.jax.helpers import mse_per_example, reference_clipped_sum
 def _vectorized(*args, **kwargs):
     from keras_noisecurve.backend.jax.dp_model import clipped_sum
     return clipped_sum(*args, **kwargs)
-
-
-@pytest.fixture
-def fallbacks(monkeypatch):
-    """The names of the layers the engine sent to its per-layer fallback (while tracing)."""
-    seen = []
-    original = ghost._fallback
-
-    def recording(model, layer, *args, **kwargs):
-        seen.append(layer.name)
-        return original(model, layer, *args, **kwargs)
-
-    monkeypatch.setattr(ghost, "_fallback", recording)
-    return seen
 
 
 def _compare(model, x, y, rtol=1e-4):

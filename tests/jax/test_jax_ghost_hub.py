@@ -20,26 +20,22 @@ import pytest
 from keras_noisecurve.backend.jax import ghost
 from keras_noisecurve.backend.jax.ghost import ghost_clipped_sum
 from keras_noisecurve.backend.jax.ghost_hub import probe_affine_scale
-from tests.jax.helpers import mse_per_example, reference_clipped_sum
+from tests.jax.helpers import mse_per_example, reference_clipped_sum, spy_fallback
 
 
 @pytest.fixture
 def handled(monkeypatch):
     """``{id(layer): rule name or "fallback"}`` of the next traced steps."""
     seen = {}
-    find_rule, fallback = ghost.find_rule, ghost._fallback
+    find_rule = ghost.find_rule
 
     def spy_rule(layer, calls):
         result = find_rule(layer, calls)
         seen[id(layer)] = result[0] if result is not None else "fallback"
         return result
 
-    def spy_fallback(model, layer, *args, **kwargs):
-        seen[id(layer)] = "fallback"
-        return fallback(model, layer, *args, **kwargs)
-
     monkeypatch.setattr(ghost, "find_rule", spy_rule)
-    monkeypatch.setattr(ghost, "_fallback", spy_fallback)
+    spy_fallback(monkeypatch, lambda layer: seen.__setitem__(id(layer), "fallback"))
     return seen
 
 

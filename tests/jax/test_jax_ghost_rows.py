@@ -21,9 +21,8 @@ import numpy as np
 import pytest
 
 from keras_noisecurve import NoiseCurveOptimizer, make_private
-from keras_noisecurve.backend.jax import ghost
 from keras_noisecurve.backend.jax.ghost import ghost_clipped_sum
-from tests.jax.helpers import mse_per_example, reference_clipped_sum, weights_of
+from tests.jax.helpers import mse_per_example, reference_clipped_sum, spy_fallback, weights_of
 
 
 def _sce(y_true, y_pred):
@@ -35,20 +34,6 @@ def _weights(n):
     w[1] = 0.0  # a padding row
     w[2] = 0.5  # a sample weight
     return w
-
-
-@pytest.fixture
-def whole(monkeypatch):
-    """The names of the layers the engine clipped through its per-layer fallback (trace time)."""
-    names = []
-    original = ghost._fallback
-
-    def watching(model, layer, *args, **kwargs):
-        names.append(layer.name)
-        return original(model, layer, *args, **kwargs)
-
-    monkeypatch.setattr(ghost, "_fallback", watching)
-    return names
 
 
 def _compare(model, x, y, weights, loss=mse_per_example, clip=None):
@@ -160,7 +145,7 @@ class _Unrows(keras.layers.Layer):
         return (None, self.length * shape[-1])
 
 
-def test_a_reshape_to_token_rows_inside_a_block_is_clipped_through_the_block(whole):
+def test_a_reshape_to_token_rows_inside_a_block_is_clipped_through_the_block(fallbacks):
     keras.utils.set_random_seed(1)
     inputs = keras.Input((4, 5))
     h = keras.layers.Flatten()(_TokenRows(name="rows_block")(inputs))
@@ -168,10 +153,10 @@ def test_a_reshape_to_token_rows_inside_a_block_is_clipped_through_the_block(who
     rng = np.random.default_rng(1)
     x, y = rng.normal(size=(5, 4, 5)).astype("float32"), rng.normal(size=(5, 2)).astype("float32")
     _compare(model, x, y, _weights(5))
-    assert whole == ["rows_block"]  # the block clipped whole, with its Dense's weights; the head by its rule
+    assert fallbacks == ["rows_block"]  # the block clipped whole, with its Dense's weights; the head by its rule
 
 
-def test_a_broadcast_batch_1_weighted_call_is_clipped_through_its_layer(whole):
+def test_a_broadcast_batch_1_weighted_call_is_clipped_through_its_layer(fallbacks):
     keras.utils.set_random_seed(2)
     inputs = keras.Input((4, 5))
     h = _Broadcast(4, 5, name="broadcast")(keras.layers.Dense(5)(inputs))
@@ -179,20 +164,20 @@ def test_a_broadcast_batch_1_weighted_call_is_clipped_through_its_layer(whole):
     rng = np.random.default_rng(2)
     x, y = rng.normal(size=(6, 4, 5)).astype("float32"), rng.normal(size=(6, 2)).astype("float32")
     _compare(model, x, y, _weights(6))
-    assert whole == ["broadcast"]
+    assert fallbacks == ["broadcast"]
 
 
-def test_a_weighted_layer_in_a_control_flow_body_is_clipped_through_the_looping_layer(whole):
+def test_a_weighted_layer_in_a_control_flow_body_is_clipped_through_the_looping_layer(fallbacks):
     keras.utils.set_random_seed(3)
     inputs = keras.Input((5,))
     model = keras.Model(inputs, keras.layers.Dense(2)(_Loop(name="loop")(inputs)))
     rng = np.random.default_rng(3)
     x, y = rng.normal(size=(6, 5)).astype("float32"), rng.normal(size=(6, 2)).astype("float32")
     _compare(model, x, y, _weights(6))
-    assert whole == ["loop"]
+    assert fallbacks == ["loop"]
 
 
-def test_a_tied_head_inside_one_block_is_clipped_through_the_block(whole):
+def test_a_tied_head_inside_one_block_is_clipped_through_the_block(fallbacks):
     keras.utils.set_random_seed(4)
     tokens = keras.Input((4,), dtype="int32")
     model = keras.Model(tokens, _TiedBlock(name="tied")(tokens))
@@ -201,10 +186,10 @@ def test_a_tied_head_inside_one_block_is_clipped_through_the_block(whole):
     x[:, 0] = 3  # a repeated token
     y = rng.normal(size=(6, 7)).astype("float32")
     _compare(model, x, y, _weights(6))
-    assert whole == ["tied"]
+    assert fallbacks == ["tied"]
 
 
-def test_a_caller_output_with_k_rows_per_example_is_split_example_major(whole):
+def test_a_caller_output_with_k_rows_per_example_is_split_example_major(fallbacks):
     keras.utils.set_random_seed(5)
     inputs = keras.Input((3, 4))
     h, logits = _Router(name="router_block")(inputs)
@@ -213,7 +198,7 @@ def test_a_caller_output_with_k_rows_per_example_is_split_example_major(whole):
     rng = np.random.default_rng(5)
     x, y = rng.normal(size=(5, 3, 4)).astype("float32"), rng.normal(size=(5, 2)).astype("float32")
     _compare(model, x, y, _weights(5))
-    assert whole == ["router_block"]
+    assert fallbacks == ["router_block"]
 
 
 def test_private_training_of_a_token_rows_model_with_ghost_equals_vectorized():
@@ -247,13 +232,7 @@ def test_a_tiny_keras_hub_backbone_with_rows_that_are_not_examples(name, caller_
 
     case = catalogue.make_case(name, dtype="float32", seed=0)
     classes = []
-    original = ghost._fallback
-
-    def watching(model, layer, *args, **kwargs):
-        classes.append(type(layer).__name__)
-        return original(model, layer, *args, **kwargs)
-
-    monkeypatch.setattr(ghost, "_fallback", watching)
+    spy_fallback(monkeypatch, lambda layer: classes.append(type(layer).__name__))
     weights = _weights(catalogue.P)
     _compare(case.model, case.x, case.y.astype("int32"), weights, loss=_sce)
     assert caller_class in classes

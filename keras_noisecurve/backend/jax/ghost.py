@@ -49,12 +49,14 @@ layers are targets whole from the start (:func:`targets`).
 from __future__ import annotations
 
 import contextlib
+import itertools
 
 import jax
 import jax.numpy as jnp
 import keras
 
 from keras_noisecurve import _compat
+from keras_noisecurve.backend.calls import wrapped_calls
 from keras_noisecurve.backend.jax import ghost_rows
 from keras_noisecurve.backend.jax.ghost_rules import find_rule, kept, uses_pre_activation
 
@@ -196,24 +198,18 @@ def _without_activation(layer, original, args, kwargs):
 @contextlib.contextmanager
 def _recording(recorder):
     """Replace the ``call`` of every recorded layer instance (trace time only)."""
-    saved = []
-    try:
-        for index, layer in enumerate(recorder.layers):
-            had = "call" in vars(layer)
-            original = layer.call
+    positions = itertools.count()  # wrap is called once per layer, in order: its index in recorder.layers
 
-            def wrapped(*args, _index=index, _original=original, **kwargs):
-                return recorder.call(_index, _original, args, kwargs)
+    def wrap(layer, original):
+        index = next(positions)
 
-            saved.append((layer, had, original))
-            object.__setattr__(layer, "call", wrapped)
+        def wrapped(*args, **kwargs):
+            return recorder.call(index, original, args, kwargs)
+
+        return wrapped
+
+    with wrapped_calls(recorder.layers, wrap=wrap):
         yield recorder
-    finally:
-        for layer, had, original in reversed(saved):
-            if had:
-                object.__setattr__(layer, "call", original)
-            else:
-                object.__delattr__(layer, "call")
 
 
 def _rebuild(call, arrays):

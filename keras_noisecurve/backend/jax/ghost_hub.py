@@ -46,15 +46,13 @@ from __future__ import annotations
 
 import string
 import sys
-import threading
-import weakref
 
 import jax
 import jax.numpy as jnp
 import keras
 import numpy as np
 
-from keras_noisecurve import _compat
+from keras_noisecurve.backend import affine_scale
 from keras_noisecurve.backend.jax.ghost_forms import kept, parse_einsum, sequence_sq_norms, token_sq_norms
 
 __all__ = ["HUB_RULES", "lora_rule", "position_embedding_rule", "probe_affine_scale", "reversible_embedding_rule",
@@ -177,59 +175,20 @@ def lora_rule(layer, calls):
 
 # --- RMS-type norms, recognised by computation ---------------------------------------------
 
-#: the probing input: (2 examples, 3 positions, …, d)
-_PROBE_LEAD = (2, 3)
-#: relative tolerance of the affinity check by compute dtype (what is not affine misses by O(1))
-_TOLERANCE = {"float64": 1e-4, "float32": 1e-4, "float16": 3e-2, "bfloat16": 3e-2}
-_LOCK = threading.Lock()
-_PROBED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # layer -> (id(weight), bool)
-
-
-def _single_weight(layer):
-    """The layer's one weight if it has exactly one in all (own and sublayers', trainable or
-    not), trainable, of shape (d,); else ``None``."""
-    weights = list(layer.weights)
-    own = list(_compat.own_trainable_variables(layer))
-    if len(weights) != 1 or len(own) != 1 or weights[0] is not own[0]:
-        return None
-    w = own[0]
-    if len(w.shape) != 1 or w.shape[0] is None or not w.trainable:
-        return None
-    return w
-
-
 def _with_weight(layer, weight, value, x):
     with keras.StatelessScope(state_mapping=[(weight, value)]):
         return layer.call(x)
 
 
-def _affine(layer, weight):
-    d = int(weight.shape[0])
-    rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.normal(size=(*_PROBE_LEAD, d)), layer.compute_dtype)
-    # four weight vectors, far apart entry by entry (|a − b| ≥ 1), none near 0 or −1
-    vectors = [rng.uniform(0.5, 1.5, d), -rng.uniform(2.0, 3.0, d), rng.uniform(2.0, 3.0, d),
-               -rng.uniform(0.2, 0.4, d)]
+def _outputs(layer, weight, value, x):
+    """The layer's output (float64 numpy) on ``x`` in its compute dtype, ``weight`` read as ``value``."""
+    y = _with_weight(layer, weight, jnp.asarray(value, weight.dtype), jnp.asarray(x, layer.compute_dtype))
+    if not hasattr(y, "shape"):
+        raise TypeError("not one array output")
+    return np.asarray(y, np.float64)
 
-    def outputs(v, inputs):
-        y = _with_weight(layer, weight, jnp.asarray(v, weight.dtype), inputs)
-        if not hasattr(y, "shape"):
-            raise TypeError("not one array output")
-        return np.asarray(y, np.float64)
 
-    ys = [outputs(v, x) for v in vectors]
-    if any(y.shape != x.shape or not np.all(np.isfinite(y)) for y in ys):
-        return False
-    (ya, yb, yc, ye), (a, b, c, e) = ys, vectors
-    u = (ya - yb) / (a - b)  # the slope, if y = u ⊙ (α + w)
-    scale = max(float(np.max(np.abs(y))) for y in ys)
-    if not scale > 0 or not float(np.max(np.abs(u))) > 0:
-        return False
-    tol = _TOLERANCE.get(str(layer.compute_dtype), 3e-2) * scale
-    if any(np.max(np.abs(y - (ya + u * (v - a)))) > tol for y, v in ((yc, c), (ye, e))):
-        return False
-    first = outputs(a, x[:1])  # one row per example: example 0 alone gives the same rows
-    return bool(np.max(np.abs(first - ya[:1])) <= tol)
+_PROBE = affine_scale.AffineScaleProbe(outputs=_outputs, scope=jax.ensure_compile_time_eval)
 
 
 def probe_affine_scale(layer) -> bool:
@@ -242,22 +201,10 @@ def probe_affine_scale(layer) -> bool:
     elementwise, the other two outputs must be ``y_a + u ⊙ (w − a)`` to a tolerance of the
     compute dtype (relative 1e-4 float32/float64, 3e-2 float16/bfloat16, of the largest output),
     the output must have the input's shape, and example 0 alone must give the same rows. Any
-    exception of the call counts as "no" (the per-layer fallback).
+    exception of the call counts as "no" (the per-layer fallback). The decision is
+    :func:`keras_noisecurve.backend.affine_scale.affine_in_weight`, shared with the TensorFlow engine.
     """
-    weight = _single_weight(layer)
-    if weight is None or not layer.built:
-        return False
-    with _LOCK:
-        cached = _PROBED.get(layer)
-        if cached is not None and cached[0] == id(weight):
-            return cached[1]
-        try:
-            with jax.ensure_compile_time_eval():
-                result = _affine(layer, weight)
-        except Exception:  # noqa: BLE001 - a call the probe cannot run is left to the fallback
-            result = False
-        _PROBED[layer] = (id(weight), result)
-        return result
+    return _PROBE(layer)
 
 
 def rms_scale_rule(layer, calls):
@@ -267,7 +214,7 @@ def rms_scale_rule(layer, calls):
         return None
     if not probe_affine_scale(layer):
         return None
-    weight = _single_weight(layer)
+    weight = affine_scale.single_weight(layer)
     d = int(weight.shape[0])
     value = jnp.asarray(weight.value)  # the step's traced value (engine scope)
     p = calls[0]["g"].shape[0]

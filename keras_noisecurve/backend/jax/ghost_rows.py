@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 
 from keras_noisecurve import _compat
+from keras_noisecurve.backend.calls import wrapped_calls
 
 __all__ = ["Probe", "is_leak", "rows_ok"]
 
@@ -90,24 +91,14 @@ class Probe:
     def installed(self):
         """Wrap the ``call`` of every layer instance (trace time only; restored on exit).
         Enter it before the engine's own recording, which then wraps these wrappers."""
-        saved = []
-        try:
-            for layer in self.layers:
-                had = "call" in vars(layer)
-                original = layer.call
+        def wrap(layer, original):
+            def wrapped(*args, **kwargs):
+                return self._call(layer, original, args, kwargs)
 
-                def wrapped(*args, _layer=layer, _original=original, **kwargs):
-                    return self._call(_layer, _original, args, kwargs)
+            return wrapped
 
-                saved.append((layer, had, original))
-                object.__setattr__(layer, "call", wrapped)
+        with wrapped_calls(self.layers, wrap=wrap):
             yield self
-        finally:
-            for layer, had, original in reversed(saved):
-                if had:
-                    object.__setattr__(layer, "call", original)
-                else:
-                    object.__delattr__(layer, "call")
 
     def _call(self, layer, original, args, kwargs):
         first = next((a for a in jax.tree_util.tree_leaves((args, kwargs)) if _array(a) and len(a.shape)), None)

@@ -1,0 +1,62 @@
+"""Wrapping the ``call`` of layer instances for a while (no framework import).
+
+The ghost-clipping engines watch a model's forward pass by replacing, on each layer
+INSTANCE (never its class), the ``call`` method with a wrapper, and putting everything
+back afterwards: the JAX engine's recording (:mod:`keras_noisecurve.backend.jax.ghost`) and
+its rows probe (:mod:`keras_noisecurve.backend.jax.ghost_rows`), the TensorFlow engine's
+rows probe (``keras_noisecurve/training/ghost_rows.py``). :func:`wrapped_calls` is the one
+way they do it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+__all__ = ["wrapped_calls"]
+
+_MISSING = object()
+
+
+@contextlib.contextmanager
+def wrapped_calls(layers, *, wrap):
+    """Within the ``with`` block, each layer of ``layers`` has its instance ``call`` set to
+    ``wrap(layer, original)``, ``original`` being what ``layer.call`` was just before (its
+    bound method, or a ``call`` the instance already had, e.g. an enclosing wrapper).
+
+    Args:
+      layers: an iterable of Keras layers, wrapped in its order (a layer given twice is
+        wrapped twice, the second wrapper around the first).
+      wrap: ``wrap(layer, original) -> callable``, the callable that stands for the
+        layer's ``call`` (called with the call's positional and keyword arguments).
+
+    On exit, normal or by an exception (also one raised by ``wrap`` part way), every
+    wrapped layer's instance dictionary is restored exactly, in reverse order: a layer
+    that had its own ``call`` entry gets that same object back, a layer that had none
+    has the entry removed (its class's ``call`` shows through again). The entries are set
+    and removed with ``object.__setattr__``/``object.__delattr__``, past Keras's
+    attribute tracking. Yields nothing.
+
+    Raises:
+      TypeError: ``wrap`` is not callable, or it returned something that is not.
+    """
+    if not callable(wrap):
+        raise TypeError(f"wrap must be a callable wrap(layer, original) -> callable, but got {wrap!r}")
+    saved = []
+    try:
+        for layer in layers:
+            own = vars(layer).get("call", _MISSING)
+            replacement = wrap(layer, layer.call)
+            if not callable(replacement):
+                raise TypeError(
+                    f"wrap(layer, original) must return a callable to stand for the call of layer "
+                    f"{getattr(layer, 'name', layer)!r}, but it returned {replacement!r}"
+                )
+            saved.append((layer, own))
+            object.__setattr__(layer, "call", replacement)
+        yield
+    finally:
+        for layer, own in reversed(saved):
+            if own is _MISSING:
+                object.__delattr__(layer, "call")
+            else:
+                object.__setattr__(layer, "call", own)
