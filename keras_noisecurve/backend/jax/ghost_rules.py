@@ -42,6 +42,7 @@ import keras
 from keras_noisecurve.backend.jax.ghost_conv import CONV_RULES, PRE_ACTIVATION
 from keras_noisecurve.backend.jax.ghost_forms import kept, parse_einsum, sequence_sq_norms, token_sq_norms
 from keras_noisecurve.backend.jax.ghost_hub import HUB_RULES
+from keras_noisecurve.backend.jax.ghost_rnn import RNN_RULES
 
 __all__ = ["RULES", "find_rule", "kept", "sequence_sq_norms", "token_sq_norms", "uses_pre_activation"]
 
@@ -219,7 +220,8 @@ def _affine(layer, x_hat, g):
 
 
 #: The rules, tried in order; the first that returns a result is used.
-RULES = (dense_rule, einsum_dense_rule, embedding_rule, layer_norm_rule, group_norm_rule, *CONV_RULES, *HUB_RULES)
+RULES = (dense_rule, einsum_dense_rule, embedding_rule, layer_norm_rule, group_norm_rule, *CONV_RULES, *HUB_RULES,
+         *RNN_RULES)
 
 
 def find_rule(layer, calls):
