@@ -191,6 +191,20 @@ def test_initial_state_from_another_input_and_a_shared_recurrent_layer(fallbacks
     assert len(ruled) == 2
 
 
+def test_mixed_bfloat16_norms_and_sums(fallbacks, ruled):
+    """bfloat16 compute with float32 variables: the rule recomputes the recurrence in float32 from
+    the recorded bfloat16 input and gradient. Both sides round the forward pass to bfloat16 in
+    different orders: rtol 3e-2 (a wrong rule is off by > 0.1)."""
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    try:
+        model = _sequence_model(keras.layers.LSTM(4, return_sequences=True), keras.layers.GRU(3), seed=7)
+        assert model.layers[1].compute_dtype == "bfloat16"
+        _compare(model, *_data(model, seed=7), rtol=3e-2)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    assert fallbacks == [] and len(ruled) == 2
+
+
 class _PeepCell(keras.layers.SimpleRNNCell):
     """A subclassed cell (the rule takes exact Keras cells only)."""
 
