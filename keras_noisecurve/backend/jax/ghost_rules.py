@@ -31,6 +31,10 @@ gradient of the layer's own weights, ``sums(c, keep=None)`` a dict ``{id(variabl
   gamma gradient ``Σ_l x̂_il ⊙ g_il``, beta ``Σ_l g_il``.
 * GroupNormalization with channels last: the same, with mean and variance over the
   positions and the channels of each group.
+
+Registered from other modules: convolutions (:mod:`~keras_noisecurve.backend.jax.ghost_conv`),
+LoRA, RMS norms and KerasHub's embeddings (:mod:`~keras_noisecurve.backend.jax.ghost_hub`) and
+recurrent layers (:mod:`~keras_noisecurve.backend.jax.ghost_rnn`).
 """
 
 from __future__ import annotations
