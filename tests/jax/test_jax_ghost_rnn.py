@@ -247,3 +247,30 @@ def test_the_rule_declines_what_it_does_not_handle():
     assert ghost_rnn.recurrent_rule(layer, [call]) is None  # a mask that is not (P, L)
     call["args"] = ((jnp.asarray(x),), {"initial_state": [jnp.zeros((1, 2)), jnp.zeros((1, 2))]})
     assert ghost_rnn.recurrent_rule(layer, [call]) is None  # a broadcast initial state
+
+
+def test_a_private_step_with_a_non_finite_example_equals_the_vectorized_engine(fallbacks, ruled):
+    """``make_private(clipping="ghost")`` takes one step on an LSTM → GRU model whose update equals the
+    exact vectorized engine's (``jax.vmap`` of the whole model's gradient); one example's input is
+    NaN, so the rule's sums run with that example's rows zeroed (it contributes 0 on both engines)."""
+    from keras_noisecurve import NoiseCurveOptimizer, make_private
+
+    rng = np.random.default_rng(10)
+    x = rng.normal(size=(8, 5, 3)).astype("float32")
+    x[3, 2, 1] = np.nan
+    y = rng.normal(size=(8, 2)).astype("float32")
+    updates = {}
+    for clipping in ("ghost", "vectorized"):
+        keras.utils.set_random_seed(10)  # before the layers are made: the same initial weights twice
+        model = _sequence_model([keras.layers.LSTM(4, return_sequences=True), keras.layers.GRU(3)], steps=5, seed=10)
+        before = [np.asarray(v.value, np.float64) for v in model.trainable_variables]
+        private = make_private(model, clipping=clipping)
+        private.compile(optimizer=NoiseCurveOptimizer(learning_rate=1.0, l2_norm_clip=0.05, noise_multiplier=1e-9,
+                                                      expected_batch_size=8, seed=0), loss="mse")
+        private.train_on_batch(x, y)
+        updates[clipping] = [np.asarray(v.value, np.float64) - b for v, b in zip(model.trainable_variables, before)]
+    scale = max(np.max(np.abs(u)) for u in updates["vectorized"])
+    assert scale > 1e-4 and all(np.all(np.isfinite(u)) for u in updates["ghost"])
+    for a, b in zip(updates["ghost"], updates["vectorized"]):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * scale)
+    assert fallbacks == [] and len(ruled) == 2
