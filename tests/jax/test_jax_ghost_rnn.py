@@ -234,6 +234,7 @@ def test_the_rule_declines_what_it_does_not_handle():
     x = np.zeros((2, 3, 2), "float32")
     for layer in (keras.layers.LSTM(2, dropout=0.5), keras.layers.GRU(2, recurrent_dropout=0.2),
                   keras.layers.LSTM(2, unroll=True), keras.layers.SimpleRNN(2, return_state=True),
+                  keras.layers.GRU(2, stateful=True),
                   keras.layers.RNN(_PeepCell(2))):
         out = layer(x)
         g = jnp.zeros_like(out[0] if isinstance(out, (list, tuple)) else out)
