@@ -126,7 +126,7 @@ _STEPS = {keras.layers.LSTMCell: (_lstm_step, 2), keras.layers.GRUCell: (_gru_st
           keras.layers.SimpleRNNCell: (_simple_step, 1)}
 
 
-def recurrence(layer, weights, m, perturbations, keep, states):
+def recurrence(layer, *, weights, m, perturbations, keep, states):
     """The layer's recurrence from its input projections, in processing order (already reversed
     for ``go_backwards``).
 
@@ -256,7 +256,7 @@ def recurrent_rule(layer, calls):
             m = m + b_in
         zeros = [jnp.zeros(x.shape[:2] + (w,), _F32) for w in widths]
         output, pull, inputs = jax.vjp(lambda m, e, keep=keep, states=states: recurrence(
-            layer, weights, m, e, keep, states), m, zeros, has_aux=True)
+            layer, weights=weights, m=m, perturbations=e, keep=keep, states=states), m, zeros, has_aux=True)
         if output.shape != g_out.shape:
             return None
         g_m, g_e = pull(g_out)
