@@ -286,7 +286,8 @@ def test_private_fit_with_ghost_equals_vectorized_and_ghost_refuses_microbatches
         private.train_on_batch(x[:8], y[:8])
 
 
-def test_a_recurrent_layer_is_clipped_whole_by_the_fallback():
+def test_recurrent_layers_fed_by_a_dense_layer_equal_the_per_example_loop():
+    """(The recurrent rule, tests/jax/test_jax_ghost_rnn.py, takes both; the fallback is tested there too.)"""
     keras.utils.set_random_seed(8)
     inputs = keras.Input((5, 3))
     h = keras.layers.LSTM(4, return_sequences=True)(inputs)

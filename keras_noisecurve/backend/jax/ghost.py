@@ -17,8 +17,9 @@ the per-example gradients of the whole model, all inside the jitted train step.
    :mod:`keras_noisecurve.backend.jax.ghost_rules` (Dense, EinsumDense, Embedding,
    LayerNormalization, GroupNormalization; :mod:`~keras_noisecurve.backend.jax.ghost_conv`:
    Conv1D/2D, depthwise and separable convolutions; :mod:`~keras_noisecurve.backend.jax.ghost_hub`:
-   LoRA, RMS norms, KerasHub's embeddings) from the recorded ``(a, g)`` (the rule runs under a stateless scope of the step's
-   weight values), else the exact per-layer fallback:
+   LoRA, RMS norms, KerasHub's embeddings; :mod:`~keras_noisecurve.backend.jax.ghost_rnn`: LSTM, GRU,
+   SimpleRNN, also each direction of a Bidirectional) from the recorded ``(a, g)`` (the rule runs under a
+   stateless scope of the step's weight values), else the exact per-layer fallback:
    ``jax.vmap`` over examples of ``∂⟨layer(W; a_i), g_i⟩/∂W`` (the VJP of that one
    layer's call, every model weight mapped to its traced value, W its own weights).
    Summed over layers: ``‖w_i·∇loss_i‖²``; ``c_i = min(1, ζ/‖w_i·∇loss_i‖)``.
@@ -43,7 +44,8 @@ rest of the model keeps its rules. Only when no layer but the model itself enclo
 problem does ``clipping="auto"`` use the exact vectorized engine (``jax.vmap`` of the whole
 model's gradient) and ``clipping="ghost"`` refuse with a ValueError naming the layer or
 weight, when the step is first traced (before any weight changes). Keras's recurrent
-layers are targets whole from the start (:func:`targets`).
+layers are targets whole from the start (:func:`targets`): one target per RNN layer with its
+cell's weights, taken by the recurrent rule or else by the fallback.
 """
 
 from __future__ import annotations
@@ -79,7 +81,9 @@ def targets(model, groups=()):
 
     A recurrent layer (``keras.layers.RNN`` and its subclasses) is one target with every
     trainable weight under it: its cell runs inside ``jax.lax.scan``, whose body cannot be
-    recorded per call, so the whole layer goes through the per-layer fallback. So is each
+    recorded per call, so the whole layer is clipped at once, by the recurrent rule
+    (:mod:`~keras_noisecurve.backend.jax.ghost_rnn`, which recomputes the recurrence from the
+    layer's recorded input and output gradient) or else by the per-layer fallback. So is each
     layer of ``groups`` (callers of layers whose rows are not examples,
     :mod:`~keras_noisecurve.backend.jax.ghost_rows`): the layers under it are not targets."""
     trainable_ids = {id(v) for v in model.trainable_variables}

@@ -39,7 +39,7 @@ examples first); ``c`` (P,) the clipping factors.
   table's first L rows broadcast over the batch, so example i's gradient is ``g_i`` summed over
   any axes before the L positions, in rows 0..L−1 of the table.
 
-Recurrent layers stay on the engine's per-layer fallback (the cell runs inside ``lax.scan``).
+Recurrent layers have their own rule (:mod:`~keras_noisecurve.backend.jax.ghost_rnn`).
 """
 
 from __future__ import annotations

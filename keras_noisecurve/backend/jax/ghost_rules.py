@@ -31,6 +31,10 @@ gradient of the layer's own weights, ``sums(c, keep=None)`` a dict ``{id(variabl
   gamma gradient ``Σ_l x̂_il ⊙ g_il``, beta ``Σ_l g_il``.
 * GroupNormalization with channels last: the same, with mean and variance over the
   positions and the channels of each group.
+
+Registered from other modules: convolutions (:mod:`~keras_noisecurve.backend.jax.ghost_conv`),
+LoRA, RMS norms and KerasHub's embeddings (:mod:`~keras_noisecurve.backend.jax.ghost_hub`) and
+recurrent layers (:mod:`~keras_noisecurve.backend.jax.ghost_rnn`).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ import keras
 from keras_noisecurve.backend.jax.ghost_conv import CONV_RULES, PRE_ACTIVATION
 from keras_noisecurve.backend.jax.ghost_forms import kept, parse_einsum, sequence_sq_norms, token_sq_norms
 from keras_noisecurve.backend.jax.ghost_hub import HUB_RULES
+from keras_noisecurve.backend.jax.ghost_rnn import RNN_RULES
 
 __all__ = ["RULES", "find_rule", "kept", "sequence_sq_norms", "token_sq_norms", "uses_pre_activation"]
 
@@ -219,7 +224,8 @@ def _affine(layer, x_hat, g):
 
 
 #: The rules, tried in order; the first that returns a result is used.
-RULES = (dense_rule, einsum_dense_rule, embedding_rule, layer_norm_rule, group_norm_rule, *CONV_RULES, *HUB_RULES)
+RULES = (dense_rule, einsum_dense_rule, embedding_rule, layer_norm_rule, group_norm_rule, *CONV_RULES, *HUB_RULES,
+         *RNN_RULES)
 
 
 def find_rule(layer, calls):
