@@ -65,7 +65,7 @@ from keras_noisecurve.training.clipped_sum import ClippedSum, chunked_clipped_su
 from keras_noisecurve.training import ghost_rows
 from keras_noisecurve.training.ghost_generic import CallerRule, GenericRule, owned_trainable
 from keras_noisecurve.training.ghost_layers import find_rule
-from keras_noisecurve.training.ghost_reads import check_reads
+from keras_noisecurve.training.ghost_reads import callers as callers_of_reads, check_reads
 
 _GENERIC = GenericRule()
 _CALLER = CallerRule()
@@ -149,13 +149,15 @@ def plan(model, like=None):
 
 def _through_callers(model, entries, trainable, like=None):
     """``entries`` with every layer that sees rows that are not examples (a broadcast row,
-    token rows) clipped through its innermost caller whose call takes one row per example
-    (:mod:`keras_noisecurve.training.ghost_rows`): the caller, with all its sublayers'
-    weights, replaces the entries inside it."""
-    found = ghost_rows.callers(model, [layer for layer, _, _ in entries], like)
+    token rows: :mod:`keras_noisecurve.training.ghost_rows`) or whose weight is read outside
+    its own call (:mod:`keras_noisecurve.training.ghost_reads`) clipped through its
+    innermost caller whose call takes one row per example: the outermost of nested callers,
+    with all its sublayers' weights, replaces the entries inside it."""
+    found = list(ghost_rows.callers(model, [layer for layer, _, _ in entries], like).values())
+    found += list(callers_of_reads(model, entries, like).values())
     if not found:
         return entries
-    callers = list({id(c): c for c in found.values()}.values())
+    callers = list({id(c): c for c in found}.values())
     subtree = {id(c): {id(layer) for layer in _compat.flatten_layers(c)} for c in callers}
     callers = [c for c in callers if not any(d is not c and id(c) in subtree[id(d)] for d in callers)]
     covered = set().union(*(subtree[id(c)] for c in callers))
