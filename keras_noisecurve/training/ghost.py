@@ -44,10 +44,11 @@ configurations a rule does not handle). Layers without weights of their own
 nothing, provided they do not mix examples. A layer that sees rows that are not
 examples (a broadcast row, token rows) is clipped through its innermost caller that
 takes one row per example (:mod:`keras_noisecurve.training.ghost_rows`, found before
-any step). Refused: BatchNormalization in training mode (it mixes examples), a layer
-on other rows with no such caller, and a weight read outside its own layer's call
-(caught when the step is traced,
-:mod:`keras_noisecurve.training.ghost_reads`).
+any step); so is a layer whose weight other code reads outside its call, through the
+innermost per-example caller enclosing that read and the layer's calls
+(:mod:`keras_noisecurve.training.ghost_reads`, the same probe). Refused: BatchNormalization
+in training mode (it mixes examples), a layer on other rows or a read with no such caller,
+and a read the probe did not see that falls outside the plan (checked when the step is traced).
 """
 
 from __future__ import annotations
@@ -175,8 +176,10 @@ def supports(model):
     Every layer that owns trainable weights is covered, by its ghost-norm rule or by
     the per-layer fallback (:mod:`keras_noisecurve.training.ghost_generic`); what
     remains unsupported is a layer that mixes the examples of a batch (a trainable
-    BatchNormalization) and an unbuilt model. A weight read outside its own layer's
-    call (tied weights read by another layer) is detected when the step is traced.
+    BatchNormalization), a layer on rows that are not examples or a weight read outside
+    its own layer's call with no per-example caller (found by the probe of
+    :mod:`~keras_noisecurve.training.ghost_rows`; a model it cannot probe is checked when
+    the step is traced), and an unbuilt model.
 
     Returns:
         ``(True, "")`` or ``(False, reason)``, ``reason`` naming the layer and why.
@@ -196,7 +199,9 @@ def supports(model):
 
 def describe(model) -> list:
     """``[(layer name, class, how)]`` for every layer with trainable weights: ``how`` is
-    the rule's kind (e.g. ``"Dense"``) or ``"generic"`` for the per-layer fallback."""
+    the rule's kind (e.g. ``"Dense"``) or ``"generic"`` for the per-layer fallback; a caller
+    that clips the layers under it (rows that are not examples, weights read outside their
+    layer's call) is listed as ``"generic"`` in their place."""
     return [(layer.name, type(layer).__name__, rule.kind) for layer, rule, _ in plan(model)]
 
 

@@ -29,7 +29,9 @@ symbolically), or whose trace fails at that length (an input of unknown length t
 have a fixed one: SigLIP's text embedding adds position embeddings of exactly
 ``max_sequence_length`` rows), is probed when its step is traced, at the lengths of that
 batch (``like``); a layer with other rows and no caller that takes one row per example is
-then refused there.
+then refused there. The same trace notes where every trainable weight is read (the layer
+calls enclosing each op that reads it, :func:`reads`), for the weights that other code
+reads outside their own layer's call (:mod:`keras_noisecurve.training.ghost_reads`).
 """
 
 from __future__ import annotations
