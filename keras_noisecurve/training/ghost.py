@@ -197,12 +197,23 @@ def supports(model):
     return True, ""
 
 
-def describe(model) -> list:
+def describe(model, *, inside: bool = False) -> list:
     """``[(layer name, class, how)]`` for every layer with trainable weights: ``how`` is
     the rule's kind (e.g. ``"Dense"``) or ``"generic"`` for the per-layer fallback; a caller
     that clips the layers under it (rows that are not examples, weights read outside their
-    layer's call) is listed as ``"generic"`` in their place."""
-    return [(layer.name, type(layer).__name__, rule.kind) for layer, rule, _ in plan(model)]
+    layer's call; also a TimeDistributed or recurrent layer with its sublayers) is listed
+    in their place. ``inside=True`` lists those layers too, each right after its caller,
+    with ``how`` = ``"through '<caller name>'"``."""
+    if not isinstance(inside, bool):
+        raise TypeError(f"inside must be True or False, got {inside!r}.")
+    trainable = {id(v) for v in model.trainable_variables}
+    out = []
+    for layer, rule, _ in plan(model):
+        out.append((layer.name, type(layer).__name__, rule.kind))
+        if inside and rule.covers_sublayers:
+            out += [(sub.name, type(sub).__name__, f"through '{layer.name}'")
+                    for sub in _compat.flatten_layers(layer, include_self=False) if owned_trainable(sub, trainable)]
+    return out
 
 
 # ---------------------------------------------------------------------- recording

@@ -150,7 +150,6 @@ def _trace(model, specs):
             for layer in layers:
                 object.__setattr__(layer, "call", wrap(layer, layer.call))
             traced = tf.function(lambda x: tf.nest.flatten(model(x, training=False))).get_concrete_function(specs)
-            return found, _read_chains(traced.graph, model.trainable_variables, spans)
         except Exception:  # noqa: BLE001 — a model that cannot be traced here is checked at step time
             return {}, {}
         finally:
@@ -159,6 +158,10 @@ def _trace(model, specs):
                     layer.__dict__.pop("call", None)
                 else:
                     object.__setattr__(layer, "call", own)
+    try:
+        return found, _read_chains(traced.graph, model.trainable_variables, spans)
+    except Exception:  # noqa: BLE001 — reads not found here are checked when the step is traced
+        return found, {}
 
 
 def _probe(model, like=None):

@@ -78,6 +78,9 @@ def test_a_layer_reading_its_sublayers_kernel_is_clipped_through_that_layer(shap
     # the reader takes the inner Dense (and its other sublayer) with it; the rest keep their rules
     assert describe(model) == [("first", "Dense", "Dense"), ("head", "Dense", "Dense"),
                                ("reader", "KernelReader", "generic")]
+    assert describe(model, inside=True)[2:] == [("reader", "KernelReader", "generic"),
+                                                ("inner", "Dense", "through 'reader'"),
+                                                ("gate", "Dense", "through 'reader'")]
     rng = np.random.default_rng(len(shape) + 2 * called)
     x, y = rng.normal(size=(P, *shape)), rng.normal(size=(P, *shape[:-1], 2))
     _compare(model, x, y)
@@ -192,3 +195,9 @@ def test_a_read_the_probe_cannot_see_is_refused_when_the_step_is_traced(monkeypa
     with pytest.raises(ValueError, match=r"inner/kernel' of Dense layer 'inner' is read outside that layer's own "
                                          r"call .*one row per example"):
         step(np.ones((P, 3)), np.ones((P, 2)))
+
+
+def test_describe_takes_inside_as_a_boolean():
+    model = _reader_model((3,), called=True)
+    with pytest.raises(TypeError, match="inside must be True or False, got 'yes'"):
+        describe(model, inside="yes")
