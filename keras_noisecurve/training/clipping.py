@@ -74,7 +74,10 @@ def _chunk_stats(model, loss_fn, variables, x, y, w, training, l2_norm_clip):
             loss = loss_fn(yi, pred)[0]
             weighted = loss * tf.cast(w[i], loss.dtype)
         grads = tape.gradient(weighted, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO)
-        grads = [tf.convert_to_tensor(g) for g in grads]  # IndexedSlices (embeddings) to dense
+        # IndexedSlices (embeddings) to dense, with the variable's static shape: TensorFlow's
+        # gradient of a kernel with a dimension of 1 (Dense(1) → Dense on sequences, Gemma3n's
+        # rank-1 LAuReL block) loses it at a dynamic row (None, …), which the loop refuses
+        grads = [tf.ensure_shape(tf.convert_to_tensor(g), v.shape) for g, v in zip(grads, variables)]
         # variables may differ in dtype (LoRA factors are float32 in a float64 model): add in the widest
         norm = tf.sqrt(tf.add_n([tf.cast(tf.reduce_sum(tf.square(g)), wide) for g in grads]))
         factor = clip / tf.maximum(norm, clip)  # min(1, ζ/‖g‖)

@@ -44,10 +44,11 @@ configurations a rule does not handle). Layers without weights of their own
 nothing, provided they do not mix examples. A layer that sees rows that are not
 examples (a broadcast row, token rows) is clipped through its innermost caller that
 takes one row per example (:mod:`keras_noisecurve.training.ghost_rows`, found before
-any step). Refused: BatchNormalization in training mode (it mixes examples), a layer
-on other rows with no such caller, and a weight read outside its own layer's call
-(caught when the step is traced,
-:mod:`keras_noisecurve.training.ghost_reads`).
+any step); so is a layer whose weight other code reads outside its call, through the
+innermost per-example caller enclosing that read and the layer's calls
+(:mod:`keras_noisecurve.training.ghost_reads`, the same probe). Refused: BatchNormalization
+in training mode (it mixes examples), a layer on other rows or a read with no such caller,
+and a read the probe did not see that falls outside the plan (checked when the step is traced).
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ from keras_noisecurve.training.clipped_sum import ClippedSum, chunked_clipped_su
 from keras_noisecurve.training import ghost_rows
 from keras_noisecurve.training.ghost_generic import CallerRule, GenericRule, owned_trainable
 from keras_noisecurve.training.ghost_layers import find_rule
-from keras_noisecurve.training.ghost_reads import check_reads
+from keras_noisecurve.training.ghost_reads import callers as callers_of_reads, check_reads
 
 _GENERIC = GenericRule()
 _CALLER = CallerRule()
@@ -149,13 +150,15 @@ def plan(model, like=None):
 
 def _through_callers(model, entries, trainable, like=None):
     """``entries`` with every layer that sees rows that are not examples (a broadcast row,
-    token rows) clipped through its innermost caller whose call takes one row per example
-    (:mod:`keras_noisecurve.training.ghost_rows`): the caller, with all its sublayers'
-    weights, replaces the entries inside it."""
-    found = ghost_rows.callers(model, [layer for layer, _, _ in entries], like)
+    token rows: :mod:`keras_noisecurve.training.ghost_rows`) or whose weight is read outside
+    its own call (:mod:`keras_noisecurve.training.ghost_reads`) clipped through its
+    innermost caller whose call takes one row per example: the outermost of nested callers,
+    with all its sublayers' weights, replaces the entries inside it."""
+    found = list(ghost_rows.callers(model, [layer for layer, _, _ in entries], like).values())
+    found += list(callers_of_reads(model, entries, like).values())
     if not found:
         return entries
-    callers = list({id(c): c for c in found.values()}.values())
+    callers = list({id(c): c for c in found}.values())
     subtree = {id(c): {id(layer) for layer in _compat.flatten_layers(c)} for c in callers}
     callers = [c for c in callers if not any(d is not c and id(c) in subtree[id(d)] for d in callers)]
     covered = set().union(*(subtree[id(c)] for c in callers))
@@ -173,8 +176,10 @@ def supports(model):
     Every layer that owns trainable weights is covered, by its ghost-norm rule or by
     the per-layer fallback (:mod:`keras_noisecurve.training.ghost_generic`); what
     remains unsupported is a layer that mixes the examples of a batch (a trainable
-    BatchNormalization) and an unbuilt model. A weight read outside its own layer's
-    call (tied weights read by another layer) is detected when the step is traced.
+    BatchNormalization), a layer on rows that are not examples or a weight read outside
+    its own layer's call with no per-example caller (found by the probe of
+    :mod:`~keras_noisecurve.training.ghost_rows`; a model it cannot probe is checked when
+    the step is traced), and an unbuilt model.
 
     Returns:
         ``(True, "")`` or ``(False, reason)``, ``reason`` naming the layer and why.
@@ -192,10 +197,23 @@ def supports(model):
     return True, ""
 
 
-def describe(model) -> list:
+def describe(model, *, inside: bool = False) -> list:
     """``[(layer name, class, how)]`` for every layer with trainable weights: ``how`` is
-    the rule's kind (e.g. ``"Dense"``) or ``"generic"`` for the per-layer fallback."""
-    return [(layer.name, type(layer).__name__, rule.kind) for layer, rule, _ in plan(model)]
+    the rule's kind (e.g. ``"Dense"``) or ``"generic"`` for the per-layer fallback; a caller
+    that clips the layers under it (rows that are not examples, weights read outside their
+    layer's call; also a TimeDistributed or recurrent layer with its sublayers) is listed
+    in their place. ``inside=True`` lists those layers too, each right after its caller,
+    with ``how`` = ``"through '<caller name>'"``."""
+    if not isinstance(inside, bool):
+        raise TypeError(f"inside must be True or False, got {inside!r}.")
+    trainable = {id(v) for v in model.trainable_variables}
+    out = []
+    for layer, rule, _ in plan(model):
+        out.append((layer.name, type(layer).__name__, rule.kind))
+        if inside and rule.covers_sublayers:
+            out += [(sub.name, type(sub).__name__, f"through '{layer.name}'")
+                    for sub in _compat.flatten_layers(layer, include_self=False) if owned_trainable(sub, trainable)]
+    return out
 
 
 # ---------------------------------------------------------------------- recording

@@ -33,6 +33,7 @@ bound still holds exactly, since the norms and the sum use the same ``G_i``.
 from __future__ import annotations
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from keras_noisecurve import _compat
@@ -143,10 +144,13 @@ class GenericRule(Rule):
         outs = tf.nest.flatten(call["out"])
         gs = call["g"]
         keep = [k for k, g in enumerate(gs) if g is not None]
-        first = tf.nest.flatten(inputs)[0]
+        # a model called eagerly on numpy arrays gets them as they are (a Functional's call
+        # converts nothing): as tensors, their rows are taken per example like any input's
+        arguments = tf.nest.map_structure(lambda t: tf.convert_to_tensor(t) if isinstance(t, np.ndarray) else t,
+                                          (inputs, args, kwargs))
+        first = tf.nest.flatten(arguments[0])[0]
         batch = first.shape[0]
         p = tf.shape(first)[0]
-        arguments = (inputs, args, kwargs)
         targets = [_tape_variable(v) for v in variables]
 
         def example(i):

@@ -29,7 +29,9 @@ symbolically), or whose trace fails at that length (an input of unknown length t
 have a fixed one: SigLIP's text embedding adds position embeddings of exactly
 ``max_sequence_length`` rows), is probed when its step is traced, at the lengths of that
 batch (``like``); a layer with other rows and no caller that takes one row per example is
-then refused there.
+then refused there. The same trace notes where every trainable weight is read (the layer
+calls enclosing each op that reads it, :func:`reads`), for the weights that other code
+reads outside their own layer's call (:mod:`keras_noisecurve.training.ghost_reads`).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ import tensorflow as tf
 from keras_noisecurve import _compat
 from keras_noisecurve.backend.calls import wrapped_calls
 
-__all__ = ["PROBE_BATCH", "callers", "probe"]
+__all__ = ["PROBE_BATCH", "callers", "per_example", "probe", "reads", "variable_handle"]
 
 #: the batch size of the probing trace (not 1, so that broadcast rows stand out)
 PROBE_BATCH = 3
@@ -86,6 +88,90 @@ def _rows(t):
     return t.shape[0] if isinstance(t, tf.Tensor) and t.shape.rank else None
 
 
+def variable_handle(variable):
+    """The resource handle of ``variable`` (a keras.Variable or a tf.Variable), or ``None``."""
+    value = getattr(variable, "value", variable)  # a keras.Variable -> its tf.Variable
+    try:
+        return value.handle
+    except (AttributeError, ValueError, TypeError):
+        return None
+
+
+def _read_chains(graph, variables, spans):
+    """``{id(variable): [chain]}``: for every op of ``graph`` that consumes a variable's
+    captured handle (``ReadVariableOp``, ``ResourceGather``, a ``While`` capturing it, ...),
+    the layer calls enclosing it, outermost first (``spans``: ``(graph, first, last, chain)``
+    per call, the graph's op counter before and after it; TensorFlow numbers ops in
+    creation order, so an op made during a call falls inside its span)."""
+    internal = {id(external): inside for external, inside in getattr(graph, "captures", ())}
+    positions = {op.name: k + 1 for k, op in enumerate(graph.get_operations())}
+    mine = [(a, b, chain) for g, a, b, chain in spans if g is graph]
+    out = {}
+    for variable in variables:
+        handle = variable_handle(variable)
+        inside = internal.get(id(handle)) if handle is not None else None
+        if inside is None:
+            continue
+        for op in inside.consumers():
+            where = positions.get(op.name)
+            if where is None:
+                continue
+            around = [(a, -b, chain) for a, b, chain in mine if a < where <= b]  # the innermost: last start
+            out.setdefault(id(variable), []).append(max(around, key=lambda s: s[:2])[2] if around else [])
+    return out
+
+
+def _trace(model, specs):
+    """One traced forward pass of ``model`` on ``specs`` with every layer's call wrapped:
+    ``(calls, reads)`` as :func:`probe` and :func:`reads` give them (``({}, {})`` when the
+    trace fails)."""
+    layers = list(_compat.flatten_layers(model))
+    stack, found, spans = [], {}, []
+
+    def wrap(layer, original):
+        def call(*args, **kwargs):
+            first = next((t for t in tf.nest.flatten((args, kwargs)) if isinstance(t, tf.Tensor)), None)
+            graph = tf.compat.v1.get_default_graph()
+            before, enclosing = graph.version, list(stack)
+            stack.append(layer)
+            try:
+                out = original(*args, **kwargs)
+            finally:
+                stack.pop()
+            spans.append((graph, before, graph.version, enclosing + [layer]))
+            outs = [_rows(t) for t in tf.nest.flatten(out) if isinstance(t, tf.Tensor)]
+            found.setdefault(id(layer), []).append((_rows(first), outs, enclosing))
+            return out
+
+        return call
+
+    with _LOCK:
+        try:
+            with wrapped_calls(layers, wrap=wrap):
+                traced = tf.function(lambda x: tf.nest.flatten(model(x, training=False))).get_concrete_function(specs)
+        except Exception:  # noqa: BLE001 — a model that cannot be traced here is checked at step time
+            return {}, {}
+    try:
+        return found, _read_chains(traced.graph, model.trainable_variables, spans)
+    except Exception:  # noqa: BLE001 — reads not found here are checked when the step is traced
+        return found, {}
+
+
+def _probe(model, like=None):
+    """``(calls, reads)`` of :func:`_trace` (cached per model, see :func:`probe`)."""
+    cached = _CACHE.get(model)
+    if cached is not None and (cached[0] or like is None):
+        return _strong(cached)
+    specs = _input_specs(model, like if cached is not None else None)
+    calls, reads_ = _trace(model, specs) if specs is not None else ({}, {})
+    # The cache holds the enclosing layers by weak reference: a strong one would keep the
+    # model (its own key, the outermost enclosing layer) and its variables alive for good.
+    _CACHE[model] = ({key: [(i, o, [weakref.ref(c) for c in enclosing]) for i, o, enclosing in seen]
+                      for key, seen in calls.items()},
+                     {key: [[weakref.ref(c) for c in chain] for chain in chains] for key, chains in reads_.items()})
+    return calls, reads_
+
+
 def probe(model, like=None):
     """``{id(layer): [(rows_in, rows_out, enclosing)]}`` for every call of every layer of
     ``model`` in one traced forward pass on ``PROBE_BATCH`` examples (cached per model).
@@ -95,52 +181,30 @@ def probe(model, like=None):
 
     ``rows_in``: the leading size of the call's first input tensor (``None``: none);
     ``rows_out``: those of its output tensors; ``enclosing``: the layers whose calls
-    enclose this one, outermost first. ``None`` when the model cannot be probed (no input
-    specs, or the symbolic call fails: the engine then checks rows at trace time).
+    enclose this one, outermost first (the model itself first). ``None`` when the model
+    cannot be probed (no input specs, or the symbolic call fails: the engine then checks
+    rows and reads at trace time).
     """
-    cached = _CACHE.get(model)
-    if cached is not None and (cached or like is None):
-        return _strong(cached) or None
-    specs = _input_specs(model, like if cached is not None else None)
-    result = {}
-    if specs is not None:
-        layers = list(_compat.flatten_layers(model))
-        stack, found = [], {}
+    return _probe(model, like)[0] or None
 
-        def wrap(layer, original):
-            def call(*args, **kwargs):
-                first = next((t for t in tf.nest.flatten((args, kwargs)) if isinstance(t, tf.Tensor)), None)
-                stack.append(layer)
-                try:
-                    out = original(*args, **kwargs)
-                finally:
-                    stack.pop()
-                outs = [_rows(t) for t in tf.nest.flatten(out) if isinstance(t, tf.Tensor)]
-                found.setdefault(id(layer), []).append((_rows(first), outs, list(stack)))
-                return out
 
-            return call
-
-        with _LOCK:
-            try:
-                with wrapped_calls(layers, wrap=wrap):
-                    tf.function(lambda x: tf.nest.flatten(model(x, training=False))).get_concrete_function(specs)
-                result = found
-            except Exception:  # noqa: BLE001 — a model that cannot be traced here is checked at step time
-                result = {}
-    # The cache holds the enclosing layers by weak reference: a strong one would keep the
-    # model (its own key, the outermost enclosing layer) and its variables alive for good.
-    _CACHE[model] = {key: [(i, o, [weakref.ref(c) for c in enclosing]) for i, o, enclosing in seen]
-                     for key, seen in result.items()}
-    return result or None
+def reads(model, like=None) -> dict:
+    """``{id(variable): [chain]}`` for every read of a trainable variable of ``model`` in the
+    same traced forward pass as :func:`probe`: ``chain`` the layers whose calls enclose the
+    op that reads it, outermost first (``model`` first; the variable's own layer last when it
+    reads its weight in its own call). Empty when the model cannot be probed."""
+    calls, found = _probe(model, like)
+    return found if calls else {}
 
 
 def _strong(cached):
-    """The probe result held weakly in ``_CACHE``, with its enclosing layers dereferenced."""
-    return {key: [(i, o, [r() for r in enclosing]) for i, o, enclosing in seen] for key, seen in cached.items()}
+    """The probe result held weakly in ``_CACHE``, with its layers dereferenced."""
+    calls, found = cached
+    return ({key: [(i, o, [r() for r in enclosing]) for i, o, enclosing in seen] for key, seen in calls.items()},
+            {key: [[r() for r in chain] for chain in chains] for key, chains in found.items()})
 
 
-def _examples(rows_in, rows_out, root=False) -> bool:
+def per_example(rows_in, rows_out, root=False) -> bool:
     """A call with one row per example in, and P or k·P rows per output (P only for the
     model itself: its outputs go to the per-example loss)."""
     if rows_in != PROBE_BATCH:
@@ -171,7 +235,7 @@ def callers(model, layers, like=None) -> dict:
             continue
         chains = [enclosing + [layer] for _, _, enclosing in seen]  # the layer itself may do
         common = [c for c in chains[0] if all(any(c is e for e in chain) for chain in chains[1:])]
-        good = [c for c in common if all(_examples(i, o, c is model) for i, o, _ in calls.get(id(c), []))]
+        good = [c for c in common if all(per_example(i, o, c is model) for i, o, _ in calls.get(id(c), []))]
         if not good:
             rows = sorted({rows_in for rows_in, _, _ in seen if rows_in != PROBE_BATCH}, key=str)
             raise ValueError(

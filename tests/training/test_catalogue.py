@@ -29,11 +29,18 @@ keras_hub = pytest.importorskip("keras_hub")
 
 RTOL = 1e-10
 RTOL_FLOAT32_INSIDE = 1e-6
+#: float32 round-off above RTOL_FLOAT32_INSIDE: (tolerance, why it is round-off)
+RTOL_WIDER = {
+    "Gemma4Backbone": (1e-5, "1.4e-6 with its keras-hub float32 casts; 4e-15 with them lifted to float64 "
+                             "(test_gemma4_with_its_float32_casts_lifted_matches_the_loop_to_float64_round_off)"),
+}
 
 #: backbones whose layers compute partly in float32 under a float64 policy: where, per model
 FLOAT32_INSIDE = {name: f"keras_hub/src/models/{where} cast to float32" for name, where in {
     "GemmaBackbone": "gemma/gemma_attention.py, rms_normalization.py",
     "Gemma3Backbone": "gemma3/gemma3_attention.py, gemma3_layers.py",
+    "Gemma3nBackbone": "gemma3n/gemma3n_text_layers.py (its MLP's activation sparsity, its AltUp router)",
+    "Gemma4Backbone": "gemma4/gemma4_layers.py (its RMS norms), gemma4_attention.py (a float32 Softmax, rope)",
     "GptOssBackbone": "gpt_oss/gpt_oss_attention.py, gpt_oss_layer_norm.py",
     "LlamaBackbone": "llama/llama_attention.py, llama_layernorm.py",
     "Llama3Backbone": "llama/llama_attention.py, llama_layernorm.py (Llama3 reuses them)",
@@ -81,19 +88,6 @@ XFAIL = {
               "(its engine-vs-loop comparison at training=False matches to 1e-7: benchmarks/catalogue_table.py)")
        for name, block in (("QwenMoeBackbone", "QwenSparseMoeBlock"), ("Qwen3MoeBackbone", "Qwen3SparseMoeBlock"),
                            ("Qwen3_5MoeBackbone", "Qwen3.5 sparse MoE block"))},
-    "Gemma3nBackbone": (
-        "keras-hub 0.32.0's Gemma3n decoder block multiplies by its AltUp layer's weight "
-        "correct_output_scale through a method (Gemma3nTextAltUp.scale_corrected_output, gemma3n/"
-        "gemma3n_text_layers.py) called outside the AltUp layer's own call: the engine refuses the step "
-        "(ghost_reads: 'weight .../altup/correct_output_scale ... is read outside that layer's own call'), "
-        "since that weight's gradient would escape its per-example norm"
-    ),
-    "Gemma4Backbone": (
-        "keras-hub 0.32.0's Gemma4TextDecoderBlock runs its feed-forward network as ops.matmul on its "
-        "EinsumDense sublayers' kernels (gating_ffw, gating_ffw_2, ffw_linear: a 'HOTFIX' in gemma4/"
-        "gemma4_decoder_block.py) instead of calling them: the engine refuses the step (ghost_reads: "
-        "'weight decoder_block_0/ffw_gating/kernel ... is read outside that layer's own call')"
-    ),
     "SegFormerBackbone": (
         "its MiT image encoder's attention has the hard-coded Dropout(0.1) of MiTBackbone (keras_hub "
         "src/models/mit/mit_layers.py): active in the fit step (training=True), not in the loop: 0.35 relative "
@@ -140,7 +134,7 @@ def test_every_exported_backbone_is_built_or_listed():
     )
     assert built | listed <= exported, f"no longer exported: {sorted((built | listed) - exported)}"
     assert all(len(reason) > 20 for reason in catalogue.NOT_BUILT.values())
-    assert set(FLOAT32_INSIDE) | set(XFAIL) | set(HEAVY) <= built
+    assert set(FLOAT32_INSIDE) | set(XFAIL) | set(HEAVY) <= built and set(RTOL_WIDER) <= set(FLOAT32_INSIDE)
     assert all(len(reason) > 20 for reason in HEAVY.values())
 
 
@@ -148,7 +142,8 @@ def test_every_exported_backbone_is_built_or_listed():
 def test_backbone_matches_a_per_example_float64_loop_and_trains(name):
     case = catalogue.make_case(name, dtype="float64")
     error = catalogue.fit_and_compare(case)
-    assert error < (RTOL_FLOAT32_INSIDE if name in FLOAT32_INSIDE else RTOL), error
+    rtol = RTOL_WIDER[name][0] if name in RTOL_WIDER else RTOL_FLOAT32_INSIDE if name in FLOAT32_INSIDE else RTOL
+    assert error < rtol, error
 
 
 class KeywordInputs(keras.layers.Layer):
@@ -294,3 +289,39 @@ def test_the_coverage_table_of_docs_models_is_generated_from_the_rules():
     assert rules_table.current(rules_table.DOC.read_text()) == rules_table.render(), (
         "docs/models.md's rule table differs from the registry: run python -m tests.training.rules_table --write"
     )
+
+
+class _Float64Ops:
+    """``keras.ops`` with every cast or arange to float32 made float64 instead."""
+
+    def __getattr__(self, name):
+        return getattr(keras.ops, name)
+
+    @staticmethod
+    def cast(x, dtype):
+        return keras.ops.cast(x, "float64" if str(dtype) == "float32" else dtype)
+
+    @staticmethod
+    def arange(*args, dtype=None, **kwargs):
+        return keras.ops.arange(*args, dtype="float64" if dtype == "float32" else dtype, **kwargs)
+
+
+@pytest.mark.benchmark
+def test_gemma4_with_its_float32_casts_lifted_matches_the_loop_to_float64_round_off(monkeypatch):
+    # Gemma4's decoder block reads its feed-forward kernels outside their layers' calls and is
+    # clipped whole through the block (training/ghost_reads.py); its 1.4e-6 in the catalogue is
+    # the float32 inside its keras-hub code: with the casts lifted, engine and loop agree to 1e-12
+    import importlib
+
+    from keras_noisecurve._compat import flatten_layers
+    from keras_noisecurve.training.ghost import describe
+
+    for module in ("gemma4_layers", "gemma4_attention", "gemma4_decoder_block", "gemma4_backbone"):
+        monkeypatch.setattr(importlib.import_module(f"keras_hub.src.models.gemma4.{module}"), "ops", _Float64Ops())
+    case = catalogue.make_case("Gemma4Backbone", dtype="float64")
+    for layer in flatten_layers(case.model):
+        if isinstance(layer, keras.layers.Softmax):  # its float32 policy
+            layer.dtype_policy = keras.DTypePolicy("float64")
+    assert ("decoder_block_0", "Gemma4TextDecoderBlock", "generic") in describe(case.model)
+    result = catalogue.compare_with_loop(case)
+    assert result.norm_error < 1e-12 and result.sum_error < 1e-12, result

@@ -163,3 +163,24 @@ def test_reference_runs_multi_head_attention_exactly():
     for g, want in zip(got.grads, total):
         np.testing.assert_allclose(g.numpy(), want, rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(got.norms.numpy(), norms, rtol=1e-5, atol=1e-7)
+
+
+def test_reference_runs_a_kernel_with_a_dimension_of_one_traced():
+    """A Dense(1) then a Dense on sequences: TensorFlow's gradient of the (1, 3) kernel has a
+    static shape (1, 3) for example 0 but (None, 3) at the loop's dynamic row, which the loop
+    refused (Gemma3n's rank-1 LAuReL block under clipping="vectorized")."""
+    keras.utils.set_random_seed(4)
+    inp = keras.Input((4, 6))
+    h = keras.layers.Dense(3)(keras.layers.Dense(1, activation="tanh")(inp))
+    rank_one = keras.Model(inp, keras.layers.GlobalAveragePooling1D()(h))
+    rng = np.random.default_rng(6)
+    x = rng.normal(size=(5, 4, 6)).astype("float32")
+    y = rng.integers(0, 3, 5)
+    w = np.array([1, 0.5, 0, 1, 1], np.float32)
+    got = tf.function(lambda a, b, c: vectorized_clipped_sum(rank_one, per_example_loss_fn(LOSS), a, b, c,
+                                                              l2_norm_clip=0.1))(x, y, w)
+    total, norms, _ = _loop(rank_one, x, y, w, 0.1)
+    assert got.grads[2].shape == (1, 3)
+    for g, want in zip(got.grads, total):
+        np.testing.assert_allclose(g.numpy(), want, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(got.norms.numpy(), norms, rtol=1e-5, atol=1e-7)
