@@ -15,7 +15,9 @@ import tensorflow as tf
 import keras
 
 from keras_noisecurve.training.ghost import describe, ghost_clipped_sum, supports
-from keras_noisecurve.training.ghost_conv_kinds import GroupedGrads, patches
+from keras_noisecurve.training import kernels as _kernels
+from keras_noisecurve.training.ghost_conv_kinds import GroupedGrads, example_grads_3d, patches
+from keras_noisecurve.training.ghost_conv_kinds import _example_grads_3d_grouped
 from keras_noisecurve.training.ghost_taps import LiveTapGrads, tap_example_grads
 from tests.training.helpers import float64_layers, loop_reference, mse
 
@@ -199,6 +201,42 @@ CONV3D = {
 def test_conv3d(case):
     shape, build = CONV3D[case]
     _check(_model(shape, build()), "Conv3D")
+
+
+GROUPED_RUNS = _kernels.grouped_conv_filter_gradient_runs(_kernels.device_type(), "float32")
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 16])
+@pytest.mark.parametrize("padding, kernel, strides", [
+    ("SAME", (3, 2, 3), (2, 1, 2)), ("VALID", (2, 3, 2), (2, 2, 1)), ("SAME", (3, 3, 3), (1, 1, 1)),
+    ("VALID", (3, 2, 2), (2, 1, 1)),
+])
+def test_example_grads_3d_equal_a_per_example_tape_in_both_forms(chunk, padding, kernel, strides):
+    # float32, where the grouped form runs (oneDNN CPU kernels, cuDNN); two calls of
+    # different depths, P = 5 (a partly filled chunk), against one tape per example.
+    # The grouped form is exact at any strides (example_grads_3d takes it at height and
+    # width strides 1 only, where it is faster), so it is called directly here.
+    if chunk > 1 and not GROUPED_RUNS:
+        pytest.skip("TensorFlow's kernels here do not run a grouped Conv2DBackpropFilter (CPU without oneDNN)")
+    rng = np.random.default_rng(3)
+    c_in, c_out, p = 2, 3, 5
+    w = tf.constant(rng.normal(size=(*kernel, c_in, c_out)), tf.float32)
+    calls = []
+    for size in [(5, 6, 7), (4, 5, 4)]:
+        a = tf.constant(rng.normal(size=(p, *size, c_in)), tf.float32)
+        out_shape = tf.nn.conv3d(a, w, strides=[1, *strides, 1], padding=padding).shape
+        calls.append((a, tf.constant(rng.normal(size=out_shape), tf.float32)))
+    form = example_grads_3d if chunk == 1 else _example_grads_3d_grouped
+    got = form(calls, kernel, strides, padding, chunk=chunk).numpy()
+    want = []
+    for i in range(p):
+        with tf.GradientTape() as tape:
+            tape.watch(w)
+            loss = tf.add_n([tf.reduce_sum(tf.nn.conv3d(a[i : i + 1], w, strides=[1, *strides, 1], padding=padding)
+                                           * g[i : i + 1]) for a, g in calls])
+        want.append(tape.gradient(loss, w).numpy().reshape(-1, c_out))
+    assert got.shape == (p, np.prod(kernel) * c_in, c_out)
+    np.testing.assert_allclose(got, np.stack(want), rtol=1e-5, atol=1e-5)
 
 
 TRANSPOSE = {
