@@ -1,7 +1,8 @@
 """Ghost-norm rules for convolutions on the JAX backend, in ``jax.numpy`` (traced inside the
-jitted train step): ``Conv1D``/``Conv2D`` (any strides, dilation, ``"valid"``/``"same"``/``"causal"``
-padding, ``groups`` ≥ 1; a 1×1 kernel as a ``Dense`` map of the pixels),
-``DepthwiseConv1D``/``DepthwiseConv2D`` and ``SeparableConv1D``/``SeparableConv2D``, channels last. The rule contract is the one of
+jitted train step): ``Conv1D``/``Conv2D``/``Conv3D`` (any strides, dilation,
+``"valid"``/``"same"``/``"causal"`` padding, ``groups`` ≥ 1; a 1×1 kernel as a ``Dense`` map of
+the pixels), ``DepthwiseConv1D``/``DepthwiseConv2D`` and ``SeparableConv1D``/``SeparableConv2D``,
+channels last. The rule contract is the one of
 :mod:`keras_noisecurve.backend.jax.ghost_rules` (``rule(layer, calls) -> (sq, sums)`` or ``None``).
 
 Every one of these kernels has a per-example gradient that is a sum over output positions of
@@ -12,12 +13,12 @@ outer products, one per group of channels (the same table as the TensorFlow rule
 
 | layer | x (windows of the input a) | y | G | d_in | d_out |
 |---|---|---|---|---|---|
-| Conv1D/2D, ``groups`` = G | patches of a | g | G | c_in/G · K | filters/G |
+| Conv1D/2D/3D, ``groups`` = G | patches of a | g | G | c_in/G · K | filters/G |
 | DepthwiseConv1D/2D | patches of a | g | c_in | K | depth multiplier |
 | SeparableConv1D/2D, depthwise kernel | patches of a | g_d = g·P_wᵀ | c_in | K | depth multiplier |
 | SeparableConv1D/2D, pointwise kernel | d (no patches) | g | 1 | c_in·M | filters |
 
-with K = k (1-D) or k_h·k_w taps, L the output positions (row-major) and ``g`` the gradient
+with K = k (1-D), k_h·k_w (2-D) or k_d·k_h·k_w (3-D) taps, L the output positions (row-major) and ``g`` the gradient
 of ``Σ_i w_i·loss_i`` at the layer's output BEFORE its fused activation (the engine records
 these layers' outputs there: ``ghost_rules.uses_pre_activation``). The patches are the
 windows of the layer's own convolution (``jax.lax.conv_general_dilated_patches`` with the
@@ -48,7 +49,7 @@ The bias gradient is ``Σ_l g_il`` (P, filters). Kernels are returned in Keras's
 float32 (a bfloat16/float16 input or gradient of a mixed-precision policy is cast first).
 
 Not ruled (``None``: the engine's exact per-layer fallback clips them): ``channels_first``,
-LoRA or quantized layers, subclasses, ``Conv3D`` and the transposed convolutions.
+LoRA or quantized layers, subclasses, the transposed convolutions.
 """
 
 from __future__ import annotations
@@ -63,13 +64,17 @@ __all__ = ["CONV_RULES", "PRE_ACTIVATION", "conv_rule", "depthwise_output", "dep
            "explicit_padding", "grouped_sq_norms", "separable_rule", "window_patches"]
 
 _F32 = jnp.float32
-_CONV = (keras.layers.Conv1D, keras.layers.Conv2D)
+_CONV = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D)
 _DEPTHWISE = (keras.layers.DepthwiseConv1D, keras.layers.DepthwiseConv2D)
 _SEPARABLE = (keras.layers.SeparableConv1D, keras.layers.SeparableConv2D)
 
 #: the layer types whose output the engine records before the fused activation (their
 #: ``call`` is ``activation(convolution + bias)``)
 PRE_ACTIVATION = _CONV + _DEPTHWISE + _SEPARABLE
+
+
+#: ``jax.lax`` dimension numbers (input, kernel, output) of a channels-last convolution, by spatial rank
+_SPECS = {1: ("NWC", "WIO", "NWC"), 2: ("NHWC", "HWIO", "NHWC"), 3: ("NDHWC", "DHWIO", "NDHWC")}
 
 
 def _ruled(layer, types, calls) -> bool:
@@ -102,7 +107,7 @@ def explicit_padding(size, out, kernel, stride, dilation, padding):
 
 
 def window_patches(a, *, out_shape, kernel_size, strides, dilation_rate, padding):
-    """The windows of a channels-last convolution of ``a`` (P, *spatial, C), rank 1 or 2.
+    """The windows of a channels-last convolution of ``a`` (P, *spatial, C), rank 1, 2 or 3.
 
     ``out_shape``: the output's spatial sizes; the rest as the layer (``padding`` one of
     ``"valid"``, ``"same"``, ``"causal"``). Returns (P, L, C, K): L = prod(out_shape) positions
@@ -123,7 +128,7 @@ def window_patches(a, *, out_shape, kernel_size, strides, dilation_rate, padding
                       for (before, _), o, s in zip(pads, out_shape, strides))
         x = jnp.pad(a, [(0, 0)] + [(max(b, 0), max(e, 0)) for b, e in pads] + [(0, 0)])[(slice(None), *index)]
         return jnp.reshape(x, (p, -1, c, 1))
-    spec = ("NWC", "WIO", "NWC") if len(spatial) == 1 else ("NHWC", "HWIO", "NHWC")
+    spec = _SPECS[len(spatial)]
     windows = jax.lax.conv_general_dilated_patches(
         a, tuple(kernel_size), tuple(strides), pads, rhs_dilation=tuple(dilation_rate), dimension_numbers=spec,
         precision=jax.lax.Precision.HIGHEST)
@@ -173,7 +178,7 @@ def example_grads(a, g, *, kernel_size, strides, dilation_rate, padding, groups)
     lhs = jnp.reshape(a, (p, *spatial, groups, c_group))
     lhs = jnp.reshape(jnp.transpose(lhs, (rank + 2, *range(1, rank + 1), 0, rank + 1)), (c_group, *spatial, p * groups))
     rhs = jnp.reshape(jnp.transpose(g, (*range(1, rank + 1), 0, rank + 1)), (*out, 1, p * groups * o_group))
-    spec = ("NWC", "WIO", "NWC") if rank == 1 else ("NHWC", "HWIO", "NHWC")
+    spec = _SPECS[rank]
     grads = jax.lax.conv_general_dilated(
         lhs, rhs, window_strides=tuple(dilation_rate), padding=pads, rhs_dilation=tuple(strides),
         dimension_numbers=spec, feature_group_count=p * groups, precision=jax.lax.Precision.HIGHEST)
@@ -245,7 +250,7 @@ def _analyse(layer, calls, groups, to_kernel, kernel_var=None, bias_var=None):
 
 
 def conv_rule(layer, calls):
-    """``Conv1D``/``Conv2D`` (exact types), channels last, ``groups`` ≥ 1: see the module docstring."""
+    """``Conv1D``/``Conv2D``/``Conv3D`` (exact types), channels last, ``groups`` ≥ 1: see the module docstring."""
     if not _ruled(layer, _CONV, calls):
         return None
     groups, taps = layer.groups, len(layer.kernel_size)
@@ -284,7 +289,7 @@ def depthwise_output(a, kernel, *, out_shape, strides, dilation_rate, padding):
             for n, o, k, s, d in zip(a.shape[1:-1], out_shape, kernel_size, strides, dilation_rate)]
     if any(pad is None for pad in pads):
         return None
-    spec = ("NWC", "WIO", "NWC") if a.ndim == 3 else ("NHWC", "HWIO", "NHWC")
+    spec = _SPECS[a.ndim - 2]
     return jax.lax.conv_general_dilated(
         a, jnp.reshape(kernel, (*kernel_size, 1, -1)), window_strides=tuple(strides), padding=pads,
         rhs_dilation=tuple(dilation_rate), dimension_numbers=spec, feature_group_count=channels,
