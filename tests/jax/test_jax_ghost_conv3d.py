@@ -25,7 +25,7 @@ CONV3D = {
                                            activation="tanh", use_bias=False),
     "dilation-2-same": dict(filters=2, kernel_size=(2, 3, 2), dilation_rate=2, padding="same"),
     "groups-2-valid-gelu": dict(filters=4, kernel_size=(2, 2, 3), groups=2, activation="gelu"),
-    "groups-2-dilation-2-strided-gram": dict(filters=4, kernel_size=2, dilation_rate=2, strides=2, groups=2),  # L = 4
+    "groups-2-strided-gram": dict(filters=4, kernel_size=3, strides=2, groups=2),  # L = 4 (Keras refuses strides with dilation)
     "pointwise-strided-groups-2": dict(filters=4, kernel_size=1, strides=2, groups=2, padding="same"),
 }
 
