@@ -16,7 +16,7 @@ the per-example gradients of the whole model, all inside the jitted train step.
 3. Per layer, the per-example squared norms of ITS weights' gradient: a rule of
    :mod:`keras_noisecurve.backend.jax.ghost_rules` (Dense, EinsumDense, Embedding,
    LayerNormalization, GroupNormalization; :mod:`~keras_noisecurve.backend.jax.ghost_conv`:
-   Conv1D/2D, depthwise and separable convolutions; :mod:`~keras_noisecurve.backend.jax.ghost_hub`:
+   Conv1D/2D/3D, depthwise, separable and transposed convolutions; :mod:`~keras_noisecurve.backend.jax.ghost_hub`:
    LoRA, RMS norms, KerasHub's embeddings; :mod:`~keras_noisecurve.backend.jax.ghost_rnn`: LSTM, GRU,
    SimpleRNN, also each direction of a Bidirectional) from the recorded ``(a, g)`` (the rule runs under a
    stateless scope of the step's weight values), else the exact per-layer fallback:

@@ -1,7 +1,9 @@
 """Ghost-norm rules for convolutions on the JAX backend, in ``jax.numpy`` (traced inside the
-jitted train step): ``Conv1D``/``Conv2D`` (any strides, dilation, ``"valid"``/``"same"``/``"causal"``
-padding, ``groups`` ≥ 1; a 1×1 kernel as a ``Dense`` map of the pixels),
-``DepthwiseConv1D``/``DepthwiseConv2D`` and ``SeparableConv1D``/``SeparableConv2D``, channels last. The rule contract is the one of
+jitted train step): ``Conv1D``/``Conv2D``/``Conv3D`` (any strides, dilation,
+``"valid"``/``"same"``/``"causal"`` padding, ``groups`` ≥ 1; a 1×1 kernel as a ``Dense`` map of
+the pixels), ``DepthwiseConv1D``/``DepthwiseConv2D``, ``SeparableConv1D``/``SeparableConv2D`` and
+``Conv1DTranspose``/``Conv2DTranspose``/``Conv3DTranspose`` (``output_padding=None``), channels
+last. The rule contract is the one of
 :mod:`keras_noisecurve.backend.jax.ghost_rules` (``rule(layer, calls) -> (sq, sums)`` or ``None``).
 
 Every one of these kernels has a per-example gradient that is a sum over output positions of
@@ -12,12 +14,13 @@ outer products, one per group of channels (the same table as the TensorFlow rule
 
 | layer | x (windows of the input a) | y | G | d_in | d_out |
 |---|---|---|---|---|---|
-| Conv1D/2D, ``groups`` = G | patches of a | g | G | c_in/G · K | filters/G |
+| Conv1D/2D/3D, ``groups`` = G | patches of a | g | G | c_in/G · K | filters/G |
 | DepthwiseConv1D/2D | patches of a | g | c_in | K | depth multiplier |
 | SeparableConv1D/2D, depthwise kernel | patches of a | g_d = g·P_wᵀ | c_in | K | depth multiplier |
 | SeparableConv1D/2D, pointwise kernel | d (no patches) | g | 1 | c_in·M | filters |
+| Conv1D/2D/3DTranspose (roles swapped) | patches of g | a | 1 | filters · K | c_in |
 
-with K = k (1-D) or k_h·k_w taps, L the output positions (row-major) and ``g`` the gradient
+with K = k (1-D), k_h·k_w (2-D) or k_d·k_h·k_w (3-D) taps, L the output positions (row-major) and ``g`` the gradient
 of ``Σ_i w_i·loss_i`` at the layer's output BEFORE its fused activation (the engine records
 these layers' outputs there: ``ghost_rules.uses_pre_activation``). The patches are the
 windows of the layer's own convolution (``jax.lax.conv_general_dilated_patches`` with the
@@ -31,6 +34,11 @@ pointwise kernel (1…, c_in·M, filters) as a matrix: ``d`` is recomputed from 
 step's depthwise kernel (:func:`depthwise_output`; the rule reads the kernels' values under the
 engine's stateless scope), the gradient at ``d`` is ``g_d = g·P_wᵀ``, and the example's squared
 norm is the sum of the depthwise kernel's, the pointwise kernel's and the bias's.
+
+A transposed convolution is the input gradient of the convolution that takes its output back
+to its input (same kernel, strides, dilation and padding), so its kernel gradient is that
+convolution's filter gradient with the roles swapped (:func:`conv_transpose_rule`): x = the
+windows of ``g`` (the output gradient as the "input"), y = ``a``, L = the input positions.
 
 Per layer the cheaper exact form is chosen by shapes, as the TensorFlow rules do
 (L summed over the layer's calls):
@@ -48,7 +56,7 @@ The bias gradient is ``Σ_l g_il`` (P, filters). Kernels are returned in Keras's
 float32 (a bfloat16/float16 input or gradient of a mixed-precision policy is cast first).
 
 Not ruled (``None``: the engine's exact per-layer fallback clips them): ``channels_first``,
-LoRA or quantized layers, subclasses, ``Conv3D`` and the transposed convolutions.
+LoRA or quantized layers, subclasses, transposed convolutions with an ``output_padding``.
 """
 
 from __future__ import annotations
@@ -59,17 +67,22 @@ import jax
 import jax.numpy as jnp
 import keras
 
-__all__ = ["CONV_RULES", "PRE_ACTIVATION", "conv_rule", "depthwise_output", "depthwise_rule", "example_grads",
-           "explicit_padding", "grouped_sq_norms", "separable_rule", "window_patches"]
+__all__ = ["CONV_RULES", "PRE_ACTIVATION", "conv_rule", "conv_transpose_rule", "depthwise_output", "depthwise_rule",
+           "example_grads", "explicit_padding", "grouped_sq_norms", "separable_rule", "window_patches"]
 
 _F32 = jnp.float32
-_CONV = (keras.layers.Conv1D, keras.layers.Conv2D)
+_CONV = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D)
 _DEPTHWISE = (keras.layers.DepthwiseConv1D, keras.layers.DepthwiseConv2D)
 _SEPARABLE = (keras.layers.SeparableConv1D, keras.layers.SeparableConv2D)
+_TRANSPOSE = (keras.layers.Conv1DTranspose, keras.layers.Conv2DTranspose, keras.layers.Conv3DTranspose)
 
 #: the layer types whose output the engine records before the fused activation (their
 #: ``call`` is ``activation(convolution + bias)``)
-PRE_ACTIVATION = _CONV + _DEPTHWISE + _SEPARABLE
+PRE_ACTIVATION = _CONV + _DEPTHWISE + _SEPARABLE + _TRANSPOSE
+
+
+#: ``jax.lax`` dimension numbers (input, kernel, output) of a channels-last convolution, by spatial rank
+_SPECS = {1: ("NWC", "WIO", "NWC"), 2: ("NHWC", "HWIO", "NHWC"), 3: ("NDHWC", "DHWIO", "NDHWC")}
 
 
 def _ruled(layer, types, calls) -> bool:
@@ -102,7 +115,7 @@ def explicit_padding(size, out, kernel, stride, dilation, padding):
 
 
 def window_patches(a, *, out_shape, kernel_size, strides, dilation_rate, padding):
-    """The windows of a channels-last convolution of ``a`` (P, *spatial, C), rank 1 or 2.
+    """The windows of a channels-last convolution of ``a`` (P, *spatial, C), rank 1, 2 or 3.
 
     ``out_shape``: the output's spatial sizes; the rest as the layer (``padding`` one of
     ``"valid"``, ``"same"``, ``"causal"``). Returns (P, L, C, K): L = prod(out_shape) positions
@@ -123,7 +136,7 @@ def window_patches(a, *, out_shape, kernel_size, strides, dilation_rate, padding
                       for (before, _), o, s in zip(pads, out_shape, strides))
         x = jnp.pad(a, [(0, 0)] + [(max(b, 0), max(e, 0)) for b, e in pads] + [(0, 0)])[(slice(None), *index)]
         return jnp.reshape(x, (p, -1, c, 1))
-    spec = ("NWC", "WIO", "NWC") if len(spatial) == 1 else ("NHWC", "HWIO", "NHWC")
+    spec = _SPECS[len(spatial)]
     windows = jax.lax.conv_general_dilated_patches(
         a, tuple(kernel_size), tuple(strides), pads, rhs_dilation=tuple(dilation_rate), dimension_numbers=spec,
         precision=jax.lax.Precision.HIGHEST)
@@ -173,7 +186,7 @@ def example_grads(a, g, *, kernel_size, strides, dilation_rate, padding, groups)
     lhs = jnp.reshape(a, (p, *spatial, groups, c_group))
     lhs = jnp.reshape(jnp.transpose(lhs, (rank + 2, *range(1, rank + 1), 0, rank + 1)), (c_group, *spatial, p * groups))
     rhs = jnp.reshape(jnp.transpose(g, (*range(1, rank + 1), 0, rank + 1)), (*out, 1, p * groups * o_group))
-    spec = ("NWC", "WIO", "NWC") if rank == 1 else ("NHWC", "HWIO", "NHWC")
+    spec = _SPECS[rank]
     grads = jax.lax.conv_general_dilated(
         lhs, rhs, window_strides=tuple(dilation_rate), padding=pads, rhs_dilation=tuple(strides),
         dimension_numbers=spec, feature_group_count=p * groups, precision=jax.lax.Precision.HIGHEST)
@@ -213,10 +226,12 @@ def _form(layer, calls, groups):
     return x, y, None
 
 
-def _analyse(layer, calls, groups, to_kernel, kernel_var=None, bias_var=None):
+def _analyse(layer, calls, groups, to_kernel, kernel_var=None, bias_var=None, bias_calls=None):
     """``(sq, sums)`` of a convolution in ``groups`` groups: ``to_kernel`` maps (G, I, O) to the kernel's layout.
     ``kernel_var``/``bias_var``: the variables the sums are keyed by (default ``layer.kernel`` and,
-    with ``layer.use_bias``, ``layer.bias``; a separable layer passes its depthwise kernel and no bias)."""
+    with ``layer.use_bias``, ``layer.bias``; a separable layer passes its depthwise kernel and no bias).
+    ``bias_calls``: the calls whose ``g`` the bias gradient sums (default ``calls``; a transposed
+    convolution passes its own, ``calls`` being their swapped roles)."""
     p = calls[0]["g"].shape[0]
     if kernel_var is None:
         kernel_var, bias_var = layer.kernel, (layer.bias if layer.use_bias else None)
@@ -227,7 +242,8 @@ def _analyse(layer, calls, groups, to_kernel, kernel_var=None, bias_var=None):
     sq = jnp.sum(per * per, axis=(1, 2, 3)) if per is not None else grouped_sq_norms(x, y)[0]
     bias_i = None
     if bias_var is not None:
-        bias_i = sum(jnp.sum(jnp.reshape(c["g"].astype(_F32), (p, -1, c["g"].shape[-1])), axis=1) for c in calls)
+        bias_i = sum(jnp.sum(jnp.reshape(c["g"].astype(_F32), (p, -1, c["g"].shape[-1])), axis=1)
+                     for c in (calls if bias_calls is None else bias_calls))
         sq = sq + jnp.sum(bias_i * bias_i, axis=1)
 
     def sums(c, keep=None):
@@ -245,7 +261,7 @@ def _analyse(layer, calls, groups, to_kernel, kernel_var=None, bias_var=None):
 
 
 def conv_rule(layer, calls):
-    """``Conv1D``/``Conv2D`` (exact types), channels last, ``groups`` ≥ 1: see the module docstring."""
+    """``Conv1D``/``Conv2D``/``Conv3D`` (exact types), channels last, ``groups`` ≥ 1: see the module docstring."""
     if not _ruled(layer, _CONV, calls):
         return None
     groups, taps = layer.groups, len(layer.kernel_size)
@@ -284,7 +300,7 @@ def depthwise_output(a, kernel, *, out_shape, strides, dilation_rate, padding):
             for n, o, k, s, d in zip(a.shape[1:-1], out_shape, kernel_size, strides, dilation_rate)]
     if any(pad is None for pad in pads):
         return None
-    spec = ("NWC", "WIO", "NWC") if a.ndim == 3 else ("NHWC", "HWIO", "NHWC")
+    spec = _SPECS[a.ndim - 2]
     return jax.lax.conv_general_dilated(
         a, jnp.reshape(kernel, (*kernel_size, 1, -1)), window_strides=tuple(strides), padding=pads,
         rhs_dilation=tuple(dilation_rate), dimension_numbers=spec, feature_group_count=channels,
@@ -357,5 +373,49 @@ def separable_rule(layer, calls):
     return sq, sums
 
 
+def _transposed_length(size, kernel, stride, dilation, padding):
+    """Output length of a transposed convolution with ``output_padding=None`` (Keras's convention):
+    ``size·stride`` for ``"same"``, ``(size − 1)·stride + max((kernel − 1)·dilation + 1, stride)``
+    for ``"valid"``; ``None`` for any other padding."""
+    if padding == "same":
+        return size * stride
+    if padding == "valid":
+        return (size - 1) * stride + max((kernel - 1) * dilation + 1, stride)
+    return None
+
+
+def conv_transpose_rule(layer, calls):
+    """``Conv1DTranspose``/``Conv2DTranspose``/``Conv3DTranspose`` (exact types), channels last,
+    ``output_padding=None``: kernel W (*kernel_size, F, C) for an input ``a`` (P, *N, C) and an
+    output ``z`` (P, *N_out, F). The layer is the input gradient of a convolution of stride s,
+    dilation d and the layer's padding taking (P, *N_out, F) to (P, *N, C), so the kernel
+    gradient is that convolution's filter gradient with the roles swapped:
+
+        ∂W_i[t, f, c] = Σ_l g_i[l·s + t·d − before, f] · a_i[l, c]
+
+    over the N input positions l (``before`` of :func:`explicit_padding` with the output as the
+    "input": (k_eff − s)//2 zeros for ``"same"``, none for ``"valid"``), i.e. the conv rule with
+    x = the windows of ``g`` and y = ``a`` (G = 1, d_in = F·K, d_out = C); bias ``Σ_l g_il`` over
+    the output positions. An ``output_padding``, or an output whose size is not Keras's, is left
+    to the fallback (``None``)."""
+    if not _ruled(layer, _TRANSPOSE, calls) or layer.output_padding is not None:
+        return None
+    filters, channels = layer.kernel.shape[-2], layer.kernel.shape[-1]
+    for c in calls:
+        if c["a"].shape[-1] != channels or c["g"].shape[-1] != filters:
+            return None
+        lengths = [_transposed_length(n, k, s, d, layer.padding) for n, k, s, d in
+                   zip(c["a"].shape[1:-1], layer.kernel_size, layer.strides, layer.dilation_rate)]
+        if tuple(lengths) != tuple(c["g"].shape[1:-1]):
+            return None
+    swapped = [{"a": c["g"], "g": c["a"]} for c in calls]
+
+    def to_kernel(kernel):  # (1, F·K, C), features (filter, tap) -> (*kernel_size, F, C)
+        kernel = jnp.transpose(jnp.reshape(kernel, (filters, -1, channels)), (1, 0, 2))
+        return jnp.reshape(kernel, (*layer.kernel_size, filters, channels))
+
+    return _analyse(layer, swapped, 1, to_kernel, bias_calls=calls)
+
+
 #: registered into ``ghost_rules.RULES``
-CONV_RULES = (conv_rule, depthwise_rule, separable_rule)
+CONV_RULES = (conv_rule, depthwise_rule, separable_rule, conv_transpose_rule)
