@@ -2,9 +2,11 @@
 
 Keras runs on TensorFlow; the CPU is split into two logical devices (before
 TensorFlow initialises) so ``tf.distribute.MirroredStrategy`` can be tested on a
-machine without accelerators.
+machine without accelerators. After every test the survivors of a garbage collection
+are moved out of the collector's sight (:func:`_freeze_what_survives`).
 """
 
+import gc
 import os
 import sys
 
@@ -46,3 +48,22 @@ def _separate_collective_keys():
 
         mirrored_strategy.MirroredStrategy._collective_key_base += 100_000
     yield
+
+
+@pytest.fixture(autouse=True)
+def _freeze_what_survives():
+    """After each test, collect garbage, then ``gc.freeze()`` what is left.
+
+    TensorFlow (2.13 and later) never frees the graphs ``tf.function`` traces for
+    ``fit``, even after the model is gone and ``keras.backend.clear_session()`` ran
+    (plain Keras too: keras-team/tf-keras#286, tensorflow/tensorflow#61791): their
+    operations form reference cycles through TensorFlow's C++ graph, which Python's
+    collector cannot see. Each test worker accumulates them (~20k operations per
+    KerasHub model of the catalogue), and every later full collection walks them again,
+    so the suite slowed down as it ran. Frozen objects are skipped by later collections;
+    what is garbage is collected first, so nothing collectable is kept. Measured: ten
+    catalogue backbones and one collecting test in one process, 125.5 s -> 95.8 s.
+    """
+    yield
+    gc.collect()
+    gc.freeze()
