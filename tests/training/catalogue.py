@@ -336,6 +336,14 @@ BUILDERS = {
                              num_key_value_heads=1, hidden_dim=W, intermediate_dim=2 * W, head_dim=8,
                              vit_patch_size=4, vit_num_layers=1, vit_num_heads=2, vit_hidden_dim=W,
                              vit_intermediate_dim=2 * W),
+    # ------------------------------------------------------------------ diffusion transformer
+    # one double-stream and one single-stream block on 8 latent tokens of 4 channels and 8 text
+    # embeddings; the harness draws every float input ~ N(0, 1) (latents, text embeddings, the
+    # pooled text vector y, position ids, timestep, guidance) and pools the predicted velocity
+    "FluxBackbone": _kw("FluxBackbone", input_channels=4, hidden_size=W, mlp_ratio=2.0, num_heads=2, depth=1,
+                        depth_single_blocks=1, axes_dim=[2, 2, 4], theta=10_000, use_bias=True, guidance_embed=True,
+                        image_shape=(L, 4), text_shape=(L, 12), image_ids_shape=(L, 3), text_ids_shape=(L, 3),
+                        y_shape=(12,)),
 }
 
 
@@ -359,8 +367,6 @@ NOT_BUILT = {
                                  "batch axis; stable_diffusion_3_backbone.py), so an example's output depends on "
                                  "example 0 unless every example shares those two inputs; and its parts (an MMDiT, "
                                  "a VAE, CLIP-L/CLIP-G (+ T5) text encoders) have no tiny offline config here yet"),
-    "FluxBackbone": ("a diffusion transformer whose inputs are latents, text embeddings, position ids and a "
-                     "timestep: no per-example classification target to attach a head to without a sampler"),
 }
 
 

@@ -33,6 +33,10 @@ RTOL_FLOAT32_INSIDE = 1e-6
 RTOL_WIDER = {
     "Gemma4Backbone": (1e-5, "1.4e-6 with its keras-hub float32 casts; 4e-15 with them lifted to float64 "
                              "(test_gemma4_with_its_float32_casts_lifted_matches_the_loop_to_float64_round_off)"),
+    "FluxBackbone": (1e-5, "5.5e-7 observed, and the model's own output already differs by 1.7e-7 between the "
+                           "batch and one example at a time (catalogue.compare_with_loop's floor, rope lifted to "
+                           "float64 or not): its keras.Inputs are float32, so its timestep and guidance embeddings "
+                           "take sin/cos in float32"),
 }
 
 #: backbones whose layers compute partly in float32 under a float64 policy: where, per model
@@ -41,6 +45,7 @@ FLOAT32_INSIDE = {name: f"keras_hub/src/models/{where} cast to float32" for name
     "Gemma3Backbone": "gemma3/gemma3_attention.py, gemma3_layers.py",
     "Gemma3nBackbone": "gemma3n/gemma3n_text_layers.py (its MLP's activation sparsity, its AltUp router)",
     "Gemma4Backbone": "gemma4/gemma4_layers.py (its RMS norms), gemma4_attention.py (a float32 Softmax, rope)",
+    "FluxBackbone": "flux/flux_model.py (float32 inputs: sin/cos of the timestep in float32), flux_maths.py (rope)",
     "GptOssBackbone": "gpt_oss/gpt_oss_attention.py, gpt_oss_layer_norm.py",
     "LlamaBackbone": "llama/llama_attention.py, llama_layernorm.py",
     "Llama3Backbone": "llama/llama_attention.py, llama_layernorm.py (Llama3 reuses them)",
