@@ -47,7 +47,7 @@ from keras_noisecurve.training.ghost_common import Rule, dims, norm_dtype, per_e
 from keras_noisecurve.training.ghost_common import scale_smaller
 from keras_noisecurve.training import kernels as _kernels
 from keras_noisecurve.training.ghost_conv import ConvRule, conv_chunk, conv_example_grads, materialise_conv
-from keras_noisecurve.training.ghost_taps import LiveTapGrads, tap_example_grads
+from keras_noisecurve.training.ghost_taps import LiveTapGrads, correlation_example_grads, tap_example_grads
 
 
 # ------------------------------------------------------------------------ tensor math
@@ -315,13 +315,16 @@ def _depthwise_example_grads(layer, images, kernel_shape):
 def _depthwise_grads(layer, a, g, kernel_shape):
     """:class:`GroupedGrads` (G = C, d_in = K, d_out = M) of a depthwise kernel.
 
-    Three exact forms (measured on CPU at B = 32, docs/performance.md): TensorFlow's
+    Four exact forms (measured on CPU at B = 32, docs/performance.md): TensorFlow's
     depthwise filter gradient over the P·C (example, channel) pairs for kernels of at most
     3 taps a side on inputs of at least 2 kernel sizes a side (1.1–1.9 ms on 8×8 to 32×32
     maps, but 50–450 ms on 4×4 and smaller maps, and with 5×5 kernels on 8×8 and 11×11
-    inputs); else one slice of the input per live tap (:func:`tap_example_grads`,
-    0.7–5 ms on EfficientNetB0's 8×8 to 1×1 maps, where the windows took 2–20 ms); the
-    windows (:func:`patches`) only when the spatial sizes are not static.
+    inputs); else, for depth multiplier 1, dilation 1 and at least 2×2 output positions,
+    one depthwise convolution of the input with the output gradient
+    (:func:`correlation_example_grads`: 0.8–2.1 ms on EfficientNetB0's 11×11 to 2×2 maps
+    where the taps took 1.3–3.9 ms); else one slice of the input per live tap
+    (:func:`tap_example_grads`, 0.4–0.7 ms on 1×1 maps, where one tap of a 5×5 kernel is
+    live); the windows (:func:`patches`) only when the spatial sizes are not static.
     """
     ks, m = kernel_shape[:-2], kernel_shape[-1]
     static = all(t.shape[1:-1].is_fully_defined() for t in (*a, *g))
@@ -330,6 +333,10 @@ def _depthwise_grads(layer, a, g, kernel_shape):
         return GroupedGrads.from_per_example(_depthwise_example_grads(layer, list(zip(a, g)), kernel_shape))
     if not static:
         return GroupedGrads([_depthwise_pairs(layer, ai, gi, kernel_shape) for ai, gi in zip(a, g)])
+    if m == 1 and max(layer.dilation_rate) == 1 and all(gi.shape[1:-1].num_elements() >= 4 for gi in g):
+        per_example = tf.add_n([correlation_example_grads(ai, gi, kernel_size=ks, strides=layer.strides,
+                                                          padding=layer.padding) for ai, gi in zip(a, g)])
+        return GroupedGrads.from_per_example(tf.transpose(per_example, [0, 2, 1])[..., None])  # (P, C, K, 1)
     taps = [tap_example_grads(ai, gi, kernel_size=ks, strides=layer.strides, dilation_rate=layer.dilation_rate,
                               padding=layer.padding, multiplier=m) for ai, gi in zip(a, g)]
     return LiveTapGrads(taps, math.prod(ks))

@@ -1,4 +1,9 @@
-"""Per-example depthwise kernel gradients from one slice of the input per kernel tap.
+"""Per-example depthwise kernel gradients where TensorFlow's own filter gradient is slow.
+
+Two exact forms, for small maps and 5×5 kernels (measured in docs/performance.md):
+:func:`correlation_example_grads` (one depthwise convolution, any map of 2×2 output
+positions or more) and :func:`tap_example_grads` (one slice of the input per live kernel
+tap, for the smallest maps, where most taps only read padding).
 
 A depthwise kernel (*k, C, M) has, per example i, channel c, tap t and multiplier m, the
 gradient ``∂W_i[c, t, m] = Σ_l a_pad[i, l·s + t·d, c] · g_i[l, c·M + m]``: a product of
@@ -23,7 +28,7 @@ from keras_noisecurve.training.ghost_common import per_example_sq, weighted_sum
 TAPS_STACKED_POSITIONS = 16
 
 
-def _window_geometry(n, out, k, s, d, padding):
+def window_geometry(n, out, k, s, d, padding):
     """(pad_before, pad_after, live taps) of one spatial axis of a convolution: input size
     ``n``, output size ``out``, kernel ``k``, stride ``s``, dilation ``d``, TensorFlow's
     ``"same"``/``"valid"`` padding. Tap j reads padded index o·s + j·d; it is *live* when
@@ -71,7 +76,7 @@ def tap_example_grads(a, g, *, kernel_size, strides, dilation_rate, padding, mul
         a, g, ks, st, dr = a[:, None], g[:, None], [1, *ks], [1, *st], [1, *dr]
     c = a.shape[-1]
     (oh, ow), p = g.shape[1:3], tf.shape(a)[0]
-    geometry = [_window_geometry(n, o, k, s, d, padding)
+    geometry = [window_geometry(n, o, k, s, d, padding)
                 for n, o, k, s, d in zip(a.shape[1:3], (oh, ow), ks, st, dr)]
     # pad to the windows' extent, then up to a multiple of the stride, and split each
     # axis into (block, phase): padded index b·s + r
@@ -101,6 +106,48 @@ def tap_example_grads(a, g, *, kernel_size, strides, dilation_rate, padding, mul
         per_example = tf.stack([tf.reduce_sum(spread(x) * y, axis=[1, 2]) for x in xs], axis=1)
     return (per_example if multiplier > 1 else per_example[..., None]), live  # (P, T, C, M)
 
+
+
+def correlation_example_grads(a, g, *, kernel_size, strides, padding) -> tf.Tensor:
+    """Per-example depthwise kernel gradients (P, K, C) of a depth-multiplier-1 layer with
+    dilation 1, as ONE forward depthwise convolution.
+
+    ``a`` (P, *spatial, C) channels-last input (rank 1 or 2, static spatial sizes), ``g``
+    (P, *spatial', C) the output gradient. The gradient at tap t,
+
+        ∂W_i[t, c] = Σ_l a_pad[i, l·s + t, c] · g_i[l, c],
+
+    is the correlation of the padded input with the output gradient taken at rate ``s``
+    (the strides): a depthwise convolution ("valid", dilation s) of the batch-1 image
+    whose P·C channels are the (example, channel) pairs, with g as a per-channel filter of
+    the output's spatial size. Its output has exactly the kernel's K taps (the input is
+    padded as the layer pads it and cut to the windows' extent), with no cross-example
+    terms. P·K·L·C multiply-adds in one vectorised kernel, against one op per tap for
+    :func:`tap_example_grads` and the (slow on small maps) depthwise filter gradient.
+    """
+    rank = len(kernel_size)
+    if rank not in (1, 2) or a.shape.rank != rank + 2 or g.shape.rank != rank + 2:
+        raise ValueError(f"correlation_example_grads takes rank-1 or rank-2 inputs (P, *spatial, C) with a kernel of "
+                         f"the same rank; got a {a.shape}, g {g.shape}, kernel_size={tuple(kernel_size)}")
+    if not (a.shape[1:-1].is_fully_defined() and g.shape[1:-1].is_fully_defined()):
+        raise ValueError(f"correlation_example_grads needs static spatial sizes, got a {a.shape}, g {g.shape}")
+    if g.shape[-1] != a.shape[-1]:
+        raise ValueError(f"g must have the C = {a.shape[-1]} channels of a (depth multiplier 1), got {g.shape[-1]}")
+    ks, st = list(kernel_size), list(strides)
+    if rank == 1:
+        a, g, ks, st = a[:, None], g[:, None], [1, *ks], [1, *st]
+    p, c, out = tf.shape(a)[0], a.shape[-1], g.shape[1:3]
+    pads, extents = [], []
+    for n, o, k, s in zip(a.shape[1:3], out, ks, st):
+        before, after, _ = window_geometry(n, o, k, s, 1, padding)
+        pads.append([before, after])
+        extents.append((o - 1) * s + k)
+    a = tf.pad(a, [[0, 0], *pads, [0, 0]])[:, : extents[0], : extents[1]]
+    image = tf.reshape(tf.transpose(a, [1, 2, 0, 3]), [1, *extents, p * c])
+    taps_filter = tf.reshape(tf.transpose(g, [1, 2, 0, 3]), [*out, p * c, 1])
+    rates = st if max(st) > 1 else None
+    corr = tf.nn.depthwise_conv2d(image, taps_filter, strides=[1, 1, 1, 1], padding="VALID", dilations=rates)
+    return tf.transpose(tf.reshape(corr, [ks[0] * ks[1], p, c]), [1, 0, 2])  # (P, K, C)
 
 
 class LiveTapGrads:
@@ -136,4 +183,4 @@ class LiveTapGrads:
         return tf.transpose(summed, [1, 0, 2])
 
 
-__all__ = ["TAPS_STACKED_POSITIONS", "LiveTapGrads", "tap_example_grads"]
+__all__ = ["TAPS_STACKED_POSITIONS", "LiveTapGrads", "correlation_example_grads", "tap_example_grads", "window_geometry"]

@@ -18,7 +18,7 @@ from keras_noisecurve.training.ghost import describe, ghost_clipped_sum, support
 from keras_noisecurve.training import kernels as _kernels
 from keras_noisecurve.training.ghost_conv_kinds import GroupedGrads, example_grads_3d, patches
 from keras_noisecurve.training.ghost_conv_kinds import _example_grads_3d_grouped
-from keras_noisecurve.training.ghost_taps import LiveTapGrads, tap_example_grads
+from keras_noisecurve.training.ghost_taps import LiveTapGrads, correlation_example_grads, tap_example_grads
 from tests.training.helpers import float64_layers, loop_reference, mse
 
 P = 5
@@ -82,6 +82,11 @@ DEPTHWISE = {
     "2d-11x11-5x5-stride2-valid": ((11, 11, 2), lambda: L.DepthwiseConv2D(5, strides=2, name="conv")),
     "2d-7x8-3x3-stride3-mult2": ((7, 8, 2), lambda: L.DepthwiseConv2D(3, strides=3, padding="same",
                                                                       depth_multiplier=2, name="conv")),
+    # depth multiplier 1 on 2×2 output positions or more (the correlation form): unequal
+    # kernel, 1-D, every tap live, padding cut to the windows
+    "2d-4x4-map-5x5-same": ((4, 4, 3), lambda: L.DepthwiseConv2D(5, padding="same", activation="tanh", name="conv")),
+    "2d-5x5-3x2-stride2-valid": ((5, 5, 2), lambda: L.DepthwiseConv2D((3, 2), strides=2, name="conv")),
+    "1d-valid-stride2": ((9, 2), lambda: L.DepthwiseConv1D(3, strides=2, name="conv")),
     # a large map and a 3×3 kernel: TensorFlow's depthwise filter gradient
     "2d-8x8-3x3-native": ((8, 8, 2), lambda: L.DepthwiseConv2D(3, padding="same", activation="relu", name="conv")),
 }
@@ -135,6 +140,46 @@ def test_tap_example_grads_equal_a_per_example_loop(shape, kernel, strides, dila
                                np.einsum("p,pkcm->ckm", scale, want), rtol=1e-12, atol=1e-12)
 
 
+CORRELATION = [  # (input shape, kernel, strides, padding)
+    ((4, 4, 3), (5, 5), (1, 1), "same"),
+    ((11, 11, 2), (5, 5), (2, 2), "valid"),
+    ((8, 7, 2), (5, 3), (2, 2), "same"),
+    ((9, 9, 2), (3, 3), (3, 3), "valid"),  # the last row and column are read by no window
+    ((2, 2, 4), (3, 3), (1, 1), "same"),
+    ((10, 2), (5,), (2,), "same"),
+]
+
+
+@pytest.mark.parametrize("shape,kernel,strides,padding", CORRELATION)
+def test_correlation_example_grads_equal_a_per_example_loop(shape, kernel, strides, padding):
+    # every tap's per-example gradient against float64 GradientTape gradients of
+    # Σ depthwise_conv(a_i, W)·g_i, one example at a time
+    rng = np.random.default_rng(len(shape) * 100 + kernel[0] * 10 + strides[0])
+    c = shape[-1]
+    a = rng.normal(size=(P, *shape))
+    w = tf.Variable(rng.normal(size=(*kernel, c, 1)))
+    out = keras.ops.depthwise_conv(a[:1], w, strides=strides, padding=padding)
+    g = rng.normal(size=(P, *out.shape[1:]))
+    want = []
+    for i in range(P):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(keras.ops.depthwise_conv(a[i : i + 1], w, strides=strides, padding=padding) * g[i])
+        want.append(tape.gradient(loss, w).numpy().reshape(-1, c))  # (K, C)
+    got = correlation_example_grads(tf.constant(a), tf.constant(g), kernel_size=kernel, strides=strides,
+                                    padding=padding)
+    assert got.shape == (P, int(np.prod(kernel)), c)
+    np.testing.assert_allclose(got.numpy(), np.stack(want), rtol=1e-12, atol=1e-12)
+
+
+def test_correlation_example_grads_validates_its_arguments():
+    a, g = tf.zeros([2, 3, 3, 2]), tf.zeros([2, 3, 3, 4])
+    kw = dict(kernel_size=(3, 3), strides=(1, 1), padding="same")
+    with pytest.raises(ValueError, match="C = 2 channels of a \\(depth multiplier 1\\), got 4"):
+        correlation_example_grads(a, g, **kw)
+    with pytest.raises(ValueError, match="rank-1 or rank-2"):
+        correlation_example_grads(tf.zeros([2, 3, 3, 3, 2]), g, **kw)
+
+
 def test_tap_example_grads_validates_its_arguments():
     a, g = tf.zeros([2, 3, 3, 2]), tf.zeros([2, 3, 3, 2])
     kw = dict(kernel_size=(3, 3), strides=(1, 1), dilation_rate=(1, 1), multiplier=1)
@@ -151,6 +196,15 @@ def test_shared_depthwise_layer_with_different_live_taps():
     shared = L.DepthwiseConv2D(5, padding="same", name="conv")
     inp = keras.Input((4, 4, 3))
     small = shared(L.GlobalAveragePooling2D(keepdims=True)(inp))
+    out = L.Concatenate()([L.GlobalAveragePooling2D()(shared(inp)), L.Flatten()(small)])
+    _check(keras.Model(inp, L.Dense(2)(out)), "DepthwiseConv")
+
+
+def test_shared_depthwise_layer_on_two_map_sizes_by_correlation():
+    # a 5×5 kernel on a 4×4 and a 2×2 map: both calls take the correlation form, summed
+    shared = L.DepthwiseConv2D(5, padding="same", name="conv")
+    inp = keras.Input((4, 4, 3))
+    small = shared(L.AveragePooling2D(2)(inp))
     out = L.Concatenate()([L.GlobalAveragePooling2D()(shared(inp)), L.Flatten()(small)])
     _check(keras.Model(inp, L.Dense(2)(out)), "DepthwiseConv")
 
