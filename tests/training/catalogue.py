@@ -99,6 +99,13 @@ def _sub(module, cls, dtype, **kw):
     return getattr(importlib.import_module(f"keras_hub.src.models.{module}"), cls)(**kw, dtype=dtype)
 
 
+def _layer(cls, dtype, **kw):
+    """A sub-model keras-hub exports as a layer (``keras_hub.layers.<cls>``)."""
+    import keras_hub
+
+    return getattr(keras_hub.layers, cls)(**kw, dtype=dtype)
+
+
 _NO_DROP = dict(dropout=0.0)
 _IMG16 = (16, 16, 3)
 _IMG = (SIDE, SIDE, 3)
@@ -336,6 +343,29 @@ BUILDERS = {
                              num_key_value_heads=1, hidden_dim=W, intermediate_dim=2 * W, head_dim=8,
                              vit_patch_size=4, vit_num_layers=1, vit_num_heads=2, vit_hidden_dim=W,
                              vit_intermediate_dim=2 * W),
+    # a two-layer ViT (one windowed, one global layer) with a two-level FPN on 16×16 pixels, a one-layer
+    # text encoder, DETR encoder and decoder and a one-stage mask decoder, on a text prompt (LENGTHS: no box).
+    # The geometry encoder has no transformer layer: keras-hub 0.32.0's SAM3GeometryEncoderLayer passes its
+    # (P, N) prompt mask (N = boxes + 1) to attention as is (sam3_geometry_encoder.py), which broadcasts it
+    # against (P, heads, N, N): it fails for 1 < P ≠ N, and at P = N query q of every example is masked with
+    # example q's prompt mask (0.77 apart from one example at a time with padded boxes). No box prompt: a
+    # box's first column is its example's position in the batch (its ROI pooling, roi_align.py, gathers that
+    # example's features), which the per-example re-run of the whole backbone (see test_catalogue.HEAVY)
+    # slices as it is and then indexes out of range. 8 queries = the mask decoder's width: its
+    # compute_output_shape declares pred_masks' last axis hidden_dim, the queries when run.
+    "SAM3PromptableConceptBackbone": lambda dtype: _hub("SAM3PromptableConceptBackbone")(
+        vision_encoder=_layer("SAM3VisionEncoder", dtype, image_shape=_IMG16, patch_size=4, num_layers=2,
+                              hidden_dim=W, intermediate_dim=2 * W, num_heads=2, fpn_hidden_dim=8,
+                              fpn_scale_factors=[2.0, 1.0, 0.5], pretrain_image_shape=_IMG16, window_size=2,
+                              global_attn_indexes=[1]),
+        text_encoder=_layer("SAM3TextEncoder", dtype, **_TEXT),
+        geometry_encoder=_layer("SAM3GeometryEncoder", dtype, num_layers=0, hidden_dim=8, intermediate_dim=W,
+                                num_heads=2, roi_size=2),
+        detr_encoder=_layer("SAM3DetrEncoder", dtype, num_layers=1, hidden_dim=8, intermediate_dim=W, num_heads=2),
+        detr_decoder=_layer("SAM3DetrDecoder", dtype, image_shape=_IMG16, patch_size=4, num_layers=1, hidden_dim=8,
+                            intermediate_dim=W, num_heads=2, num_queries=8),
+        mask_decoder=_layer("SAM3MaskDecoder", dtype, num_upsampling_stages=1, hidden_dim=8, num_heads=2),
+        dtype=dtype),
     # ------------------------------------------------------------------ diffusion transformer
     # one double-stream and one single-stream block on 8 latent tokens of 4 channels and 8 text
     # embeddings; the harness draws every float input ~ N(0, 1) (latents, text embeddings, the
@@ -347,11 +377,6 @@ BUILDERS = {
 }
 
 
-def _composite_reason(parts):
-    return (f"a composite of separately configured sub-models ({parts}); "
-            "no tiny offline config of every part is written here yet")
-
-
 #: exported backbones not built, with the reason (each is a finding or a limit, never a silent skip)
 NOT_BUILT = {
     "Backbone": "the abstract base class of every backbone, not a model",
@@ -359,8 +384,6 @@ NOT_BUILT = {
     "BASNetBackbone": ("its prediction head runs 3×3 convolutions of 8× the projection width, and that width must "
                        "equal the first stage of its ResNet encoder, which keras-hub fixes at 64 filters: 48.6M "
                        "weights at 32×32 pixels, too large for the catalogue's CI budget"),
-    "SAM3PromptableConceptBackbone": _composite_reason(
-        "vision, text and geometry encoders + a DETR encoder/decoder + a mask decoder"),
     "StableDiffusion3Backbone": ("its graph is one classifier-free-guided sampling step, not a training forward pass: "
                                  "it reads num_steps[0] and guidance_scale[0] (example 0's values for the whole "
                                  "batch) and runs its MMDiT on 2P rows (each prompt and its negative stacked on the "
@@ -397,7 +420,8 @@ def _inputs(backbone):
 
 #: sequence lengths of inputs that need another first length than ``L`` (raw audio samples, no mask prompt)
 LENGTHS = {"MoonshineBackbone": {"encoder_input_values": 1600, "encoder_padding_mask": 1600},
-           "SAMBackbone": {"masks": 0}}  # 8 point and 8 box prompts, no mask prompt
+           "SAMBackbone": {"masks": 0},  # 8 point and 8 box prompts, no mask prompt
+           "SAM3PromptableConceptBackbone": {"boxes": 0, "box_labels": 0}}  # a text prompt only
 
 
 def _data(backbone, rng, lengths_of=None):
@@ -448,10 +472,18 @@ def _masks(backbone, inputs):
                                  out["prompt_sparse_embeddings"], out["prompt_dense_embeddings"])
 
 
+def _sam3(backbone, inputs):
+    """SAM3's outputs, its presence logit reshaped to (P, 1): it is (P, 1) when run but declared
+    (P, 1, 1) (``SAM3BoxDecoder.compute_output_shape``, sam3_layers.py), and the head's pooling
+    would otherwise take the mean of (P, 1) over its last axis when run."""
+    out = backbone(inputs)
+    return {**out, "presence_logits": keras.ops.reshape(out["presence_logits"], (-1, 1))}
+
+
 #: backbones whose task head reads other tensors than the backbone's outputs: ``(backbone,
 #: its symbolic inputs) -> tensors``
 FEATURES = {**{name: _embeddings for name in ("CLIPBackbone", "MetaCLIP2Backbone", "SigLIPBackbone")},
-            "SAMBackbone": _masks}
+            "SAMBackbone": _masks, "SAM3PromptableConceptBackbone": _sam3}
 
 
 def _head(backbone, dtype, features=None):

@@ -116,6 +116,11 @@ HEAVY = {
                       "query selection, one layer each: ~86 s on 2 loaded cores"),
     "BLIP2Backbone": ("three sub-models (a ViT, a Q-Former with cross-attention, an OPT decoder), one layer each: "
                       "~36 s on 2 loaded cores"),
+    "SAM3PromptableConceptBackbone": (
+        "six sub-models (217 weights) clipped as one caller: its DETR decoder reads its query, reference-point "
+        "and presence embeddings as weights in its own call, and the backbone calls that decoder's box head "
+        "outside it, so the innermost per-example caller of those reads is the whole backbone, re-run per "
+        "example by the fallback: ~70 s on 2 loaded cores"),
 }
 
 
