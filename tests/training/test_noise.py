@@ -102,3 +102,26 @@ def test_normal_from_seed_scale_shape_and_dtypes():
     assert normal_from_seed(seed, ()).shape == ()
     with pytest.raises(ValueError, match="fully defined"):
         normal_from_seed(seed, tf.TensorShape([None, 3]))
+
+
+def test_the_noise_bits_are_tensorflows_stateless_philox_words_for_any_seed():
+    """The Philox words behind every draw (two raw kernels: the seed's key and counter,
+    then the words) equal ``tf.random.stateless_uniform(..., dtype=uint32, alg="philox")``
+    bit for bit, and ``fold_in`` equals ``tf.random.experimental.stateless_fold_in``,
+    eagerly and traced, over int64 seeds anywhere in [−2⁶³, 2⁶³) and odd lengths."""
+    from keras_noisecurve.backend.tensorflow import noise as tf_noise
+
+    rng = np.random.default_rng(5)
+    seeds = [[0, 0], [-1, -1], [2**63 - 1, -(2**63)], *rng.integers(-(2**63), 2**63 - 1, size=(12, 2), dtype=np.int64)]
+    traced = tf.function(tf_noise._philox_bits, reduce_retracing=True)
+    folded = tf.function(tf_noise.fold_in)
+    for seed in seeds:
+        seed = tf.constant(np.asarray(seed, np.int64))
+        for n in (1, 7, 1000):
+            want = tf.random.stateless_uniform([n], seed=seed, minval=None, maxval=None, dtype=tf.uint32, alg="philox")
+            np.testing.assert_array_equal(tf_noise._philox_bits(seed, n).numpy(), want.numpy())
+            np.testing.assert_array_equal(traced(seed, n).numpy(), want.numpy())
+        for data in (0, 1, -7, 2**62):
+            want = tf.random.experimental.stateless_fold_in(seed, tf.constant(data, tf.int64)).numpy()
+            np.testing.assert_array_equal(tf_noise.fold_in(seed, data).numpy(), want)
+            np.testing.assert_array_equal(folded(seed, tf.constant(data, tf.int64)).numpy(), want)
