@@ -166,6 +166,13 @@ def loss_tracker(model):
     return model._loss_tracker
 
 
+def explicit_distribution_strategy(model):
+    """The ``tf.distribute`` strategy ``model`` was compiled under, or ``None`` with the
+    default one; ``fit`` builds the optimizer before tracing only under an explicit one
+    (Trainer._distribute_strategy, the test of its ``_maybe_symbolic_build``)."""
+    return model._distribute_strategy
+
+
 def symbolic_build(model, *, data_batch) -> None:
     """Create ``model``'s, its metrics' and its optimizer's variables from the spec of one
     batch, as ``fit`` does under a ``tf.distribute`` strategy (Trainer._symbolic_build)."""

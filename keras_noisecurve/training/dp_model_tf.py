@@ -187,6 +187,7 @@ class TrainStepBackend:
         return callbacks
 
     def _dp_fit(self, x, y, kwargs):
+        self._dp_build_optimizer_before_tracing()
         if not self.jit_compile:
             return super().fit(x, y, **kwargs)
         try:
@@ -197,6 +198,27 @@ class TrainStepBackend:
                 f"clipping path cannot be compiled by XLA: {error.message.splitlines()[0]} "
                 "Compile with jit_compile=False (the default of private models)."
             ) from error
+
+    def _dp_build_optimizer_before_tracing(self):
+        """Build the optimizer (its noise key, noise state and the inner optimizer's slots)
+        before ``fit`` traces the train step, where every layer is built already.
+
+        Without a distribution strategy Keras builds the optimizer inside the first trace
+        of the step; a ``tf.function`` whose first trace creates variables is traced a
+        second time, so every ``fit`` would trace the private step twice. Under a strategy
+        Keras builds it beforehand itself; an unbuilt model is built by the first trace,
+        and the optimizer with it (``train_step``)."""
+        optimizer = self.optimizer
+        if optimizer is None or optimizer.built or _compat.explicit_distribution_strategy(self) is not None:
+            return
+        if not all(layer.built for layer in _compat.flatten_layers(self)):
+            return
+        self._dp_build_optimizer(optimizer)
+
+    def _dp_build_optimizer(self, optimizer):
+        with keras.name_scope(optimizer.name, caller=optimizer):
+            optimizer.build(self.trainable_variables)
+        optimizer.built = True
 
     def _symbolic_build(self, iterator=None, data_batch=None):
         # Keras builds a model under a tf.distribute strategy from one batch, unpacked
@@ -262,9 +284,7 @@ class TrainStepBackend:
                 num_replicas=_num_replicas(),
             )
         if not optimizer.built:  # as Keras's apply would, but outside the checks' control dependencies
-            with keras.name_scope(optimizer.name, caller=optimizer):
-                optimizer.build(self.trainable_variables)
-            optimizer.built = True
+            self._dp_build_optimizer(optimizer)
         with tf.control_dependencies([c for c in checks if c is not None]):  # no update before the check
             grads = self._refuse(clipped.grads, step, iteration, optimizer, dropped, real)
             optimizer.apply_clipped_sum(grads, self.trainable_variables)

@@ -191,6 +191,27 @@ def test_unbuilt_subclassed_model_builds_on_first_step(data):
     assert len(model.trainable_variables) == 4
 
 
+@pytest.mark.filterwarnings("ignore:the mixing matrix")  # C is for SGD, the inner optimizer Adam
+@pytest.mark.parametrize("built", [True, False])
+def test_fit_traces_the_private_step_once_where_the_model_is_built(built, data):
+    # A tf.function whose first trace creates variables (here the optimizer's noise key, its
+    # banded noise state and Adam's slots) is traced a second time: a built model's optimizer
+    # is built before fit traces the step. An unbuilt one is built by that trace (twice).
+    x, y = data
+    c = MixingMatrix.from_dense(np.array([[0.8, 0, 0], [0.6, 0.8, 0], [0, 0.6, 1.0]]), metadata={"objective": "t"})
+    model = make_private(_sequential() if built else Subclassed())
+    model.compile(optimizer=_opt(mixing=c, learning_rate=None, inner=keras.optimizers.Adam(0.01)),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    traces = []
+    step = model.train_step
+    model.train_step = lambda data: traces.append(1) or step(data)
+    model.fit(x, y, batch_size=B, epochs=1, verbose=0)
+    assert len(traces) == (1 if built else 2)
+    assert int(model.optimizer.iterations.numpy()) == 2
+    names = sorted(v.path for v in model.optimizer.variables)
+    assert any("noise_key" in n for n in names) and sum("adam" in n for n in names) >= 4, names
+
+
 @pytest.mark.parametrize("clipping", ["ghost", "vectorized"])
 def test_a_model_trained_privately_is_freed_once_the_user_drops_it(clipping, data):
     # A cache that held the model strongly (the ghost engine's per-model probe once did,
