@@ -145,7 +145,25 @@ def plan(model, like=None):
             visit(child)
 
     visit(model)
-    return _through_callers(model, out, trainable, like)
+    return check_partition(_through_callers(model, out, trainable, like))
+
+
+def check_partition(entries):
+    """``entries`` (``[(layer, rule, variables)]``) unchanged if no variable is in two of
+    them. A variable clipped by two rules would have its per-example gradient counted twice
+    in every norm and one rule's sum silently replaced by the other's: an internal error,
+    raised as one (naming the variable and both layers) rather than trained through."""
+    owner = {}
+    for layer, _, variables in entries:
+        for variable in variables:
+            first = owner.setdefault(id(variable), layer)
+            if first is not layer:
+                raise RuntimeError(
+                    f"internal error: the weight '{variable.path}' is clipped by two rules, those of "
+                    f"{_layer_label(first)} and {_layer_label(layer)}; please report this model. "
+                    "clipping='vectorized' clips it exactly meanwhile."
+                )
+    return entries
 
 
 def _through_callers(model, entries, trainable, like=None):

@@ -808,3 +808,17 @@ def test_lora_with_a_contracted_last_kernel_axis_takes_the_fallback():
     assert describe(model) == [("proj", "EinsumDense", "generic")]
     rng = np.random.default_rng(15)
     check_model(model, rng.normal(size=(P, 4, 5)), rng.normal(size=(P, 4, 3)))
+
+
+def test_a_weight_in_two_plan_entries_is_an_internal_error_naming_both_layers():
+    # a plan that clips one weight by two rules would count its per-example gradient twice
+    from keras_noisecurve.training.ghost import check_partition, plan
+
+    shared = keras.layers.Dense(3, name="shared")
+    outer = keras.layers.TimeDistributed(shared, name="td")
+    model = keras.Sequential([keras.Input((4, 5)), outer, keras.layers.Flatten(), keras.layers.Dense(2)])
+    entries = plan(model)
+    assert check_partition(entries) is entries
+    (td, td_rule, td_vars), = [e for e in entries if e[0] is outer]
+    with pytest.raises(RuntimeError, match=r"td/shared/kernel' is clipped by two rules, those of TimeDistributed layer 'td' and Dense layer 'shared'"):
+        check_partition(entries + [(shared, td_rule, [shared.kernel])])
