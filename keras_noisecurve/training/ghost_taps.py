@@ -39,6 +39,20 @@ def window_geometry(n, out, k, s, d, padding):
     return before, max(extent - n - before, 0), live
 
 
+def _check_pair(name, a, g, kernel_size, padding) -> int:
+    """The kernel's rank (1 or 2), after checking that ``a`` and ``g`` are (P, *spatial, C)
+    of that rank with static spatial sizes and that ``padding`` is TensorFlow's."""
+    rank = len(kernel_size)
+    if rank not in (1, 2) or a.shape.rank != rank + 2 or g.shape.rank != rank + 2:
+        raise ValueError(f"{name} takes rank-1 or rank-2 inputs (P, *spatial, C) with a kernel of the same rank; "
+                         f"got a {a.shape}, g {g.shape}, kernel_size={tuple(kernel_size)}")
+    if padding not in ("same", "valid"):
+        raise ValueError(f"padding must be 'same' or 'valid', got {padding!r}")
+    if not (a.shape[1:-1].is_fully_defined() and g.shape[1:-1].is_fully_defined()):
+        raise ValueError(f"{name} needs static spatial sizes, got a {a.shape}, g {g.shape}")
+    return rank
+
+
 def tap_example_grads(a, g, *, kernel_size, strides, dilation_rate, padding, multiplier):
     """Per-example depthwise kernel gradients at the live taps, one slice per tap.
 
@@ -61,14 +75,7 @@ def tap_example_grads(a, g, *, kernel_size, strides, dilation_rate, padding, mul
     Returns ``(per_example, live)``: per_example (P, T, C, M) for the T live taps and
     ``live`` their flat indices (row-major in the kernel's spatial axes) among the K taps.
     """
-    rank = len(kernel_size)
-    if rank not in (1, 2) or a.shape.rank != rank + 2 or g.shape.rank != rank + 2:
-        raise ValueError(f"tap_example_grads takes rank-1 or rank-2 inputs (P, *spatial, C) with a kernel of the same "
-                         f"rank; got a {a.shape}, g {g.shape}, kernel_size={tuple(kernel_size)}")
-    if padding not in ("same", "valid"):
-        raise ValueError(f"padding must be 'same' or 'valid', got {padding!r}")
-    if not (a.shape[1:-1].is_fully_defined() and g.shape[1:-1].is_fully_defined()):
-        raise ValueError(f"tap_example_grads needs static spatial sizes, got a {a.shape}, g {g.shape}")
+    rank = _check_pair("tap_example_grads", a, g, kernel_size, padding)
     if g.shape[-1] != a.shape[-1] * multiplier:
         raise ValueError(f"g must have C·M = {a.shape[-1]}·{multiplier} channels, got {g.shape[-1]}")
     ks, st, dr = list(kernel_size), list(strides), list(dilation_rate)
@@ -107,7 +114,6 @@ def tap_example_grads(a, g, *, kernel_size, strides, dilation_rate, padding, mul
     return (per_example if multiplier > 1 else per_example[..., None]), live  # (P, T, C, M)
 
 
-
 def correlation_example_grads(a, g, *, kernel_size, strides, padding) -> tf.Tensor:
     """Per-example depthwise kernel gradients (P, K, C) of a depth-multiplier-1 layer with
     dilation 1, as ONE forward depthwise convolution.
@@ -125,12 +131,7 @@ def correlation_example_grads(a, g, *, kernel_size, strides, padding) -> tf.Tens
     terms. P·K·L·C multiply-adds in one vectorised kernel, against one op per tap for
     :func:`tap_example_grads` and the (slow on small maps) depthwise filter gradient.
     """
-    rank = len(kernel_size)
-    if rank not in (1, 2) or a.shape.rank != rank + 2 or g.shape.rank != rank + 2:
-        raise ValueError(f"correlation_example_grads takes rank-1 or rank-2 inputs (P, *spatial, C) with a kernel of "
-                         f"the same rank; got a {a.shape}, g {g.shape}, kernel_size={tuple(kernel_size)}")
-    if not (a.shape[1:-1].is_fully_defined() and g.shape[1:-1].is_fully_defined()):
-        raise ValueError(f"correlation_example_grads needs static spatial sizes, got a {a.shape}, g {g.shape}")
+    rank = _check_pair("correlation_example_grads", a, g, kernel_size, padding)
     if g.shape[-1] != a.shape[-1]:
         raise ValueError(f"g must have the C = {a.shape[-1]} channels of a (depth multiplier 1), got {g.shape[-1]}")
     ks, st = list(kernel_size), list(strides)
