@@ -112,7 +112,7 @@ def _arrays(rng, real, m, included):
 def canary_gradients(*, model, weights, canary_x, canary_y, function=None):
     """Per-canary gradients of the squared error (f(x_c) − y_c)² at the given weights.
 
-    A plain ``GradientTape`` jacobian through ``model`` (a clone of the audited model, no
+    A plain jacobian through ``model`` (a clone of the audited model, no
     clipping engine).
 
     Args:
@@ -129,21 +129,16 @@ def canary_gradients(*, model, weights, canary_x, canary_y, function=None):
         variable.assign(value)
     jac = (function or gradient_function(model))(canary_x, canary_y)
     m = canary_y.shape[0]
-    return np.concatenate([np.reshape(j.numpy(), (m, -1)) for j in jac], axis=1).astype(np.float64)
+    return np.concatenate([np.reshape(np.asarray(j), (m, -1)) for j in jac], axis=1).astype(np.float64)
 
 
 def gradient_function(model):
-    """A ``tf.function`` (x, y) → per-example jacobians of (f(x) − y)² over ``model``'s
-    trainable variables (one (m, *shape) tensor per variable)."""
-    import tensorflow as tf
+    """A function (x, y) → per-example jacobians of (f(x) − y)² over ``model``'s trainable
+    variables (one (m, *shape) array per variable): the backend's ``audit.loss_jacobian``
+    (a ``tf.GradientTape`` jacobian on TensorFlow, ``jax.jacrev`` on JAX)."""
+    from keras_noisecurve import backend
 
-    @tf.function(reduce_retracing=True)
-    def jacobian(x, y):
-        with tf.GradientTape() as tape:
-            loss = tf.square(model(x, training=False)[:, 0] - y[:, 0])
-        return tape.jacobian(loss, model.trainable_variables)
-
-    return jacobian
+    return backend.module("audit").loss_jacobian(model)
 
 
 @dataclasses.dataclass
@@ -180,11 +175,15 @@ def run_input_audit(*, run, real, m, eta, clip, seed, delta, confidence, claimed
                     loss=keras.losses.MeanSquaredError())
     if model_hook is not None:
         model_hook(private)
-    trajectory = [[v.numpy().copy() for v in model.trainable_variables]]
+    def weights():
+        return [np.array(keras.ops.convert_to_numpy(v.value)) for v in model.trainable_variables]
+
+    trajectory = [weights()]
 
     class _Record(keras.callbacks.Callback):
         def on_train_batch_end(self, batch_index, logs=None):
-            trajectory.append([v.numpy().copy() for v in model.trainable_variables])
+            _ = self.model  # on JAX, reading the model copies the step's weights back to its variables
+            trajectory.append(weights())
 
     data = dataset_factory(run, x, y) if dataset_factory is not None else run.dataset(x, y)
     started = time.perf_counter()

@@ -1,5 +1,5 @@
 """Mechanism checks on the user's own model and run: does the implementation do what the
-accountant assumes? (TensorFlow)
+accountant assumes? (TensorFlow and JAX)
 
 A canary audit (:mod:`keras_noisecurve.audit.whitebox`) bounds ε from below on the
 audit's own small model; it cannot see a bug in a layer that model does not have. These
@@ -8,7 +8,8 @@ data, run and optimizer:
 
 - **clipping** (:mod:`~keras_noisecurve.audit.mechanism_clipping`): the clipped sum and
   per-example norms of ``make_private(model)``'s engine, layer by layer, against an
-  independent per-example ``GradientTape`` loop; no example contributes more than ζ;
+  independent per-example gradient loop (``GradientTape`` on TensorFlow, ``jax.grad`` on
+  JAX); no example contributes more than ζ;
 - **sampling** (:mod:`~keras_noisecurve.audit.participation`): the participations the
   run's data pipeline produces over the whole plan against the accountant's assumption;
 - **noise** (:mod:`~keras_noisecurve.audit.mechanism_noise`): the optimizer's noise on
@@ -59,11 +60,13 @@ class MechanismReport:
 def _run_ids(run):
     """For each step of the plan, the ids of the real examples the run's pipeline yields
     (``run.dataset(arange(n)).batches()``: the sampler, the gather and the mask of training)."""
+    import keras
+
     ids = np.arange(run.num_examples, dtype=np.int64)
     out = []
     for element in run.dataset(ids).batches():
-        xb, mask = element[0], element[2]
-        out.append(np.asarray(xb.numpy())[np.asarray(mask.numpy()) > 0])
+        xb, mask = (keras.ops.convert_to_numpy(t) for t in (element[0], element[2]))
+        out.append(np.asarray(xb)[np.asarray(mask) > 0])
     return out
 
 
@@ -155,7 +158,7 @@ def check_mechanism(
     """
     import time
 
-    import tensorflow as tf
+    import keras
 
     from keras_noisecurve._losses import per_example_loss_fn
     from keras_noisecurve.audit import mechanism_clipping, mechanism_noise
@@ -178,8 +181,8 @@ def check_mechanism(
     if "noise" in checks and optimizer is None:
         raise ValueError("the noise check needs the optimizer: pass optimizer= (a NoiseCurveOptimizer) or a model "
                          "compiled with one, or leave 'noise' out of checks.")
-    n = int(np.asarray(tf.nest.flatten(x)[0]).shape[0])
-    lengths = {int(np.asarray(a).shape[0]) for a in tf.nest.flatten((x, y))}
+    n = int(np.asarray(keras.tree.flatten(x)[0]).shape[0])
+    lengths = {int(np.asarray(a).shape[0]) for a in keras.tree.flatten((x, y))}
     if len(lengths) != 1:
         raise ValueError(f"x and y must hold the same number of examples, got leading sizes {sorted(lengths)}.")
     weights = None if sample_weight is None else np.asarray(sample_weight, np.float32).reshape(-1)
@@ -196,7 +199,7 @@ def check_mechanism(
     if "clipping" in checks:
         start = time.perf_counter()
         if not private.built:
-            private(tf.nest.map_structure(lambda a: np.asarray(a)[:1], x), training=False)
+            private(keras.tree.map_structure(lambda a: np.asarray(a)[:1], x), training=False)
         loss_fn = per_example_loss_fn(loss)
         rng = np.random.default_rng(seed)
         order = rng.permutation(n)
@@ -207,8 +210,8 @@ def check_mechanism(
                 break
             parts.append(mechanism_clipping.check_clipping(
                 private=private, loss_fn=loss_fn, l2_norm_clip=clip,
-                x=tf.nest.map_structure(lambda a: np.asarray(a)[index], x),
-                y=tf.nest.map_structure(lambda a: np.asarray(a)[index], y),
+                x=keras.tree.map_structure(lambda a: np.asarray(a)[index], x),
+                y=keras.tree.map_structure(lambda a: np.asarray(a)[index], y),
                 sample_weight=None if weights is None else weights[index], tolerance=tolerance))
         done("clipping", mechanism_clipping.merge(parts, tolerance=tolerance), start)
     if "sampling" in checks:

@@ -1,15 +1,15 @@
 """The clipping check: the library's clipped sum on the user's model against an independent
-per-example computation (TensorFlow).
+per-example computation (both backends).
 
 The library side is the engine as training runs it: ``make_private(model)``'s clipping
-engine (``get_engine(private.clipping, private)``), called eagerly on a batch of the
-user's data with the user's loss and ζ, inside
-:func:`keras_noisecurve.training.ghost.observe_layer_norms` so that every layer's rule
-reports its per-example squared norms. The reference shares no code with any engine: a
-loop over the examples of plain ``tf.GradientTape`` gradients of ONE example's weighted
-loss w_i·loss_i, on a float64 clone of the model when one can be built (its config with
-every float32 dtype replaced by float64, the weights copied), else on the model itself
-in float32. From the reference gradients g_i:
+engine, called outside any compiled step on a batch of the user's data with the user's
+loss and ζ, while every layer's rule reports its per-example squared norms (the private
+model's ``_dp_engine_run``). The reference shares no code with any engine: a
+loop over the examples of plain gradients of ONE example's weighted loss w_i·loss_i (a
+``tf.GradientTape`` on TensorFlow, a ``jax.grad`` of ``stateless_call`` on JAX), on a
+float64 clone of the model when one can be built (its config with every float32 dtype
+replaced by float64, the weights copied; on JAX inside ``jax.enable_x64``), else on the
+model itself in float32. From the reference gradients g_i:
 
 - n_i = ‖g_i‖ and, per layer L (the engine's plan, ``ghost.plan``), n_iL = ‖g_iL‖;
 - the clipped sum S = Σ_i g_i·min(1, ζ/n_i), per layer.
@@ -103,20 +103,20 @@ def _retype(config):
 
 def float64_clone(model, sample_x):
     """A float64 copy of ``model`` (same architecture, weights cast), or ``None`` if it cannot
-    be built (a model without a config, a layer that refuses float64, a weight mismatch)."""
+    be built (a model without a config, a layer that refuses float64, a weight mismatch).
+    On JAX, build and use it inside the backend's ``audit.float64_scope()``."""
     import keras
-    import tensorflow as tf
 
     try:
         clone = keras.saving.deserialize_keras_object(_retype(keras.saving.serialize_keras_object(model)))
-        clone(_cast(sample_x, tf.float64), training=False)
+        clone(_cast(sample_x, "float64"), training=False)
         if len(clone.weights) != len(model.weights) or len(clone.trainable_variables) != len(
                 model.trainable_variables):
             return None
         for target, source in zip(clone.weights, model.weights):
             if tuple(target.shape) != tuple(source.shape):
                 return None
-            target.assign(np.asarray(source.numpy()).astype(target.dtype))
+            target.assign(keras.ops.convert_to_numpy(source.value).astype(target.dtype))
         if not any(v.dtype == "float64" for v in clone.trainable_variables):
             return None
         return clone
@@ -139,46 +139,23 @@ def _layer_path(layer, variables):
 
 
 def _cast(tree, dtype):
-    import tensorflow as tf
+    import keras
 
-    def cast(t):
-        t = tf.convert_to_tensor(t)
-        return tf.cast(t, dtype) if t.dtype.is_floating else t
+    def cast(a):
+        a = np.asarray(a)
+        return a.astype(dtype) if np.issubdtype(a.dtype, np.floating) else a
 
-    return tf.nest.map_structure(cast, tree)
+    return keras.tree.map_structure(cast, tree)
 
 
 def _take(tree, index):
-    import tensorflow as tf
+    import keras
 
-    return tf.nest.map_structure(lambda a: np.asarray(a)[index], tree)
-
-
-def _reference(model, loss_fn, x, y, w, dtype):
-    """(P, per-variable) float64 numpy gradients of each example's weighted loss, one tape each."""
-    import tensorflow as tf
-
-    variables = model.trainable_variables
-
-    @tf.function(reduce_retracing=True)
-    def one(xi, yi, wi):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(yi, model(xi, training=False))
-            loss = tf.reduce_sum(tf.cast(loss, dtype)) * tf.cast(wi, dtype)
-        grads = tape.gradient(loss, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO)
-        return [tf.convert_to_tensor(g) for g in grads]  # embedding rows come as IndexedSlices
-
-    out = []
-    for i in range(len(w)):
-        xi = _cast(_take(x, slice(i, i + 1)), dtype)
-        yi = _cast(_take(y, slice(i, i + 1)), dtype)
-        grads = one(xi, yi, tf.constant(w[i]))
-        out.append([np.asarray(g.numpy(), np.float64) for g in grads])
-    return out
+    return keras.tree.map_structure(lambda a: np.asarray(a)[index], tree)
 
 
 def check_clipping(*, private, loss_fn, l2_norm_clip, x, y, sample_weight=None, tolerance=1e-3, direct=4):
-    """Compare the engine's clipped sum and per-example norms with per-example tapes.
+    """Compare the engine's clipped sum and per-example norms with an independent per-example gradient loop.
 
     Args:
       private: a ``PrivateModel`` (``make_private(model)``), built.
@@ -193,44 +170,35 @@ def check_clipping(*, private, loss_fn, l2_norm_clip, x, y, sample_weight=None, 
     Returns:
       a :class:`ClippingCheck` (fields for this one batch).
     """
-    import tensorflow as tf
+    import keras
 
-    from keras_noisecurve.training import ghost
-    from keras_noisecurve.training.clipping import get_engine
+    from keras_noisecurve import backend
 
+    audit = backend.module("audit")
     inner = private.inner
-    size = int(np.asarray(tf.nest.flatten(x)[0]).shape[0])
+    size = int(np.asarray(keras.tree.flatten(x)[0]).shape[0])
     w = np.ones(size, np.float32) if sample_weight is None else np.asarray(sample_weight, np.float32).reshape(-1)
     variables = private.trainable_variables
-    index = {id(v): k for k, v in enumerate(variables)}
-    groups = [(layer, rule.kind, [index[id(v)] for v in own if id(v) in index])
-              for layer, rule, own in ghost.plan(private)]
+    groups, engine_norms, engine_sum, engine_layer_sq = private._dp_engine_run(
+        loss_fn, x, y, w, l2_norm_clip=l2_norm_clip)
     paths = [_layer_path(layer, [variables[k] for k in ks]) for layer, _, ks in groups]
     covered = {k for _, _, ks in groups for k in ks}
     loose = [k for k in range(len(variables)) if k not in covered]
     if loose:
         groups.append((None, "unclipped", loose))
-
-    engine = get_engine(private.clipping, private)
-    with ghost.observe_layer_norms() as seen:
-        out = engine(private, loss_fn, x, y, w, l2_norm_clip=l2_norm_clip, training=False)
-    engine_norms = np.asarray(out.norms.numpy(), np.float64)
     # the factors the engine clipped with (0 for an example it dropped as non-finite)
     engine_factors = np.where(np.isfinite(engine_norms),
                               np.minimum(1.0, l2_norm_clip / np.maximum(np.nan_to_num(engine_norms), 1e-300)), 0.0)
-    engine_sum = [np.asarray(g.numpy(), np.float64) for g in out.grads]
-    engine_layer_sq = {}
-    for layer, _, _, sq in seen:
-        engine_layer_sq[id(layer)] = engine_layer_sq.get(id(layer), 0.0) + np.asarray(sq.numpy(), np.float64)
 
-    clone = float64_clone(inner, _take(x, slice(0, 1)))
-    if clone is None:
-        reference_dtype = "float32"
-    else:  # a layer may create some weights in float32 whatever its policy (Keras's LoRA weights)
-        kept = sum(v.dtype != "float64" for v in clone.trainable_variables)
-        reference_dtype = "float64" if not kept else f"float64 ({kept} float32 variables)"
-    ref_model = inner if clone is None else clone
-    grads = _reference(ref_model, loss_fn, x, y, w, tf.float64 if clone is not None else tf.float32)
+    with audit.float64_scope():
+        clone = float64_clone(inner, _take(x, slice(0, 1)))
+        if clone is None:
+            reference_dtype = "float32"
+        else:  # a layer may create some weights in float32 whatever its policy (Keras's LoRA weights)
+            kept = sum(v.dtype != "float64" for v in clone.trainable_variables)
+            reference_dtype = "float64" if not kept else f"float64 ({kept} float32 variables)"
+        ref_model = inner if clone is None else clone
+        grads = audit.reference_grads(ref_model, loss_fn, x, y, w, float64=clone is not None)
     if len(ref_model.trainable_variables) != len(variables):
         raise RuntimeError("the reference model's trainable variables do not match the private model's.")
 
@@ -268,9 +236,9 @@ def check_clipping(*, private, loss_fn, l2_norm_clip, x, y, sample_weight=None, 
     contribution = np.minimum(1.0, l2_norm_clip / np.maximum(engine_norms, 1e-300)) * norms / l2_norm_clip
     max_contribution = float(np.max(contribution))
     for i in np.argsort(-norms)[:direct]:  # the engine's clipped sum of one example, alone
-        single = engine(private, loss_fn, _take(x, slice(i, i + 1)), _take(y, slice(i, i + 1)), w[i:i + 1],
-                        l2_norm_clip=l2_norm_clip, training=False)
-        alone = np.sqrt(sum(float(np.sum(np.asarray(g.numpy(), np.float64) ** 2)) for g in single.grads))
+        _, _, single, _ = private._dp_engine_run(loss_fn, _take(x, slice(i, i + 1)), _take(y, slice(i, i + 1)),
+                                                 w[i:i + 1], l2_norm_clip=l2_norm_clip, plan=False)
+        alone = np.sqrt(sum(float(np.sum(g ** 2)) for g in single))
         max_contribution = max(max_contribution, alone / l2_norm_clip)
     passed = (worst[1] <= tolerance and norm_error <= tolerance and sum_error <= tolerance
               and max_contribution <= 1.0 + tolerance)
@@ -300,7 +268,7 @@ def merge(checks, *, tolerance):
     name, cls, rule = merged.worst_layer
     verdict = "PASS" if merged.passed else "FAIL"
     line = (f"clipping: {verdict} - {merged.examples} examples, {len(merged.layers)} layers against per-example "
-            f"tapes ({merged.reference_dtype}): worst layer '{name}' ({cls}, rule {rule}) relative error "
+            f"gradients ({merged.reference_dtype}): worst layer '{name}' ({cls}, rule {rule}) relative error "
             f"{merged.worst_error:.2e}; norms {merged.norm_error:.2e}; clipped sum {merged.sum_error:.2e}; "
             f"largest contribution "
             f"{merged.max_contribution:.6f} x zeta (tolerance {tolerance:g})")

@@ -1,4 +1,4 @@
-"""The noise check: the noise the user's optimizer adds, measured on zero clipped sums (TensorFlow).
+"""The noise check: the noise the user's optimizer adds, measured on zero clipped sums (TensorFlow and JAX).
 
 A twin of the user's optimizer (same class and config: strategy C, σ, ζ, B, inner
 optimizer; ``type(opt).from_config(opt.get_config())``) steps a probe variable of N
@@ -102,7 +102,6 @@ def check_noise(*, optimizer, steps=32, probes=None) -> NoiseCheck:
       a :class:`NoiseCheck`.
     """
     import keras
-    import tensorflow as tf
 
     twin = _twin(optimizer)
     run = getattr(twin, "run", None)
@@ -113,26 +112,26 @@ def check_noise(*, optimizer, steps=32, probes=None) -> NoiseCheck:
     batch = run.batch_size if run is not None else int(optimizer.expected_batch_size)
     clip = float(optimizer.l2_norm_clip)
     variable = keras.Variable(np.zeros(probes, np.float32), name="noise_probe")
-    seen = tf.Variable(tf.zeros(probes), trainable=False)
+    seen = keras.Variable(np.zeros(probes, np.float32), trainable=False, name="noise_seen")
     inner = twin.inner
     if inner is not None:
         original = inner.update_step
 
         def recording(gradient, var, learning_rate):
-            seen.assign(tf.cast(gradient, tf.float32))
+            seen.assign(keras.ops.cast(gradient, "float32"))
             return original(gradient, var, learning_rate)
 
         inner.update_step = recording
-    zero = tf.zeros(probes)
+    zero = keras.ops.zeros((probes,))
     rows = []
     for _ in range(steps):
         rate = float(np.asarray(keras.ops.convert_to_numpy(twin.learning_rate)))
-        before = np.asarray(variable.numpy(), np.float64)
+        before = np.asarray(keras.ops.convert_to_numpy(variable.value), np.float64)
         twin.apply_clipped_sum([zero], [variable])
         if inner is not None:
-            g_hat = np.asarray(seen.numpy(), np.float64)
+            g_hat = np.asarray(keras.ops.convert_to_numpy(seen.value), np.float64)
         else:
-            g_hat = -(np.asarray(variable.numpy(), np.float64) - before) / rate
+            g_hat = -(np.asarray(keras.ops.convert_to_numpy(variable.value), np.float64) - before) / rate
         rows.append(g_hat * batch / clip)
     y = np.stack(rows)  # (T', N): σ·z̃ under the claim
     whitened = _claimed_c(twin.mixing, steps) @ y / sigma

@@ -222,6 +222,13 @@ def check_canary_headroom(*, run, learning_rate: float, l2_norm_clip: float, can
             f"clipped gradient to be exactly -zeta; use l2_norm_clip <= {largest:.4g} or a smaller learning_rate.")
 
 
+def _column(table):
+    """Column 0 of the canary table's embeddings, as a numpy copy (any backend)."""
+    import keras
+
+    return np.array(keras.ops.convert_to_numpy(table.embeddings.value)[:, 0])
+
+
 def audit_whitebox(
     *,
     strategy: str = "banded",
@@ -397,12 +404,13 @@ def audit_whitebox(
     if model_hook is not None:
         model_hook(private)
 
-    trajectory = [np.array(table.embeddings.numpy()[:, 0])]
+    trajectory = [_column(table)]
     current = {"table": table}
 
     class _Record(keras.callbacks.Callback):
         def on_train_batch_end(self, batch_index, logs=None):
-            trajectory.append(np.array(current["table"].embeddings.numpy()[:, 0]))
+            _ = self.model  # on JAX, reading the model copies the step's weights back to its variables
+            trajectory.append(_column(current["table"]))
             if resume_at is not None and len(trajectory) - 1 == resume_at:
                 self.model.stop_training = True
 

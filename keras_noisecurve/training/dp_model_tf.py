@@ -234,6 +234,34 @@ class TrainStepBackend:
             self._dp_engine = get_engine(self._dp_clipping, self)
         return self._dp_engine
 
+    def _dp_engine_run(self, loss_fn, x, y, w, *, l2_norm_clip, plan=True):
+        """The clipping engine (``get_engine(self.clipping, self)``) on one batch, eagerly, inside
+        ``ghost.observe_layer_norms``, as numbers for the audit's clipping check
+        (:mod:`keras_noisecurve.audit.mechanism_clipping`).
+
+        Returns ``(groups, norms, sums, layer_sq)``: ``groups`` ``[(layer, rule kind, [index of
+        each of its variables in self.trainable_variables])]`` (``None`` unless ``plan``),
+        ``norms`` (P,) the per-example norms before clipping, ``sums`` the clipped sum (one
+        array per trainable variable), ``layer_sq`` ``{id(layer): (P,)}`` the squared norms of
+        each layer's weights as its rule computed them; float64 numpy throughout."""
+        import numpy as np
+
+        from keras_noisecurve.training import ghost
+
+        engine = get_engine(self._dp_clipping, self)
+        groups = None
+        if plan:
+            index = {id(v): k for k, v in enumerate(self.trainable_variables)}
+            groups = [(layer, rule.kind, [index[id(v)] for v in own if id(v) in index])
+                      for layer, rule, own in ghost.plan(self)]
+        with ghost.observe_layer_norms() as seen:
+            out = engine(self, loss_fn, x, y, w, l2_norm_clip=l2_norm_clip, training=False)
+        layer_sq = {}
+        for layer, _, _, sq in seen:
+            layer_sq[id(layer)] = layer_sq.get(id(layer), 0.0) + np.asarray(sq.numpy(), np.float64)
+        return (groups, np.asarray(out.norms.numpy(), np.float64),
+                [np.asarray(g.numpy(), np.float64) for g in out.grads], layer_sq)
+
     def train_step(self, data):
         data, step = _split_step(data)
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)

@@ -195,6 +195,39 @@ class TrainStepBackend:
             return clipped_sum
         return functools.partial(ghost_clipped_sum, clipping=self._dp_clipping, vectorized=clipped_sum)
 
+    def _dp_engine_run(self, loss_fn, x, y, w, *, l2_norm_clip, plan=True):
+        """This model's clipping engine (:meth:`_dp_clipped_sum`) on one batch, outside ``jax.jit``,
+        inside ``ghost.observe_layer_norms``, as numbers for the audit's clipping check
+        (:mod:`keras_noisecurve.audit.mechanism_clipping`).
+
+        Returns ``(groups, norms, sums, layer_sq)``: ``groups`` ``[(layer, rule name, [index of
+        each of its variables in self.trainable_variables])]`` in the order of those indices
+        (``None`` unless ``plan``; the vectorized engine reports no layer: every layer that owns
+        weights with the rule name ``"vectorized"``), ``norms`` (P,) the per-example norms before
+        clipping, ``sums`` the clipped sum (one array per trainable variable), ``layer_sq``
+        ``{id(layer): (P,)}`` the squared norms of each layer's weights as its rule computed
+        them; float64 numpy throughout."""
+        from keras_noisecurve.backend.jax import ghost
+
+        trainable = [v.value for v in self.trainable_variables]
+        non_trainable = [v.value for v in self.non_trainable_variables]
+        with ghost.observe_layer_norms() as seen:
+            sums, norms, _, _, _ = self._dp_clipped_sum()(
+                self, loss_fn, trainable, non_trainable, x, y, jnp.asarray(w, jnp.float32),
+                l2_norm_clip=l2_norm_clip, microbatch_size=self._dp_microbatch_size, training=False)
+        index = {id(v): k for k, v in enumerate(self.trainable_variables)}
+        layer_sq, groups = {}, []
+        for layer, rule, owned, sq in seen:
+            layer_sq[id(layer)] = layer_sq.get(id(layer), 0.0) + np.asarray(sq, np.float64)
+            if all(g[0] is not layer for g in groups):
+                groups.append((layer, rule, [index[id(v)] for v in owned if id(v) in index]))
+        if not seen:  # the vectorized engine
+            groups = [(layer, "vectorized", [index[id(v)] for v in owned if id(v) in index])
+                      for layer, owned in ghost.targets(self)]
+        groups.sort(key=lambda group: min(group[2], default=len(index)))
+        return (groups if plan else None, np.asarray(norms, np.float64),
+                [np.asarray(s, np.float64) for s in sums], layer_sq)
+
     def _dp_use_class_weight(self, class_weight):
         """Set (or with ``None`` clear) the class-weight table of the ``fit`` in progress."""
         table = self._dp_check_class_weight(class_weight)

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -62,7 +63,30 @@ from keras_noisecurve.backend.calls import wrapped_calls
 from keras_noisecurve.backend.jax import ghost_rows
 from keras_noisecurve.backend.jax.ghost_rules import find_rule, kept, uses_pre_activation
 
-__all__ = ["ghost_clipped_sum", "ghost_norms", "targets"]
+__all__ = ["ghost_clipped_sum", "ghost_norms", "observe_layer_norms", "targets"]
+
+_LOCAL = threading.local()
+
+
+@contextlib.contextmanager
+def observe_layer_norms():
+    """Context manager: the per-layer terms of every :func:`ghost_norms` run in this thread
+    inside it (for the audit's clipping check, :mod:`keras_noisecurve.audit.mechanism_clipping`).
+
+    Yields a list that each run extends with ``(layer, rule, variables, sq)``: ``rule`` the
+    name of the layer's rule (``"fallback"`` for the per-layer VJP, ``"caller"`` for a layer clipped
+    whole through that VJP because a layer under it is not example-wise), ``sq`` (P,) the squared
+    norms of the per-example gradients of the layer's ``variables`` as computed (their sum over
+    layers is the squared norm the step clips with). Run the engine outside ``jax.jit`` to
+    read them as numbers.
+    """
+    seen = []
+    previous = getattr(_LOCAL, "norm_observer", None)
+    _LOCAL.norm_observer = seen
+    try:
+        yield seen
+    finally:
+        _LOCAL.norm_observer = previous
 
 _F32 = jnp.float32
 
@@ -413,14 +437,20 @@ def ghost_norms(model, loss_fn, trainable, non_trainable, x, y, weights, *, trai
             # products of (a, g), so they run at full float32 precision (_EXACT)
             with keras.StatelessScope(state_mapping=values), _EXACT:
                 rule = find_rule(layer, ruled)
+        observer = getattr(_LOCAL, "norm_observer", None)
         if rule is not None:
             layer_sq, sums_fn = rule[1]
             if _keys(owned, sums_fn, size):
                 sq = sq + layer_sq
                 parts.append((owned, sums_fn))
+                if observer is not None:
+                    observer.append((layer, rule[0], list(owned), layer_sq))
                 continue
         per = _fallback(model, layer, owned, calls, grads, trainable, non_trainable, recorder, size)
-        sq = sq + sum(jnp.sum(jnp.reshape(p * p, (size, -1)), axis=1) for p in per)
+        layer_sq = sum(jnp.sum(jnp.reshape(p * p, (size, -1)), axis=1) for p in per)
+        sq = sq + layer_sq
+        if observer is not None:
+            observer.append((layer, "caller" if id(layer) in grouped else "fallback", list(owned), layer_sq))
         parts.append((owned, lambda c, keep=None, per=per, owned=owned: {
             id(v): jnp.tensordot(c, kept(p, keep), axes=1) for v, p in zip(owned, per)}))
 
