@@ -62,6 +62,8 @@ import tensorflow as tf
 
 from keras_noisecurve import _compat
 from keras_noisecurve._validation import check_int
+from keras_noisecurve.backend import norm_observer
+from keras_noisecurve.backend.norm_observer import observe_layer_norms  # noqa: F401 - re-exported
 from keras_noisecurve.training.clipped_sum import ClippedSum, chunked_clipped_sum
 from keras_noisecurve.training import ghost_rows
 from keras_noisecurve.training.ghost_generic import CallerRule, GenericRule, owned_trainable
@@ -435,7 +437,7 @@ def _ghost_step(model, loss_fn, x, y, sample_weight, clip, training, entries):
     norm_dtype = tf.float64 if dtype == tf.float64 else tf.float32
     sq = tf.zeros_like(per_example_loss, dtype=norm_dtype)
     grad_fns = []
-    observer = getattr(_LOCAL, "norm_observer", None)
+    observer = norm_observer.observer()
     for layer, rule, own, layer_calls in by_layer.values():
         if isinstance(rule, GenericRule):
             layer_sq, grad_fn = rule.analyse(layer, layer_calls, own)
@@ -473,25 +475,6 @@ def _ghost_step(model, loss_fn, x, y, sample_weight, clip, training, entries):
         y_pred=y_pred,
         nonfinite=nonfinite,
     )
-
-
-@contextlib.contextmanager
-def observe_layer_norms():
-    """Context manager: the per-layer terms of every ``ghost_clipped_sum`` step run in
-    this thread inside it (for audits, :mod:`keras_noisecurve.audit.mechanism`).
-
-    Yields a list that each step extends with ``(layer, rule, variables, sq)``: ``sq``
-    (P,) the squared norms of the per-example gradients of that layer's ``variables``,
-    as the layer's rule computed them (their sum over layers is the squared norm the
-    step clips with). Run the engine eagerly to read them as numbers.
-    """
-    seen = []
-    previous = getattr(_LOCAL, "norm_observer", None)
-    _LOCAL.norm_observer = seen
-    try:
-        yield seen
-    finally:
-        _LOCAL.norm_observer = previous
 
 
 _READS_CHECKED = weakref.WeakKeyDictionary()  # model -> True once its traced forward was checked

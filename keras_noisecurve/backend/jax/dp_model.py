@@ -197,7 +197,7 @@ class TrainStepBackend:
 
     def _dp_engine_run(self, loss_fn, x, y, w, *, l2_norm_clip, plan=True):
         """This model's clipping engine (:meth:`_dp_clipped_sum`) on one batch, outside ``jax.jit``,
-        inside ``ghost.observe_layer_norms``, as numbers for the audit's clipping check
+        inside ``norm_observer.observe_layer_norms``, as numbers for the audit's clipping check
         (:mod:`keras_noisecurve.audit.mechanism_clipping`).
 
         Returns ``(groups, norms, sums, layer_sq)``: ``groups`` ``[(layer, rule name, [index of
@@ -207,11 +207,12 @@ class TrainStepBackend:
         clipping, ``sums`` the clipped sum (one array per trainable variable), ``layer_sq``
         ``{id(layer): (P,)}`` the squared norms of each layer's weights as its rule computed
         them; float64 numpy throughout."""
+        from keras_noisecurve.backend import norm_observer
         from keras_noisecurve.backend.jax import ghost
 
         trainable = [v.value for v in self.trainable_variables]
         non_trainable = [v.value for v in self.non_trainable_variables]
-        with ghost.observe_layer_norms() as seen:
+        with norm_observer.observe_layer_norms() as seen:
             sums, norms, _, _, _ = self._dp_clipped_sum()(
                 self, loss_fn, trainable, non_trainable, x, y, jnp.asarray(w, jnp.float32),
                 l2_norm_clip=l2_norm_clip, microbatch_size=self._dp_microbatch_size, training=False)

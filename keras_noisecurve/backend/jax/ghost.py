@@ -52,41 +52,18 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import threading
 
 import jax
 import jax.numpy as jnp
 import keras
 
 from keras_noisecurve import _compat
+from keras_noisecurve.backend import norm_observer
 from keras_noisecurve.backend.calls import wrapped_calls
 from keras_noisecurve.backend.jax import ghost_rows
 from keras_noisecurve.backend.jax.ghost_rules import find_rule, kept, uses_pre_activation
 
-__all__ = ["ghost_clipped_sum", "ghost_norms", "observe_layer_norms", "targets"]
-
-_LOCAL = threading.local()
-
-
-@contextlib.contextmanager
-def observe_layer_norms():
-    """Context manager: the per-layer terms of every :func:`ghost_norms` run in this thread
-    inside it (for the audit's clipping check, :mod:`keras_noisecurve.audit.mechanism_clipping`).
-
-    Yields a list that each run extends with ``(layer, rule, variables, sq)``: ``rule`` the
-    name of the layer's rule (``"fallback"`` for the per-layer VJP, ``"caller"`` for a layer clipped
-    whole through that VJP because a layer under it is not example-wise), ``sq`` (P,) the squared
-    norms of the per-example gradients of the layer's ``variables`` as computed (their sum over
-    layers is the squared norm the step clips with). Run the engine outside ``jax.jit`` to
-    read them as numbers.
-    """
-    seen = []
-    previous = getattr(_LOCAL, "norm_observer", None)
-    _LOCAL.norm_observer = seen
-    try:
-        yield seen
-    finally:
-        _LOCAL.norm_observer = previous
+__all__ = ["ghost_clipped_sum", "ghost_norms", "targets"]
 
 _F32 = jnp.float32
 
@@ -437,7 +414,7 @@ def ghost_norms(model, loss_fn, trainable, non_trainable, x, y, weights, *, trai
             # products of (a, g), so they run at full float32 precision (_EXACT)
             with keras.StatelessScope(state_mapping=values), _EXACT:
                 rule = find_rule(layer, ruled)
-        observer = getattr(_LOCAL, "norm_observer", None)
+        observer = norm_observer.observer()
         if rule is not None:
             layer_sq, sums_fn = rule[1]
             if _keys(owned, sums_fn, size):
