@@ -98,3 +98,20 @@ def __getattr__(name: str):
 
 def __dir__():
     return __all__
+
+
+def _register_saved_classes() -> None:
+    """Keras finds a saved ``PrivateModel``, ``NoiseCurveOptimizer`` or schedule by its registered
+    name, which exists once its module is imported. When Keras is already imported (the usual
+    order: ``import keras``, then ``import keras_noisecurve``) the training package is imported
+    now, so that ``keras.models.load_model`` of a private model works in a fresh process without
+    touching ``knc.make_private`` first; code that never imports Keras (the command line's solver
+    and accountant) stays free of it."""
+    import sys
+
+    if "keras" in sys.modules:
+        for module in ("dp_model", "optimizer", "schedules"):  # the modules that register classes
+            importlib.import_module(f"keras_noisecurve.training.{module}")
+
+
+_register_saved_classes()

@@ -65,6 +65,36 @@ _PACKAGE = "keras_noisecurve"
 _impl = _backend.module("optimizer")
 
 
+def _key_as(value, shape):
+    """A saved key (int64 (2,) or int32 (4,), the same bits) in the layout ``shape`` of this
+    backend's key variable; unchanged when it already has it, refused when it has neither."""
+    value = np.ascontiguousarray(value)
+    if value.shape == shape:
+        return value
+    if shape == (4,) and value.shape == (2,):
+        return value.astype(np.int64).view(np.int32)
+    if shape == (2,) and value.shape == (4,):
+        return value.astype(np.int32).view(np.int64)
+    raise ValueError(f"a saved noise or sampling key has shape {value.shape}; this optimizer's key variable has "
+                     f"shape {shape} (an int64 (2,) key or its int32 (4,) words are allowed).")
+
+
+class _Overlay:
+    """A Keras variable store with some entries replaced (read-only, as loading reads it)."""
+
+    def __init__(self, store, replaced):
+        self._store, self._replaced = store, replaced
+
+    def keys(self):
+        return self._store.keys()
+
+    def __getitem__(self, key):
+        return self._replaced[key] if key in self._replaced else self._store[key]
+
+    def __len__(self):
+        return len(self._store.keys())
+
+
 @keras.saving.register_keras_serializable(package=_PACKAGE)
 class NoiseCurveOptimizer(_impl.OptimizerBackend, keras.optimizers.Optimizer):
     """Private SGD with the noise z̃_t = (C⁻¹Z)_t of a mixing strategy C (C = I: DP-SGD).
@@ -249,6 +279,20 @@ class NoiseCurveOptimizer(_impl.OptimizerBackend, keras.optimizers.Optimizer):
         """This optimizer's variables, then the inner optimizer's (as ``LossScaleOptimizer``)."""
         inner = self.inner
         return _compat.optimizer_variables(self)[:] + (inner.variables if inner is not None else [])
+
+    def load_own_variables(self, store):
+        """Keras's loading of a ``.keras`` file's optimizer variables, across backends: the keys
+        are int64 (2,) on TensorFlow and the same bits as int32 (4,) words on JAX (little-endian
+        halves), so a file written on one backend resumes on the other with the same noise key
+        and sampling key (every other variable has the same shape on both)."""
+        keys = [k for k in (getattr(self, "_noise_key", None), getattr(self, "_sampling_key", None)) if k is not None]
+        if len(store.keys()) != len(self.variables) or not keys:
+            return super().load_own_variables(store)
+        converted = {}
+        for i, variable in enumerate(self.variables):
+            if any(variable is k for k in keys):
+                converted[str(i)] = _key_as(np.asarray(store[str(i)]), tuple(variable.shape))
+        return super().load_own_variables(_Overlay(store, converted))
 
     def _apply_weight_decay(self, variables):
         # Weight decay is the inner optimizer's (this optimizer refuses weight_decay):
