@@ -14,9 +14,11 @@ Where the sequence starts is decided when the dataset is ITERATED: it reads
 restored model (``BackupAndRestore``, ``load_model``, ``tf.train.Checkpoint``)
 continues with batch k of the same plan when its optimizer stands at step k.
 
-On the JAX backend the examples are numpy arrays (:class:`~keras_noisecurve.privacy.
-step_batches.ArraySource`) and the batches a ``keras.utils.PyDataset``
-(``keras_noisecurve.backend.jax.pipeline``) whose start is read when it is made.
+The examples are any :func:`~keras_noisecurve.privacy.sources.as_source` input on both
+backends (arrays, memory maps, random-access sequences such as ``tfds.data_source``, a
+``keras.utils.PyDataset``, a ``tf.data.Dataset`` where TensorFlow is installed). On the JAX
+backend the batches are a ``keras.utils.PyDataset`` (``keras_noisecurve.backend.jax.pipeline``)
+gathered in numpy (:meth:`ExampleSource.gather`), whose start is read when it is made.
 
 This module imports TensorFlow only inside :meth:`RunData.batches` on that backend.
 """
@@ -43,14 +45,7 @@ class RunData:
     """
 
     def __init__(self, run, x, y=None, *, sample_weight=None, example_fn=None):
-        if _backend.name() == "jax":
-            from keras_noisecurve.privacy.step_batches import ArraySource
-
-            if example_fn is not None:
-                raise ValueError("on the JAX backend run.dataset(...) takes numpy arrays; example_fn is not supported.")
-            source = ArraySource(x, y, sample_weight=sample_weight)
-        else:
-            source = as_source(x, y, sample_weight=sample_weight, example_fn=example_fn)
+        source = as_source(x, y, sample_weight=sample_weight, example_fn=example_fn)
         if source.num_examples != run.num_examples:
             raise ValueError(
                 f"the data has {source.num_examples} examples but the run was planned for num_examples="

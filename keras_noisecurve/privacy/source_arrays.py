@@ -12,7 +12,7 @@ from typing import Optional
 
 import numpy as np
 
-from keras_noisecurve.privacy.source_base import ExampleSource, _for_tf, _spec
+from keras_noisecurve.privacy.source_base import ExampleSource, _for_tf, _spec, flatten, map_structure
 
 
 def _mapping_of(array) -> Optional[mmap.mmap]:
@@ -63,14 +63,10 @@ class _ArraySource(ExampleSource):
     kind = "memory"
 
     def __init__(self, x, y, n, sample_weight):
-        import tensorflow as tf
-
         self._x, self._y = x, y
-        self._leaves = tf.nest.flatten(x) + ([] if y is None else tf.nest.flatten(y))
+        self._leaves = flatten(x) + ([] if y is None else flatten(y))
         spec = lambda a: _spec(a.shape[1:], a.dtype)  # noqa: E731
-        super().__init__(
-            tf.nest.map_structure(spec, x), None if y is None else tf.nest.map_structure(spec, y), n, sample_weight
-        )
+        super().__init__(map_structure(spec, x), None if y is None else map_structure(spec, y), n, sample_weight)
         self._tensors = None
         self._lock = threading.Lock()
 
@@ -103,16 +99,12 @@ class _MemmapSource(ExampleSource):
     kind = "memmap"
 
     def __init__(self, x, y, n, sample_weight):
-        import tensorflow as tf
-
         spec = lambda a: _spec(a.shape[1:], a.dtype)  # noqa: E731
-        super().__init__(
-            tf.nest.map_structure(spec, x), None if y is None else tf.nest.map_structure(spec, y), n, sample_weight
-        )
+        super().__init__(map_structure(spec, x), None if y is None else map_structure(spec, y), n, sample_weight)
         # plain ndarrays (no np.memmap subclass hooks on every take); maps re-opened for random access
         self._leaves = [
             _random_access_map(a) if _mapping_of(a) is not None else np.asarray(a)
-            for a in tf.nest.flatten(x) + ([] if y is None else tf.nest.flatten(y))
+            for a in flatten(x) + ([] if y is None else flatten(y))
         ]
 
     def _flat_gather(self, indices):

@@ -1,22 +1,69 @@
 """The :class:`ExampleSource` interface and the helpers every kind of source shares.
 
 An example source gathers training examples by index (``keras_noisecurve.privacy.sources``
-documents the kinds and their costs). Importing this module does not import TensorFlow.
+documents the kinds and their costs). Importing this module does not import TensorFlow, and
+neither does anything but :meth:`ExampleSource.tf_gather` and
+:attr:`ExampleSource.element_spec` (the ``tf.data`` pipeline's side): the JAX backend
+gathers its batches with :meth:`ExampleSource.gather` (numpy). Structures (dicts, lists,
+tuples of arrays) are walked by ``keras.tree``, in ``tf.nest``'s order.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
-__all__ = ["KINDS", "ExampleSource"]
+__all__ = ["KINDS", "ArraySpec", "ExampleSource"]
 
 KINDS = ("memory", "memmap", "sequence", "py_dataset")
 
 
-def _leading_length(name, structure) -> int:
-    import tensorflow as tf
+def flatten(structure) -> list:
+    """The leaves of a structure (``tf.nest.flatten``'s order: dict keys sorted)."""
+    import keras
 
-    lengths = {int(np.shape(a)[0]) if np.ndim(a) else -1 for a in tf.nest.flatten(structure)}
+    return keras.tree.flatten(structure)
+
+
+def map_structure(fn, *structures):
+    """``fn`` on the leaves of one or more structures of the same shape."""
+    import keras
+
+    return keras.tree.map_structure(fn, *structures)
+
+
+def pack(structure, leaves):
+    """``leaves`` in the shape of ``structure`` (the inverse of :func:`flatten`)."""
+    import keras
+
+    return keras.tree.pack_sequence_as(structure, leaves)
+
+
+@dataclasses.dataclass(frozen=True)
+class ArraySpec:
+    """The shape and dtype of one leaf of ONE example (no batch dimension), framework-free.
+
+    ``dtype`` is the numpy dtype in native byte order; text (``U``, ``S``, ``O``) is
+    ``is_text`` (a ``tf.string`` on TensorFlow).
+    """
+
+    shape: tuple
+    dtype: np.dtype
+
+    @property
+    def is_text(self) -> bool:
+        return self.dtype.kind in "USO"
+
+    def tf_spec(self):
+        """The ``tf.TensorSpec`` of this leaf (imports TensorFlow)."""
+        import tensorflow as tf
+
+        return tf.TensorSpec(self.shape, tf.string if self.is_text else tf.as_dtype(self.dtype))
+
+
+def _leading_length(name, structure) -> int:
+    lengths = {int(np.shape(a)[0]) if np.ndim(a) else -1 for a in flatten(structure)}
     if len(lengths) != 1 or -1 in lengths:
         raise ValueError(
             f"every array in {name} must have the same leading (example) dimension; got lengths "
@@ -30,19 +77,8 @@ def _native(dtype: np.dtype) -> np.dtype:
     return dtype if dtype.kind in "USO" else dtype.newbyteorder("=")
 
 
-def _tf_dtype(dtype: np.dtype):
-    import tensorflow as tf
-
-    dtype = np.dtype(dtype)
-    if dtype.kind in "USO":
-        return tf.string
-    return tf.as_dtype(_native(dtype))
-
-
-def _spec(shape, dtype):
-    import tensorflow as tf
-
-    return tf.TensorSpec(tuple(shape), _tf_dtype(dtype))
+def _spec(shape, dtype) -> ArraySpec:
+    return ArraySpec(tuple(int(d) for d in shape), _native(dtype))
 
 
 def _describe(obj) -> str:
@@ -76,16 +112,16 @@ class ExampleSource:
     Attributes:
       kind: one of :data:`KINDS` (see the module docstring for their costs).
       num_examples: n.
-      has_labels: whether ``tf_gather`` returns labels (``y``).
-      element_spec: ``(x_spec, y_spec or None)``, nested ``tf.TensorSpec`` of ONE
-        example (no batch dimension).
+      has_labels: whether ``gather`` / ``tf_gather`` return labels (``y``).
+      example_spec: ``(x_spec, y_spec or None)``, nested :class:`ArraySpec` of ONE
+        example (no batch dimension); ``element_spec`` the same as ``tf.TensorSpec``.
       sample_weight: None or a float32 numpy array (n,).
     """
 
     kind: str = ""
 
     def __init__(self, x_spec, y_spec, num_examples: int, sample_weight):
-        self.element_spec = (x_spec, y_spec)
+        self.example_spec = (x_spec, y_spec)
         self.num_examples = int(num_examples)
         self.has_labels = y_spec is not None
         self.sample_weight = _check_weights(sample_weight, self.num_examples)
@@ -93,13 +129,20 @@ class ExampleSource:
     def __len__(self) -> int:
         return self.num_examples
 
+    @property
+    def element_spec(self):
+        """``(x_spec, y_spec or None)`` as nested ``tf.TensorSpec`` (imports TensorFlow)."""
+        x_spec, y_spec = self.example_spec
+        to_tf = lambda spec: spec.tf_spec()  # noqa: E731
+        return map_structure(to_tf, x_spec), (None if y_spec is None else map_structure(to_tf, y_spec))
+
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(kind={self.kind!r}, num_examples={self.num_examples}, "
                 f"has_labels={self.has_labels})")
 
     # --- subclasses implement _flat_gather (numpy, any thread); gather and tf_gather wrap it
     def _flat_gather(self, indices: np.ndarray) -> list:
-        """The leaves of x then of y (``tf.nest.flatten`` order) for int64 indices (P,)."""
+        """The leaves of x then of y (:func:`flatten` order) for int64 indices (P,)."""
         raise NotImplementedError
 
     def gather(self, indices) -> tuple:
@@ -108,13 +151,11 @@ class ExampleSource:
         Any thread may call it. Leaves have shape (P, *spec.shape) and the spec's
         dtype (strings as bytes objects).
         """
-        import tensorflow as tf
-
         flat = self._flat_gather(np.asarray(indices, dtype=np.int64))
-        x_spec, y_spec = self.element_spec
-        num_x = len(tf.nest.flatten(x_spec))
-        xb = tf.nest.pack_sequence_as(x_spec, flat[:num_x])
-        return xb, (None if y_spec is None else tf.nest.pack_sequence_as(y_spec, flat[num_x:]))
+        x_spec, y_spec = self.example_spec
+        num_x = len(flatten(x_spec))
+        xb = pack(x_spec, flat[:num_x])
+        return xb, (None if y_spec is None else pack(y_spec, flat[num_x:]))
 
     def tf_gather(self, indices) -> tuple:
         """``(x_batch, y_batch or None)`` tensors for an int64 tensor ``indices`` (P,).

@@ -18,6 +18,8 @@ from keras_noisecurve.privacy.source_base import (
     _leading_length,
     _spec,
     _split,
+    flatten,
+    map_structure,
 )
 
 
@@ -27,8 +29,6 @@ class _SequenceSource(ExampleSource):
     kind = "sequence"
 
     def __init__(self, sequence, y, sample_weight, example_fn):
-        import tensorflow as tf
-
         n = len(sequence)
         if n < 1:
             raise ValueError(f"the sequence x ({_describe(sequence)}) is empty.")
@@ -42,14 +42,14 @@ class _SequenceSource(ExampleSource):
                 f"{_describe(y)}."
             )
         spec = lambda a: _spec(np.shape(a), np.asarray(a).dtype)  # noqa: E731
-        x_spec = tf.nest.map_structure(spec, x0)
+        x_spec = map_structure(spec, x0)
         if y is not None:
-            y_spec = tf.nest.map_structure(lambda a: _spec(a.shape[1:], a.dtype), y)
+            y_spec = map_structure(lambda a: _spec(a.shape[1:], a.dtype), y)
         else:
-            y_spec = None if y0 is None else tf.nest.map_structure(spec, y0)
+            y_spec = None if y0 is None else map_structure(spec, y0)
         super().__init__(x_spec, y_spec, n, sample_weight)
-        self._in_example = tf.nest.flatten(x_spec) + ([] if y0 is None else tf.nest.flatten(y_spec))
-        self._y_arrays = [] if y is None else [np.asarray(a) for a in tf.nest.flatten(y)]
+        self._in_example = flatten(x_spec) + ([] if y0 is None else flatten(y_spec))
+        self._y_arrays = [] if y is None else [np.asarray(a) for a in flatten(y)]
 
     def _example(self, raw, i):
         example = self._example_fn(raw) if self._example_fn is not None else raw
@@ -84,13 +84,11 @@ class _SequenceSource(ExampleSource):
 
 
 def _flatten(structure) -> list:
-    """``tf.nest.flatten``, with a fast path for one array or scalar (no structure)."""
+    """:func:`flatten`, with a fast path for one array or scalar (no structure)."""
     if isinstance(structure, (np.ndarray, np.generic, int, float, bytes, str)):
         return [structure]
-    if isinstance(structure, (collections.abc.Mapping, list, tuple)) or hasattr(structure, "__attrs_attrs__"):
-        import tensorflow as tf
-
-        return tf.nest.flatten(structure)
+    if isinstance(structure, (collections.abc.Mapping, list, tuple)):
+        return flatten(structure)
     return [structure]
 
 
@@ -109,17 +107,15 @@ def _stack(column: list, spec, what: str) -> np.ndarray:
 
 def _conform(stacked: np.ndarray, spec, what: str) -> np.ndarray:
     """Check a batch (P, ...) against the per-example spec; cast to its dtype (same kind only)."""
-    import tensorflow as tf
-
     shape = tuple(spec.shape)
     if stacked.shape[1:] != shape:
         raise ValueError(
             f"an example of {what} has shape {stacked.shape[1:]}; every example must have the shape of "
             f"example 0, {shape}."
         )
-    if spec.dtype == tf.string:
+    if spec.is_text:
         return _for_tf(stacked)
-    want = np.dtype(spec.dtype.as_numpy_dtype)
+    want = spec.dtype
     if stacked.dtype != want:
         if not np.can_cast(stacked.dtype, want, casting="same_kind"):
             raise ValueError(
@@ -136,8 +132,6 @@ class _PyDatasetSource(ExampleSource):
     kind = "py_dataset"
 
     def __init__(self, dataset, sample_weight):
-        import tensorflow as tf
-
         try:
             num_batches = dataset.num_batches
         except NotImplementedError:
@@ -164,21 +158,17 @@ class _PyDatasetSource(ExampleSource):
         x0, y0 = first
         row_spec = lambda a: _spec(np.shape(a)[1:], np.asarray(a).dtype)  # noqa: E731
         super().__init__(
-            tf.nest.map_structure(row_spec, x0),
-            None if y0 is None else tf.nest.map_structure(row_spec, y0),
+            map_structure(row_spec, x0),
+            None if y0 is None else map_structure(row_spec, y0),
             (num_batches - 1) * self._k + last_rows,
             sample_weight,
         )
-        self._specs = tf.nest.flatten(self.element_spec[0]) + (
-            [] if y0 is None else tf.nest.flatten(self.element_spec[1])
-        )
+        self._specs = flatten(self.example_spec[0]) + ([] if y0 is None else flatten(self.example_spec[1]))
 
     def _batch(self, b: int):
-        import tensorflow as tf
-
         x, y = _split(self._dataset[b], what=f"batch {b} of the PyDataset")
-        x = tf.nest.map_structure(np.asarray, x)
-        y = None if y is None else tf.nest.map_structure(np.asarray, y)
+        x = map_structure(np.asarray, x)
+        y = None if y is None else map_structure(np.asarray, y)
         return x, y
 
     def _rows(self, batch, b: int) -> int:
@@ -191,8 +181,6 @@ class _PyDatasetSource(ExampleSource):
         return n
 
     def _flat_gather(self, indices):
-        import tensorflow as tf
-
         unique, inverse = np.unique(indices, return_inverse=True)
         batch_ids, rows = np.divmod(unique, self._k)
         parts = []
@@ -206,7 +194,7 @@ class _PyDatasetSource(ExampleSource):
                     f"{self._k} rows of batch 0 (and the last {expected}): example i is row i % {self._k} "
                     f"of batch i // {self._k}."
                 )
-            leaves = tf.nest.flatten(xb) + ([] if yb is None else tf.nest.flatten(yb))
+            leaves = flatten(xb) + ([] if yb is None else flatten(yb))
             parts.append([np.take(a, rows[batch_ids == b], axis=0) for a in leaves])
         return [
             _conform(np.concatenate(column)[inverse], spec, "the PyDataset")

@@ -68,7 +68,10 @@ concurrently (reading files or a memory map is).
 weights inside a streamed source's examples are refused (they would have to be
 read in full up front): pass them as ``sample_weight=``.
 
-Importing this module does not import TensorFlow; :func:`as_source` does.
+Importing this module does not import TensorFlow, and neither does :func:`as_source`, but
+for a ``tf.data.Dataset`` (whose program already imported TensorFlow); the ``tf.data``
+pipeline's :meth:`ExampleSource.tf_gather` does. So on the JAX backend every kind is
+gathered in numpy without TensorFlow.
 """
 
 from __future__ import annotations
@@ -81,7 +84,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from keras_noisecurve.privacy.source_arrays import _ArraySource, _mapping_of, _MemmapSource
-from keras_noisecurve.privacy.source_base import KINDS, ExampleSource, _describe, _leading_length
+from keras_noisecurve.privacy.source_base import KINDS, ExampleSource, _describe, _leading_length, flatten, map_structure
 from keras_noisecurve.privacy.source_streamed import _PyDatasetSource, _SequenceSource
 
 __all__ = ["KINDS", "MAX_MATERIALIZED_BYTES", "ExampleSource", "as_source"]
@@ -145,7 +148,6 @@ def _refuse(name: str, obj):
 
 def _arrays(name: str, structure):
     """numpy arrays of a structure; memory-mapped leaves are kept as they are (not loaded)."""
-    import tensorflow as tf
 
     def leaf(a):
         if isinstance(a, np.ndarray):
@@ -160,7 +162,7 @@ def _arrays(name: str, structure):
             _refuse(name, a)
         return np.asarray(a)
 
-    return tf.nest.map_structure(leaf, structure)
+    return map_structure(leaf, structure)
 
 
 def as_source(x, y=None, *, sample_weight=None, example_fn: Optional[Callable] = None) -> ExampleSource:
@@ -222,8 +224,6 @@ def as_source(x, y=None, *, sample_weight=None, example_fn: Optional[Callable] =
             if _leading_length("y", y) != len(x):
                 raise ValueError(f"y has {_leading_length('y', y)} examples but x has {len(x)}.")
         return _SequenceSource(x, y, sample_weight, example_fn)
-    import tensorflow as tf
-
     was_list = isinstance(x, list)
     x = _arrays("x", x)
     y = None if y is None else _arrays("y", y)
@@ -236,7 +236,7 @@ def as_source(x, y=None, *, sample_weight=None, example_fn: Optional[Callable] =
             f"{error} A list x is read as a list of input arrays (Keras multi-input); for a list of examples, "
             "wrap it in a class with __len__ and __getitem__ (a random-access sequence) or stack it with numpy."
         ) from None
-    leaves = tf.nest.flatten(x) + ([] if y is None else tf.nest.flatten(y))
+    leaves = flatten(x) + ([] if y is None else flatten(y))
     if any(_mapping_of(a) is not None for a in leaves):
         return _MemmapSource(x, y, n, sample_weight)
     return _ArraySource(x, y, n, sample_weight)
