@@ -1,14 +1,19 @@
 """The backend seam: the parts of the library that depend on the Keras backend.
 
 Keras 3 runs on several backends; this library supports two, TensorFlow and JAX. The
-code that depends on the framework — the noise generator's array operations, the
-private model's train step and per-example clipping, the Hessian-vector product, the
-input pipeline — has one implementation per backend, in ``keras_noisecurve.backend.
-tensorflow`` and ``keras_noisecurve.backend.jax``, with the same module names in each
-(as Keras's own ``keras/src/backend/{tensorflow,jax}/``). The neutral code above them
-(the optimizer, ``make_private``, the spectrum) asks :func:`name` once and imports the
-module of that backend through :func:`module`; the numpy parts (mixing, accounting,
-the run spec, the sampler plan, the audit's statistics) import no framework.
+code that depends on the framework has one implementation per backend, in
+``keras_noisecurve.backend.tensorflow`` and ``keras_noisecurve.backend.jax``: the noise
+generator's array operations (``noise``), the optimizer's slot variables and update
+(``optimizer``), the Hessian-vector product (``hvp``), the audits' independent references
+(``audit``). The neutral code above them asks :func:`name` once and imports the module of
+that backend through :func:`module`; the numpy parts (mixing, accounting, the run spec,
+the sampler plan, the example sources' numpy gather, the audit's statistics) import no
+framework.
+
+Not yet behind the seam: the TensorFlow train step and clipping engine live in
+``keras_noisecurve.training`` (``dp_model_tf.py``, ``ghost*.py``, ``clipping.py``), while
+their JAX counterparts are here (``backend/jax/dp_model.py``, ``ghost*.py``); the private
+model picks its half by backend (``training/dp_model.py``).
 
 The backend is Keras's: ``KERAS_BACKEND`` (or ``~/.keras/keras.json``), read when
 ``keras`` is first imported. Importing this package imports neither TensorFlow nor JAX.
@@ -19,7 +24,7 @@ from __future__ import annotations
 
 import importlib
 
-__all__ = ["SUPPORTED", "name", "module", "check"]
+__all__ = ["SUPPORTED", "name", "module"]
 
 #: the Keras backends this library runs on
 SUPPORTED = ("tensorflow", "jax")
@@ -42,11 +47,6 @@ def name() -> str:
             "importing keras."
         )
     return backend
-
-
-def check() -> str:
-    """:func:`name`, for code that only needs the refusal of an unsupported backend."""
-    return name()
 
 
 def module(module_name: str):

@@ -261,10 +261,6 @@ class StreamNoise:
         replaced by ``write.value``."""
         return apply_write(state, write, self.ops)
 
-    def combine(self, z, step, state=None, coefficients=None):
-        """z̃_t from z_t and the state, WITHOUT the state update (see :meth:`advance`)."""
-        return self.advance(z, step, state, coefficients)[0]
-
     def correlate(self, z, step, state=None):
         """One step of the recurrence, functional form.
 
