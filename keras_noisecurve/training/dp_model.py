@@ -203,6 +203,7 @@ class PrivateModel(_impl.TrainStepBackend, keras.Model):
         self._dp_loss_fn = None
         self._dp_loss_scale = 1.0
         self._dp_class_weight = None  # the class_weight table of the fit in progress
+        self._dp_train_functions = {}  # the traced train function of each class-weight table (this compile)
         # untracked (object.__setattr__): not a weight, not in checkpoints or .keras files
         object.__setattr__(self, "_dp_refused", self._dp_refusal_state())
         object.__setattr__(self, "_dp_nonfinite", self._dp_nonfinite_state())
@@ -255,6 +256,7 @@ class PrivateModel(_impl.TrainStepBackend, keras.Model):
         check_model_is_clippable(self)
         self._dp_compile_defaults(kwargs)
         super().compile(optimizer=optimizer, loss=loss, **kwargs)
+        self._dp_train_functions = {}  # traced for the previous compile
         self._dp_engine = None  # resolved on first train_step (the model may not be built yet)
 
     def get_compile_config(self):
@@ -319,6 +321,22 @@ class PrivateModel(_impl.TrainStepBackend, keras.Model):
     #: ``{class: weight}`` validated as a dense float32 table (``None`` stays ``None``)
     _dp_check_class_weight = staticmethod(check_class_weight)
 
+    def _dp_use_class_weight(self, class_weight):
+        """Set (or with ``None`` clear) the class-weight table of the ``fit`` or ``train_on_batch``
+        in progress. The table is a constant of the traced step, so each table has its own
+        train function, kept until the next ``compile`` (at most ``_MAX_TABLES`` tables): calls
+        with a table seen before reuse its step instead of tracing it again."""
+        table = self._dp_check_class_weight(class_weight)
+        old, new = _table_key(self._dp_class_weight), _table_key(table)
+        if old != new:
+            if self.train_function is not None:
+                self._dp_train_functions.pop(old, None)
+                self._dp_train_functions[old] = self.train_function
+                while len(self._dp_train_functions) > _MAX_TABLES:
+                    self._dp_train_functions.pop(next(iter(self._dp_train_functions)))
+            self.train_function = self._dp_train_functions.get(new)
+        self._dp_class_weight = table
+
     def _dp_check_optimizer(self, optimizer):
         if not isinstance(optimizer, NoiseCurveOptimizer):
             raise ValueError(f"a private model needs a NoiseCurveOptimizer, got {type(optimizer).__name__}.")
@@ -330,6 +348,15 @@ class PrivateModel(_impl.TrainStepBackend, keras.Model):
     @staticmethod
     def _dp_not_the_plan(planned):
         return _not_the_plan(planned)
+
+
+#: how many class-weight tables keep their traced train function (``_dp_use_class_weight``)
+_MAX_TABLES = 8
+
+
+def _table_key(table):
+    """A hashable key of a class-weight table (``None``: no table)."""
+    return None if table is None else np.asarray(table, np.float32).tobytes()
 
 
 #: the static loss scale of a mixed_float16 private model when compile gets no loss_scale
