@@ -43,6 +43,7 @@ __all__ = [
     "symbolic_build",
     "without_compiled_loss",
     "unautocast_variable",
+    "unmerged_kernel",
     "trainable_variable_keys",
     "trainable_variables",
     "update_compile_metrics",
@@ -87,6 +88,12 @@ def unautocast_variable(variable):
     ``variable.value`` is a fresh cast of it, which a ``tf.autodiff.ForwardAccumulator``
     cannot watch (Keras's ``Variable._value``). Anything else is returned unchanged."""
     return getattr(variable, "_value", None) if is_backend_variable(getattr(variable, "_value", None)) else variable
+
+
+def unmerged_kernel(layer):
+    """The kernel variable of a LoRA-enabled ``Dense``/``EinsumDense`` without its LoRA factors
+    (``layer.kernel`` is ``K + s·A·B``; Keras's ``_kernel`` is ``K``)."""
+    return layer._kernel
 
 
 def copy_keras_mask(source, target):

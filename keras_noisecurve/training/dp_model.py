@@ -28,6 +28,7 @@ from keras_noisecurve import _compat
 from keras_noisecurve import backend as _backend
 from keras_noisecurve._losses import per_example_loss_fn
 from keras_noisecurve._validation import check_choice, check_float, check_int
+from keras_noisecurve.training import lora_state
 from keras_noisecurve.training.class_weight import check_class_weight
 from keras_noisecurve.training.model_checks import ENGINES, check_model_is_clippable
 from keras_noisecurve.training.optimizer import NoiseCurveOptimizer
@@ -181,18 +182,46 @@ class PrivateModel(_impl.TrainStepBackend, keras.Model):
         self.built = True
 
     def get_config(self):
-        return {
+        config = {
             "name": self.name,
             "model": keras.saving.serialize_keras_object(self.inner),
             "clipping": self._dp_clipping,
             "microbatch_size": self._dp_microbatch_size,
         }
+        lora = lora_state.lora_config(self.inner)
+        if lora is not None:  # which layers had LoRA and which were frozen (Keras's configs do not say)
+            config["lora"] = lora
+        return config
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
         config = dict(config)
         model = keras.saving.deserialize_keras_object(config.pop("model"), custom_objects=custom_objects)
+        lora_state.restore_structure(model, config.pop("lora", None))
         return cls(model, **config)
+
+    def save_own_variables(self, store):
+        """Keras's, and the frozen kernel and factors of every LoRA layer (Keras saves a LoRA
+        layer merged), see :mod:`keras_noisecurve.training.lora_state`."""
+        super().save_own_variables(store)
+        self._dp_apply_pending_lora()
+        lora_state.save_values(self.inner, store)
+
+    def load_own_variables(self, store):
+        # the wrapper owns no variables (Keras's own check would count the LoRA entries)
+        # the layers load after this (merged kernel, zero factors): put the values back before training
+        self._dp_pending_lora = lora_state.stash_values(self.inner, store)
+
+    def _dp_apply_pending_lora(self):
+        pending = getattr(self, "_dp_pending_lora", None)
+        if pending is not None:
+            self._dp_pending_lora = None
+            lora_state.apply_values(self.inner, pending)
+
+    def train_on_batch(self, *args, **kwargs):
+        """Keras's ``train_on_batch`` (after a ``load_model``, the LoRA factors restored first)."""
+        self._dp_apply_pending_lora()
+        return super().train_on_batch(*args, **kwargs)
 
     def _dp_setup(self, clipping, microbatch_size):
         self._dp_clipping = check_choice("clipping", clipping, ENGINES)
@@ -282,6 +311,7 @@ class PrivateModel(_impl.TrainStepBackend, keras.Model):
 
         ``class_weight={class: weight}`` multiplies each example's weight by its class's
         before clipping (arrays, datasets and ``PrivateRun`` datasets alike)."""
+        self._dp_apply_pending_lora()
         class_weight = kwargs.pop("class_weight", None)
         if class_weight is None and self._dp_class_weight is None:
             return self._dp_fit_plan(x, y, **kwargs)
