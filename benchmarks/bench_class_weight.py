@@ -61,7 +61,8 @@ def main():
     print(f"backend {keras.backend.backend()}, batch {args.batch}, median of {args.calls} calls")
     for name, ms in results.items():
         print(f"  {name:24s} {ms:8.2f} ms/call")
-    print(f"  private with class_weight / plain Keras: {results['private, class_weight'] / results['plain Keras']:.2f}x")
+    ratio = results["private, class_weight"] / results["plain Keras"]
+    print(f"  private with class_weight / plain Keras: {ratio:.2f}x")
 
 
 if __name__ == "__main__":

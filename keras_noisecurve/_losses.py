@@ -135,6 +135,18 @@ def reduce_positions(values, *, mask=None, weight=None, reduction="sum_over_batc
                      ops.zeros_like(total))
 
 
+def _fitting(mask, values):
+    """``mask`` when it can weigh ``values`` (after :func:`_align`'s squeeze, no more axes than
+    ``values``), else None: a loss that already reduced the masked axes (e.g. a function of
+    your own returning (P,) for a masked sequence output) is taken as it is."""
+    if mask is None:
+        return None
+    shape = tuple(mask.shape)
+    while len(shape) > len(values.shape) and shape[-1] == 1:
+        shape = shape[:-1]
+    return mask if len(shape) <= len(values.shape) else None
+
+
 def _and(a, b):
     if a is None:
         return b
@@ -205,7 +217,7 @@ def per_example_loss_fn(loss, *, broadcast_scalar: bool = False) -> Callable:
                 f"sample_weight of shape {tuple(sample_weight.shape)} weighs positions, but the loss gives one "
                 f"value per example (shape {tuple(values.shape)}): give one weight per example, shape (P,)."
             )
-        mask = _and(in_mask, _compat.keras_mask(values))
+        mask = _and(_fitting(in_mask, values), _fitting(_compat.keras_mask(values), values))
         if ignore_class is not None and rank > 1:
             mask = _and(mask, ops.reshape(ops.not_equal(ops.cast(y_true, "int32"), ignore_class),
                                           ops.shape(values)))

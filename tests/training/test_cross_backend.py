@@ -8,11 +8,12 @@ gradients on both sides (ghost norms on TensorFlow, ``vmap`` on JAX), so the fin
 weights agree to float32 rounding: relative difference ≤ 1e-4 (the noise alone moves the
 weights by ~η·ζσ/B ≈ 1e-2 per step, so a wrong noise draw, batch or clip is 100× that).
 
-Two more runs have a loss that is not one value per example: the next-token model of
+Three more runs have a loss that is not one value per example: the next-token model of
 issue 45 (Embedding → Dense on every position, ``SparseCategoricalCrossentropy`` per
-token, y of shape (n, 16)) and a Conv2D/Conv2DTranspose autoencoder with a per-pixel MSE;
-each example's loss is the mean over its positions on both backends (``_losses.py``).
-One JAX subprocess runs all three.
+token, y of shape (n, 16)), padded sequences (``Embedding(mask_zero=True)``, padding labels
+``ignore_class=0``) and a Conv2D/Conv2DTranspose autoencoder with a per-pixel MSE; each
+example's loss is the mean over its real positions on both backends (``_losses.py``).
+One JAX subprocess runs all four.
 """
 
 import importlib.util
@@ -49,6 +50,16 @@ def _next_token(rng):  # issue 45: Embedding -> Dense on every position, a loss 
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     return model, x, y, loss, dict(num_examples=n, batch_size=25, steps=6), 0.5, 1.0
 
+def _masked_tokens(rng):  # padded sequences: Embedding(mask_zero=True), padding labels ignored
+    n, length, vocab = 48, 12, 30
+    lengths = rng.integers(3, length + 1, n)
+    x = rng.integers(1, vocab, (n, length)).astype("int32") * (np.arange(length) < lengths[:, None])
+    y = np.concatenate([x[:, 1:], np.zeros((n, 1), "int32")], axis=1)
+    model = keras.Sequential([keras.Input((length,), dtype="int32"), keras.layers.Embedding(vocab, 8, mask_zero=True),
+                              keras.layers.Dense(vocab)])
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=0)
+    return model, x, y, loss, dict(num_examples=n, batch_size=12, steps=4), 0.5, 1.0
+
 def _per_pixel(rng):  # a convolutional autoencoder, a loss per pixel
     x = rng.normal(size=(24, 8, 8, 1)).astype("float32")
     model = keras.Sequential([keras.Input((8, 8, 1)),
@@ -56,7 +67,7 @@ def _per_pixel(rng):  # a convolutional autoencoder, a loss per pixel
                               keras.layers.Conv2DTranspose(1, 3, strides=2, padding="same")])
     return model, x, x, "mse", dict(num_examples=24, batch_size=6, steps=4), 0.1, 0.5
 
-CASES = {"dense": _dense, "next_token": _next_token, "per_pixel": _per_pixel}
+CASES = {"dense": _dense, "next_token": _next_token, "masked_tokens": _masked_tokens, "per_pixel": _per_pixel}
 
 def run_once(case="dense"):
     rng = np.random.default_rng(0)
@@ -91,7 +102,7 @@ def jax_weights(tmp_path_factory):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("jax") is None, reason="needs jax installed (pip install -e '.[jax]')")
-@pytest.mark.parametrize("case", ["dense", "next_token", "per_pixel"])
+@pytest.mark.parametrize("case", ["dense", "next_token", "masked_tokens", "per_pixel"])
 def test_fixed_seed_bandmf_run_ends_with_the_same_weights_on_tensorflow_and_jax(jax_weights, case):
     namespace = {}
     exec(compile(SCRIPT.replace('if __name__ == "__main__":', "if False:"), "cross_backend", "exec"), namespace)

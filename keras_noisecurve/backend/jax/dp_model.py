@@ -334,8 +334,8 @@ class TrainStepBackend:
         with keras.StatelessScope(state_mapping=mapping) as scope:
             self._dp_loss_tracker().update_state(kept(losses.astype(jnp.float32)), sample_weight=weights * rows)
             self._dp_nonfinite.update_state(dropped, iteration, all_dropped)
-            _compat.update_compile_metrics(self, y_kept, y_pred_kept, sample_weight=_times_rows(positions, weights * rows),
-                                           row_weight=rows)
+            _compat.update_compile_metrics(self, y_kept, y_pred_kept,
+                                           sample_weight=_times_rows(positions, weights * rows), row_weight=rows)
             logs = self.get_metrics_result()
         metrics_values = [
             scope.get_current_value(v) if scope.get_current_value(v) is not None else v.value
