@@ -22,6 +22,8 @@ __all__ = [
     "causal_padding",
     "compile_metrics",
     "copy_keras_mask",
+    "keras_mask",
+    "map_keeping_masks",
     "current_learning_rate",
     "dense_pmf_fields",
     "distribution_strategy",
@@ -39,7 +41,9 @@ __all__ = [
     "replica_value_specs",
     "swap_compute_moments",
     "symbolic_build",
+    "without_compiled_loss",
     "unautocast_variable",
+    "unmerged_kernel",
     "trainable_variable_keys",
     "trainable_variables",
     "update_compile_metrics",
@@ -86,6 +90,12 @@ def unautocast_variable(variable):
     return getattr(variable, "_value", None) if is_backend_variable(getattr(variable, "_value", None)) else variable
 
 
+def unmerged_kernel(layer):
+    """The kernel variable of a LoRA-enabled ``Dense``/``EinsumDense`` without its LoRA factors
+    (``layer.kernel`` is ``K + s·A·B``; Keras's ``_kernel`` is ``K``)."""
+    return layer._kernel
+
+
 def copy_keras_mask(source, target):
     """``target`` with the Keras mask of ``source`` attached (``keras_mask`` is Keras's
     private tensor attribute, read and set through ``keras.src.backend``'s masking helpers);
@@ -96,6 +106,31 @@ def copy_keras_mask(source, target):
     if mask is not None:
         set_keras_mask(target, mask)
     return target
+
+
+def keras_mask(tensor):
+    """The Keras mask attached to ``tensor`` (``keras_mask``, Keras's private tensor attribute:
+    e.g. the (P, L) mask an ``Embedding(mask_zero=True)`` passes down to the model's output, or
+    the mask a loss's ``call`` attaches to its values for ``ignore_class``), or None."""
+    from keras.src.backend.common.masking import get_keras_mask
+
+    return get_keras_mask(tensor)
+
+
+def map_keeping_masks(fn, structure):
+    """``fn`` applied to every tensor of ``structure``, each result carrying ``fn`` of the
+    input's Keras mask (e.g. the rows of a batch selected or zeroed, mask and all)."""
+    import keras
+    from keras.src.backend.common.masking import get_keras_mask, set_keras_mask
+
+    def one(t):
+        out = fn(t)
+        mask = get_keras_mask(t)
+        if mask is not None:
+            set_keras_mask(out, fn(mask))
+        return out
+
+    return keras.tree.map_structure(one, structure)
 
 
 def causal_padding(layer):
@@ -138,6 +173,7 @@ def update_compile_metrics(model, y, y_pred, *, sample_weight, row_weight) -> No
     y_true, y_pred = metrics._flatten_y(y), metrics._flatten_y(y_pred)
 
     def update(metric, y_t, y_p, weight):
+        weight = _per_position(weight, y_p)
         parameters = inspect.signature(metric.update_state).parameters
         if "sample_weight" in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
             metric.update_state(y_t, y_p, sample_weight=weight)
@@ -150,6 +186,19 @@ def update_compile_metrics(model, y, y_pred, *, sample_weight, row_weight) -> No
     for metric, y_t, y_p in zip(metrics._flat_weighted_metrics, y_true, y_pred):
         if metric:
             update(metric, y_t, y_p, sample_weight)
+
+
+def _per_position(weight, y_pred):
+    """A (P,) metric weight broadcast to the shape of ``y_pred``'s Keras mask (P, L, ...) when it
+    has one: Keras's metrics multiply the weight by the mask without aligning their ranks."""
+    from keras import ops
+    from keras.src.backend.common.masking import get_keras_mask
+
+    mask = None if weight is None else get_keras_mask(y_pred)
+    if mask is None or len(weight.shape) >= len(mask.shape):
+        return weight
+    weight = ops.reshape(weight, tuple(weight.shape) + (1,) * (len(mask.shape) - len(weight.shape)))
+    return ops.broadcast_to(ops.cast(weight, "float32"), ops.shape(mask))
 
 
 def is_backend_variable(value) -> bool:
@@ -177,6 +226,25 @@ def symbolic_build(model, *, data_batch) -> None:
     """Create ``model``'s, its metrics' and its optimizer's variables from the spec of one
     batch, as ``fit`` does under a ``tf.distribute`` strategy (Trainer._symbolic_build)."""
     model._symbolic_build(data_batch=data_batch)
+
+
+def without_compiled_loss(model):
+    """A context in which ``model`` has no compiled loss (``Trainer._compile_loss`` set to None,
+    restored on exit): Keras's JAX ``fit`` then builds the model and the compiled metrics from
+    one batch without building the ``CompileLoss`` (which the private step never calls, whose
+    per-output loss trackers would log 0)."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def scope():
+        saved = model._compile_loss
+        model._compile_loss = None
+        try:
+            yield
+        finally:
+            model._compile_loss = saved
+
+    return scope()
 
 
 # ------------------------------------------------------------------------ optimizers

@@ -1,4 +1,5 @@
-"""Per-example losses from what a user passes as ``loss`` (Keras 3, TensorFlow backend).
+"""Per-example losses from what a user passes as ``loss`` (Keras 3; keras.ops only: one
+definition for the TensorFlow and the JAX backend).
 
 One home for turning a loss name, a ``keras.losses.Loss`` (object or class) or a
 function into ``(y_true, y_pred) -> (P,)``, one UNREDUCED value per example. Private
@@ -16,7 +17,10 @@ from typing import Callable
 import keras
 from keras import ops
 
-__all__ = ["per_example_loss_fn", "single_loss"]
+from keras_noisecurve import _compat
+
+__all__ = ["per_example_loss_fn", "reduce_positions", "single_loss", "split_sample_weight", "weigh_positions",
+           "float32_outputs"]
 
 
 def single_loss(loss):
@@ -71,8 +75,88 @@ def _ignore_class(loss):
     return None if value is None else int(value)
 
 
+def _reduction(loss) -> str:
+    """The ``reduction`` of a Keras loss object (``"sum_over_batch_size"`` for a function)."""
+    value = getattr(loss, "reduction", None) if isinstance(loss, keras.losses.Loss) else None
+    return "sum_over_batch_size" if value in (None, "none") else value
+
+
+def _align(t, values):
+    """``t`` (a mask or per-position weights) broadcast to the shape of ``values``, as Keras
+    aligns them (a trailing axis of size 1 squeezed, missing trailing axes added)."""
+    t = ops.convert_to_tensor(t)
+    while len(t.shape) > len(values.shape) and t.shape[-1] == 1:
+        t = ops.squeeze(t, axis=-1)
+    while len(t.shape) < len(values.shape):
+        t = ops.expand_dims(t, axis=-1)
+    return ops.broadcast_to(t, ops.shape(values))
+
+
+def reduce_positions(values, *, mask=None, weight=None, reduction="sum_over_batch_size"):
+    """One value per example from a loss's values ``(P, ...)``, as Keras reduces a batch.
+
+    Keras reduces the values v_{i,t} of a batch with the weights w_{i,t} (sample weight,
+    1 without) and the mask m_{i,t} (1 without) to Σ w·m·v / Σ m ("sum_over_batch_size",
+    "mean"), Σ w·m·v ("sum") or Σ w·m·v / Σ w·m ("mean_with_sample_weight"). The
+    per-example loss is the same sum over example i's own positions t only:
+
+        loss_i = Σ_t w_it·m_it·v_it / Σ_t m_it        (and "sum", "mean_with_sample_weight" alike)
+
+    so a padded sequence is ONE example whose loss is the mean over its real tokens, and a
+    (P,) weight gives w_i·loss_i. An example with no position left weighs 0 (loss 0).
+
+    Args:
+      values: (P,) or (P, d1, ...) float, the loss's unreduced values.
+      mask: bool/0-1 (P, d1, ...) or None (a trailing axis of size 1 is squeezed, missing
+        trailing axes are broadcast).
+      weight: per-position weights (P, d1, ...) or None.
+      reduction: the loss's reduction ("none"/None: as "sum_over_batch_size").
+
+    Returns:
+      (P,) in ``values``' dtype.
+    """
+    if reduction in (None, "none"):
+        reduction = "sum_over_batch_size"
+    if len(values.shape) <= 1:
+        if weight is not None:
+            values = values * ops.cast(_align(weight, values), values.dtype)
+        if mask is not None:
+            values = ops.where(ops.cast(_align(mask, values), "bool"), values, ops.zeros_like(values))
+        return values
+    axes = tuple(range(1, len(values.shape)))
+    keep = ops.ones_like(values) if mask is None else ops.cast(_align(mask, values), values.dtype)
+    weighted = keep if weight is None else keep * ops.cast(_align(weight, values), values.dtype)
+    total = ops.sum(ops.where(keep > 0, values, ops.zeros_like(values)) * weighted, axis=axes)
+    if reduction == "sum":
+        return total
+    denominator = ops.sum(weighted if reduction == "mean_with_sample_weight" else keep, axis=axes)
+    positive = denominator > 0
+    return ops.where(positive, total / ops.where(positive, denominator, ops.ones_like(denominator)),
+                     ops.zeros_like(total))
+
+
+def _fitting(mask, values):
+    """``mask`` when it can weigh ``values`` (after :func:`_align`'s squeeze, no more axes than
+    ``values``), else None: a loss that already reduced the masked axes (e.g. a function of
+    your own returning (P,) for a masked sequence output) is taken as it is."""
+    if mask is None:
+        return None
+    shape = tuple(mask.shape)
+    while len(shape) > len(values.shape) and shape[-1] == 1:
+        shape = shape[:-1]
+    return mask if len(shape) <= len(values.shape) else None
+
+
+def _and(a, b):
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return ops.logical_and(ops.cast(a, "bool"), ops.cast(_align(b, a), "bool"))
+
+
 def per_example_loss_fn(loss, *, broadcast_scalar: bool = False) -> Callable:
-    """A per-example loss ``(y_true, y_pred) -> (P,)`` from a compiled loss.
+    """A per-example loss ``(y_true, y_pred, sample_weight=None) -> (P,)`` from a compiled loss.
 
     Args:
       loss: as :func:`single_loss`. ``None`` is refused (a model to train privately
@@ -83,23 +167,29 @@ def per_example_loss_fn(loss, *, broadcast_scalar: bool = False) -> Callable:
         clipping engines then refuse it, since a batch mean is not a per-example loss.
 
     Returns:
-      ``fn(y_true, y_pred) -> (P,)``. A built-in loss (a name, a ``keras.losses.Loss``, a
-      ``keras.losses`` function) on a model with several outputs (list or dict) is applied
-      to each output and the per-example values summed, as Keras does
-      (``loss_i = Σ_k loss(y_true[k], y_pred[k])_i``); a function of your own receives the
-      whole structures (one combined loss). Never reduced over the batch: a ``Loss`` object's
-      ``call`` is used (its reduction is ignored); values with extra axes (e.g. per
-      token of a sequence) are averaged over those axes, over the positions whose label
-      is not the loss's ``ignore_class`` when it has one (a padded sequence is ONE
-      example: its loss is the mean over its real tokens).
+      ``fn(y_true, y_pred, sample_weight=None) -> (P,)``, the same on every backend. A
+      built-in loss (a name, a ``keras.losses.Loss``, a ``keras.losses`` function) on a
+      model with several outputs (list or dict) is applied to each output and the
+      per-example values summed, as Keras does (``loss_i = Σ_k loss(y_true[k], y_pred[k])_i``);
+      a function of your own receives the whole structures (one combined loss). Never
+      reduced over the batch: a ``Loss`` object's ``call`` is used, and values with
+      extra axes (per token, per pixel, per output position) are reduced over example
+      i's own positions by :func:`reduce_positions` with the loss's ``reduction``, the
+      mask Keras would use (the Keras mask of ``y_pred``, e.g. from
+      ``Embedding(mask_zero=True)``, and of the loss's values, e.g. ``ignore_class``;
+      the loss's ``ignore_class`` also directly) and ``sample_weight`` when it is
+      per position (P, d1, ...) (a (P,) weight is applied by the caller, before
+      clipping). A padded sequence is ONE example: its loss is the mean over its real
+      tokens.
     """
     if loss is None:
         raise ValueError("the model must be compiled with a loss for private training.")
     resolved = single_loss(loss)
     fn = resolved.call if isinstance(resolved, keras.losses.Loss) else resolved
     ignore_class = _ignore_class(resolved)
+    reduction = _reduction(resolved)
 
-    def per_example(y_true, y_pred):
+    def per_example(y_true, y_pred, sample_weight=None):
         if _built_in(loss, resolved) and isinstance(y_pred, (list, tuple, dict)) and len(y_pred) > 1:
             # one built-in loss for several outputs: Keras applies it to each output and sums
             keys = sorted(y_pred) if isinstance(y_pred, dict) else range(len(y_pred))
@@ -109,22 +199,69 @@ def per_example_loss_fn(loss, *, broadcast_scalar: bool = False) -> Callable:
                     f"({type(y_true).__name__} of {len(y_true) if hasattr(y_true, '__len__') else 1}): "
                     "give one label per output, in the same list/dict structure."
                 )
-            return functools.reduce(ops.add, [one(y_true[k], y_pred[k]) for k in keys])
-        return one(y_true, y_pred)
+            nested = isinstance(sample_weight, (list, tuple, dict))
+            return functools.reduce(ops.add, [
+                one(y_true[k], y_pred[k], sample_weight[k] if nested else sample_weight) for k in keys])
+        return one(y_true, y_pred, sample_weight)
 
-    def one(y_true, y_pred):
+    def one(y_true, y_pred, sample_weight):
+        in_mask = None if isinstance(y_pred, (list, tuple, dict)) else _compat.keras_mask(y_pred)
         values = ops.convert_to_tensor(fn(y_true, y_pred))
         rank = len(values.shape)
-        if rank > 1:
-            axes = tuple(range(1, rank))
-            if ignore_class is None:
-                values = ops.mean(values, axis=axes)
-            else:  # the mean over the positions that count (e.g. the tokens of a padded sequence)
-                keep = ops.cast(ops.reshape(ops.not_equal(ops.cast(y_true, "int32"), ignore_class),
-                                            ops.shape(values)), values.dtype)
-                values = ops.sum(values * keep, axis=axes) / ops.maximum(ops.sum(keep, axis=axes), 1)
-        if broadcast_scalar and rank == 0:
-            values = ops.broadcast_to(values, ops.shape(y_pred)[:1])
-        return values
+        if rank == 0:
+            if sample_weight is not None:
+                raise ValueError(_SCALAR_WITH_WEIGHTS)
+            return ops.broadcast_to(values, ops.shape(y_pred)[:1]) if broadcast_scalar else values
+        if rank == 1 and sample_weight is not None:
+            raise ValueError(
+                f"sample_weight of shape {tuple(sample_weight.shape)} weighs positions, but the loss gives one "
+                f"value per example (shape {tuple(values.shape)}): give one weight per example, shape (P,)."
+            )
+        mask = _and(_fitting(in_mask, values), _fitting(_compat.keras_mask(values), values))
+        if ignore_class is not None and rank > 1:
+            mask = _and(mask, ops.reshape(ops.not_equal(ops.cast(y_true, "int32"), ignore_class),
+                                          ops.shape(values)))
+        return reduce_positions(values, mask=mask, weight=sample_weight, reduction=reduction)
 
     return per_example
+
+
+_SCALAR_WITH_WEIGHTS = ("the loss returns one scalar for the batch, which per-position sample weights cannot "
+                        "weigh: return one value per example or per position.")
+
+
+def split_sample_weight(sample_weight):
+    """``(row, positions)`` of a batch's ``sample_weight``: a (P,) or (P, 1) weight is one
+    weight per example (``row`` (P,), applied before clipping, ``positions`` None); a
+    weight with more entries per example, e.g. (P, L) per token, weighs the positions
+    inside the per-example loss (``row`` None, ``positions`` as given). ``(None, None)``
+    for None. Decided on the static shape."""
+    if sample_weight is None or isinstance(sample_weight, (list, tuple, dict)):
+        return sample_weight, None
+    shape = tuple(sample_weight.shape)
+    if len(shape) <= 1 or all(d == 1 for d in shape[1:]):
+        return ops.reshape(sample_weight, (-1,)), None
+    return None, sample_weight
+
+
+def weigh_positions(loss_fn):
+    """``loss_fn`` (of :func:`per_example_loss_fn`) taking ``y`` = ``(labels, positions)``
+    (what :func:`split_sample_weight` found per position): ``loss_fn(labels, y_pred, positions)``."""
+
+    def loss(y, y_pred):
+        labels, positions = y
+        return loss_fn(labels, y_pred, positions)
+
+    return loss
+
+
+def float32_outputs(y_pred):
+    """``y_pred`` (a tensor or a structure) with float16/bfloat16 outputs cast to float32, as
+    Keras's ``Loss.__call__`` casts them, each keeping its Keras mask (a cast is a new tensor)."""
+
+    def cast(t):
+        if getattr(t, "dtype", None) is None or keras.backend.standardize_dtype(t.dtype) not in ("float16", "bfloat16"):
+            return t
+        return _compat.copy_keras_mask(t, ops.cast(t, "float32"))
+
+    return keras.tree.map_structure(cast, y_pred)

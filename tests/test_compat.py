@@ -190,6 +190,36 @@ def test_every_private_override_in_the_package_is_listed():
     assert found == listed
 
 
+def test_keras_mask_and_masks_kept_through_a_row_selection():
+    embedded = keras.layers.Embedding(5, 2, mask_zero=True)(tf.constant([[1, 0], [0, 3]]))
+    np.testing.assert_array_equal(np.asarray(_compat.keras_mask(embedded)), [[True, False], [False, True]])
+    assert _compat.keras_mask(tf.constant([1.0])) is None
+    (first,) = _compat.map_keeping_masks(lambda t: t[:1], (embedded,))
+    np.testing.assert_array_equal(np.asarray(_compat.keras_mask(first)), [[True, False]])
+
+
+def test_without_compiled_loss_hides_and_restores_it():
+    model = _model()
+    model.compile(optimizer="sgd", loss="mse")
+    compiled = model._compile_loss
+    with _compat.without_compiled_loss(model):
+        assert model._compile_loss is None
+    assert model._compile_loss is compiled
+
+
+def test_unmerged_kernel_of_a_lora_layer_is_the_frozen_kernel():
+    layer = keras.layers.Dense(3)
+    layer.build((None, 4))
+    before = layer.kernel.numpy()
+    layer.enable_lora(2)
+    layer.lora_kernel_b.assign(np.ones((2, 3), np.float32))
+    kernel = _compat.unmerged_kernel(layer)
+    np.testing.assert_allclose(kernel.numpy(), before)
+    assert not kernel.trainable
+    merged = before + (layer.lora_alpha / layer.lora_rank) * layer.lora_kernel_a.numpy() @ np.ones((2, 3))
+    np.testing.assert_allclose(layer.kernel.numpy(), merged, rtol=1e-5, atol=1e-6)
+
+
 # ------------------------------------------------------------------ tf.distribute / XLA
 def test_replica_value_specs_of_a_per_replica_spec():
     from tensorflow.python.distribute import values  # the private class, only to build one

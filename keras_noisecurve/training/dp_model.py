@@ -28,6 +28,7 @@ from keras_noisecurve import _compat
 from keras_noisecurve import backend as _backend
 from keras_noisecurve._losses import per_example_loss_fn
 from keras_noisecurve._validation import check_choice, check_float, check_int
+from keras_noisecurve.training import lora_state
 from keras_noisecurve.training.class_weight import check_class_weight
 from keras_noisecurve.training.model_checks import ENGINES, check_model_is_clippable
 from keras_noisecurve.training.optimizer import NoiseCurveOptimizer
@@ -181,18 +182,46 @@ class PrivateModel(_impl.TrainStepBackend, keras.Model):
         self.built = True
 
     def get_config(self):
-        return {
+        config = {
             "name": self.name,
             "model": keras.saving.serialize_keras_object(self.inner),
             "clipping": self._dp_clipping,
             "microbatch_size": self._dp_microbatch_size,
         }
+        lora = lora_state.lora_config(self.inner)
+        if lora is not None:  # which layers had LoRA and which were frozen (Keras's configs do not say)
+            config["lora"] = lora
+        return config
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
         config = dict(config)
         model = keras.saving.deserialize_keras_object(config.pop("model"), custom_objects=custom_objects)
+        lora_state.restore_structure(model, config.pop("lora", None))
         return cls(model, **config)
+
+    def save_own_variables(self, store):
+        """Keras's, and the frozen kernel and factors of every LoRA layer (Keras saves a LoRA
+        layer merged), see :mod:`keras_noisecurve.training.lora_state`."""
+        super().save_own_variables(store)
+        self._dp_apply_pending_lora()
+        lora_state.save_values(self.inner, store)
+
+    def load_own_variables(self, store):
+        # the wrapper owns no variables (Keras's own check would count the LoRA entries)
+        # the layers load after this (merged kernel, zero factors): put the values back before training
+        self._dp_pending_lora = lora_state.stash_values(self.inner, store)
+
+    def _dp_apply_pending_lora(self):
+        pending = getattr(self, "_dp_pending_lora", None)
+        if pending is not None:
+            self._dp_pending_lora = None
+            lora_state.apply_values(self.inner, pending)
+
+    def train_on_batch(self, *args, **kwargs):
+        """Keras's ``train_on_batch`` (after a ``load_model``, the LoRA factors restored first)."""
+        self._dp_apply_pending_lora()
+        return super().train_on_batch(*args, **kwargs)
 
     def _dp_setup(self, clipping, microbatch_size):
         self._dp_clipping = check_choice("clipping", clipping, ENGINES)
@@ -203,6 +232,7 @@ class PrivateModel(_impl.TrainStepBackend, keras.Model):
         self._dp_loss_fn = None
         self._dp_loss_scale = 1.0
         self._dp_class_weight = None  # the class_weight table of the fit in progress
+        self._dp_train_functions = {}  # the traced train function of each class-weight table (this compile)
         # untracked (object.__setattr__): not a weight, not in checkpoints or .keras files
         object.__setattr__(self, "_dp_refused", self._dp_refusal_state())
         object.__setattr__(self, "_dp_nonfinite", self._dp_nonfinite_state())
@@ -255,6 +285,7 @@ class PrivateModel(_impl.TrainStepBackend, keras.Model):
         check_model_is_clippable(self)
         self._dp_compile_defaults(kwargs)
         super().compile(optimizer=optimizer, loss=loss, **kwargs)
+        self._dp_train_functions = {}  # traced for the previous compile
         self._dp_engine = None  # resolved on first train_step (the model may not be built yet)
 
     def get_compile_config(self):
@@ -280,6 +311,7 @@ class PrivateModel(_impl.TrainStepBackend, keras.Model):
 
         ``class_weight={class: weight}`` multiplies each example's weight by its class's
         before clipping (arrays, datasets and ``PrivateRun`` datasets alike)."""
+        self._dp_apply_pending_lora()
         class_weight = kwargs.pop("class_weight", None)
         if class_weight is None and self._dp_class_weight is None:
             return self._dp_fit_plan(x, y, **kwargs)
@@ -319,6 +351,22 @@ class PrivateModel(_impl.TrainStepBackend, keras.Model):
     #: ``{class: weight}`` validated as a dense float32 table (``None`` stays ``None``)
     _dp_check_class_weight = staticmethod(check_class_weight)
 
+    def _dp_use_class_weight(self, class_weight):
+        """Set (or with ``None`` clear) the class-weight table of the ``fit`` or ``train_on_batch``
+        in progress. The table is a constant of the traced step, so each table has its own
+        train function, kept until the next ``compile`` (at most ``_MAX_TABLES`` tables): calls
+        with a table seen before reuse its step instead of tracing it again."""
+        table = self._dp_check_class_weight(class_weight)
+        old, new = _table_key(self._dp_class_weight), _table_key(table)
+        if old != new:
+            if self.train_function is not None:
+                self._dp_train_functions.pop(old, None)
+                self._dp_train_functions[old] = self.train_function
+                while len(self._dp_train_functions) > _MAX_TABLES:
+                    self._dp_train_functions.pop(next(iter(self._dp_train_functions)))
+            self.train_function = self._dp_train_functions.get(new)
+        self._dp_class_weight = table
+
     def _dp_check_optimizer(self, optimizer):
         if not isinstance(optimizer, NoiseCurveOptimizer):
             raise ValueError(f"a private model needs a NoiseCurveOptimizer, got {type(optimizer).__name__}.")
@@ -330,6 +378,15 @@ class PrivateModel(_impl.TrainStepBackend, keras.Model):
     @staticmethod
     def _dp_not_the_plan(planned):
         return _not_the_plan(planned)
+
+
+#: how many class-weight tables keep their traced train function (``_dp_use_class_weight``)
+_MAX_TABLES = 8
+
+
+def _table_key(table):
+    """A hashable key of a class-weight table (``None``: no table)."""
+    return None if table is None else np.asarray(table, np.float32).tobytes()
 
 
 #: the static loss scale of a mixed_float16 private model when compile gets no loss_scale

@@ -15,11 +15,11 @@ import keras
 import tensorflow as tf
 
 from keras_noisecurve import _compat
+from keras_noisecurve._losses import float32_outputs, split_sample_weight, weigh_positions
 from keras_noisecurve.training import nonfinite
 from keras_noisecurve.training.clipping import add_regularization, get_engine
 from keras_noisecurve.training.keras_features import (
     add_weight_penalty,
-    check_class_weight,
     class_weights,
     weight_penalty,
 )
@@ -151,13 +151,6 @@ class TrainStepBackend:
         if self._dp_clipping != "vectorized":  # the per-layer engine's refusals, before compile
             get_engine(self._dp_clipping, model)
 
-    def _dp_use_class_weight(self, class_weight):
-        """Set (or with ``None`` clear) the class-weight table of the ``fit`` in progress."""
-        table = check_class_weight(class_weight)
-        if table is not None or self._dp_class_weight is not None:
-            self.train_function = None  # retrace: the table is a constant of the step
-        self._dp_class_weight = table
-
     def reset_metrics(self):
         """Keras's ``reset_metrics`` (every epoch of ``fit``), and the epoch's
         ``nonfinite_examples`` count."""
@@ -273,20 +266,19 @@ class TrainStepBackend:
             checks.append(_check_step(step, optimizer.iterations))  # eager/graph; XLA drops it: see _refuse below
         elif getattr(optimizer, "run", None) is not None:  # e.g. train_on_batch(x, y): not the plan's batch
             raise ValueError(self._dp_not_the_plan(optimizer.run) + " Got a batch without the run's step index.")
-        if sample_weight is not None:
-            sample_weight = tf.reshape(tf.cast(sample_weight, tf.float32), [-1])
+        sample_weight, loss_fn, y_loss, positions = _split_weights(self._dp_loss_fn, y, sample_weight)
         if self._dp_class_weight is not None:  # fit(class_weight=...): w_i·cw[y_i], before clipping
             weights_of_class = class_weights(self._dp_class_weight, y)
             sample_weight = weights_of_class if sample_weight is None else sample_weight * weights_of_class
         if not self.trainable_variables:  # an unbuilt subclassed model: create its weights
             self(x, training=False)
         scale = self._dp_loss_scale
-        loss_fn = _train_loss(self._dp_loss_fn, scale)
+        loss_fn = _train_loss(loss_fn, scale)
         clipped = self._engine()(
             self,
             loss_fn,
             x,
-            y,
+            y_loss,
             sample_weight,
             l2_norm_clip=optimizer.l2_norm_clip * scale,  # Σ clip(S·g_i, S·ζ) = S·Σ clip(g_i, ζ)
             microbatch_size=self._dp_microbatch_size,
@@ -328,13 +320,14 @@ class TrainStepBackend:
             finite = tf.logical_not(clipped.nonfinite)
             keep = finite if keep is None else tf.logical_and(keep, finite)
         _compat.loss_tracker(self).update_state(losses, sample_weight=weights)
+        metric_weight = _times_rows(positions, sample_weight)
         if keep is not None:
             # Padding rows of the batch sampler (weight 0) are copies of real examples:
             # leave them out of every metric, also the unweighted `metrics=[...]`.
-            y, y_pred = tf.nest.map_structure(lambda t: tf.boolean_mask(t, keep), (y, y_pred))
-            if sample_weight is not None:
-                sample_weight = tf.boolean_mask(sample_weight, keep)
-        logs = dict(self.compute_metrics(x, y, y_pred, sample_weight=sample_weight))
+            y, y_pred = _compat.map_keeping_masks(lambda t: tf.boolean_mask(t, keep), (y, y_pred))
+            if metric_weight is not None:
+                metric_weight = tf.boolean_mask(metric_weight, keep)
+        logs = dict(self.compute_metrics(x, y, y_pred, sample_weight=metric_weight))
         logs[nonfinite.METRIC] = epoch_dropped
         return logs
 
@@ -344,11 +337,12 @@ class TrainStepBackend:
         every model ``fit`` accepts (dict or list outputs included)."""
         data, _ = _split_step(data)
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        rows, loss_fn, y_loss, positions = _split_weights(self._dp_loss_fn, y, sample_weight)
         y_pred = self(x, training=False)
-        losses = tf.cast(_train_loss(self._dp_loss_fn, 1.0)(y, y_pred), tf.float32)
-        weights = tf.ones_like(losses) if sample_weight is None else tf.reshape(tf.cast(sample_weight, tf.float32), [-1])
+        losses = tf.cast(_train_loss(loss_fn, 1.0)(y_loss, y_pred), tf.float32)
+        weights = tf.ones_like(losses) if rows is None else rows
         _compat.loss_tracker(self).update_state(losses, sample_weight=weights)
-        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        return self.compute_metrics(x, y, y_pred, sample_weight=_times_rows(positions, rows))
 
     def _refuse(self, grads, step, iteration, optimizer, dropped, real):
         """The clipped sum, or zeros when this step must not use its batch.
@@ -394,9 +388,6 @@ def _check_xla(model):
             )
 
 
-_LOW_PRECISION = (tf.float16, tf.bfloat16)
-
-
 def _train_loss(loss_fn, scale):
     """The per-example loss the engine differentiates: ``S·loss_fn`` on float32 outputs.
 
@@ -406,10 +397,32 @@ def _train_loss(loss_fn, scale):
     dtype. ``scale`` is the static float16 loss scale S (1.0: none)."""
 
     def loss(y_true, y_pred):
-        y_pred = tf.nest.map_structure(
-            lambda t: tf.cast(t, tf.float32) if getattr(t, "dtype", None) in _LOW_PRECISION else t, y_pred
-        )
-        values = loss_fn(y_true, y_pred)
+        values = loss_fn(y_true, float32_outputs(y_pred))  # each output keeps its Keras mask
         return values if scale == 1.0 else values * tf.cast(scale, values.dtype)
 
     return loss
+
+
+def _split_weights(loss_fn, y, sample_weight):
+    """``(row weights (P,) float32 or None, loss_fn, y for the loss, position weights or None)``:
+    a (P,) sample weight weighs examples before clipping; one with more entries per example
+    (e.g. (P, L) per token) weighs positions inside the per-example loss, the labels then
+    travel with them as ``(y, positions)`` (``keras_noisecurve._losses.split_sample_weight``)."""
+    if isinstance(sample_weight, (list, tuple, dict)):
+        raise ValueError(
+            "a private model takes one sample weight per example, shape (P,), or per position, e.g. (P, L), "
+            f"the same for every output; got a {type(sample_weight).__name__} of sample weights.")
+    if sample_weight is not None:
+        sample_weight = tf.cast(sample_weight, tf.float32)
+    rows, positions = split_sample_weight(sample_weight)
+    if positions is None:
+        return rows, loss_fn, y, None
+    return rows, weigh_positions(loss_fn), (y, positions), positions
+
+
+def _times_rows(positions, rows):
+    """The metrics' sample weight: ``rows`` (P,) or None, or the per-position weights (P, ...)
+    times ``rows`` on their first axis."""
+    if positions is None or rows is None:
+        return rows if positions is None else positions
+    return positions * tf.reshape(rows, [-1] + [1] * (positions.shape.rank - 1))

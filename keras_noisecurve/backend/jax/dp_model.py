@@ -41,6 +41,7 @@ import keras
 import numpy as np
 
 from keras_noisecurve import _compat
+from keras_noisecurve._losses import float32_outputs, split_sample_weight, weigh_positions
 from keras_noisecurve.backend.jax import features
 from keras_noisecurve.backend.jax.ghost import ghost_clipped_sum
 from keras_noisecurve.backend.jax.pipeline import split_step as _split_step
@@ -96,9 +97,7 @@ def per_example_grads(model, loss_fn, trainable, non_trainable, x, y, weights, *
         yb = jax.tree_util.tree_map(lambda a: a[None], yi)
         kwargs = {"training": training}
         y_pred, new_ntv = model.stateless_call(tv, non_trainable, xb, **kwargs)
-        y_pred32 = jax.tree_util.tree_map(
-            lambda t: t.astype(jnp.float32) if t.dtype in (jnp.float16, jnp.bfloat16) else t, y_pred
-        )
+        y_pred32 = float32_outputs(y_pred)  # as Keras's Loss.__call__, each output keeping its Keras mask
         loss = jnp.reshape(loss_fn(yb, y_pred32), (-1,))[0]
         return loss * wi.astype(loss.dtype), (loss, jax.tree_util.tree_map(lambda a: a[0], y_pred), new_ntv)
 
@@ -229,13 +228,6 @@ class TrainStepBackend:
         return (groups if plan else None, np.asarray(norms, np.float64),
                 [np.asarray(s, np.float64) for s in sums], layer_sq)
 
-    def _dp_use_class_weight(self, class_weight):
-        """Set (or with ``None`` clear) the class-weight table of the ``fit`` in progress."""
-        table = self._dp_check_class_weight(class_weight)
-        if table is not None or self._dp_class_weight is not None:
-            self.train_function = None  # retrace: the table is a constant of the step
-        self._dp_class_weight = table
-
     def _dp_compile_defaults(self, kwargs):
         if kwargs.get("steps_per_execution", 1) != 1:
             raise ValueError(
@@ -299,13 +291,40 @@ class TrainStepBackend:
                     data_batch = next(data_or_iterator)
                 break
         if data_batch is not None:
-            data_batch = _split_step(data_batch)[0]
-        return super()._symbolic_build(data_batch=data_batch)
+            # build from (x, y): the sample weights (P,) would be broadcast against a loss with one
+            # value per token or pixel by Keras's compiled loss (never built, never called here)
+            x, y, _ = keras.utils.unpack_x_y_sample_weight(_split_step(data_batch)[0])
+            data_batch = (x,) if y is None else (x, y)
+        with _compat.without_compiled_loss(self):  # as on TensorFlow: the compiled loss is never built
+            return super()._symbolic_build(data_batch=data_batch)
+
+    def make_train_function(self, force=False):
+        """Keras's, jitting a function made for this ``fit``/``train_on_batch``'s class-weight
+        table (``None`` included) instead of the bound ``train_step``: ``jax.jit`` reuses a
+        trace for an EQUAL function (bound methods of one model are equal), so a kept train
+        function of another table (``PrivateModel._dp_use_class_weight``) would be reused
+        with that table's weights baked in."""
+        if self.train_function is not None and not force:
+            return None
+        table = self._dp_class_weight
+
+        def train_step(state, data):  # a new function object: its own jit trace cache
+            return self._dp_train_step(state, data, table)
+
+        self.train_step = train_step  # read by Keras's make_train_function; the method is restored below
+        try:
+            return super().make_train_function(force=force)
+        finally:
+            del self.train_step
 
     def train_step(self, state, data):
         """One private step (see the module docstring); Keras's JAX ``train_step`` contract:
         ``state`` = (trainable, non-trainable, optimizer, metrics variables' values),
         returns ``(logs, new state)``."""
+        return self._dp_train_step(state, data, self._dp_class_weight)
+
+    def _dp_train_step(self, state, data, class_weight):
+        """:meth:`train_step` with the class-weight table ``class_weight`` (float32 (C,) or None)."""
         trainable, non_trainable, optimizer_values, metrics_values = state
         data, step = _split_step(data)
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
@@ -315,14 +334,12 @@ class TrainStepBackend:
             raise ValueError(self._dp_not_the_plan(optimizer.run) + " Got a batch without the run's step index.")
         position = [id(v) for v in optimizer.variables].index(id(optimizer.iterations))
         iteration = optimizer_values[position]
-        size = int(jax.tree_util.tree_leaves(x)[0].shape[0])
-        weights = (jnp.ones((size,), jnp.float32) if sample_weight is None
-                   else jnp.reshape(jnp.asarray(sample_weight, jnp.float32), (-1,)))
-        if self._dp_class_weight is not None:  # fit(class_weight=...): w_i·cw[y_i], before clipping
-            weights = weights * features.class_weights(self._dp_class_weight, y)
+        weights, loss_fn, y_loss, positions = self._dp_weights(x, y, sample_weight)
+        if class_weight is not None:  # fit(class_weight=...): w_i·cw[y_i], before clipping
+            weights = weights * features.class_weights(class_weight, y)
         penalty = features.weight_penalty(self, trainable, non_trainable, x)  # add_loss: weights only, else refused
         sums, norms, losses, y_pred, non_trainable = self._dp_clipped_sum()(
-            self, self._dp_loss_fn, trainable, non_trainable, x, y, weights,
+            self, loss_fn, trainable, non_trainable, x, y_loss, weights,
             l2_norm_clip=optimizer.l2_norm_clip, microbatch_size=self._dp_microbatch_size, training=True,
         )
         nonfinite = features.nonfinite_mask(losses, norms)  # dropped by the engine (contributed 0)
@@ -346,18 +363,61 @@ class TrainStepBackend:
         def kept(t):  # a dropped example's values replaced by zeros (0·nan is nan in a metric)
             return jnp.where(jnp.reshape(keep, (-1,) + (1,) * (jnp.ndim(t) - 1)), t, jnp.zeros_like(t))
 
-        y_kept, y_pred_kept = jax.tree_util.tree_map(kept, (y, y_pred))
+        y_kept, y_pred_kept = _compat.map_keeping_masks(kept, (y, y_pred))
         mapping = list(zip(self.metrics_variables, metrics_values))
         with keras.StatelessScope(state_mapping=mapping) as scope:
             self._dp_loss_tracker().update_state(kept(losses.astype(jnp.float32)), sample_weight=weights * rows)
             self._dp_nonfinite.update_state(dropped, iteration, all_dropped)
-            _compat.update_compile_metrics(self, y_kept, y_pred_kept, sample_weight=weights * rows, row_weight=rows)
+            _compat.update_compile_metrics(self, y_kept, y_pred_kept,
+                                           sample_weight=_times_rows(positions, weights * rows), row_weight=rows)
             logs = self.get_metrics_result()
         metrics_values = [
             scope.get_current_value(v) if scope.get_current_value(v) is not None else v.value
             for v in self.metrics_variables
         ]
         return logs, (trainable, non_trainable, optimizer_values, metrics_values)
+
+    def _dp_weights(self, x, y, sample_weight):
+        """``(weights (P,), loss_fn, y for the loss, position weights or None)`` of a batch: a
+        (P,) sample weight (the run's padding mask) weighs examples before clipping; one with
+        more entries per example (e.g. (P, L) per token) weighs positions inside the
+        per-example loss (``keras_noisecurve._losses.split_sample_weight``), the labels then
+        travel with them as ``(y, positions)``."""
+        rows, positions = split_sample_weight(
+            None if sample_weight is None else jax.tree_util.tree_map(lambda w: jnp.asarray(w, jnp.float32),
+                                                                      sample_weight))
+        if isinstance(rows, (list, tuple, dict)):
+            raise ValueError(
+                "a private model takes one sample weight per example, shape (P,), or per position, e.g. (P, L), "
+                f"the same for every output; got a {type(rows).__name__} of sample weights.")
+        size = int(jax.tree_util.tree_leaves(x)[0].shape[0])
+        weights = jnp.ones((size,), jnp.float32) if rows is None else rows
+        if positions is None:
+            return weights, self._dp_loss_fn, y, None
+        return weights, weigh_positions(self._dp_loss_fn), (y, positions), positions
+
+    def test_step(self, state, data):
+        """``evaluate``: the loss ``fit`` logs (the compiled per-example loss, weighted mean
+        Σ_i w_i·loss_i / Σ_i w_i, without regularisation) and the compiled metrics, as on
+        TensorFlow; Keras's JAX ``test_step`` contract (``state`` = trainable, non-trainable,
+        metrics variables' values; returns ``(logs, new state)``)."""
+        trainable, non_trainable, metrics_values = state
+        data, _ = _split_step(data)
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        weights, loss_fn, y_loss, positions = self._dp_weights(x, y, sample_weight)
+        y_pred, non_trainable = self.stateless_call(trainable, non_trainable, x, training=False)
+        losses = jnp.reshape(loss_fn(y_loss, float32_outputs(y_pred)), (-1,)).astype(jnp.float32)
+        mapping = list(zip(self.metrics_variables, metrics_values))
+        with keras.StatelessScope(state_mapping=mapping) as scope:
+            self._dp_loss_tracker().update_state(losses, sample_weight=weights)
+            _compat.update_compile_metrics(self, y, y_pred, sample_weight=_times_rows(positions, weights),
+                                           row_weight=None)
+            logs = self.get_metrics_result()
+        metrics_values = [
+            scope.get_current_value(v) if scope.get_current_value(v) is not None else v.value
+            for v in self.metrics_variables
+        ]
+        return logs, (trainable, non_trainable, metrics_values)
 
     def _dp_add_regularization(self, trainable, non_trainable, sums, expected_batch_size, penalty=None):
         """``S + B·∇(reg + penalty)`` for the weight regularisers and an ``add_loss`` penalty
@@ -378,3 +438,11 @@ class TrainStepBackend:
         grads = jax.grad(reg)(list(trainable))
         scale = float(expected_batch_size)
         return [s + jnp.asarray(scale, s.dtype) * g.astype(s.dtype) for s, g in zip(sums, grads)]
+
+
+def _times_rows(positions, rows):
+    """The metrics' sample weight: ``rows`` (P,), or the per-position weights (P, ...) times
+    ``rows`` on their first axis."""
+    if positions is None:
+        return rows
+    return positions * jnp.reshape(rows, (-1,) + (1,) * (positions.ndim - 1)).astype(positions.dtype)

@@ -62,6 +62,11 @@ def count_dropped(nonfinite, weights):
     return jnp.sum(nonfinite & real, dtype=jnp.int32), jnp.sum(real, dtype=jnp.int32)
 
 
+@jax.jit
+def _zero_epoch(counts):
+    return counts.at[_EPOCH].set(0)
+
+
 class NonFiniteExamples(keras.metrics.Metric):
     """The ``nonfinite_examples`` log: this epoch's count of dropped examples.
 
@@ -95,8 +100,8 @@ class NonFiniteExamples(keras.metrics.Metric):
     def result(self):
         return self.counts.value[_EPOCH]
 
-    def reset_state(self):
-        self.counts.assign(jnp.asarray(self.counts.value).at[_EPOCH].set(0))
+    def reset_state(self):  # every train_on_batch call: one jitted dispatch, not an eager scatter
+        self.counts.assign(_zero_epoch(jnp.asarray(self.counts.value)))
 
     def reset_fit(self):
         self.counts.assign(jnp.zeros((_SIZE,), jnp.int32))

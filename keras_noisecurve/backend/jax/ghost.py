@@ -58,6 +58,7 @@ import jax.numpy as jnp
 import keras
 
 from keras_noisecurve import _compat
+from keras_noisecurve._losses import float32_outputs
 from keras_noisecurve.backend import norm_observer
 from keras_noisecurve.backend.calls import wrapped_calls
 from keras_noisecurve.backend.jax import ghost_rows
@@ -376,8 +377,7 @@ def ghost_norms(model, loss_fn, trainable, non_trainable, x, y, weights, *, trai
                 y_pred, new_ntv = _tracking_call(model, trainable, non_trainable, x, training, recorder), None
             else:
                 y_pred, new_ntv = model.stateless_call(trainable, non_trainable, x, training=training)
-        y32 = jax.tree_util.tree_map(
-            lambda t: t.astype(_F32) if t.dtype in (jnp.float16, jnp.bfloat16) else t, y_pred)
+        y32 = float32_outputs(y_pred)  # as Keras's Loss.__call__, each output keeping its Keras mask
         losses = jnp.reshape(loss_fn(y, y32), (-1,))
         total = jnp.sum(losses * weights.astype(losses.dtype))
         if perturbations is None:  # the shape pass keeps shapes only (no tracer outlives its trace)
