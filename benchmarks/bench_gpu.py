@@ -12,8 +12,9 @@ one training step of:
   API (``knc.make_private(model)`` compiled with ``knc.NoiseCurveOptimizer(mixing=...,
   noise_multiplier=1, l2_norm_clip=1, expected_batch_size=B)``), C = I, a random banded C
   with 16 bands, a BLT strategy with 4 buffers;
-- ``jax_privacy``: jax_privacy's Keras API (``jax_privacy.keras.keras_api.make_private``,
-  DP-SGD) when that package is installed, else "not installed";
+- ``jax_privacy``: jax_privacy's Keras API (``jax_privacy.keras_api.make_private`` in
+  jax-privacy 2.0, ``jax_privacy.keras.keras_api`` before it; DP-SGD) when that package is
+  installed, else "not installed";
 - ``DP-SGD, vectorized clipping``: DP-SGD with ``make_private(model, clipping="vectorized")``
   (per-example gradients of the whole model by ``jax.vmap``) instead of the default
   per-layer ghost norms (``clipping="auto"``, :mod:`keras_noisecurve.backend.jax.ghost`).
@@ -189,6 +190,19 @@ def _loss():
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
+def _jax_privacy_keras_api():
+    """jax_privacy's Keras API module: ``jax_privacy.keras_api`` (jax-privacy 2.0), else
+    ``jax_privacy.keras.keras_api`` (older releases); ImportError when neither imports."""
+    try:
+        from jax_privacy import keras_api
+    except ImportError as new_layout:
+        try:
+            from jax_privacy.keras import keras_api
+        except ImportError:
+            raise new_layout from None
+    return keras_api
+
+
 def compiled(name, config, size, steps_planned):
     """A model of ``name`` compiled for ``config``, ready for ``train_on_batch``."""
     import keras
@@ -199,7 +213,7 @@ def compiled(name, config, size, steps_planned):
         model.compile(optimizer=keras.optimizers.SGD(LEARNING_RATE), loss=_loss())
         return model
     if config == "jax_privacy":
-        from jax_privacy.keras import keras_api  # optional; ImportError -> "not installed"
+        keras_api = _jax_privacy_keras_api()  # optional; ImportError -> "not installed"
 
         params = keras_api.DPKerasConfig(
             epsilon=8.0, delta=1e-5, clipping_norm=1.0, batch_size=batch, gradient_accumulation_steps=1,

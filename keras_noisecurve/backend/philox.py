@@ -193,12 +193,10 @@ def box_muller_words(xp, bits, angle_bits, n: int, compute, scale=None):
     """
     n = int(n)
     half = (n + 1) // 2
-    u = (xp.astype(bits, compute) + 0.5) * (2.0**-32)
-    radius = xp.sqrt(-2.0 * xp.log(u))
+    radius, cos, sin = _polar(xp, bits, angle_bits, compute)
     if scale is not None:
         radius = radius * xp.astype(xp.asarray(scale), compute)
-    theta = xp.astype(angle_bits, compute) * (2.0 * math.pi * 2.0**-32)
-    z = xp.concatenate([radius * xp.cos(theta), radius * xp.sin(theta)], axis=0)
+    z = xp.concatenate([radius * cos, radius * sin], axis=0)
     return z if 2 * half == n else z[:n]
 
 
@@ -210,7 +208,13 @@ def variable_normals(xp, seed, indices, sizes, compute, scales=None):
     Philox blocks of every variable (its key/counter, its angle seed, its radius and angle
     words) are computed as lanes of the same few vectorised blocks (7 blocks in all
     instead of ~8 per variable: what a compiler traces does not grow with the number of
-    variables).
+    variables), and the logarithms, square roots, cosines and sines once over all words.
+
+    The bulk block is elementwise over a grid of lanes: the radius words of every
+    variable, then their angle words, each padded to whole rows of ``width`` blocks (a
+    power of two, :func:`_row_width`); lane (r, j) has the counter ``(base_r + j, 0, c₂,
+    c₃)`` and the key of its row's variable, so the only tables are per row (small: ~64
+    rows per variable) and nothing of the size of the draw is a constant or a gather.
 
     Args:
       seed: the step seed's four uint32 words (``fold_in(key, t)``).
@@ -239,22 +243,56 @@ def variable_normals(xp, seed, indices, sizes, compute, scales=None):
     var_key, (var_c2, var_c3) = key_counter(xp, variables)
     start = _materialize(xp, philox_block(xp, (zero, zero, var_c2, var_c3), var_key))  # fold_in(s_k, 1) = (w_k, 1)
     angle_key, (angle_c2, angle_c3) = key_counter(xp, (start[0], start[1], _u32(xp, 1), zero))
-    # one lane per block of 4 words: the radius words of every variable, then the angle words
+    # 2·count streams (the radius words of every variable, then their angle words) laid
+    # out as rows of `width` blocks (each stream padded to whole rows): every lane is
+    # (row, column), its counter (row base + column, 0, c₂, c₃) and its key its row's
     halves = [(n + 1) // 2 for n in sizes]
-    blocks = [(h + 3) // 4 for h in halves]
-    owner = np.repeat(np.arange(count), blocks)
-    position = _u32(xp, np.concatenate([np.arange(b) for b in blocks]).astype(np.uint32))
-    pick = lambda a, b: xp.concatenate([xp.take(a, owner), xp.take(b, owner)])  # noqa: E731
-    out = philox_block(xp, (xp.concatenate([position, position]), zero, pick(var_c2, angle_c2),
-                            pick(var_c3, angle_c3)), (pick(var_key[0], angle_key[0]), pick(var_key[1], angle_key[1])))
+    blocks = np.array([(h + 3) // 4 for h in halves] * 2, dtype=np.int64)
+    width = _row_width(int(blocks.sum()), len(blocks))
+    rows = -(-blocks // width)
+    owner = np.repeat(np.arange(len(blocks)), rows)  # the stream of each row
+    first_row = np.concatenate([[0], np.cumsum(rows)[:-1]])
+    base = (np.arange(len(owner)) - first_row[owner]) * width
+    if int(blocks.max(initial=0)) >= 2**32:
+        raise ValueError(f"a variable's noise is limited to 2**32 Philox blocks (2**34 draws), got "
+                         f"{int(blocks.max())} blocks.")
+    position = xp.add(_u32(xp, base.astype(np.uint32).reshape(-1, 1)), xp.arange(width, dtype=xp.uint32))
+    row = lambda a, b: xp.reshape(xp.take(xp.concatenate([a, b]), owner), (-1, 1))  # noqa: E731
+    out = philox_block(xp, (position, zero, row(var_c2, angle_c2), row(var_c3, angle_c3)),
+                       (row(var_key[0], angle_key[0]), row(var_key[1], angle_key[1])))
     flat = xp.reshape(xp.stack(_materialize(xp, out), axis=-1), (-1,))
-    offsets = np.concatenate([[0], np.cumsum(blocks)]) * 4
-    total = int(offsets[-1])
+    firsts = first_row * width
+    offsets = firsts * 4  # word offsets of the streams in flat
     computes = list(compute) if isinstance(compute, (list, tuple)) else [compute] * count
+    polar = {}  # compute dtype -> (radius, cos θ, sin θ) of every word
     draws = []
     for k in range(count):
-        bits = flat[int(offsets[k]):int(offsets[k]) + halves[k]]
-        angle_bits = flat[total + int(offsets[k]):total + int(offsets[k]) + halves[k]]
-        scale = None if scales is None else scales[k]
-        draws.append(box_muller_words(xp, bits, angle_bits, sizes[k], computes[k], scale))
+        kind = np.dtype(computes[k]).name
+        if kind not in polar:
+            polar[kind] = _polar(xp, flat[:int(offsets[count])], flat[int(offsets[count]):], computes[k])
+        radius, cos, sin = polar[kind]
+        lo, half = int(offsets[k]), halves[k]
+        r = radius[lo:lo + half]
+        if scales is not None and scales[k] is not None:
+            r = r * xp.astype(xp.asarray(scales[k]), computes[k])
+        z = xp.concatenate([r * cos[lo:lo + half], r * sin[lo:lo + half]], axis=0)
+        draws.append(z if 2 * half == sizes[k] else z[:sizes[k]])
     return draws
+
+
+def _row_width(blocks: int, streams: int) -> int:
+    """The blocks per row of :func:`variable_normals`' lanes: a power of two, at most
+    1024, with about 64 rows per stream (the padding, under one row per stream, stays
+    under ~1/64 of the blocks; the per-row tables stay small)."""
+    width = 1
+    while width < 1024 and 2 * width * 64 * streams <= blocks:
+        width *= 2
+    return width
+
+
+def _polar(xp, bits, angle_bits, compute):
+    """Box–Muller's radius √(−2 ln u) and cos θ, sin θ of radius words b₀ and angle words
+    b₁ (:func:`box_muller_words`), in the float dtype ``compute``."""
+    u = (xp.astype(bits, compute) + 0.5) * (2.0**-32)
+    theta = xp.astype(angle_bits, compute) * (2.0 * math.pi * 2.0**-32)
+    return xp.sqrt(-2.0 * xp.log(u)), xp.cos(theta), xp.sin(theta)

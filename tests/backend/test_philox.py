@@ -126,3 +126,27 @@ def test_numpy_box_muller_scale_and_sizes():
     ten = _numpy_normal(words, 10)
     np.testing.assert_array_equal(ten[:5], full[:5])
     np.testing.assert_array_equal(ten[5:], full[6:11])
+
+
+@pytest.mark.parametrize("sizes", [[3, 40001, 0, 18000, 1], [1, 2, 0, 5, 1001]])
+def test_numpy_variable_normals_are_tensorflows_words_per_variable(sizes):
+    """All variables of a step at once (``variable_normals``, lanes in rows of 1 or 16
+    blocks with padded streams, an empty variable) use variable k's own TensorFlow words:
+    its seed ``stateless_fold_in(seed, k)``, its radius words that seed's
+    ``stateless_uniform`` uint32 stream, its angle words the stream of ``fold_in(·, 1)``."""
+    assert philox._row_width(sum(2 * (((n + 1) // 2 + 3) // 4) for n in sizes), 2 * len(sizes)) == (
+        16 if max(sizes) > 2000 else 1)
+    seed = np.array([-77, 2**40 + 3], np.int64)
+    indices = [0, 5, 2, 2**33 + 1, 7]
+    scales = [None, 2.5, None, None, 0.5]
+    draws = philox.variable_normals(np, _words(seed), indices, sizes, np.float32, scales)
+    for n, index, scale, got in zip(sizes, indices, scales, draws):
+        own = tf.random.experimental.stateless_fold_in(tf.constant(seed, tf.int64), tf.constant(index, tf.int64))
+        angle = tf.random.experimental.stateless_fold_in(own, tf.constant(1, tf.int64))
+        half = (n + 1) // 2
+        u = (_tf_bits(own.numpy(), half).astype(np.float64) + 0.5) * 2.0**-32
+        theta = _tf_bits(angle.numpy(), half).astype(np.float64) * 2.0 * np.pi * 2.0**-32
+        r = np.sqrt(-2.0 * np.log(u)) * (1.0 if scale is None else scale)
+        expected = np.concatenate([r * np.cos(theta), r * np.sin(theta)])[:n]
+        assert got.shape == (n,) and got.dtype == np.float32
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)

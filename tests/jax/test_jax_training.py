@@ -109,6 +109,31 @@ def test_optimizer_noise_equals_dense_inverse(kind):
     assert np.std(dense) > 0.3  # not vacuous
 
 
+def test_a_step_draws_the_noise_of_all_variables_in_one_pass():
+    """The optimizer's step draws every variable's z_t in one ``variable_normals`` pass:
+    the traced step holds as many Philox rounds (``optimization_barrier``s, one per round)
+    for 2 variables as for 8, and the 8-variable step's noise is each variable's own
+    ``standard_normal(key, t, k)`` (a zero clipped sum, η = B = ζ = σ = 1, C = I)."""
+    def barriers(count):
+        variables = [keras.Variable(np.zeros((k + 1, 3), np.float32)) for k in range(count)]
+        opt = NoiseCurveOptimizer(learning_rate=1.0, mixing="dpsgd", l2_norm_clip=1.0, noise_multiplier=1.0,
+                                  expected_batch_size=1, seed=4)
+        opt.build(variables)
+        zeros = [jnp.zeros(v.shape) for v in variables]
+        step = lambda values: opt.stateless_apply_clipped_sum(values, zeros, zeros)  # noqa: E731
+        values = [v.value for v in opt.variables]
+        text = str(jax.make_jaxpr(step)(values))
+        return text.count("optimization_barrier"), jax.jit(step)(values)[0]
+
+    few, _ = barriers(2)
+    many, moved = barriers(8)
+    assert few == many > 0
+    words = jax_noise.key_words(key_from_seed(4))
+    for k, w in enumerate(moved):
+        np.testing.assert_allclose(-np.asarray(w), np.asarray(jax_noise.standard_normal(words, 0, k, (k + 1, 3))),
+                                   rtol=1e-6, atol=1e-6)
+
+
 def test_multi_variable_model_noise_is_the_numpy_philox_draw_of_each_variable():
     """Issue 31's z_t across backends, for a model of several variables: the private
     model's update with a zero clipped sum (every sample weight 0) and η = B = ζ = σ = 1

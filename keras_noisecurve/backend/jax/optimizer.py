@@ -13,7 +13,7 @@ variable of its four uint32 words (``noise.key_words``), and the sampling key th
 
 The noise of step t for variable k is ``normal_from_seed(variable_seed(step_seed(words,
 t), k))`` of ``keras_noisecurve.backend.jax.noise``: the same z_t as TensorFlow's for the
-same key. The update, as on TensorFlow::
+same key, drawn for all variables of a step in one pass (``variable_normals``). The update, as on TensorFlow::
 
     ĝ = (S + ζσ·z̃_t) / B,   w ← w − η·ĝ   (or inner.update_step(ĝ, w, η_t))
 """
@@ -80,16 +80,30 @@ class OptimizerBackend:
         step = int(np.asarray(self.iterations.value))
         return step, words_int64(np.asarray(self._sampling_key.value))
 
+    def _backend_update_step(self, grads, trainable_variables, learning_rate):
+        """Keras's loop over the variables (``update_step`` for each), with the noise of all
+        of them drawn in one pass (``noise.variable_normals``): a traced step holds a fixed
+        number of Philox blocks whatever the number of variables."""
+        variables = list(trainable_variables)
+        for gradient, variable, term in zip(grads, variables, self._dp_noise_terms(variables)):
+            self._dp_apply_update(gradient, variable, learning_rate, term)
+
     def update_step(self, gradient, variable, learning_rate):
         """``ĝ = (gradient + ζσ·z̃_t)/B`` (gradient = the clipped sum), then
-        ``variable ← variable − η·ĝ`` or ``inner.update_step(ĝ, variable, η_t)``.
+        ``variable ← variable − η·ĝ`` or ``inner.update_step(ĝ, variable, η_t)``; one
+        variable (a step of the whole model goes through :meth:`_backend_update_step`)."""
+        self._dp_apply_update(gradient, variable, learning_rate, self._dp_noise_terms([variable])[0])
+
+    def _dp_noise_terms(self, variables):
+        """ζσ·z̃_t of each variable of this step, its noise state advanced (assigned).
 
         Without noise state z̃_t is z_t times a scalar (``StreamNoise.folded_scale``),
         folded into the draw; with state, ``StreamNoise.advance`` gives z̃_t and the
-        state's write, applied functionally (``apply_write``) and assigned. Past the plan
-        (t ≥ T) a concrete step raises here; under ``jit`` the private model refuses the
-        step on the host before it runs."""
-        index = self._dp_variable_index(variable)
+        state's write, applied functionally (``apply_write``) and assigned. The draws of
+        all ``variables`` are one ``noise.variable_normals`` call (variable k's z_t is
+        ``normal_from_seed(variable_seed(step_seed(key, t), k))``, as one at a time). Past
+        the plan (t ≥ T) a concrete step raises here; under ``jit`` the private model
+        refuses the step on the host before it runs."""
         noise = self._noise
         step = self.iterations.value
         if noise.steps is not None and _is_concrete(step) and int(np.asarray(step)) >= noise.steps:
@@ -98,20 +112,32 @@ class OptimizerBackend:
                 "plan is spent. Refusing to train past step T (the noise would not be covered by the "
                 "privacy accounting); solve a mixing matrix with more steps."
             )
-        dtype = variable.dtype
+        if not variables:
+            return []
         std = self.l2_norm_clip * self.noise_multiplier
         words = jax.lax.bitcast_convert_type(self._noise_key.value, jnp.uint32)
-        seed = jax_noise.variable_seed(jax_noise.step_seed(words, step), index)
-        coefficients = noise.step_coefficients(step, dtype)
-        state = self._rings[index]
-        if state is None:  # no state: z̃_t = z_t / C[t, t] (or f_0 z_t), scale folded in
-            scale = noise.folded_scale(std, coefficients)
-            noise_term = jax_noise.normal_from_seed(seed, tuple(variable.shape), dtype, scale=scale)
-        else:
-            z = jax_noise.normal_from_seed(seed, tuple(variable.shape), dtype)
-            z_tilde, write = noise.advance(z, step, state.value, coefficients)
+        seed = jax_noise.step_seed(words, step)
+        indices = [self._dp_variable_index(variable) for variable in variables]
+        dtypes = [variable.dtype for variable in variables]
+        coefficients = {dtype: noise.step_coefficients(step, dtype) for dtype in dict.fromkeys(dtypes)}
+        states = [self._rings[index] for index in indices]
+        scales = [noise.folded_scale(std, coefficients[dtype]) if state is None else None
+                  for dtype, state in zip(dtypes, states)]
+        draws = jax_noise.variable_normals(seed, [tuple(v.shape) for v in variables], dtypes, scales, indices)
+        terms = []
+        for z, dtype, state in zip(draws, dtypes, states):
+            if state is None:  # no state: z̃_t = z_t / C[t, t] (or f_0 z_t), scale folded in
+                terms.append(z)
+                continue
+            z_tilde, write = noise.advance(z, step, state.value, coefficients[dtype])
             self.assign(state, noise.apply_write(state.value, write))
-            noise_term = jnp.asarray(std, dtype) * z_tilde
+            terms.append(jnp.asarray(std, dtype) * z_tilde)
+        return terms
+
+    def _dp_apply_update(self, gradient, variable, learning_rate, noise_term):
+        """``ĝ = (gradient + noise_term)/B``, then ``variable ← variable − η·ĝ`` or
+        ``inner.update_step(ĝ, variable, η_t)``."""
+        dtype = variable.dtype
         total = jnp.asarray(gradient, dtype) + noise_term
         batch = jnp.asarray(self.expected_batch_size, dtype)
         inner = self.inner
