@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from keras_noisecurve.backend.jax import noise as jax_noise
+from keras_noisecurve.backend.jax import sharding as jax_sharding
 
 __all__ = ["OptimizerBackend", "int64_words", "words_int64"]
 
@@ -64,7 +65,25 @@ class OptimizerBackend:
         )
 
     def _dp_state_variable(self, var, shape, name):
-        return self.add_variable(shape=shape, dtype=var.dtype, name=name)
+        """The noise state ``(buffers, *var.shape)`` of ``var``, zeros, laid out as ``var``
+        (``keras.distribution.ModelParallel``): the buffer axis whole, the other axes split
+        as the variable's (``sharding.state_layout``), so a device holds the state of its
+        own slice of ``var`` only. The layout is given explicitly: a ``LayoutMap`` pattern
+        never applies to the state (one such as ``".*kernel.*"`` would match its path and
+        give it the variable's rank)."""
+        layout = jax_sharding.state_layout(jax_sharding.variable_layout(var), len(var.shape))
+        return self.add_variable(shape=shape, dtype=var.dtype, name=name, layout=layout)
+
+    @staticmethod
+    def _dp_draw(seed, variable, dtype, scale=None):
+        """z_t of ``variable`` (times ``scale``): ``noise.normal_from_seed``, or, for a
+        variable sharded over a device mesh, the same values drawn shard by shard
+        (``sharding.sharded_normal``: no device draws another device's slice)."""
+        layout = jax_sharding.variable_layout(variable)
+        if jax_sharding.is_sharded(layout):
+            return jax_sharding.sharded_normal(seed, tuple(variable.shape), dtype, jax_sharding.jax_sharding(layout),
+                                               scale=scale)
+        return jax_noise.normal_from_seed(seed, tuple(variable.shape), dtype, scale=scale)
 
     def _dp_check_inner_steps(self, inner):
         done, ours = int(np.asarray(inner.iterations.value)), int(np.asarray(self.iterations.value))
@@ -106,9 +125,9 @@ class OptimizerBackend:
         state = self._rings[index]
         if state is None:  # no state: z̃_t = z_t / C[t, t] (or f_0 z_t), scale folded in
             scale = noise.folded_scale(std, coefficients)
-            noise_term = jax_noise.normal_from_seed(seed, tuple(variable.shape), dtype, scale=scale)
+            noise_term = self._dp_draw(seed, variable, dtype, scale=scale)
         else:
-            z = jax_noise.normal_from_seed(seed, tuple(variable.shape), dtype)
+            z = self._dp_draw(seed, variable, dtype)
             z_tilde, write = noise.advance(z, step, state.value, coefficients)
             self.assign(state, noise.apply_write(state.value, write))
             noise_term = jnp.asarray(std, dtype) * z_tilde
