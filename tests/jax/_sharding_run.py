@@ -7,6 +7,8 @@ distribution) and once under ``ModelParallel`` on a 2 × 4 (data × model) mesh 
 ``LayoutMap`` splits the embedding table and both Dense kernels over ``model``; then the
 optimizer step alone, compiled on the mesh. ``python tests/jax/_sharding_run.py gemma``: a
 tiny KerasHub GemmaBackbone under its own ``GemmaBackbone.get_layout_map(mesh)``.
+``python tests/jax/_sharding_run.py resume``: a sharded run saved after 2 steps and resumed
+(``model.save`` / ``keras.models.load_model``) on the same mesh and on a 4 × 2 mesh.
 Prints one JSON line (the weights, the shardings of every noise state and the compiled
 step's collectives and array sizes) for the test to check.
 """
@@ -47,8 +49,9 @@ def _small_model():
         keras.layers.Dense(4, name="out")])
 
 
-def _small_distribution():
-    layout_map = keras.distribution.LayoutMap(_mesh())
+def _small_distribution(shape=(2, 4)):
+    mesh = keras.distribution.DeviceMesh(shape, ("data", "model"), devices=jax.devices())
+    layout_map = keras.distribution.LayoutMap(mesh)
     layout_map[".*embedding/embeddings"] = (None, "model")
     layout_map[".*hidden/kernel"] = ("model", None)
     layout_map[".*out/kernel"] = (None, "model")
@@ -124,7 +127,51 @@ def _compiled_step(optimizer, model):
     return {"collectives": collectives, "largest": max(sizes) if sizes else 0}
 
 
+def _resume():
+    """Three steps uninterrupted against two steps, ``model.save``, ``load_model`` and one
+    more step: on the same 2 × 4 mesh, and on a 4 × 2 mesh (the model axis split 2 ways)."""
+    import tempfile
+
+    rng = np.random.default_rng(1)
+    x = rng.integers(0, 32, size=(8, 6)).astype("int32")
+    y = rng.normal(size=(8, 4)).astype("float32")
+
+    def make():
+        private = knc.make_private(_small_model())
+        private.compile(optimizer=knc.NoiseCurveOptimizer(learning_rate=0.1, mixing=_mixing("banded"),
+                                                          noise_multiplier=1.0, l2_norm_clip=0.5,
+                                                          expected_batch_size=8, seed=3), loss="mse")
+        return private
+
+    keras.distribution.set_distribution(_small_distribution())
+    whole = make()
+    for _ in range(3):
+        whole.train_on_batch(x, y)
+    first = make()
+    for _ in range(2):
+        first.train_on_batch(x, y)
+    path = os.path.join(tempfile.mkdtemp(), "run.keras")
+    first.save(path)
+    out = {"whole": [np.asarray(w, np.float64).tolist() for w in whole.get_weights()]}
+    for shape in ((2, 4), (4, 2)):
+        keras.distribution.set_distribution(_small_distribution(shape))
+        resumed = keras.models.load_model(path)
+        resumed.train_on_batch(x, y)
+        optimizer = resumed.optimizer
+        out[f"{shape[0]}x{shape[1]}"] = {
+            "weights": [np.asarray(w, np.float64).tolist() for w in resumed.get_weights()],
+            "step": int(np.asarray(optimizer.iterations.value)),
+            "states": [{"variable": v.path, "shape": list(v.shape),
+                        "variable_shards": sorted({tuple(s.data.shape) for s in v.value.addressable_shards}),
+                        "shards": sorted({tuple(s.data.shape) for s in r.value.addressable_shards})}
+                       for v, r in zip(optimizer._trainable_variables, optimizer._rings) if r is not None]}
+    keras.distribution.set_distribution(None)
+    print(json.dumps(out))
+
+
 def main(which):
+    if which == "resume":
+        return _resume()
     out = {}
     rng = np.random.default_rng(1)
     if which == "small":

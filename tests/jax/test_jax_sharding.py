@@ -112,3 +112,20 @@ def test_a_tiny_keras_hub_gemma_under_its_own_layout_map_keeps_an_eighth_of_each
     # over both mesh axes (data and model): 1/8 of each on a device; the norms' scales are whole
     assert _check_states(result["states"], 1 / 8) == 8  # embedding, query, key, value, output, 3 FFW kernels
     assert result["step"]["collectives"] == [], result["step"]
+
+
+@pytest.mark.slow
+def test_a_sharded_run_resumed_from_model_save_equals_the_uninterrupted_run_on_the_same_and_another_mesh():
+    result = _run([os.path.join("tests", "jax", "_sharding_run.py"), "resume"])
+    for mesh, model_shards in (("2x4", 4), ("4x2", 2)):
+        resumed = result[mesh]
+        assert resumed["step"] == 3
+        _check_weights(result["whole"], resumed["weights"])
+        for s in resumed["states"]:  # restored into the layout of the mesh it resumes on
+            (variable_shard,) = s["variable_shards"]
+            (state_shard,) = s["shards"]
+            assert tuple(state_shard[1:]) == tuple(variable_shard), s
+        split = [s for s in resumed["states"] if "bias" not in s["variable"]]
+        assert len(split) == 3  # embedding and both kernels: 1/4 of each on 2 x 4, 1/2 on 4 x 2
+        for s in split:
+            assert np.prod(s["shards"][0][1:]) * model_shards == np.prod(s["shape"]), s
