@@ -295,6 +295,12 @@ def trainable_variables(optimizer) -> list:
     return optimizer._trainable_variables
 
 
+def variable_layout(variable):
+    """The layout a variable carries under ``keras.distribution`` (a ``TensorLayout`` or a
+    backend sharding), ``None`` until it is initialised or without a distribution."""
+    return getattr(variable, "_layout", None)
+
+
 # ------------------------------------------------------------------- tf.distribute / XLA
 def replica_value_specs(spec):
     """The per-replica specs of a ``PerReplicaSpec`` (None for any other spec)."""

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from keras_noisecurve.backend.jax import noise as jax_noise
+from keras_noisecurve.backend.jax import sharding as jax_sharding
 
 __all__ = ["OptimizerBackend", "int64_words", "words_int64"]
 
@@ -64,7 +65,25 @@ class OptimizerBackend:
         )
 
     def _dp_state_variable(self, var, shape, name):
-        return self.add_variable(shape=shape, dtype=var.dtype, name=name)
+        """The noise state ``(buffers, *var.shape)`` of ``var``, zeros, laid out as ``var``
+        (``keras.distribution.ModelParallel``): the buffer axis whole, the other axes split
+        as the variable's (``sharding.state_layout``), so a device holds the state of its
+        own slice of ``var`` only. The layout is given explicitly: a ``LayoutMap`` pattern
+        never applies to the state (one such as ``".*kernel.*"`` would match its path and
+        give it the variable's rank)."""
+        layout = jax_sharding.state_layout(jax_sharding.variable_layout(var), len(var.shape))
+        return self.add_variable(shape=shape, dtype=var.dtype, name=name, layout=layout)
+
+    @staticmethod
+    def _dp_draw(seed, variable, dtype, scale=None):
+        """z_t of ``variable`` (times ``scale``): ``noise.normal_from_seed``, or, for a
+        variable sharded over a device mesh, the same values drawn shard by shard
+        (``sharding.sharded_normal``: no device draws another device's slice)."""
+        layout = jax_sharding.variable_layout(variable)
+        if jax_sharding.is_sharded(layout):
+            return jax_sharding.sharded_normal(seed, tuple(variable.shape), dtype, jax_sharding.jax_sharding(layout),
+                                               scale=scale)
+        return jax_noise.normal_from_seed(seed, tuple(variable.shape), dtype, scale=scale)
 
     def _dp_check_inner_steps(self, inner):
         done, ours = int(np.asarray(inner.iterations.value)), int(np.asarray(self.iterations.value))
@@ -123,7 +142,21 @@ class OptimizerBackend:
         states = [self._rings[index] for index in indices]
         scales = [noise.folded_scale(std, coefficients[dtype]) if state is None else None
                   for dtype, state in zip(dtypes, states)]
-        draws = jax_noise.variable_normals(seed, [tuple(v.shape) for v in variables], dtypes, scales, indices)
+        # the unsharded variables in one pass; a variable sharded over a mesh shard by shard
+        # (the same values: variable k's z_t depends on (key, t, k) only)
+        sharded = [jax_sharding.is_sharded(jax_sharding.variable_layout(v)) for v in variables]
+        plain = [k for k, split in enumerate(sharded) if not split]
+        draws = [None] * len(variables)
+        if plain:
+            joint = jax_noise.variable_normals(seed, [tuple(variables[k].shape) for k in plain],
+                                               [dtypes[k] for k in plain], [scales[k] for k in plain],
+                                               [indices[k] for k in plain])
+            for k, z in zip(plain, joint):
+                draws[k] = z
+        for k, split in enumerate(sharded):
+            if split:
+                draws[k] = self._dp_draw(jax_noise.variable_seed(seed, indices[k]), variables[k], dtypes[k],
+                                         scale=scales[k])
         terms = []
         for z, dtype, state in zip(draws, dtypes, states):
             if state is None:  # no state: z̃_t = z_t / C[t, t] (or f_0 z_t), scale folded in
