@@ -7,7 +7,7 @@ noise off; the clipped sum that step applied (−B·Δw) is compared with an ind
 per-example ``tf.GradientTape`` loop, with ζ below every example's norm so that every
 per-example norm enters the sum through its clip factor ζ/‖g_i‖ (one trace per model: the
 CI budget). ``benchmarks/catalogue_table.py`` compares the norms directly too. Every other exported backbone is
-in ``NOT_BUILT`` with its reason, and a new keras-hub class in neither fails
+in ``NOT_BUILT`` with its reason (the same builders run on JAX: tests/jax/test_jax_catalogue.py), and a new keras-hub class in neither fails
 :func:`test_every_exported_backbone_is_built_or_listed`: none is skipped silently.
 
 Tolerance: 1e-10 relative, except where the model itself computes in float32 whatever its
