@@ -350,7 +350,7 @@ BUILDERS = {
     # against (P, heads, N, N): it fails for 1 < P ≠ N, and at P = N query q of every example is masked with
     # example q's prompt mask (0.77 apart from one example at a time with padded boxes). No box prompt: a
     # box's first column is its example's position in the batch (its ROI pooling, roi_align.py, gathers that
-    # example's features), which the per-example re-run of the whole backbone (see test_catalogue.HEAVY)
+    # example's features), which the per-example re-run of the whole backbone (see HEAVY)
     # slices as it is and then indexes out of range. 8 queries = the mask decoder's width: its
     # compute_output_shape declares pred_masks' last axis hidden_dim, the queries when run.
     "SAM3PromptableConceptBackbone": lambda dtype: _hub("SAM3PromptableConceptBackbone")(
@@ -390,6 +390,25 @@ NOT_BUILT = {
                                  "batch axis; stable_diffusion_3_backbone.py), so an example's output depends on "
                                  "example 0 unless every example shares those two inputs; and its parts (an MMDiT, "
                                  "a VAE, CLIP-L/CLIP-G (+ T5) text encoders) have no tiny offline config here yet"),
+}
+
+
+#: built and compared like the others, but as a benchmark (``pytest -m benchmark
+#: tests/training/test_catalogue.py``, and tests/jax/test_jax_catalogue.py), not in the default run:
+#: the CI budget of the catalogue (106 s together in one process on TensorFlow, peak RSS 2.5 GB, on
+#: top of CI's two workers); times on TensorFlow
+HEAVY = {
+    "DepthAnythingBackbone": ("a DINOv2 encoder + a DPT neck and head of 33 convolutions even at the tiniest "
+                              "config: 17 s on 2 quiet cores (~160 s before fit traced its step once)"),
+    "DFineBackbone": ("an HGNetV2 (BatchNorm frozen) + a hybrid encoder + a deformable-attention decoder with "
+                      "query selection, one layer each: 38 s on 2 quiet cores"),
+    "BLIP2Backbone": ("three sub-models (a ViT, a Q-Former with cross-attention, an OPT decoder), one layer each: "
+                      "10 s on 2 quiet cores"),
+    "SAM3PromptableConceptBackbone": (
+        "six sub-models (217 weights) clipped as one caller: its DETR decoder reads its query, reference-point "
+        "and presence embeddings as weights in its own call, and the backbone calls that decoder's box head "
+        "outside it, so the innermost per-example caller of those reads is the whole backbone, re-run per "
+        "example by the fallback: 34 s on 2 quiet cores"),
 }
 
 
@@ -529,16 +548,14 @@ class Comparison(NamedTuple):
     norm_error: float  # max_i |norm_i − ref_i| / max_i ref_i
     sum_error: float  # ‖clipped sum − reference‖₂ / ‖reference‖₂ over all variables
     batch_floor: float  # max |f(batch)_i − f(x_i)| / max |f(x_i)|: the model's own batch-vs-single round-off
+    engine: str = "ghost"  # JAX: "vectorized" where clipping="auto" handed the model to whole-model vmap
 
 
 def compare_with_loop(case, *, seed=4) -> Comparison:
     """The default engine (``clipping="auto"``, traced as ``fit`` traces it) against
     :func:`loop_gradients`, with ζ the median of the nonzero per-example norms and one
-    padded example (w = 0)."""
-    import tensorflow as tf
-
+    padded example (w = 0). Either backend: the engine of the backend Keras runs on."""
     from keras_noisecurve._losses import per_example_loss_fn
-    from keras_noisecurve.training.clipping import get_engine
 
     model, loss_fn = case.model, per_example_loss_fn(case.loss)
     rng = np.random.default_rng(seed)
@@ -550,20 +567,55 @@ def compare_with_loop(case, *, seed=4) -> Comparison:
     clip = float(np.median(norms_ref[norms_ref > 0]))
     factors = np.where(norms_ref > 0, np.minimum(1.0, clip / np.maximum(norms_ref, 1e-300)), 0.0)
     sum_ref = [sum(f * grads[k] for f, grads in zip(factors, per_example)) for k in range(len(per_example[0]))]
-    engine = get_engine("auto", model)
-    step = tf.function(lambda x, y, w: engine(model, loss_fn, x, y, w, l2_norm_clip=clip, training=False))
-    got = step(case.x, y, w)
-    norm_error = float(np.max(np.abs(got.norms.numpy() - norms_ref)) / np.max(norms_ref))
-    diff = np.sqrt(sum(np.sum((np.asarray(g, np.float64) - r) ** 2) for g, r in zip(got.grads, sum_ref)))
+    grads, norms, y_pred, engine = _engine_step(model, loss_fn, case.x, y, w, clip)
+    norm_error = float(np.max(np.abs(norms - norms_ref)) / np.max(norms_ref))
+    diff = np.sqrt(sum(np.sum((np.asarray(g, np.float64) - r) ** 2) for g, r in zip(grads, sum_ref)))
     ref = np.sqrt(sum(np.sum(r**2) for r in sum_ref))
-    floor = float(np.max(np.abs(np.asarray(got.y_pred, np.float64) - outputs)) / np.max(np.abs(outputs)))
-    return Comparison(norm_error, float(diff / ref), floor)
+    floor = float(np.max(np.abs(np.asarray(y_pred, np.float64) - outputs)) / np.max(np.abs(outputs)))
+    return Comparison(norm_error, float(diff / ref), floor, engine)
+
+
+def _engine_step(model, loss_fn, x, y, w, clip):
+    """The ``clipping="auto"`` engine of the running backend at ``training=False``: ``(clipped
+    sums as float64 arrays, norms (P,), predictions, "ghost" or "vectorized")``; "vectorized":
+    JAX's ``"auto"`` handed the model to its whole-model ``vmap`` engine."""
+    if keras.backend.backend() == "jax":
+        import jax
+        import jax.numpy as jnp
+
+        from keras_noisecurve.backend.jax.dp_model import clipped_sum
+        from keras_noisecurve.backend.jax.ghost import ghost_clipped_sum
+
+        handed = []
+
+        def vectorized(*args, **kwargs):
+            handed.append(True)
+            return clipped_sum(*args, **kwargs)
+
+        trainable = [v.value for v in model.trainable_variables]
+        non_trainable = [v.value for v in model.non_trainable_variables]
+        step = jax.jit(lambda tv, ntv, x, y, w: ghost_clipped_sum(
+            model, loss_fn, tv, ntv, x, y, w, l2_norm_clip=clip, training=False, clipping="auto",
+            vectorized=vectorized)[:4])
+        sums, norms, _, y_pred = step(trainable, non_trainable, x, y, jnp.asarray(w, jnp.float32))
+        return ([np.asarray(s, np.float64) for s in sums], np.asarray(norms, np.float64), np.asarray(y_pred),
+                "vectorized" if handed else "ghost")
+    import tensorflow as tf
+
+    from keras_noisecurve.training.clipping import get_engine
+
+    engine = get_engine("auto", model)
+    got = tf.function(lambda x, y, w: engine(model, loss_fn, x, y, w, l2_norm_clip=clip, training=False))(x, y, w)
+    return [np.asarray(g, np.float64) for g in got.grads], got.norms.numpy(), got.y_pred, "ghost"
 
 
 def loop_gradients(model, loss_fn, x, y, w):
-    """Per-example gradients ``w_i·∇loss_i`` one example at a time with ``tf.GradientTape``
-    (independent of the clipping engines): ``(a list over examples of lists of float64
-    arrays, the model's outputs (P, ...) computed one example at a time)``."""
+    """Per-example gradients ``w_i·∇loss_i`` one example at a time (independent of the
+    clipping engines): ``tf.GradientTape`` on TensorFlow, ``jax.grad`` of the model's
+    ``stateless_call`` on a batch of one on JAX. Returns ``(a list over examples of lists of
+    float64 arrays, the model's outputs (P, ...) computed one example at a time)``."""
+    if keras.backend.backend() == "jax":
+        return _jax_loop_gradients(model, loss_fn, x, y, w)
     import tensorflow as tf
 
     out, outputs = [], []
@@ -575,6 +627,28 @@ def loop_gradients(model, loss_fn, x, y, w):
         grads = tape.gradient(loss, model.trainable_variables)  # None: a weight the model does not use
         out.append([np.zeros(v.shape) if g is None else tf.convert_to_tensor(g).numpy().astype(np.float64)
                     for v, g in zip(model.trainable_variables, grads)])
+        outputs.append(np.asarray(pred, np.float64)[0])
+    return out, np.stack(outputs)
+
+
+def _jax_loop_gradients(model, loss_fn, x, y, w):
+    """:func:`loop_gradients` on JAX: one ``jax.grad`` of ``stateless_call`` per example (a batch
+    of one, no ``vmap``), ``w_i`` applied in float64 afterwards."""
+    import jax
+
+    trainable = [v.value for v in model.trainable_variables]
+    non_trainable = [v.value for v in model.non_trainable_variables]
+
+    def loss_one(tv, xi, yi):
+        pred, _ = model.stateless_call(tv, non_trainable, xi, training=False)
+        return loss_fn(yi, pred)[0], pred
+
+    grad_one = jax.jit(jax.grad(loss_one, has_aux=True))
+    out, outputs = [], []
+    for i in range(len(w)):
+        xi = keras.tree.map_structure(lambda t: t[i : i + 1], x)
+        grads, pred = grad_one(trainable, xi, y[i : i + 1])
+        out.append([float(w[i]) * np.asarray(g, np.float64) for g in grads])
         outputs.append(np.asarray(pred, np.float64)[0])
     return out, np.stack(outputs)
 
@@ -617,10 +691,11 @@ def fit_and_compare(case, *, seed=3) -> float:
     optimizer = knc.NoiseCurveOptimizer(run=run, learning_rate=1.0, l2_norm_clip=clip)
     optimizer.noise_multiplier = 0.0  # σ = 0: no privacy, an exact comparison (set before the first step)
     private.compile(optimizer=optimizer, loss=case.loss)
-    before = [v.numpy().astype(np.float64) for v in model.trainable_variables]
+    before = [keras.ops.convert_to_numpy(v).astype(np.float64) for v in model.trainable_variables]
     history = private.fit(run.dataset(case.x, case.y), verbose=0)
     if not np.isfinite(history.history["loss"]).all():
         raise AssertionError(f"non-finite loss: {history.history['loss']}")
-    got = [-P * (v.numpy().astype(np.float64) - b) for v, b in zip(model.trainable_variables, before)]
+    after = [keras.ops.convert_to_numpy(v).astype(np.float64) for v in model.trainable_variables]
+    got = [-P * (a - b) for a, b in zip(after, before)]
     diff = np.sqrt(sum(np.sum((g - r) ** 2) for g, r in zip(got, sum_ref)))
     return float(diff / np.sqrt(sum(np.sum(r**2) for r in sum_ref)))

@@ -7,7 +7,7 @@ noise off; the clipped sum that step applied (−B·Δw) is compared with an ind
 per-example ``tf.GradientTape`` loop, with ζ below every example's norm so that every
 per-example norm enters the sum through its clip factor ζ/‖g_i‖ (one trace per model: the
 CI budget). ``benchmarks/catalogue_table.py`` compares the norms directly too. Every other exported backbone is
-in ``NOT_BUILT`` with its reason, and a new keras-hub class in neither fails
+in ``NOT_BUILT`` with its reason (the same builders run on JAX: tests/jax/test_jax_catalogue.py), and a new keras-hub class in neither fails
 :func:`test_every_exported_backbone_is_built_or_listed`: none is skipped silently.
 
 Tolerance: 1e-10 relative, except where the model itself computes in float32 whatever its
@@ -24,6 +24,7 @@ import keras
 
 import keras_noisecurve as knc
 from tests.training import catalogue
+from tests.training.catalogue import HEAVY
 
 keras_hub = pytest.importorskip("keras_hub")
 
@@ -104,24 +105,6 @@ XFAIL = {
         "and not in the loop (training=False): 0.28 relative apart; at training=False the engine matches "
         "the loop to 8e-16 (benchmarks/catalogue_table.py)"
     ),
-}
-
-
-#: built and compared like the others, but as a benchmark (``pytest -m benchmark
-#: tests/training/test_catalogue.py``), not in the default run: the CI budget of the catalogue
-#: (106 s together in one process, peak RSS 2.5 GB, on top of CI's two workers)
-HEAVY = {
-    "DepthAnythingBackbone": ("a DINOv2 encoder + a DPT neck and head of 33 convolutions even at the tiniest "
-                              "config: 17 s on 2 quiet cores (~160 s before fit traced its step once)"),
-    "DFineBackbone": ("an HGNetV2 (BatchNorm frozen) + a hybrid encoder + a deformable-attention decoder with "
-                      "query selection, one layer each: 38 s on 2 quiet cores"),
-    "BLIP2Backbone": ("three sub-models (a ViT, a Q-Former with cross-attention, an OPT decoder), one layer each: "
-                      "10 s on 2 quiet cores"),
-    "SAM3PromptableConceptBackbone": (
-        "six sub-models (217 weights) clipped as one caller: its DETR decoder reads its query, reference-point "
-        "and presence embeddings as weights in its own call, and the backbone calls that decoder's box head "
-        "outside it, so the innermost per-example caller of those reads is the whole backbone, re-run per "
-        "example by the fallback: 34 s on 2 quiet cores"),
 }
 
 
