@@ -2,7 +2,7 @@
 
 The library reads a few attributes and calls a few methods that Keras, TensorFlow and
 dp-accounting do not document, where no public API gives the same thing; and it
-overrides three private Keras methods (:data:`PRIVATE_OVERRIDES`). Each access is one
+overrides four private Keras methods (:data:`PRIVATE_OVERRIDES`). Each access is one
 function here, named for what it returns, and each is pinned by ``tests/test_compat.py``
 against the installed versions (so an upgrade that renames or changes one fails there,
 with the name, instead of deep inside a training step). No other module of
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 __all__ = [
     "PRIVATE_OVERRIDES",
+    "check_private_override",
     "added_losses",
     "causal_padding",
     "compile_metrics",
@@ -57,16 +58,49 @@ __all__ = [
 #: checks that Keras still defines each with these parameters and that our class still
 #: overrides it.
 PRIVATE_OVERRIDES = (
+    # (our class, the Keras class, the method, its parameters, the backend it is overridden on
+    # (None: every backend))
     # weight decay is delegated to the inner optimizer (Keras applies it before update_step)
     ("keras_noisecurve.training.optimizer.NoiseCurveOptimizer", "keras.optimizers.Optimizer",
-     "_apply_weight_decay", ("self", "variables")),
+     "_apply_weight_decay", ("self", "variables"), None),
     # once per step in cross-replica context, around the per-variable update_step calls
     ("keras_noisecurve.training.optimizer.NoiseCurveOptimizer", "keras.optimizers.Optimizer",
-     "_distributed_tf_update_step", ("self", "distribution", "grads_and_vars", "learning_rate")),
+     "_distributed_tf_update_step", ("self", "distribution", "grads_and_vars", "learning_rate"), None),
     # the model is built from one batch under a tf.distribute strategy (a run's step index left out)
     ("keras_noisecurve.training.dp_model.PrivateModel", "keras.Model",
-     "_symbolic_build", ("self", "iterator", "data_batch")),
+     "_symbolic_build", ("self", "iterator", "data_batch"), None),
+    # JAX: the loop over the variables' update_step, with the noise of all of them drawn in one pass
+    # (keras_noisecurve.backend.jax.optimizer)
+    ("keras_noisecurve.training.optimizer.NoiseCurveOptimizer", "keras.optimizers.Optimizer",
+     "_backend_update_step", ("self", "grads", "trainable_variables", "learning_rate"), "jax"),
 )
+
+
+def check_private_override(ours, base, method, parameters):
+    """Why ``ours.method`` no longer overrides Keras's ``base.method`` with ``parameters`` as
+    :data:`PRIVATE_OVERRIDES` records it (a Keras upgrade renamed or changed it), else ``None``.
+    ``ours`` and ``base`` are dotted class paths."""
+    import importlib
+    import inspect
+
+    import keras
+
+    module_name, _, base_name = base.rpartition(".")
+    keras_class = getattr(importlib.import_module(module_name), base_name)
+    keras_method = getattr(keras_class, method, None)
+    if keras_method is None:
+        return f"keras {keras.__version__} has no {base}.{method}: our override is dead"
+    if tuple(inspect.signature(keras_method).parameters) != parameters:
+        return f"keras {keras.__version__} changed {base}.{method}{inspect.signature(keras_method)}"
+    module_name, _, class_name = ours.rpartition(".")
+    our_class = getattr(importlib.import_module(module_name), class_name)
+    if not issubclass(our_class, keras_class):
+        return f"{ours} is not a {base}"
+    if getattr(our_class, method) is keras_method:
+        return f"{ours} no longer overrides {method}"
+    if tuple(inspect.signature(getattr(our_class, method)).parameters) != parameters:
+        return f"{ours}.{method} takes {inspect.signature(getattr(our_class, method))}, Keras {parameters}"
+    return None
 
 
 # ------------------------------------------------------------------ Keras layers/models
