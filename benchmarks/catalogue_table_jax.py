@@ -38,6 +38,27 @@ from tests.training import catalogue  # noqa: E402
 TOL = 1e-4  # float32, as tests/jax/test_jax_catalogue.py
 
 
+_SHORT = {
+    "XLNetBackbone": "keras-hub's attention mask mixes the examples of a batch",
+    "MiTBackbone": "hard-coded Dropout(0.1), on in the fit step only",
+    "SegFormerBackbone": "its MiT encoder's hard-coded Dropout(0.1), on in the fit step only",
+}
+
+
+def verdict(name, norm_error, sum_error, fit_error):
+    """The result column: ``trains`` within the tolerances of tests/jax/test_jax_catalogue.py
+    (1e-4, or its FIT_RTOL_WIDER for a fit step with float32 round-off), ``fails as on
+    TensorFlow`` for its XFAIL backbones, ``differs from the loop`` otherwise."""
+    from tests.jax.test_jax_catalogue import FIT_RTOL_WIDER, XFAIL
+
+    fit_tol, why = FIT_RTOL_WIDER.get(name, (TOL, None))
+    if max(norm_error, sum_error) < TOL and fit_error < fit_tol:
+        return "trains" if why is None else f"trains (fit held to {fit_tol:.0e}: float32 round-off, below)"
+    if name in XFAIL:  # the reasons in full: tests/jax/test_jax_catalogue.py
+        return f"fails as on TensorFlow ({_SHORT.get(name, 'see XFAIL')})"
+    return f"differs from the loop (> {TOL:.0e})"
+
+
 def row(name):
     from keras_noisecurve.backend.jax import ghost
 
@@ -59,8 +80,7 @@ def row(name):
         ghost._fallback = original
         keras.backend.clear_session()
     seconds = time.perf_counter() - start
-    ok = max(got.norm_error, got.sum_error, fit_error) < TOL
-    result = "trains" if ok else f"differs from the loop (> {TOL:.0e})"
+    result = verdict(name, got.norm_error, got.sum_error, fit_error)
     return (f"| {name} | {result} | {got.engine} | {n_fallback} | {got.norm_error:.0e} | {got.sum_error:.0e} | "
             f"{fit_error:.0e} | {seconds:.0f} |")
 

@@ -83,8 +83,10 @@ class RunData:
           sharded by ``input_context``), ``mask`` float32 (P',) (1 = real example, times
           ``sample_weight``), ``step`` int64 (P',) (every entry the step index t). It ends
           at step T. On JAX, a ``keras.utils.PyDataset`` of the same ``(x, y, mask,
-          step)`` (numpy; ``step`` int32, P' = P), starting at the optimizer's step when
-          it is made (one per ``fit``; make a new one after restoring a model).
+          step)`` (numpy; ``step`` int32; P' = P rounded up to a multiple of the devices
+          the batch is split over and of the JAX processes, divided by the processes:
+          each process serves its block of the step's rows), starting at the optimizer's
+          step when it is made (one per ``fit``; make a new one after restoring a model).
 
         Raises ``ValueError`` for an optimizer not made from a run, or made from another plan.
         """
@@ -98,11 +100,16 @@ class RunData:
             check_optimizer(run, optimizer)
             position = optimizer.sampling_position
         if _backend.name() == "jax":
-            from keras_noisecurve.privacy.step_batches import StepBatches
-
             if input_context is not None:
                 raise ValueError("input_context is a tf.distribute argument; the JAX backend has none.")
-            return _backend.module("pipeline").run_batches(StepBatches(run, self._source, position()))
+            from keras_noisecurve.privacy.step_batches import StepBatches
+
+            pipeline = _backend.module("pipeline")
+            built = optimizer is not None and optimizer.built and optimizer.sampling_key is not None
+            start = pipeline.agreed_position((*position(), built))  # the same in every JAX process
+            parts, part, multiple = pipeline.input_parts()
+            return pipeline.run_batches(StepBatches(run, self._source, start, parts=parts, part=part,
+                                                    multiple=multiple))
         from keras_noisecurve.privacy.pipeline import plan_dataset
 
         return plan_dataset(run, self._source, position=position, input_context=input_context)

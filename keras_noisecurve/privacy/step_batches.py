@@ -7,11 +7,14 @@ Step t's batch is ``(x, y, mask, step)``: the examples of the run's random-acces
 :class:`~keras_noisecurve.privacy.sampler.BatchSampler` for the optimizer's sampling
 key, gathered from the run's example source in numpy, with leading dimension P (the padded batch size);
 ``mask`` float32 (P,) (1 = real example, times ``sample_weight``), ``step`` int32 (P,)
-(every entry t).
+(every entry t). Split between several input processes (``parts``), each serves its
+consecutive block of the step's rows, the batch first padded (mask 0) to a multiple of
+the processes and of the devices the batch is split over.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import warnings
 
@@ -64,18 +67,34 @@ class StepBatches:
         (:func:`keras_noisecurve.privacy.sources.as_source`), gathered with its numpy ``gather``.
       position: ``(step, key)``, where the batches start (the optimizer's step and its
         sampling key, int64 (2,)).
+      parts: the number of input processes that feed each step together (1: this one
+        feeds the whole batch); ``part``: which of them this is, in ``[0, parts)``.
+      multiple: the global batch is padded to a multiple of ``multiple`` rows too (the
+        devices the batch axis is split over; 1: none).
 
     ``len(batches)`` is ``T − start``; each item is ``(x, y, mask, step)`` numpy arrays
-    (``y`` left out of the tuple when the source has no labels: ``(x, None, ...)``).
+    (``y`` left out of the tuple when the source has no labels: ``(x, None, ...)``) of
+    ``rows`` examples: the padded global batch P' = P rounded up to a multiple of
+    lcm(``parts``, ``multiple``), divided by ``parts``; part k serves rows
+    ``[k·rows, (k+1)·rows)`` of it (the padding rows, mask 0, are the last).
     """
 
-    def __init__(self, run, source, position):
+    def __init__(self, run, source, position, *, parts=1, part=0, multiple=1):
         step, key = position
+        for name, value in (("parts", parts), ("multiple", multiple)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}.")
+        if isinstance(part, bool) or not isinstance(part, (int, np.integer)) or not 0 <= part < parts:
+            raise ValueError(f"part must be an int in [0, {parts}) (parts={parts}), got {part!r}.")
         self.run = run
         self.source = source
         self.start = int(step)
         self.key = np.asarray(key, dtype=np.int64)
         self._samplers = Samplers(run, source.sample_weight)
+        unit = math.lcm(int(parts), int(multiple))
+        self.padded_size = -(-run.padded_batch_size // unit) * unit
+        self.rows = self.padded_size // int(parts)
+        self._first = int(part) * self.rows
 
     def __len__(self) -> int:
         return max(0, self.run.steps - self.start)
@@ -86,5 +105,11 @@ class StepBatches:
             raise IndexError(f"batch {i} is outside the {len(self)} remaining steps of the plan.")
         t = self.start + i
         indices, mask = self._samplers.batch(t, self.key)
+        extra = self.padded_size - indices.size
+        if extra:  # padding rows: example 0 under mask 0
+            indices = np.concatenate([indices, np.zeros(extra, np.int64)])
+            mask = np.concatenate([mask, np.zeros(extra, np.float32)])
+        rows = slice(self._first, self._first + self.rows)
+        indices, mask = indices[rows], mask[rows]
         xb, yb = self.source.gather(indices)
         return xb, yb, mask, np.full(mask.shape, t, dtype=np.int32)

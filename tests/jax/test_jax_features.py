@@ -214,3 +214,25 @@ def test_padding_rows_count_in_no_metric():
     assert len(accuracies) == 2
     for value in accuracies:
         assert value == pytest.approx(want, abs=1e-6)
+
+
+def test_a_run_batch_of_another_step_is_refused_and_applies_noise_only(monkeypatch):
+    """The rows of step t + 1 fed at the optimizer's step t (what one JAX process feeding
+    another step's rows looks like inside the step): every step is refused, the weights move
+    by the noise only, and fit raises naming both steps."""
+    from keras_noisecurve.privacy import step_batches
+
+    shifted = step_batches.StepBatches.__getitem__
+    monkeypatch.setattr(step_batches.StepBatches, "__getitem__", lambda self, i: (*shifted(self, i)[:3],
+                                                                                   shifted(self, i)[3] + 1))
+    model = mlp()
+    x, y = _data(24)
+    run = PrivateRun(num_examples=24, batch_size=12, steps=2, noise_multiplier=1e-9, delta=1e-5, seed=0)
+    private = make_private(model)
+    private.compile(optimizer=NoiseCurveOptimizer(run=run, learning_rate=LR, l2_norm_clip=CLIP, seed=0), loss="mse")
+    before = weights_of(model)
+    with pytest.raises(RuntimeError, match=r"refused step 1 \(2 refused step\(s\).*rows of step 2 of the plan, not "
+                                           r"of the optimizer's step 1.*out of step"):
+        private.fit(run.dataset(x, y), verbose=0)
+    for w0, w1 in zip(before, weights_of(model)):  # σ = 1e-9: the noise only moves ~1e-10
+        np.testing.assert_allclose(w1, w0, rtol=0, atol=1e-7)

@@ -1,8 +1,11 @@
 """Two JAX processes on one host (``jax.distributed.initialize`` on 127.0.0.1, CPU
 collectives over gloo) under ``keras.distribution.DataParallel``: each process feeds its
-half of the batch, the clipped sums are added across the processes and one noise draw,
-the same in both, is added; the weights after three DP-BandMF steps equal the 1-process run's.
-Every process is bounded in time and killed if it has not finished (no test hangs)."""
+part of the batch (its half through ``train_on_batch``, its block of each step of a
+``PrivateRun`` through ``fit(run.dataset(...))``), the clipped sums are added across the
+processes and one noise draw, the same in both, is added; the weights equal the 1-process
+run's. A secret run (``seed=None``) takes process 0's keys in both; a process at another
+step, or feeding another step's rows, is refused. Every process is bounded in time and
+killed if it has not finished (no test hangs)."""
 
 import json
 import os
@@ -47,14 +50,30 @@ def _results(processes):
     return outputs
 
 
+def _close(a, b):
+    for u, v in zip(a, b):
+        u, v = np.array(u), np.array(v)
+        np.testing.assert_allclose(v, u, rtol=0, atol=1e-5 * np.max(np.abs(u)))
+
+
 @pytest.mark.slow
-def test_two_processes_feeding_half_a_batch_each_equal_one_process():
+def test_two_processes_equal_one_process_and_refuse_a_process_out_of_step():
     (one,) = _results([_start(1, 0, 0)])
     port = _free_port()
     two = _results([_start(2, rank, port) for rank in range(2)])
-    moved = max(float(np.max(np.abs(np.array(a) - np.array(b)))) for a, b in zip(one["initial"], one["final"]))
+    first = one["train_on_batch"]
+    moved = max(float(np.max(np.abs(np.array(a) - np.array(b)))) for a, b in zip(first["initial"], first["final"]))
     assert moved > 1e-3  # the steps changed the weights
     for result in two:
-        for a, b in zip(one["final"], result["final"]):
-            a, b = np.array(a), np.array(b)
-            np.testing.assert_allclose(b, a, rtol=0, atol=1e-5 * np.max(np.abs(a)))
+        # each process feeding half of a batch (train_on_batch), or its block of each step of a
+        # PrivateRun (fit(run.dataset)): the one-process weights
+        _close(first["final"], result["train_on_batch"]["final"])
+        _close(one["run"]["final"], result["run"]["final"])
+        # a secret run (seed=None): one noise key and one sampling key, process 0's
+        _close(two[0]["secret"]["final"], result["secret"]["final"])
+        # a process at another step is refused before any step, in every process
+        assert "stand at different steps of its plan ([0, 1]" in result["host_refused"]["error"]
+        # a process feeding the rows of another step: every step refused, fit raises
+        assert "its batch holds rows of step" in result["step_refused"]["error"]
+        assert "under several JAX processes: a process fed the rows of another step" in result["step_refused"]["error"]
+    assert max(abs(a - b) for a, b in zip(np.ravel(one["secret"]["final"][0]), np.ravel(two[0]["secret"]["final"][0]))) > 0

@@ -44,6 +44,7 @@ from keras_noisecurve import _compat
 from keras_noisecurve._losses import float32_outputs, split_sample_weight, weigh_positions
 from keras_noisecurve.backend.jax import features
 from keras_noisecurve.backend.jax.ghost import ghost_clipped_sum
+from keras_noisecurve.backend.jax.pipeline import RunBatches
 from keras_noisecurve.backend.jax.pipeline import split_step as _split_step
 
 __all__ = ["TrainStepBackend", "clipped_sum", "per_example_grads"]
@@ -259,7 +260,16 @@ class TrainStepBackend:
         return report if steps is None else report + [_RefusePastPlan(steps)]
 
     def _dp_fit(self, x, y, kwargs):
-        return super().fit(x, y, **kwargs)
+        active = keras.distribution.distribution()
+        if not (isinstance(x, RunBatches) and getattr(active, "auto_shard_dataset", False)):
+            return super().fit(x, y, **kwargs)
+        # a run's batches are this process's block of each step already (pipeline.run_batches):
+        # Keras's multi-process check asks for a tf.data dataset it can shard itself
+        active.auto_shard_dataset = False
+        try:
+            return super().fit(x, y, **kwargs)
+        finally:
+            active.auto_shard_dataset = True
 
     def train_on_batch(self, x, y=None, sample_weight=None, class_weight=None, return_dict=False):
         """Keras's ``train_on_batch``, refused on the host past the optimizer's plan."""
@@ -347,9 +357,14 @@ class TrainStepBackend:
         all_dropped = (real > 0) & (dropped == real)
         sums = self._dp_add_regularization(trainable, non_trainable, sums, optimizer.expected_batch_size,
                                            penalty=penalty)
-        ok = jnp.logical_not(all_dropped)
-        if step is not None:
-            ok = ok & jnp.all(jnp.asarray(step, jnp.int32) == iteration.astype(jnp.int32))
+        why = jnp.where(all_dropped, features.ALL_DROPPED, 0)
+        batch_step = None
+        if step is not None:  # a PrivateRun batch: every row of the optimizer's step (all processes' rows)
+            step = jnp.asarray(step, jnp.int32)
+            out_of_step = jnp.logical_not(jnp.all(step == iteration.astype(jnp.int32)))
+            why = why + jnp.where(out_of_step, features.OUT_OF_STEP, 0)
+            batch_step = jnp.where(jnp.min(step) != iteration.astype(jnp.int32), jnp.min(step), jnp.max(step))
+        ok = why == 0
         if optimizer.noise.steps is not None:
             ok = ok & (iteration < optimizer.noise.steps)
         sums = [jnp.where(ok, s, jnp.zeros_like(s)) for s in sums]
@@ -367,7 +382,7 @@ class TrainStepBackend:
         mapping = list(zip(self.metrics_variables, metrics_values))
         with keras.StatelessScope(state_mapping=mapping) as scope:
             self._dp_loss_tracker().update_state(kept(losses.astype(jnp.float32)), sample_weight=weights * rows)
-            self._dp_nonfinite.update_state(dropped, iteration, all_dropped)
+            self._dp_nonfinite.update_state(dropped, iteration, why, batch_step)
             _compat.update_compile_metrics(self, y_kept, y_pred_kept,
                                            sample_weight=_times_rows(positions, weights * rows), row_weight=rows)
             logs = self.get_metrics_result()

@@ -10,7 +10,10 @@ does (``keras_noisecurve.training.nonfinite`` and ``keras_features`` there):
   :class:`ReportNonFinite` warns once per ``fit`` naming the steps. A step whose every
   real example was dropped applies its noise only (the clipped sum is zeroed in the step)
   and ``fit`` raises at the end of that epoch (``train_on_batch`` right after the step):
-  under ``jit`` the host sees the step's state only when Keras copies it back.
+  under ``jit`` the host sees the step's state only when Keras copies it back. A step
+  whose batch belongs to another step of the plan (a ``PrivateRun`` batch whose step
+  index is not the optimizer's, e.g. one JAX process feeding another step's rows) is
+  refused the same way, with its own message.
 * **``fit(class_weight=...)``**: :func:`class_weights` gives each example the weight of
   its class, multiplied into ``w_i`` before clipping.
 * **``add_loss``**: :func:`weight_penalty` returns the penalty of the layers'
@@ -34,8 +37,8 @@ from keras_noisecurve.backend import messages
 
 __all__ = [
     "METRIC", "NonFiniteExamples", "ReportNonFinite", "all_dropped_message", "class_weights", "count_dropped",
-    "dropped_message",
-    "nonfinite_mask", "raise_if_refused", "refused_steps", "weight_penalty",
+    "ALL_DROPPED", "OUT_OF_STEP", "dropped_message", "nonfinite_mask", "out_of_step_message", "raise_if_refused",
+    "refusal_message", "refused_steps", "weight_penalty",
 ]
 
 #: the name of the count in ``fit``'s logs (as on TensorFlow)
@@ -43,9 +46,12 @@ METRIC = "nonfinite_examples"
 
 # the entries of NonFiniteExamples.counts: this epoch's dropped examples, this fit's
 # dropped examples, this fit's steps with a dropped example, the first and last such step,
-# this fit's refused steps (every real example dropped), the last refused step
-_EPOCH, _FIT_COUNT, _FIT_STEPS, _FIRST, _LAST, _REFUSED, _REFUSED_STEP = range(7)
-_SIZE = 7
+# this fit's refused steps, the last refused step, why it was refused (a sum of the bits
+# below) and the smallest step index of its batch
+_EPOCH, _FIT_COUNT, _FIT_STEPS, _FIRST, _LAST, _REFUSED, _REFUSED_STEP, _REFUSED_WHY, _REFUSED_BATCH = range(9)
+_SIZE = 9
+#: reasons a step is refused (bits of the ``_REFUSED_WHY`` entry)
+ALL_DROPPED, OUT_OF_STEP = 1, 2
 
 
 def nonfinite_mask(losses, norms):
@@ -70,21 +76,26 @@ def _zero_epoch(counts):
 class NonFiniteExamples(keras.metrics.Metric):
     """The ``nonfinite_examples`` log: this epoch's count of dropped examples.
 
-    Its int32 (7,) variable also keeps this ``fit``'s count, its steps with a dropped
-    example (first, last) and its refused steps; ``reset_state`` (Keras's per-epoch and
+    Its int32 (9,) variable also keeps this ``fit``'s count, its steps with a dropped
+    example (first, last) and its refused steps (the last one, why, its batch's step); ``reset_state`` (Keras's per-epoch and
     ``evaluate`` reset) clears only the epoch's count, ``reset_fit`` everything."""
 
     def __init__(self, name=METRIC, **kwargs):
         super().__init__(name=name, dtype="int32", **kwargs)
         self.counts = self.add_variable(shape=(_SIZE,), initializer="zeros", dtype="int32", name="counts")
 
-    def update_state(self, dropped, iteration, refused):
+    def update_state(self, dropped, iteration, why, batch_step=None):
         """Add one step: ``dropped`` int32 examples at optimizer step ``iteration``;
-        ``refused`` bool, the step had real examples and all were dropped."""
+        ``why`` int32, 0 or the bits of the reasons the step was refused
+        (:data:`ALL_DROPPED`: it had real examples and all were dropped;
+        :data:`OUT_OF_STEP`: its batch belongs to another step); ``batch_step``: the
+        smallest step index of the batch (``iteration`` when ``None``)."""
         old = self.counts.value
         dropped = jnp.asarray(dropped, jnp.int32)
         iteration = jnp.asarray(iteration, jnp.int32)
-        refused = jnp.asarray(refused, bool)
+        why = jnp.asarray(why, jnp.int32)
+        batch_step = iteration if batch_step is None else jnp.asarray(batch_step, jnp.int32)
+        refused = why != 0
         had = dropped > 0
         first = jnp.where(had & (old[_FIT_STEPS] == 0), iteration, old[_FIRST])
         self.counts.assign(jnp.stack([
@@ -95,6 +106,8 @@ class NonFiniteExamples(keras.metrics.Metric):
             jnp.where(had, iteration, old[_LAST]),
             old[_REFUSED] + refused.astype(jnp.int32),
             jnp.where(refused, iteration, old[_REFUSED_STEP]),
+            jnp.where(refused, why, old[_REFUSED_WHY]),
+            jnp.where(refused, batch_step, old[_REFUSED_BATCH]),
         ]))
 
     def result(self):
@@ -107,7 +120,7 @@ class NonFiniteExamples(keras.metrics.Metric):
         self.counts.assign(jnp.zeros((_SIZE,), jnp.int32))
 
     def values(self) -> np.ndarray:
-        """The counts on the host (int (7,))."""
+        """The counts on the host (int (9,))."""
         return np.asarray(keras.ops.convert_to_numpy(self.counts.value))
 
 
@@ -120,6 +133,26 @@ def all_dropped_message(step, refused) -> str:
         "step applied its noise only, which leaks nothing); stop here and fix the input before training on, "
         "e.g. numpy.isfinite(x).all()."
     )
+
+
+def out_of_step_message(step, batch_step, refused) -> str:
+    """The error for a step whose batch belongs to another step of the plan."""
+    return (
+        f"private training refused step {step} ({refused} refused step(s) so far): its batch holds rows of step "
+        f"{batch_step} of the plan, not of the optimizer's step {step}. The dataset and the optimizer are out of "
+        "step (under several JAX processes: a process fed the rows of another step; every process must start "
+        "fit(run.dataset(...)) from the same optimizer state). The refused batch had no influence on the weights "
+        "(the step applied its noise only, which leaks nothing); stop here and restart every process from one "
+        "checkpoint."
+    )
+
+
+def refusal_message(values) -> str:
+    """The error for the last refused step in the counts ``values``."""
+    step, refused = int(values[_REFUSED_STEP]), int(values[_REFUSED])
+    if int(values[_REFUSED_WHY]) & OUT_OF_STEP:
+        return out_of_step_message(step, int(values[_REFUSED_BATCH]), refused)
+    return all_dropped_message(step, refused)
 
 
 def dropped_message(values) -> str:
@@ -137,7 +170,7 @@ def raise_if_refused(values, seen) -> int:
     returns the number of refused steps."""
     refused = int(values[_REFUSED])
     if refused > seen:
-        raise RuntimeError(all_dropped_message(int(values[_REFUSED_STEP]), refused))
+        raise RuntimeError(refusal_message(values))
     return refused
 
 

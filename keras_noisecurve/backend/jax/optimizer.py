@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from keras_noisecurve.backend.jax import noise as jax_noise
+from keras_noisecurve.backend.jax import pipeline as jax_pipeline
 from keras_noisecurve.backend.jax import sharding as jax_sharding
 
 __all__ = ["OptimizerBackend", "int64_words", "words_int64"]
@@ -52,7 +53,11 @@ class OptimizerBackend:
 
     def _dp_key_variable(self, key, name):
         """The key as an int32 (4,) variable: the noise key's uint32 words
-        (``noise.key_words``), the sampling key's int64 halves."""
+        (``noise.key_words``), the sampling key's int64 halves. Under several JAX processes
+        the key is process 0's in every process (``pipeline.shared_key``): a secret key
+        drawn from OS entropy differs between processes, and the noise and the batches
+        must be one."""
+        key = jax_pipeline.shared_key(key)
         if name == "noise_key":
             words = np.asarray(jax_noise.key_words(np.asarray(key, np.int64))).astype(np.uint32).view(np.int32)
         else:
