@@ -7,19 +7,23 @@ batch from the processes' parts). Prints one JSON line, a result per scenario:
 
 - ``train_on_batch``: three fixed-seed DP-BandMF steps (b = 3), the process feeding rows
   [4·RANK, 4·RANK + 4) of the same batch of 8; the initial and final weights;
-- ``run``: ``fit(run.dataset(x, y))`` of a fixed-seed ``PrivateRun`` (15 examples: P = 15,
-  padded to 16 under 2 processes; 3 steps), each process serving its block of every step's
-  rows; the final weights;
+- ``run``: ``fit(run.dataset(x, y))`` of a fixed-seed DP-BandMF ``PrivateRun`` (b = 2; 30
+  examples: P = 15, padded to 16 under 2 processes; 3 steps), each process serving its
+  block of every step's rows; the final weights, the shapes of this process's shards of
+  the hidden kernel and of its noise state;
 - ``secret``: the same with ``seed=None`` for the run and the noise (the keys are process 0's
   in every process); the final weights;
 - ``host_refused`` (N = 2): process 1 claims to stand at step 1: the error ``fit`` raises;
-- ``step_refused`` (N = 2): process 1 feeds the rows of step t + 1 at step t: the error.
+- ``step_refused`` (N = 2): process 1 feeds the rows of step t + 1 at step t: the error;
+- ``model_parallel`` (N = 2): ``run`` under ``ModelParallel`` on a 1 × 2 mesh, the kernels
+  and their noise states split across the two processes (each feeds the whole batch).
 """
 
 import json
 import sys
 
 import jax
+from jax.experimental import multihost_utils
 
 nproc, rank, port = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 if nproc > 1:
@@ -40,12 +44,14 @@ keras.distribution.set_distribution(keras.distribution.DataParallel(devices=jax.
 
 def _model():
     keras.utils.set_random_seed(0)
-    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activation="tanh", use_bias=False),
-                             keras.layers.Dense(1, use_bias=False)])
+    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(4, activation="tanh", use_bias=False, name="hidden"),
+                             keras.layers.Dense(1, use_bias=False, name="out")])
 
 
 def _weights(model):
-    return [np.asarray(w, np.float64).tolist() for w in model.get_weights()]
+    """The weights as nested lists (a weight split across processes gathered whole)."""
+    return [np.asarray(multihost_utils.process_allgather(v.value, tiled=True), np.float64).tolist()
+            for v in model.weights]
 
 
 def train_on_batch():
@@ -64,21 +70,40 @@ def train_on_batch():
     return {"initial": initial, "final": _weights(model)}
 
 
-def _fit(seed, patch=None):
+def _model_parallel():
+    """The 2 devices (one per process) as a 1 × 2 mesh: one model replica, the Dense kernels
+    split over ``model`` (across the processes), the batch whole in each process."""
+    mesh = keras.distribution.DeviceMesh((1, len(jax.devices())), ("data", "model"), jax.devices())
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[".*hidden/kernel"] = (None, "model")  # (4, 4): 2 columns per process
+    layout_map[".*out/kernel"] = ("model", None)  # (4, 1): 2 rows per process
+    return keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="data")
+
+
+def _fit(seed, patch=None, distribution=None):
+    if distribution is not None:
+        keras.distribution.set_distribution(distribution)
     model = _model()
-    run = knc.PrivateRun(num_examples=15, batch_size=8, steps=3, noise_multiplier=1.0, delta=1e-5, seed=seed)
+    mixing = random_banded_c(3, 2, rng=np.random.default_rng(0), diag_scale=2.0)  # DP-BandMF, b = 2
+    run = knc.PrivateRun(num_examples=30, batch_size=6, steps=3, mixing=mixing, noise_multiplier=1.0, delta=1e-5,
+                         seed=seed)
     private = knc.make_private(model)
     optimizer = knc.NoiseCurveOptimizer(run=run, learning_rate=0.1, l2_norm_clip=0.5, seed=seed)
     private.compile(optimizer=optimizer, loss="mse")
     rng = np.random.default_rng(1)
-    x = rng.normal(size=(15, 4)).astype("float32")  # P = 15: padded to 16, 8 rows per process
+    x = rng.normal(size=(30, 4)).astype("float32")  # P = 15: padded to 16, 8 rows per process
+    original = step_batches.StepBatches.__getitem__
     if patch is not None and rank == 1:
         patch(optimizer)
     try:
         private.fit(run.dataset(x, x[:, :1].copy()), verbose=0)
     except (ValueError, RuntimeError) as error:
         return {"error": f"{type(error).__name__}: {error}"}
-    return {"final": _weights(model)}
+    finally:
+        step_batches.StepBatches.__getitem__ = original
+    kernel, state = model.layers[0].kernel, optimizer.variables[-2]  # the hidden kernel's noise state (1, 4, 4)
+    return {"final": _weights(model), "state": list(state.shape),
+            "shards": [sorted({tuple(s.data.shape) for s in v.value.addressable_shards}) for v in (kernel, state)]}
 
 
 def _claims_step_one(optimizer):
@@ -94,4 +119,5 @@ results = {"train_on_batch": train_on_batch(), "run": _fit(7), "secret": _fit(No
 if nproc > 1:
     results["host_refused"] = _fit(7, _claims_step_one)
     results["step_refused"] = _fit(7, _feeds_the_next_step)
+    results["model_parallel"] = _fit(7, distribution=_model_parallel())
 print(json.dumps(results))

@@ -4,7 +4,9 @@ part of the batch (its half through ``train_on_batch``, its block of each step o
 ``PrivateRun`` through ``fit(run.dataset(...))``), the clipped sums are added across the
 processes and one noise draw, the same in both, is added; the weights equal the 1-process
 run's. A secret run (``seed=None``) takes process 0's keys in both; a process at another
-step, or feeding another step's rows, is refused. Every process is bounded in time and
+step, or feeding another step's rows, is refused. Under ``ModelParallel`` on a 1 × 2 mesh
+(the kernels split across the processes, each feeding the whole batch) each process holds
+half of a split kernel and half of its noise state, and the run ends with the same weights. Every process is bounded in time and
 killed if it has not finished (no test hangs)."""
 
 import json
@@ -58,6 +60,7 @@ def _close(a, b):
 
 @pytest.mark.slow
 def test_two_processes_equal_one_process_and_refuse_a_process_out_of_step():
+    """DataParallel and ModelParallel over two processes end with the one-process weights."""
     (one,) = _results([_start(1, 0, 0)])
     port = _free_port()
     two = _results([_start(2, rank, port) for rank in range(2)])
@@ -76,4 +79,9 @@ def test_two_processes_equal_one_process_and_refuse_a_process_out_of_step():
         # a process feeding the rows of another step: every step refused, fit raises
         assert "its batch holds rows of step" in result["step_refused"]["error"]
         assert "under several JAX processes: a process fed the rows of another step" in result["step_refused"]["error"]
+        # ModelParallel with the kernels split across the processes: each process holds half of
+        # the hidden kernel and half of its noise state, and the run ends with the same weights
+        _close(one["run"]["final"], result["model_parallel"]["final"])
+        assert result["model_parallel"]["shards"] == [[[4, 2]], [[1, 4, 2]]]
+        assert result["run"]["shards"] == [[[4, 4]], [[1, 4, 4]]]  # DataParallel: replicated
     assert max(abs(a - b) for a, b in zip(np.ravel(one["secret"]["final"][0]), np.ravel(two[0]["secret"]["final"][0]))) > 0

@@ -94,9 +94,19 @@ def shared_key(key) -> np.ndarray:
 
 
 def input_parts():
-    """``(parts, part, multiple)`` for ``StepBatches``: the JAX processes, this process's
-    index, and :func:`batch_shards` (the global batch is padded to a multiple of both)."""
-    return jax.process_count(), jax.process_index(), batch_shards()
+    """``(parts, part, multiple)`` for ``StepBatches``, as Keras splits a dataset between
+    processes (``Distribution.distribute_dataset``): with R = :func:`batch_shards` model
+    replicas (the devices along the batch axis) and N processes, each process feeds
+    ``1/N`` of the batch when R ≥ N (``DataParallel``), ``1/R`` when the replicas span
+    processes (``ModelParallel`` with the model axis across processes: the processes of
+    one replica feed the same rows), the whole batch when R = 1; the global batch is
+    padded to a multiple of R."""
+    processes, replicas = jax.process_count(), batch_shards()
+    if processes == 1 or replicas == 1 or keras.distribution.distribution() is None:
+        return 1, 0, replicas
+    if replicas >= processes:
+        return processes, jax.process_index(), replicas
+    return replicas, jax.process_index() // (processes // replicas), replicas
 
 
 def agreed_position(position):
