@@ -56,6 +56,14 @@ def _not_the_plan(planned):
     )
 
 
+def _paths(tree, prefix=""):
+    """The ``a/b/c`` paths of the leaves of a nested dict (a Keras state tree's, e.g.
+    ``{"adam": {"iteration": ...}}`` → ``["adam/iteration"]``)."""
+    if not isinstance(tree, dict):
+        return [prefix]
+    return [p for key, value in tree.items() for p in _paths(value, f"{prefix}/{key}" if prefix else str(key))]
+
+
 def _check_run_data(planned, run, x):
     """Refuse, before any step, data that is not ``planned``'s pipeline (``ValueError``).
 
@@ -211,6 +219,28 @@ class PrivateModel(_impl.TrainStepBackend, keras.Model):
         # the wrapper owns no variables (Keras's own check would count the LoRA entries)
         # the layers load after this (merged kernel, zero factors): put the values back before training
         self._dp_pending_lora = lora_state.stash_values(self.inner, store)
+
+    def set_state_tree(self, state_tree):
+        """Keras's (what ``load_weights`` and ``load_model`` of an Orbax checkpoint call),
+        refusing an optimizer state that does not name every variable of this model's
+        optimizer: Keras assigns by variable path and skips a path it does not find, so a
+        ``NoiseCurveOptimizer`` would keep its fresh step counter, keys or noise state (zeros)
+        — a resumed run whose batches or correlated noise are not the plan's, silently.
+        ``ValueError`` names the missing paths; nothing is assigned."""
+        saved = state_tree.get("optimizer_variables") if isinstance(state_tree, dict) else None
+        optimizer = getattr(self, "optimizer", None)
+        if saved is not None and isinstance(optimizer, NoiseCurveOptimizer):
+            missing = sorted({v.path for v in optimizer.variables} - set(_paths(saved)))
+            if missing:
+                shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+                raise ValueError(
+                    f"the checkpoint's optimizer state does not name {len(missing)} of this optimizer's "
+                    f"{len(optimizer.variables)} variables ({shown}): Keras would skip them and the run would "
+                    "resume with a fresh step counter, keys or noise state, not the plan's. Restore into a model "
+                    "built as the saved one, with the same model and layer names (a fresh process gives Keras's "
+                    "automatic names again; or name the model and its layers), and build the optimizer first "
+                    "(optimizer.build(model.trainable_variables)).")
+        return super().set_state_tree(state_tree)
 
     def _dp_apply_pending_lora(self):
         pending = getattr(self, "_dp_pending_lora", None)

@@ -1,4 +1,4 @@
-"""Run by tests/jax/test_jax_processes.py: ``python tests/jax/_processes_run.py N RANK PORT``.
+"""Run by tests/jax/test_jax_processes.py: ``python tests/jax/_processes_run.py N RANK PORT DIR``.
 
 N = 1: one process feeding whole batches. N = 2: process RANK of 2 (``jax.distributed.initialize``
 on 127.0.0.1:PORT, CPU collectives over gloo, one CPU device each), under
@@ -16,10 +16,15 @@ batch from the processes' parts). Prints one JSON line, a result per scenario:
 - ``host_refused`` (N = 2): process 1 claims to stand at step 1: the error ``fit`` raises;
 - ``step_refused`` (N = 2): process 1 feeds the rows of step t + 1 at step t: the error;
 - ``model_parallel`` (N = 2): ``run`` under ``ModelParallel`` on a 1 × 2 mesh, the kernels
-  and their noise states split across the two processes (each feeds the whole batch).
+  and their noise states split across the two processes (each feeds the whole batch);
+- ``orbax`` (N = 2, orbax-checkpoint installed): the same, checkpointed after 2 steps with
+  ``keras.callbacks.OrbaxCheckpoint`` into DIR and finished by a new model restored from it
+  (``model.save`` refused first).
 """
 
+import importlib.util
 import json
+import os
 import sys
 
 import jax
@@ -45,7 +50,7 @@ keras.distribution.set_distribution(keras.distribution.DataParallel(devices=jax.
 def _model():
     keras.utils.set_random_seed(0)
     return keras.Sequential([keras.Input((4,)), keras.layers.Dense(4, activation="tanh", use_bias=False, name="hidden"),
-                             keras.layers.Dense(1, use_bias=False, name="out")])
+                             keras.layers.Dense(1, use_bias=False, name="out")], name="net")  # the same paths each time
 
 
 def _weights(model):
@@ -80,23 +85,29 @@ def _model_parallel():
     return keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="data")
 
 
-def _fit(seed, patch=None, distribution=None):
-    if distribution is not None:
-        keras.distribution.set_distribution(distribution)
+def _private_run(seed):
+    """``(model, private model, run, its data)``: a DP-BandMF run (b = 2) of 3 steps."""
     model = _model()
-    mixing = random_banded_c(3, 2, rng=np.random.default_rng(0), diag_scale=2.0)  # DP-BandMF, b = 2
+    mixing = random_banded_c(3, 2, rng=np.random.default_rng(0), diag_scale=2.0)
     run = knc.PrivateRun(num_examples=30, batch_size=6, steps=3, mixing=mixing, noise_multiplier=1.0, delta=1e-5,
                          seed=seed)
     private = knc.make_private(model)
-    optimizer = knc.NoiseCurveOptimizer(run=run, learning_rate=0.1, l2_norm_clip=0.5, seed=seed)
-    private.compile(optimizer=optimizer, loss="mse")
-    rng = np.random.default_rng(1)
-    x = rng.normal(size=(30, 4)).astype("float32")  # P = 15: padded to 16, 8 rows per process
+    private.compile(optimizer=knc.NoiseCurveOptimizer(run=run, learning_rate=0.1, l2_norm_clip=0.5, seed=seed),
+                    loss="mse")
+    x = np.random.default_rng(1).normal(size=(30, 4)).astype("float32")  # P = 15: padded to 16, 8 rows per process
+    return model, private, run, run.dataset(x, x[:, :1].copy())
+
+
+def _fit(seed, patch=None, distribution=None):
+    if distribution is not None:
+        keras.distribution.set_distribution(distribution)
+    model, private, run, data = _private_run(seed)
+    optimizer = private.optimizer
     original = step_batches.StepBatches.__getitem__
     if patch is not None and rank == 1:
         patch(optimizer)
     try:
-        private.fit(run.dataset(x, x[:, :1].copy()), verbose=0)
+        private.fit(data, verbose=0)
     except (ValueError, RuntimeError) as error:
         return {"error": f"{type(error).__name__}: {error}"}
     finally:
@@ -104,6 +115,26 @@ def _fit(seed, patch=None, distribution=None):
     kernel, state = model.layers[0].kernel, optimizer.variables[-2]  # the hidden kernel's noise state (1, 4, 4)
     return {"final": _weights(model), "state": list(state.shape),
             "shards": [sorted({tuple(s.data.shape) for s in v.value.addressable_shards}) for v in (kernel, state)]}
+
+
+def _orbax(directory):
+    """Under ``_model_parallel``: ``model.save`` refused; 2 of the 3 steps checkpointed by
+    Keras's ``OrbaxCheckpoint`` (every process writes its shards), a new model restored from
+    it with ``load_weights`` finishing the run; the final weights."""
+    model, private, run, data = _private_run(7)
+    private.fit(data, verbose=0, epochs=1, steps_per_epoch=2,
+                callbacks=[keras.callbacks.OrbaxCheckpoint(directory, save_freq=2, save_on_background=False)])
+    try:
+        private.save(os.path.join(directory, "refused.keras"))
+        refused = None
+    except ValueError as error:
+        refused = str(error)
+    model, private, run, data = _private_run(7)
+    private.optimizer.build(private.trainable_variables)
+    private.load_weights(directory)
+    step = int(np.asarray(private.optimizer.iterations.value))
+    private.fit(data, verbose=0)
+    return {"final": _weights(model), "save_refused": refused, "restored_step": step}
 
 
 def _claims_step_one(optimizer):
@@ -120,4 +151,6 @@ if nproc > 1:
     results["host_refused"] = _fit(7, _claims_step_one)
     results["step_refused"] = _fit(7, _feeds_the_next_step)
     results["model_parallel"] = _fit(7, distribution=_model_parallel())
+    if importlib.util.find_spec("orbax") is not None:
+        results["orbax"] = _orbax(sys.argv[4])
 print(json.dumps(results))

@@ -9,6 +9,7 @@ step, or feeding another step's rows, is refused. Under ``ModelParallel`` on a 1
 half of a split kernel and half of its noise state, and the run ends with the same weights. Every process is bounded in time and
 killed if it has not finished (no test hangs)."""
 
+import importlib.util
 import json
 import os
 import socket
@@ -21,6 +22,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join("tests", "jax", "_processes_run.py")
 TIMEOUT = 300  # seconds for each process (a few on a quiet machine)
+ORBAX = importlib.util.find_spec("orbax") is not None  # orbax-checkpoint (the dev install, Python >= 3.12)
 
 
 def _free_port():
@@ -29,10 +31,10 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _start(nproc, rank, port):
+def _start(nproc, rank, port, directory=""):
     env = dict(os.environ, KERAS_BACKEND="jax", PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="3",
                XLA_FLAGS="--xla_force_host_platform_device_count=1")
-    return subprocess.Popen([sys.executable, SCRIPT, str(nproc), str(rank), str(port)], env=env, cwd=ROOT,
+    return subprocess.Popen([sys.executable, SCRIPT, str(nproc), str(rank), str(port), str(directory)], env=env, cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -59,11 +61,11 @@ def _close(a, b):
 
 
 @pytest.mark.slow
-def test_two_processes_equal_one_process_and_refuse_a_process_out_of_step():
+def test_two_processes_equal_one_process_and_refuse_a_process_out_of_step(tmp_path):
     """DataParallel and ModelParallel over two processes end with the one-process weights."""
     (one,) = _results([_start(1, 0, 0)])
     port = _free_port()
-    two = _results([_start(2, rank, port) for rank in range(2)])
+    two = _results([_start(2, rank, port, tmp_path / "orbax") for rank in range(2)])
     first = one["train_on_batch"]
     moved = max(float(np.max(np.abs(np.array(a) - np.array(b)))) for a, b in zip(first["initial"], first["final"]))
     assert moved > 1e-3  # the steps changed the weights
@@ -84,4 +86,10 @@ def test_two_processes_equal_one_process_and_refuse_a_process_out_of_step():
         _close(one["run"]["final"], result["model_parallel"]["final"])
         assert result["model_parallel"]["shards"] == [[[4, 2]], [[1, 4, 2]]]
         assert result["run"]["shards"] == [[[4, 4]], [[1, 4, 4]]]  # DataParallel: replicated
+        if ORBAX:  # a checkpoint of the shards (Keras's OrbaxCheckpoint) resumes the split run exactly
+            assert result["orbax"]["restored_step"] == 2
+            _close(one["run"]["final"], result["orbax"]["final"])
+            assert "split across JAX processes" in result["orbax"]["save_refused"]
+        else:
+            assert "orbax" not in result
     assert max(abs(a - b) for a, b in zip(np.ravel(one["secret"]["final"][0]), np.ravel(two[0]["secret"]["final"][0]))) > 0

@@ -179,6 +179,33 @@ class TrainStepBackend:
     def _dp_refusal_state(self):
         return None
 
+    def save(self, filepath, *args, **kwargs):
+        """Keras's ``save``, refused (before any file is written) when a weight or an optimizer
+        variable is split across JAX processes: ``save`` gathers every value to this host,
+        which JAX cannot do for an array with shards in another process."""
+        self._dp_check_gatherable("save")
+        return super().save(filepath, *args, **kwargs)
+
+    def save_weights(self, filepath, *args, **kwargs):
+        """Keras's ``save_weights``, refused like :meth:`save` for values split across processes."""
+        self._dp_check_gatherable("save_weights")
+        return super().save_weights(filepath, *args, **kwargs)
+
+    def _dp_check_gatherable(self, what):
+        optimizer = getattr(self, "optimizer", None)
+        variables = list(self.variables) + (list(optimizer.variables) if optimizer is not None else [])
+        variables = list({id(v): v for v in variables}.values())  # a model's and its optimizer's lists overlap
+        split = [v.path for v in variables
+                 if isinstance(v.value, jax.Array) and not v.value.is_fully_addressable
+                 and not v.value.is_fully_replicated]  # a replicated value is read on any process
+        if split:
+            raise ValueError(
+                f"model.{what}() gathers every value to this process, but {len(split)} of them are split across "
+                f"JAX processes (e.g. {split[0]!r}; ModelParallel over several processes). Save a checkpoint of "
+                "the shards instead, written by every process: keras.callbacks.OrbaxCheckpoint(directory, "
+                "save_freq=...) in fit, restored with model.load_weights(directory) (pip install "
+                "orbax-checkpoint).")
+
     def _dp_nonfinite_state(self):
         metric = features.NonFiniteExamples()
         self._dp_nonfinite_metric = metric  # tracked: a model metric, its counts in Keras's JAX state
