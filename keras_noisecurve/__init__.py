@@ -85,6 +85,18 @@ __all__ = sorted(name for name in _EXPORTS if _exported(name)) + sorted(_SUBMODU
 
 
 def __getattr__(name: str):
+    try:
+        return _load(name)
+    except ImportError as error:  # the base install has neither TensorFlow nor JAX: name the extras
+        from keras_noisecurve.backend import missing_backend
+
+        better = missing_backend(error)
+        if better is None:
+            raise
+        raise better from error
+
+
+def _load(name: str):
     if name in _EXPORTS:
         value = getattr(importlib.import_module(_EXPORTS[name]), name)
         globals()[name] = value

@@ -60,12 +60,12 @@ def test_a_level_the_user_set_is_left_alone():
 def test_real_tensorflow_start_prints_nothing():
     # On a machine without a GPU, TensorFlow's start-up prints CUDA notices
     # ("failed call to cuInit", "Could not find cuda drivers") to file descriptor 2.
-    proc = _run("from keras_noisecurve.apps import cli; cli.quiet_startup(cli._start_tensorflow); print('ok')", {})
+    proc = _run("from keras_noisecurve.apps import cli; cli.quiet_startup(cli._start_backend); print('ok')", {})
     assert proc.returncode == 0, proc.stderr
     noisy = [line for line in proc.stderr.splitlines() if line.strip()]
     assert noisy == [], noisy
 
 
 def test_only_tensorflow_subcommands_start_it():
-    assert cli.USES_TENSORFLOW == {"spectrum", "demo"}
-    assert cli.USES_TENSORFLOW <= set(cli.SUBCOMMANDS)
+    assert cli.USES_BACKEND == {"spectrum", "demo"}
+    assert cli.USES_BACKEND <= set(cli.SUBCOMMANDS)

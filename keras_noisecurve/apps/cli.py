@@ -3,7 +3,7 @@
 Each subcommand is a module of ``keras_noisecurve.apps`` (``cli_spectrum``,
 ``cli_solve``, ``cli_calibrate``, ``cli_inspect``, ``demo``, ``cli_audit``) that defines
 ``add_arguments(parser)`` and ``run(args) -> int`` and calls the library's public API;
-this file only dispatches, and imports a subcommand's module (and so TensorFlow) only
+this file only dispatches, and imports a subcommand's module (and so Keras's backend) only
 when that subcommand runs.
 """
 
@@ -26,8 +26,8 @@ SUBCOMMANDS = {
     "audit": ("keras_noisecurve.apps.cli_audit", "audit a training configuration: empirical epsilon lower bound"),
 }
 
-#: subcommands that start TensorFlow (the others are numpy/scipy only)
-USES_TENSORFLOW = frozenset({"spectrum", "demo"})
+#: subcommands that start Keras's backend (the others are numpy/scipy only)
+USES_BACKEND = frozenset({"spectrum", "demo"})
 
 
 def main(argv=None) -> int:
@@ -35,16 +35,27 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(argv)
     args = parser.parse_args(argv)
-    if args.command in USES_TENSORFLOW:
-        quiet_startup(_start_tensorflow)
+    if args.command in USES_BACKEND:
+        quiet_startup(_start_backend)
     module = importlib.import_module(args._module)
     return int(module.run(args) or 0)
 
 
-def _start_tensorflow() -> None:
-    import tensorflow as tf
+def _start_backend() -> None:
+    try:
+        import keras
+    except ImportError as error:
+        from keras_noisecurve.backend import missing_backend
 
-    tf.config.list_physical_devices()  # GPU drivers are probed (and complain) here
+        better = missing_backend(error)
+        if better is None:
+            raise
+        raise SystemExit(f"error: {better}") from error
+
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        tf.config.list_physical_devices()  # GPU drivers are probed (and complain) here
 
 
 def build_parser(argv) -> argparse.ArgumentParser:

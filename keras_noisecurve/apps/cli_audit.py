@@ -116,9 +116,9 @@ def run(args) -> int:
     except ValueError as err:
         print(f"noisecurve audit: error: {err}", file=sys.stderr)
         return 2
-    from keras_noisecurve.apps.cli import _start_tensorflow, quiet_startup
+    from keras_noisecurve.apps.cli import _start_backend, quiet_startup
 
-    quiet_startup(_start_tensorflow)  # TensorFlow's C++ start-up notices silenced, as for `demo`
+    quiet_startup(_start_backend)  # TensorFlow's C++ start-up notices silenced, as for `demo`
     if args.model is not None:
         return cli_audit_model.run_checks(args)
     try:

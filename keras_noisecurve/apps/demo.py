@@ -282,12 +282,14 @@ def _run(args, cfg) -> int:
          f"{len(seeds)} seed{'s' if len(seeds) > 1 else ''} ({', '.join(map(str, seeds))})")
 
     import keras
-    import tensorflow as tf
 
     import keras_noisecurve as knc
     from keras_noisecurve.mixing.diagnostics import noise_diagnostics
 
-    tf.get_logger().setLevel("ERROR")  # vectorized_map's "uses a while_loop" notices are not progress
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        tf.get_logger().setLevel("ERROR")  # vectorized_map's "uses a while_loop" notices are not progress
     from keras_noisecurve.apps.models import small_groupnorm_cnn
     from keras_noisecurve.spectrum import clipping_scale
 
@@ -522,6 +524,7 @@ def _epoch_accuracy_callback(model, x, y, steps_per_epoch, name):
 
         def on_train_batch_end(self, batch, logs=None):
             if (batch + 1) % steps_per_epoch == 0:
+                _ = self.model  # on JAX, reading it puts the step's values into the variables (jax_state_sync)
                 acc = _accuracy(model, x, y)
                 self.history.append(acc)
                 _log(f"  {name} epoch {len(self.history)}: test accuracy {100 * acc:.2f} %")

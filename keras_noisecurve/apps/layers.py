@@ -1,4 +1,4 @@
-"""Keras 3 layers of keras-noisecurve (any backend; the library trains with TensorFlow).
+"""Keras 3 layers of keras-noisecurve (any backend).
 
 - ``GroupNorm``: group normalisation (Wu & He 2018) whose *second* derivatives are
   exact. Keras' ``GroupNormalization`` computes its variance with
@@ -15,9 +15,11 @@
 Both are registered for Keras serialization as ``keras_noisecurve>GroupNorm`` and
 ``keras_noisecurve>AdaptiveAveragePooling2D``, so saved ``.keras`` files load after
 ``import keras_noisecurve.apps.layers`` (``keras_noisecurve.apps.models`` imports it).
-Importing this module also registers :class:`GroupNormRule`, the ghost-norm rule of
-``GroupNorm`` (``keras_noisecurve.training.ghost_layers.register_rule``), so the per-layer
-clipping engine clips it exactly instead of with its generic fallback.
+On the TensorFlow backend, importing this module also registers ``GroupNormRule``, the
+ghost-norm rule of ``GroupNorm`` (``keras_noisecurve.training.ghost_layers.register_rule``),
+so the per-layer clipping engine clips it exactly instead of with its generic fallback; on
+JAX the module imports no TensorFlow and the JAX engine clips ``GroupNorm`` exactly through
+its per-layer fallback (a rule registry for both engines is not built yet).
 """
 
 from __future__ import annotations
@@ -28,8 +30,6 @@ import keras
 from keras import ops
 
 from keras_noisecurve._validation import check_int
-from keras_noisecurve.training.ghost_layers import register_rule
-from keras_noisecurve.training.ghost_norm import GroupNormalizationRule
 
 __all__ = ["AdaptiveAveragePooling2D", "GroupNorm", "GroupNormRule"]
 
@@ -118,32 +118,56 @@ class AdaptiveAveragePooling2D(keras.layers.Layer):
         return {**super().get_config(), "output_size": self.output_size}
 
 
-class GroupNormRule(GroupNormalizationRule):
-    """Ghost-norm rule of :class:`GroupNorm` (the paper CNN's GroupNorm, channels last).
+def _group_norm_rule_class():
+    """:class:`GroupNormRule` (TensorFlow's per-layer engine; made on first use, so that this
+    module imports no TensorFlow on the JAX backend, whose engine clips ``GroupNorm``
+    exactly through its per-layer fallback)."""
+    import tensorflow as tf
 
-    Same x̂ as its ``call``: ``(x − mean_g) / sqrt(var_g + ε)`` over the spatial axes
-    and the channels of each group; ``gamma``/``beta`` per channel (last axis).
-    """
+    from keras_noisecurve.training.ghost_norm import GroupNormalizationRule
 
-    kind = "GroupNorm"
-    classes = (GroupNorm,)
+    class GroupNormRule(GroupNormalizationRule):
+        """Ghost-norm rule of :class:`GroupNorm` (the paper CNN's GroupNorm, channels last).
 
-    def param_axes(self, layer, rank):
-        return [rank - 1]
+        Same x̂ as its ``call``: ``(x − mean_g) / sqrt(var_g + ε)`` over the spatial axes
+        and the channels of each group; ``gamma``/``beta`` per channel (last axis).
+        """
 
-    def normalised(self, layer, inputs):
-        import tensorflow as tf
+        kind = "GroupNorm"
+        classes = (GroupNorm,)
 
-        compute = tf.float64 if tf.as_dtype(inputs.dtype) == tf.float64 else tf.float32
-        x = tf.cast(inputs, compute)
-        channels = x.shape[-1]
-        spatial = x.shape[1:-1].as_list()
-        grouped = tf.reshape(x, [-1, *spatial, layer.groups, channels // layer.groups])
-        axes = list(range(1, len(spatial) + 1)) + [len(spatial) + 2]
-        mean = tf.reduce_mean(grouped, axis=axes, keepdims=True)
-        centred = grouped - mean
-        var = tf.reduce_mean(centred * centred, axis=axes, keepdims=True)
-        return tf.reshape(centred / tf.sqrt(var + layer.epsilon), tf.shape(x))
+        def param_axes(self, layer, rank):
+            return [rank - 1]
+
+        def normalised(self, layer, inputs):
+            compute = tf.float64 if tf.as_dtype(inputs.dtype) == tf.float64 else tf.float32
+            x = tf.cast(inputs, compute)
+            channels = x.shape[-1]
+            spatial = x.shape[1:-1].as_list()
+            grouped = tf.reshape(x, [-1, *spatial, layer.groups, channels // layer.groups])
+            axes = list(range(1, len(spatial) + 1)) + [len(spatial) + 2]
+            mean = tf.reduce_mean(grouped, axis=axes, keepdims=True)
+            centred = grouped - mean
+            var = tf.reduce_mean(centred * centred, axis=axes, keepdims=True)
+            return tf.reshape(centred / tf.sqrt(var + layer.epsilon), tf.shape(x))
+
+    GroupNormRule.__module__ = __name__
+    return GroupNormRule
 
 
-register_rule(GroupNormRule())
+_RULE_CLASS = None
+
+
+def __getattr__(name):
+    if name == "GroupNormRule":  # TensorFlow's rule class, made when first asked for
+        global _RULE_CLASS
+        if _RULE_CLASS is None:
+            _RULE_CLASS = _group_norm_rule_class()
+        return _RULE_CLASS
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+if keras.backend.backend() == "tensorflow":
+    from keras_noisecurve.training.ghost_layers import register_rule
+
+    register_rule(__getattr__("GroupNormRule")())

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import importlib
 
-__all__ = ["SUPPORTED", "name", "module"]
+__all__ = ["SUPPORTED", "missing_backend", "name", "module"]
 
 #: the Keras backends this library runs on
 SUPPORTED = ("tensorflow", "jax")
@@ -53,3 +53,19 @@ def module(module_name: str):
     """The module ``module_name`` of the backend in use, e.g. ``module("noise")`` is
     ``keras_noisecurve.backend.jax.noise`` under ``KERAS_BACKEND=jax``."""
     return importlib.import_module(f"keras_noisecurve.backend.{name()}.{module_name}")
+
+
+def missing_backend(error: ImportError):
+    """An ``ImportError`` that says how to install a backend, for ``error`` raised by
+    ``import keras`` when the backend Keras was told to use is not installed (this
+    package installs neither: ``pip install "keras-noisecurve[tensorflow]"`` or
+    ``"keras-noisecurve[jax]"``); ``None`` for any other import error."""
+    missing = getattr(error, "name", None) or ""
+    if missing.split(".")[0] not in SUPPORTED:
+        return None
+    return ImportError(
+        f"Keras's backend {missing.split('.')[0]!r} is not installed (KERAS_BACKEND, or ~/.keras/keras.json, "
+        "chooses it; Keras's default is tensorflow). Install one with this library's extra: "
+        'pip install "keras-noisecurve[tensorflow]", or pip install "keras-noisecurve[jax]" and set '
+        "KERAS_BACKEND=jax."
+    )
