@@ -16,6 +16,7 @@ import tensorflow as tf
 
 from keras_noisecurve import _compat
 from keras_noisecurve._losses import float32_outputs, split_sample_weight, weigh_positions
+from keras_noisecurve.backend import messages
 from keras_noisecurve.training import nonfinite
 from keras_noisecurve.training.clipping import add_regularization, get_engine
 from keras_noisecurve.training.keras_features import (
@@ -92,10 +93,7 @@ def _refusal_message(state, loss_scale):
             "run.dataset(x, y).batches(optimizer)"
         )
     if reasons & _PAST_PLAN:
-        what.append(
-            f"the optimizer's step {iteration} is past the mixing matrix's plan (the privacy plan is spent); "
-            "solve a mixing matrix with more steps"
-        )
+        what.append(messages.past_plan(iteration))
     if reasons & _NON_FINITE:
         what.append(
             f"its clipped sum or an example's gradient was not finite under mixed_float16 with the static loss "

@@ -45,6 +45,7 @@ from typing import Optional
 import numpy as np
 
 from keras_noisecurve import backend
+from keras_noisecurve.backend import messages
 from keras_noisecurve._validation import check_int
 from keras_noisecurve.mixing.stream import (
     BandedStream,
@@ -173,11 +174,7 @@ class StreamNoise:
         return self.ops.assert_less(
             step,
             self.steps,
-            (
-                f"the mixing matrix plans {self.steps} steps and they have all been used: "
-                "the privacy plan is spent. Refusing to train past step T (the noise would "
-                "not be covered by the privacy accounting); solve a mixing matrix with more steps."
-            ),
+            messages.plan_spent(self.steps),
         )
 
     def slot(self, step):

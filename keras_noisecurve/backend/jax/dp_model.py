@@ -42,6 +42,7 @@ import numpy as np
 
 from keras_noisecurve import _compat
 from keras_noisecurve._losses import float32_outputs, split_sample_weight, weigh_positions
+from keras_noisecurve.backend import messages
 from keras_noisecurve.backend.jax import features
 from keras_noisecurve.backend.jax.ghost import ghost_clipped_sum
 from keras_noisecurve.backend.jax.pipeline import RunBatches
@@ -51,11 +52,7 @@ __all__ = ["TrainStepBackend", "clipped_sum", "per_example_grads"]
 
 
 def _past_plan_message(step, steps):
-    return (
-        f"the optimizer's step {step} is past the mixing matrix's plan of {steps} steps (the privacy plan is "
-        "spent): refusing to train past step T, whose noise the privacy accounting does not cover; solve a "
-        "mixing matrix with more steps."
-    )
+    return messages.past_plan(step, steps) + "."
 
 
 class _RefusePastPlan(keras.callbacks.Callback):

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from keras_noisecurve.backend import messages
 from keras_noisecurve.backend.jax import noise as jax_noise
 from keras_noisecurve.backend.jax import pipeline as jax_pipeline
 from keras_noisecurve.backend.jax import sharding as jax_sharding
@@ -131,11 +132,7 @@ class OptimizerBackend:
         noise = self._noise
         step = self.iterations.value
         if noise.steps is not None and _is_concrete(step) and int(np.asarray(step)) >= noise.steps:
-            raise RuntimeError(
-                f"the mixing matrix plans {noise.steps} steps and they have all been used: the privacy "
-                "plan is spent. Refusing to train past step T (the noise would not be covered by the "
-                "privacy accounting); solve a mixing matrix with more steps."
-            )
+            raise RuntimeError(messages.plan_spent(noise.steps))
         if not variables:
             return []
         std = self.l2_norm_clip * self.noise_multiplier
