@@ -13,13 +13,12 @@ y, mask)``; the private model's ``train_step`` takes it apart (:func:`split_step
 Iterating the dataset (a custom loop) yields ``(x, y, mask, step)`` as on TensorFlow.
 
 Under several JAX processes (``jax.distributed.initialize``) every process iterates the
-same plan and serves ITS block of each step's rows (``StepBatches(parts=, part=)`` with
-:func:`input_parts`); Keras
-assembles the global batch from the processes' blocks. The processes must stand at the
-same step with the same sampling key: before the first batch they compare them (one
-``process_allgather``) and a process at another step is refused; a fresh run's key is
-process 0's (:func:`agreed_position`; the optimizer's ``build`` broadcasts its keys the
-same way).
+same plan and serves ITS rows of each step (``StepBatches(parts=, part=)`` with
+:func:`input_parts`, the split Keras makes of a dataset); Keras assembles the global batch
+from the processes' rows. The processes must stand at the same step with the same sampling
+key: before the first batch they compare them (one ``process_allgather``) and a process at
+another step is refused; a fresh run's key is process 0's (:func:`agreed_position`; the
+optimizer's ``build`` broadcasts its keys the same way, :func:`shared_key`).
 """
 
 from __future__ import annotations
