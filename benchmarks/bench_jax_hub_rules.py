@@ -1,4 +1,4 @@
-"""The JAX ghost rules of ``backend/jax/ghost_hub.py`` against the per-layer fallback, in one process:
+"""The JAX ghost rules of ``backend/jax/ghost_lora.py``, ``ghost_scale.py`` and ``ghost_embedding.py`` against the per-layer fallback, in one process:
 a private DP-SGD step (``clipping="ghost"``) of a tiny KerasHub Gemma with its tied output head,
 traced once with every rule ("with the hub rules") and once with only ``ghost_rules``'s first five
 (Dense, EinsumDense, Embedding, LayerNormalization, GroupNormalization: ReversibleEmbedding, the

@@ -71,7 +71,7 @@ def step_function(model):
 
 
 def engine_functions(cell, args):
-    from keras_noisecurve.training.ghost import ghost_clipped_sum
+    from keras_noisecurve.backend.tensorflow.ghost import ghost_clipped_sum
 
     keras.utils.set_random_seed(0)
     model = text_classifier(cell, args.vocab, args.width, args.length)

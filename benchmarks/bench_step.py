@@ -89,7 +89,7 @@ CONFIGS = {
     "dpsgd": {"clipping": "auto", "bands": 1},
     "banded16": {"clipping": "auto", "bands": 16},
     "blt4": {"clipping": "auto", "strategy": ("blt", 4)},
-    # ghost-norm clipping (keras_noisecurve.training.ghost), DP-SGD noise
+    # ghost-norm clipping (keras_noisecurve.backend.tensorflow.ghost), DP-SGD noise
     "ghost": {"clipping": "ghost", "bands": 1},
 }
 
@@ -171,7 +171,7 @@ NOISE_TARGETS = {"banded16": 1.15, "blt4": 1.05}
 def time_ghost_engine(model_name, x, y, repeats, steps):
     """The clipping engine alone (no optimizer, no noise): ``ghost_clipped_sum`` vs the
     plain gradient of the summed loss, interleaved; step time and peak memory."""
-    from keras_noisecurve.training.ghost import ghost_clipped_sum
+    from keras_noisecurve.backend.tensorflow.ghost import ghost_clipped_sum
 
     keras.utils.set_random_seed(0)
     model = MODELS[model_name][0]()
@@ -516,10 +516,10 @@ def main(argv=None):
     if args.onednn != "default" and os.environ.get("TF_ENABLE_ONEDNN_OPTS") != args.onednn:
         raise SystemExit(f"--onednn {args.onednn} must be set before TensorFlow starts: "
                          f"run with TF_ENABLE_ONEDNN_OPTS={args.onednn} or --onednn both")
-    from keras_noisecurve.training import ghost_layers
+    from keras_noisecurve.backend.tensorflow import ghost_rules
 
     print(f"TF_ENABLE_ONEDNN_OPTS={os.environ.get('TF_ENABLE_ONEDNN_OPTS', '(unset)')}: ghost conv rule takes "
-          f"{ghost_layers.conv_chunk(tf.float32)} example(s) per Conv2DBackpropFilter", flush=True)
+          f"{ghost_rules.conv_chunk(tf.float32)} example(s) per Conv2DBackpropFilter", flush=True)
 
     if args.clipping is not None:
         for table in (CONFIGS, STRATEGY_CONFIGS):

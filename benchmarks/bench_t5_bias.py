@@ -2,7 +2,7 @@
 
 ``bench_step.py --zoo --models t5``'s model and steps (``bench_zoo``: KerasHub T5Seq2SeqLM,
 B = 32, L = 64, width 64, DP-SGD with ``clipping="auto"``): the non-private Keras step, the
-private step with the rule of ``keras_noisecurve.training.ghost_t5``, and the private step
+private step with the rule of ``keras_noisecurve.backend.tensorflow.ghost_t5``, and the private step
 with that rule switched off while it is traced (the per-layer fallback re-runs the two
 attention layers that own the bias per example, as before the rule), interleaved over
 ``--repeats`` rounds of ``--steps`` steps. Prints the minimum over rounds (the least
@@ -25,8 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import numpy as np  # noqa: E402
 
 import bench_zoo  # noqa: E402
-from keras_noisecurve.training.ghost import describe  # noqa: E402
-from keras_noisecurve.training.ghost_t5 import RelativeAttentionBiasRule  # noqa: E402
+from keras_noisecurve.backend.tensorflow.ghost import describe  # noqa: E402
+from keras_noisecurve.backend.tensorflow.ghost_t5 import RelativeAttentionBiasRule  # noqa: E402
 from tests.training import zoo  # noqa: E402
 
 

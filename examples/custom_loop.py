@@ -48,7 +48,7 @@ def build(seed):
 
 def private_step_fn(model, optimizer, loss, batch_size):
     """The private train step of make_private, written out (docs/training.md, "Custom training loops")."""
-    from keras_noisecurve.training.clipping import add_regularization, get_engine, per_example_loss_fn
+    from keras_noisecurve.backend.tensorflow.clipping import add_regularization, get_engine, per_example_loss_fn
 
     engine = get_engine("vectorized")
     loss_fn = per_example_loss_fn(loss)

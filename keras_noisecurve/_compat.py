@@ -7,7 +7,8 @@ function here, named for what it returns, and each is pinned by ``tests/test_com
 against the installed versions (so an upgrade that renames or changes one fails there,
 with the name, instead of deep inside a training step). No other module of
 ``keras_noisecurve`` names a private third-party attribute or imports ``keras.src`` /
-``tensorflow.python``.
+``tensorflow.python``, but ``keras_noisecurve.backend.tensorflow.compat``, which holds the
+TensorFlow internals (imported only by the TensorFlow backend).
 
 Nothing is imported at module level: TensorFlow and the Keras backend modules are
 imported inside the functions that need them, so numpy-only callers (the privacy
@@ -29,7 +30,6 @@ __all__ = [
     "dense_pmf_fields",
     "distribution_strategy",
     "flatten_layers",
-    "in_xla_context",
     "iterations_variable",
     "keras_tf_nn_module",
     "learning_rate_value",
@@ -339,20 +339,6 @@ def variable_layout(variable):
 def replica_value_specs(spec):
     """The per-replica specs of a ``PerReplicaSpec`` (None for any other spec)."""
     return getattr(spec, "_value_specs", None)
-
-
-def in_xla_context() -> bool:
-    """Whether the graph being built is compiled by XLA (``jit_compile=True``); True when
-    TensorFlow's test is unavailable (the conservative answer for its callers)."""
-    import tensorflow as tf
-
-    try:
-        from tensorflow.python.ops import control_flow_util
-    except ImportError:  # pragma: no cover - a TensorFlow without the module
-        return True
-    if tf.executing_eagerly():
-        return False
-    return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
 
 
 # ------------------------------------------------------------------ Keras moments patch

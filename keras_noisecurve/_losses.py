@@ -4,7 +4,7 @@ definition for the TensorFlow and the JAX backend).
 One home for turning a loss name, a ``keras.losses.Loss`` (object or class) or a
 function into ``(y_true, y_pred) -> (P,)``, one UNREDUCED value per example. Private
 training clips per example, so it needs them
-(:func:`keras_noisecurve.training.clipping.per_example_loss_fn` re-exports
+(:func:`keras_noisecurve.backend.tensorflow.clipping.per_example_loss_fn` re-exports
 :func:`per_example_loss_fn`); the spectrum estimators weight batches by their example
 counts with them (:mod:`keras_noisecurve.spectrum.losses`).
 """

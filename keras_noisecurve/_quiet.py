@@ -1,8 +1,8 @@
-"""Quiet start-up: hold back TensorFlow's C++ start-up notices ("failed call to cuInit"
-on a machine without a GPU reads like a crash), replaying them only if the start fails.
+"""Quiet start-up: hold back the backend's C++ start-up notices (TensorFlow's "failed call to
+cuInit" on a machine without a GPU reads like a crash), replaying them only if the start fails.
 
-No TensorFlow import here; used by the ``noisecurve`` command line and by the
-optimizers (whose first variables probe the devices).
+No framework import here (the backend's ``devices`` module probes); used by the ``noisecurve``
+command line and by the optimizers (whose first variables probe the devices).
 """
 
 from __future__ import annotations
@@ -55,13 +55,13 @@ def quiet_startup(start, *, set_level: bool = True) -> bool:
 
 
 def probe_devices_quietly() -> None:
-    """Let TensorFlow probe its devices once, with its start-up notices held back
+    """Let the backend probe its devices once, with its start-up notices held back
     (``quiet_startup(..., set_level=False)``); later calls do nothing. The first
     variable a Keras optimizer creates would otherwise print them."""
     global _probed
     if _probed:
         return
     _probed = True
-    import tensorflow as tf
+    from keras_noisecurve import backend
 
-    quiet_startup(tf.config.list_physical_devices, set_level=False)
+    quiet_startup(backend.module("devices").probe, set_level=False)

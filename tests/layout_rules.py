@@ -6,6 +6,8 @@
 
 Measures:
 
+- ``framework_imports``: imports of TensorFlow (TF Privacy, tf_keras) or JAX outside that
+  framework's backend package ``backend/<framework>/``.
 - ``long_modules``: modules over ``MAX_LINES`` lines.
 - ``kind_comparisons``: comparisons (``==``, ``!=``, ``in``, ``not in``) of a value with a
   strategy kind (``"banded"``, ``"toeplitz"``, ``"fir"``, ``"blt"``, ``"bisr"``, ``"identity"``) or an
@@ -43,7 +45,8 @@ STRATEGY_CLASSES = frozenset({
 #: Module path patterns (relative to the package, glob) where kind/objective names may be compared:
 #: the registries that define them.
 REGISTRY_MODULES = ("mixing/strategies*.py", "mixing/objectives.py", "apps/strategy_table.py", "apps/*/strategy_table.py")
-COMPAT_MODULE = "_compat.py"
+#: where private third-party names may be used: Keras's and dp-accounting's, and TensorFlow's
+COMPAT_MODULES = ("_compat.py", "backend/tensorflow/compat.py")
 THIRD_PARTY_ROOTS = ("keras", "tensorflow", "tf", "dp_accounting", "tf_keras", "tensorflow_privacy")
 PRIVATE_IMPORTS = ("keras.src", "tensorflow.python", "tensorflow.core", "tensorflow_privacy.privacy")
 #: namedtuple's documented methods (public API despite the underscore)
@@ -207,6 +210,15 @@ LAYERS = (
 )
 
 
+#: modules of a backend package that implement a feature of that backend only, above the
+#: neutral code it stands on (module -> why); they may import any layer, as Keras's own
+#: ``backend/tensorflow/trainer.py`` imports its neutral trainer
+BACKEND_FEATURES = {
+    f"{PACKAGE}.backend.tensorflow.tf_privacy": "TensorFlow Privacy's DPQuery (a TensorFlow library), public as "
+    "integrations.tf_privacy: it draws the neutral noise of training.noise as the optimizer does",
+}
+
+
 def package_of(module: str) -> str:
     """``keras_noisecurve.mixing.matrix`` -> ``mixing``; top-level helpers -> their own name."""
     parts = module.split(".")
@@ -214,12 +226,13 @@ def package_of(module: str) -> str:
 
 
 def package_graph() -> dict[str, set[str]]:
-    """package -> the other packages its modules import (helpers and the root left out)."""
+    """package -> the other packages its modules import (helpers, the root and the modules of
+    :data:`BACKEND_FEATURES` left out)."""
     layer_of = {name: i for i, layer in enumerate(LAYERS) for name in layer}
     graph: dict[str, set[str]] = {name: set() for name in layer_of}
     for module, targets in import_graph().items():
         source = package_of(module)
-        if source not in layer_of:
+        if source not in layer_of or module in BACKEND_FEATURES:
             continue
         for target in targets:
             other = package_of(target)
@@ -229,18 +242,62 @@ def package_graph() -> dict[str, set[str]]:
 
 
 def layer_violations() -> list[str]:
-    """Imports from a package to one of a higher layer, or sideways within a layer."""
+    """Imports from a package to one of a higher layer, or sideways within a layer (the
+    modules of :data:`BACKEND_FEATURES` left out)."""
     layer_of = {name: i for i, layer in enumerate(LAYERS) for name in layer}
     out = []
     for module, targets in sorted(import_graph().items()):
         source = package_of(module)
-        if source not in layer_of:
+        if source not in layer_of or module in BACKEND_FEATURES:
             continue
         for target in sorted(targets):
             other = package_of(target)
             if other in layer_of and other != source and layer_of[other] >= layer_of[source]:
                 out.append(f"{module} imports {target} ({other} is not below {source})")
     return out
+
+
+#: framework -> the top-level import names that are that framework (TF Privacy and tf_keras
+#: stand on TensorFlow); only ``backend/<framework>/`` may import them
+FRAMEWORKS = {
+    "tensorflow": ("tensorflow", "tensorflow_privacy", "tf_keras"),
+    "jax": ("jax", "jaxlib"),
+}
+
+
+def framework_imports() -> list[str]:
+    """``module imports name`` for every import of a framework (module level or inside a
+    function, ``import x``, ``from x import y`` and ``importlib.import_module("x")``) outside
+    that framework's backend package ``keras_noisecurve/backend/<framework>/``."""
+    roots = {root: framework for framework, names in FRAMEWORKS.items() for root in names}
+    out = []
+    for module, path in modules().items():
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+                func = node.func
+                called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+                if called == "import_module" and isinstance(node.args[0].value, str):
+                    names = [node.args[0].value]
+            for name in names:
+                framework = roots.get(name.split(".")[0])
+                if framework and not module.startswith(f"{PACKAGE}.backend.{framework}."):
+                    out.append(f"{module}:{node.lineno} imports {name}")
+    return sorted(out)
+
+
+def backend_modules() -> dict[str, set[str]]:
+    """backend name -> the module names of ``keras_noisecurve/backend/<name>/``."""
+    folder = ROOT / PACKAGE / "backend"
+    return {
+        name: {p.stem for p in (folder / name).glob("*.py") if p.stem != "__init__"}
+        for name in FRAMEWORKS
+    }
 
 
 def long_modules(max_lines: int = MAX_LINES) -> list[str]:
@@ -376,7 +433,7 @@ def private_names() -> list[str]:
     out = []
     for path, tree in _trees():
         rel = _rel(path)
-        if rel == COMPAT_MODULE:
+        if rel in COMPAT_MODULES:
             continue
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
@@ -438,6 +495,7 @@ def largest_modules(count: int = 5) -> list[str]:
 
 
 MEASURES = {
+    "framework_imports": framework_imports,
     "layer_violations": layer_violations,
     "long_modules": long_modules,
     "kind_comparisons": kind_comparisons,

@@ -63,11 +63,11 @@ def test_saved_model_with_groupnorm_loads_also_from_a_file_written_before_the_mo
 
 
 def test_groupnorm_ghost_rule_is_registered_from_the_apps_side():
-    from keras_noisecurve.training import ghost, ghost_layers
+    from keras_noisecurve.backend.tensorflow import ghost, ghost_rules
 
     model = _model()
-    rule = ghost_layers.find_rule(model.get_layer("gn"))
+    rule = ghost_rules.find_rule(model.get_layer("gn"))
     assert isinstance(rule, knc_layers.GroupNormRule)
     assert ("gn", "GroupNorm", "GroupNorm") in ghost.describe(model)
     # the core's own rules know nothing of the apps' layer
-    assert not any(rule.matches(model.get_layer("gn")) for rule in ghost_layers.RULES)
+    assert not any(rule.matches(model.get_layer("gn")) for rule in ghost_rules.RULES)

@@ -9,7 +9,10 @@
     Importing ``a.b.c`` also runs ``a/__init__`` and ``a/b/__init__``; those implicit
     parent-package imports are not edges (every module of a package would otherwise
     "cycle" through the package's own ``__init__``).
-(b) The repository stands on its own: no file in ``keras_noisecurve/``, ``docs/`` or
+(b) The backend seam: no module outside ``backend/<framework>/`` imports that framework
+    (TensorFlow, TF Privacy, tf_keras; JAX), and the two backend packages have the same module
+    names, but for the modules one backend has for a reason written down here.
+(c) The repository stands on its own: no file in ``keras_noisecurve/``, ``docs/`` or
     ``README.md`` cites the internal design brief (``DESIGN.md``) or the directory
     it lives in.
 """
@@ -24,11 +27,11 @@ from tests.layout_rules import PACKAGE, ROOT, cycles as _cycles, imports as _imp
 def test_import_graph_is_built_from_every_module():
     modules = _modules()
     graph = {m: _imports(m, modules) for m in modules}
-    assert f"{PACKAGE}.training.clipping" in graph
+    assert f"{PACKAGE}.backend.tensorflow.clipping" in graph
     # a function-level import is an edge (estimate imports its helpers lazily)
     assert f"{PACKAGE}.spectrum.lanczos" in graph[f"{PACKAGE}.spectrum.estimate"]
     # `from package import submodule` is an edge to the submodule
-    assert f"{PACKAGE}.training.ghost" in graph[f"{PACKAGE}.training.clipping"]
+    assert f"{PACKAGE}.backend.tensorflow.ghost" in graph[f"{PACKAGE}.backend.tensorflow.clipping"]
 
 
 def test_no_import_cycles():
@@ -38,6 +41,66 @@ def test_no_import_cycles():
     assert not cycles, "import cycles among keras_noisecurve modules:\n" + "\n".join(
         "  " + " -> ".join(cycle) for cycle in cycles
     )
+
+
+def test_no_framework_is_imported_outside_its_backend_package():
+    found = layout_rules.framework_imports()
+    assert not found, _report(
+        "framework imports outside keras_noisecurve/backend/<framework>/ (call the backend's module through "
+        "keras_noisecurve.backend.module(...), or keras.ops)", found)
+
+
+def test_the_rule_finds_framework_imports_wherever_they_are(tmp_path, monkeypatch):
+    package = tmp_path / PACKAGE
+    (package / "backend" / "jax").mkdir(parents=True)
+    (package / "privacy").mkdir()
+    (package / "privacy" / "lazy.py").write_text("def f():\n    import tensorflow as tf\n    return tf\n")
+    (package / "privacy" / "string.py").write_text("import importlib\nimportlib.import_module('jax.numpy')\n")
+    (package / "privacy" / "fine.py").write_text("import numpy\nfrom keras import ops\n")
+    (package / "backend" / "jax" / "noise.py").write_text("import jax\n")
+    (package / "backend" / "jax" / "wrong.py").write_text("from tensorflow_privacy import x\n")
+    monkeypatch.setattr(layout_rules, "ROOT", tmp_path)
+    found = layout_rules.framework_imports()
+    assert found == [
+        f"{PACKAGE}.backend.jax.wrong:1 imports tensorflow_privacy",
+        f"{PACKAGE}.privacy.lazy:2 imports tensorflow",
+        f"{PACKAGE}.privacy.string:2 imports jax.numpy",
+    ]
+
+
+#: modules one backend package has and the other has not, and why; every other module name is in both
+BACKEND_ONLY = {
+    "tensorflow": {
+        "clipped_sum": "ClippedSum, what the TensorFlow engines return (JAX's return arrays)",
+        "compat": "the TensorFlow internals read (XLA context)",
+        "distributed": "the loop of fit_distributed under tf.distribute (on JAX, fit runs over several processes)",
+        "ghost_conv_kinds": "depthwise, separable, grouped, 3-D and transposed convolutions (in ghost_conv on JAX)",
+        "ghost_generic": "the per-layer fallback by re-running a layer per example (JAX's is a vmap, in ghost)",
+        "ghost_reads": "weights read outside their layer's call, found by tracing (recorded in ghost on JAX)",
+        "ghost_t5": "T5's relative-attention bias (the exact fallback clips it on JAX)",
+        "ghost_taps": "depthwise kernel gradients where TensorFlow's filter gradient is slow",
+        "ghost_timedist": "TimeDistributed folded onto its layer's rule (the exact fallback on JAX)",
+        "kernels": "which formulations TensorFlow's CPU kernels execute",
+        "tf_privacy": "TensorFlow Privacy's DPQuery (a TensorFlow library)",
+        "tf_privacy_import": "TensorFlow Privacy's import workaround",
+    },
+    "jax": {
+        "sharding": "the noise of a variable split by keras.distribution.ModelParallel (a JAX feature of Keras)",
+    },
+}
+
+
+def test_the_backend_packages_have_the_same_module_names():
+    modules = layout_rules.backend_modules()
+    for name, other in (("tensorflow", "jax"), ("jax", "tensorflow")):
+        only = modules[name] - modules[other]
+        assert only == set(BACKEND_ONLY[name]), (
+            f"modules in backend/{name}/ and not in backend/{other}/: {sorted(only)}; documented: "
+            f"{sorted(BACKEND_ONLY[name])} (give the module the other backend's name, or say here why it has none)"
+        )
+    # the interface the neutral code reaches through keras_noisecurve.backend.module(...) is in both
+    for interface in ("audit", "devices", "dp_model", "features", "hvp", "noise", "optimizer", "pipeline"):
+        assert all(interface in modules[name] for name in modules), interface
 
 
 def test_nothing_cites_the_internal_design_brief():

@@ -52,10 +52,10 @@ def _start_backend() -> None:
             raise
         raise SystemExit(f"error: {better}") from error
 
-    if keras.backend.backend() == "tensorflow":
-        import tensorflow as tf
+    from keras_noisecurve import backend
 
-        tf.config.list_physical_devices()  # GPU drivers are probed (and complain) here
+    if keras.backend.backend() in backend.SUPPORTED:  # another backend is refused by the command's own code
+        backend.module("devices").probe()  # GPU drivers are probed (and complain) here
 
 
 def build_parser(argv) -> argparse.ArgumentParser:

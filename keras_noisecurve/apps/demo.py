@@ -284,12 +284,10 @@ def _run(args, cfg) -> int:
     import keras
 
     import keras_noisecurve as knc
+    from keras_noisecurve import backend
     from keras_noisecurve.mixing.diagnostics import noise_diagnostics
 
-    if keras.backend.backend() == "tensorflow":
-        import tensorflow as tf
-
-        tf.get_logger().setLevel("ERROR")  # vectorized_map's "uses a while_loop" notices are not progress
+    backend.module("devices").quiet_python_logs()  # notices that are not progress
     from keras_noisecurve.apps.models import small_groupnorm_cnn
     from keras_noisecurve.spectrum import clipping_scale
 

@@ -15,11 +15,11 @@
 Both are registered for Keras serialization as ``keras_noisecurve>GroupNorm`` and
 ``keras_noisecurve>AdaptiveAveragePooling2D``, so saved ``.keras`` files load after
 ``import keras_noisecurve.apps.layers`` (``keras_noisecurve.apps.models`` imports it).
-On the TensorFlow backend, importing this module also registers ``GroupNormRule``, the
-ghost-norm rule of ``GroupNorm`` (``keras_noisecurve.training.ghost_layers.register_rule``),
-so the per-layer clipping engine clips it exactly instead of with its generic fallback; on
-JAX the module imports no TensorFlow and the JAX engine clips ``GroupNorm`` exactly through
-its per-layer fallback (a rule registry for both engines is not built yet).
+Importing this module also registers the ghost-norm rule of ``GroupNorm`` with the engine of
+the backend in use (``keras_noisecurve.training.register_rule``): on TensorFlow
+``GroupNormRule`` (a ``Rule`` of the TensorFlow engine), on JAX ``GroupNorm_rule`` (the JAX
+engine's group-normalisation rule for this class), so the per-layer engine clips it from
+``(a, g)`` instead of with its per-layer fallback. Either way the module imports no framework.
 """
 
 from __future__ import annotations
@@ -120,11 +120,11 @@ class AdaptiveAveragePooling2D(keras.layers.Layer):
 
 def _group_norm_rule_class():
     """:class:`GroupNormRule` (TensorFlow's per-layer engine; made on first use, so that this
-    module imports no TensorFlow on the JAX backend, whose engine clips ``GroupNorm``
-    exactly through its per-layer fallback)."""
-    import tensorflow as tf
+    module loads no engine on the JAX backend, whose engine clips ``GroupNorm`` exactly through
+    its per-layer fallback)."""
+    from keras import ops
 
-    from keras_noisecurve.training.ghost_norm import GroupNormalizationRule
+    from keras_noisecurve.backend.tensorflow.ghost_norm import GroupNormalizationRule
 
     class GroupNormRule(GroupNormalizationRule):
         """Ghost-norm rule of :class:`GroupNorm` (the paper CNN's GroupNorm, channels last).
@@ -140,16 +140,15 @@ def _group_norm_rule_class():
             return [rank - 1]
 
         def normalised(self, layer, inputs):
-            compute = tf.float64 if tf.as_dtype(inputs.dtype) == tf.float64 else tf.float32
-            x = tf.cast(inputs, compute)
+            x = inputs if keras.backend.standardize_dtype(inputs.dtype) == "float64" else ops.cast(inputs, "float32")
             channels = x.shape[-1]
-            spatial = x.shape[1:-1].as_list()
-            grouped = tf.reshape(x, [-1, *spatial, layer.groups, channels // layer.groups])
-            axes = list(range(1, len(spatial) + 1)) + [len(spatial) + 2]
-            mean = tf.reduce_mean(grouped, axis=axes, keepdims=True)
+            spatial = list(x.shape[1:-1])
+            grouped = ops.reshape(x, [-1, *spatial, layer.groups, channels // layer.groups])
+            axes = tuple(range(1, len(spatial) + 1)) + (len(spatial) + 2,)
+            mean = ops.mean(grouped, axis=axes, keepdims=True)
             centred = grouped - mean
-            var = tf.reduce_mean(centred * centred, axis=axes, keepdims=True)
-            return tf.reshape(centred / tf.sqrt(var + layer.epsilon), tf.shape(x))
+            var = ops.mean(centred * centred, axis=axes, keepdims=True)
+            return ops.reshape(centred / ops.sqrt(var + layer.epsilon), ops.shape(x))
 
     GroupNormRule.__module__ = __name__
     return GroupNormRule
@@ -168,6 +167,13 @@ def __getattr__(name):
 
 
 if keras.backend.backend() == "tensorflow":
-    from keras_noisecurve.training.ghost_layers import register_rule
+    from keras_noisecurve.backend.tensorflow.ghost_rules import register_rule
 
     register_rule(__getattr__("GroupNormRule")())
+elif keras.backend.backend() == "jax":
+    from keras_noisecurve.backend.jax.ghost_norm import grouped_norm_rule
+    from keras_noisecurve.backend.jax.ghost_rules import register_rule
+
+    _rule = grouped_norm_rule(GroupNorm, name="GroupNorm_rule")
+    _rule.__module__ = __name__
+    register_rule(_rule)

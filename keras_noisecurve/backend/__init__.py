@@ -1,19 +1,19 @@
 """The backend seam: the parts of the library that depend on the Keras backend.
 
-Keras 3 runs on several backends; this library supports two, TensorFlow and JAX. The
-code that depends on the framework has one implementation per backend, in
-``keras_noisecurve.backend.tensorflow`` and ``keras_noisecurve.backend.jax``: the noise
-generator's array operations (``noise``), the optimizer's slot variables and update
-(``optimizer``), the Hessian-vector product (``hvp``), the audits' independent references
-(``audit``). The neutral code above them asks :func:`name` once and imports the module of
-that backend through :func:`module`; the numpy parts (mixing, accounting, the run spec,
-the sampler plan, the example sources' numpy gather, the audit's statistics) import no
-framework.
-
-Not yet behind the seam: the TensorFlow train step and clipping engine live in
-``keras_noisecurve.training`` (``dp_model_tf.py``, ``ghost*.py``, ``clipping.py``), while
-their JAX counterparts are here (``backend/jax/dp_model.py``, ``ghost*.py``); the private
-model picks its half by backend (``training/dp_model.py``).
+Keras 3 runs on several backends; this library supports two, TensorFlow and JAX. Everything
+that touches a framework is in ``keras_noisecurve.backend.tensorflow`` or
+``keras_noisecurve.backend.jax``, with the same module names in each: the private train step
+(``dp_model``), the clipping engines (``clipping``, ``ghost`` with its rule registry
+``ghost_rules`` and one ``ghost_<family>`` module per layer family), Keras's training features
+(``features``), the input pipeline (``pipeline``), the noise generator's array operations
+(``noise``), the optimizer's slot variables and update (``optimizer``), the Hessian-vector
+product (``hvp``), the audits' independent references (``audit``), the devices (``devices``).
+The neutral code above them asks :func:`name` once and imports the module of that backend
+through :func:`module`; it imports no framework. The numpy helpers both backends share are
+here (``philox``, ``calls``, ``affine_scale``, ``messages``, ``model_checks``,
+``class_weight``, ``norm_observer``). ``tests/test_layout.py`` checks the seam: no framework
+import outside its package, the same module names in both (the few one backend has alone
+are listed there, with the reason).
 
 The backend is Keras's: ``KERAS_BACKEND`` (or ``~/.keras/keras.json``), read when
 ``keras`` is first imported. Importing this package imports neither TensorFlow nor JAX.

@@ -4,8 +4,8 @@ Both ghost-clipping engines give a closed-form rule to a layer with ONE weight `
 shape (d,) whose output is ``y = u(x) ⊙ (α + w)`` along the last axis (α = 0 or 1) with
 ``u`` not depending on ``w`` — every RMS normalisation whatever its class name — and
 recognise it by probing its call: the JAX engine's ``rms_scale_rule``
-(:mod:`keras_noisecurve.backend.jax.ghost_hub`) and the TensorFlow engine's
-``ComputedScaleRule`` (``keras_noisecurve/training/ghost_scale.py``). The decision is the
+(:mod:`keras_noisecurve.backend.jax.ghost_scale`) and the TensorFlow engine's
+``ComputedScaleRule`` (``keras_noisecurve/backend/tensorflow/ghost_scale.py``). The decision is the
 same on both; only running the layer differs. :class:`AffineScaleProbe` holds the shared
 part: which layers qualify (:func:`single_weight`), the probing input and weight values,
 the affinity test (:func:`affine_in_weight`) and the per-layer cache; each engine passes

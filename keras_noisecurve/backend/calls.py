@@ -4,15 +4,17 @@ The ghost-clipping engines watch a model's forward pass by replacing, on each la
 INSTANCE (never its class), the ``call`` method with a wrapper, and putting everything
 back afterwards: the JAX engine's recording (:mod:`keras_noisecurve.backend.jax.ghost`) and
 its rows probe (:mod:`keras_noisecurve.backend.jax.ghost_rows`), the TensorFlow engine's
-rows probe (``keras_noisecurve/training/ghost_rows.py``). :func:`wrapped_calls` is the one
-way they do it.
+rows probe (``keras_noisecurve/backend/tensorflow/ghost_rows.py``). :func:`wrapped_calls` is the one
+way they do it. :func:`training_kwargs` is how they pass ``training`` to a ``call`` they run
+themselves, as Keras's ``Layer.__call__`` does.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 
-__all__ = ["wrapped_calls"]
+__all__ = ["training_kwargs", "wrapped_calls"]
 
 _MISSING = object()
 
@@ -60,3 +62,17 @@ def wrapped_calls(layers, *, wrap):
                 object.__delattr__(layer, "call")
             else:
                 object.__setattr__(layer, "call", own)
+
+
+def training_kwargs(layer, training) -> dict:
+    """``{"training": training}`` when ``layer.call`` takes a ``training`` argument (by name or
+    through ``**kwargs``), else ``{}``: what Keras's ``Layer.__call__`` passes, for code that runs
+    ``call`` or ``stateless_call`` itself (which pass their keyword arguments on unchanged: a
+    model whose ``call(self, x)`` has no ``training`` would raise a TypeError)."""
+    try:
+        parameters = inspect.signature(layer.call).parameters.values()
+    except (TypeError, ValueError):  # no signature: pass it, as Keras would try
+        return {"training": training}
+    takes = any(p.name == "training" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+    return {"training": training} if takes else {}
+

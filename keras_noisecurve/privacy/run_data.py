@@ -110,9 +110,11 @@ class RunData:
             parts, part, multiple = pipeline.input_parts()
             return pipeline.run_batches(StepBatches(run, self._source, start, parts=parts, part=part,
                                                     multiple=multiple))
-        from keras_noisecurve.privacy.pipeline import plan_dataset
+        from keras_noisecurve.privacy.step_batches import Samplers
 
-        return plan_dataset(run, self._source, position=position, input_context=input_context)
+        batch_of = Samplers(run, self._source.sample_weight).batch
+        return _backend.module("pipeline").plan_dataset(run, self._source, batch_of=batch_of, position=position,
+                                                        input_context=input_context)
 
     def __iter__(self):
         raise TypeError(

@@ -295,8 +295,6 @@ def banded_poisson_dataset(x, y=None, *, spec: Optional[RunSpec] = None, seed=No
       ``tf.data.Dataset`` with element spec ``(x: (P, ...), y: (P, ...), mask: (P,)
       float32)``; P = ``plan.padded_size``. With ``return_plan``: ``(dataset, plan)``.
     """
-    import tensorflow as tf
-
     from keras_noisecurve.privacy.sources import as_source
 
     source = as_source(x, y, sample_weight=sample_weight)
@@ -357,24 +355,6 @@ class _LowLevelPlan:
 
     def dataset(self, optimizer=None, *, with_step=False):
         """Batches ``(x, y, mask)`` (``+ (step,)`` with ``with_step``) from ``optimizer``'s step (0 without)."""
-        import tensorflow as tf
+        from keras_noisecurve.backend.tensorflow import pipeline
 
-        indices, mask = tf.constant(self.indices), tf.constant(self.mask)
-        rows = int(self.indices.shape[1])
-        if optimizer is None:
-            steps = tf.data.Dataset.range(self.steps)
-        else:
-            def first(_):
-                start = tf.py_function(lambda: np.int64(self.position(optimizer)), [], tf.int64)
-                start.set_shape([])
-                return tf.data.Dataset.range(start, self.steps)
-
-            steps = tf.data.Dataset.from_tensors(np.int64(0)).flat_map(first)
-
-        def gather(t):
-            xb, yb = self.source.tf_gather(tf.gather(indices, t))
-            m = tf.gather(mask, t)
-            return (xb, yb, m, tf.fill([rows], t)) if with_step else (xb, yb, m)
-
-        ds = steps.map(gather, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-        return ds.prefetch(tf.data.AUTOTUNE)
+        return pipeline.plan_steps_dataset(self, optimizer, with_step=with_step)

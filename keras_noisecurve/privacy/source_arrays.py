@@ -58,7 +58,7 @@ def _random_access_map(array) -> np.ndarray:
     return np.asarray(own)
 
 class _ArraySource(ExampleSource):
-    """numpy arrays in memory, gathered by ``tf.gather`` on constant tensors."""
+    """numpy arrays in memory (in ``tf.data``, gathered by ``tf.gather`` on constant tensors)."""
 
     kind = "memory"
 
@@ -70,28 +70,16 @@ class _ArraySource(ExampleSource):
         self._tensors = None
         self._lock = threading.Lock()
 
-    def _constants(self):
-        import tensorflow as tf
-
+    def cached_arrays(self, convert):
+        """``convert(x, y)`` (the backend's tensors of the whole arrays), made once per source."""
         with self._lock:
             if self._tensors is None:
-                with tf.init_scope():  # eager constants, captured by the map function (not graph constants)
-                    convert = lambda a: tf.convert_to_tensor(a)  # noqa: E731
-                    self._tensors = (
-                        tf.nest.map_structure(convert, self._x),
-                        None if self._y is None else tf.nest.map_structure(convert, self._y),
-                    )
+                self._tensors = convert(self._x, self._y)
             return self._tensors
 
     def _flat_gather(self, indices):
         return [np.take(a, indices, axis=0) for a in self._leaves]
 
-    def tf_gather(self, indices):
-        import tensorflow as tf
-
-        x_t, y_t = self._constants()
-        take = lambda a: tf.gather(a, indices)  # noqa: E731
-        return tf.nest.map_structure(take, x_t), (None if y_t is None else tf.nest.map_structure(take, y_t))
 
 class _MemmapSource(ExampleSource):
     """Arrays of which at least one is memory-mapped; rows read per batch by numpy."""

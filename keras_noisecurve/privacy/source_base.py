@@ -57,9 +57,9 @@ class ArraySpec:
 
     def tf_spec(self):
         """The ``tf.TensorSpec`` of this leaf (imports TensorFlow)."""
-        import tensorflow as tf
+        from keras_noisecurve.backend.tensorflow import pipeline
 
-        return tf.TensorSpec(self.shape, tf.string if self.is_text else tf.as_dtype(self.dtype))
+        return pipeline.tensor_spec(self)
 
 
 def _leading_length(name, structure) -> int:
@@ -160,27 +160,14 @@ class ExampleSource:
     def tf_gather(self, indices) -> tuple:
         """``(x_batch, y_batch or None)`` tensors for an int64 tensor ``indices`` (P,).
 
-        For a ``tf.data`` map function (graph mode) or eager use. Every leaf has the
-        static shape ``(P, *spec.shape)`` (P static when ``indices``' shape is) and
-        the spec's dtype. Streamed kinds run ONE ``tf.numpy_function`` per call.
+        For a ``tf.data`` map function (graph mode) or eager use (imports TensorFlow). Every
+        leaf has the static shape ``(P, *spec.shape)`` (P static when ``indices``' shape is)
+        and the spec's dtype. In-memory arrays are ``tf.gather``-ed from constant tensors;
+        streamed kinds run ONE ``tf.numpy_function`` per call.
         """
-        import tensorflow as tf
+        from keras_noisecurve.backend.tensorflow import pipeline
 
-        indices = tf.convert_to_tensor(indices)
-        if indices.dtype != tf.int64:
-            indices = tf.cast(indices, tf.int64)
-        x_spec, y_spec = self.element_spec
-        specs = tf.nest.flatten(x_spec) + ([] if y_spec is None else tf.nest.flatten(y_spec))
-        num_x = len(tf.nest.flatten(x_spec))
-        flat = tf.numpy_function(
-            self._flat_gather, [indices], [s.dtype for s in specs], stateful=False, name=f"gather_{self.kind}"
-        )
-        lead = indices.shape[:1]
-        for tensor, spec in zip(flat, specs):
-            tensor.set_shape(lead.concatenate(spec.shape))
-        xb = tf.nest.pack_sequence_as(x_spec, flat[:num_x])
-        yb = None if y_spec is None else tf.nest.pack_sequence_as(y_spec, flat[num_x:])
-        return xb, yb
+        return pipeline.gather(self, indices)
 
 
 def _check_weights(sample_weight, n: int):

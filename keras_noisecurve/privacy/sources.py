@@ -93,46 +93,6 @@ __all__ = ["KINDS", "MAX_MATERIALIZED_BYTES", "ExampleSource", "as_source"]
 MAX_MATERIALIZED_BYTES = 2 * 1024**3
 
 
-# ------------------------------------------------------------------ tf.data input
-def _nbytes(structure) -> int:
-    import tensorflow as tf
-
-    return sum(int(np.asarray(a).nbytes) for a in tf.nest.flatten(structure))
-
-
-def _materialize(dataset):
-    """(x, y, sample_weight) numpy structures from a dataset of examples."""
-    import tensorflow as tf
-
-    spec = dataset.element_spec
-    leaves = tf.nest.flatten(spec)
-    if leaves and all(getattr(s, "shape", None) is not None and s.shape.rank and s.shape[0] is None for s in leaves):
-        dataset = dataset.unbatch()  # a batched dataset: every component has an unknown leading dim
-        spec = dataset.element_spec
-    rows, total = [], 0
-    for element in dataset.as_numpy_iterator():
-        total += _nbytes(element)
-        if total > MAX_MATERIALIZED_BYTES:
-            raise ValueError(
-                f"the tf.data input exceeds {MAX_MATERIALIZED_BYTES / 1024**3:g} GiB when materialised; "
-                "a tf.data input is read into memory once to gather its batches. For larger data pass a "
-                "np.memmap (np.load(path, mmap_mode='r')), a random-access sequence (e.g. "
-                "tfds.data_source(...)) or a keras.utils.PyDataset: those are streamed."
-            )
-        rows.append(element)
-    if not rows:
-        raise ValueError("the tf.data input is empty.")
-    stacked = tf.nest.map_structure(lambda *xs: np.stack(xs), *rows)
-    if isinstance(spec, tuple):
-        if len(spec) == 1:
-            return stacked[0], None, None
-        if len(spec) == 2:
-            return stacked[0], stacked[1], None
-        if len(spec) == 3:
-            return stacked[0], stacked[1], stacked[2]
-        raise ValueError(f"a tuple element must be (x,), (x, y) or (x, y, sample_weight); got {len(spec)} parts.")
-    return stacked, None, None
-
 def _is_array_like(obj) -> bool:
     return isinstance(obj, (np.ndarray, collections.abc.Mapping, list, tuple)) or hasattr(obj, "__array__")
 
@@ -206,7 +166,9 @@ def as_source(x, y=None, *, sample_weight=None, example_fn: Optional[Callable] =
     if is_dataset:
         if y is not None or sample_weight is not None:
             raise ValueError("with a tf.data.Dataset input, put y and sample_weight inside the dataset's elements.")
-        x, y, sample_weight = _materialize(x)
+        from keras_noisecurve.backend.tensorflow import pipeline
+
+        x, y, sample_weight = pipeline.materialize(x, max_bytes=MAX_MATERIALIZED_BYTES)
         return _ArraySource(x, y, _length(x, y), sample_weight)
     if is_py_dataset:
         if y is not None:

@@ -35,14 +35,16 @@ AFFECTED_LAYERS = ("GroupNormalization", "LayerNormalization", "BatchNormalizati
 
 
 def _exact_compute_moments(x, axes, keepdims):
-    import tensorflow as tf
+    """``(mean, mean((x − mean)²))`` over ``axes``, the mean's path kept (``keras.ops``: called
+    while Keras's TensorFlow backend computes ``keras.ops.moments``, so on TensorFlow tensors)."""
+    from keras import ops
 
-    axes = list(axes) if isinstance(axes, (list, tuple)) else [axes]
-    mean = tf.reduce_mean(x, axis=axes, keepdims=True)
-    variance = tf.reduce_mean(tf.math.squared_difference(x, mean), axis=axes, keepdims=True)
+    axes = tuple(axes) if isinstance(axes, (list, tuple)) else (axes,)
+    mean = ops.mean(x, axis=axes, keepdims=True)
+    variance = ops.mean(ops.square(x - mean), axis=axes, keepdims=True)
     if not keepdims:
-        mean = tf.squeeze(mean, axes)
-        variance = tf.squeeze(variance, axes)
+        mean = ops.squeeze(mean, axis=axes)
+        variance = ops.squeeze(variance, axis=axes)
     return mean, variance
 
 

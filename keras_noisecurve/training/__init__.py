@@ -4,13 +4,14 @@
   mixing strategy, C = I (DP-SGD) by default (``optimizer.py``; its argument checks in
   ``optimizer_args.py``, its update-rule warning in ``update_rule_check.py``), with the
   online noise of ``noise.py``.
-- :func:`make_private` (a :class:`PrivateModel`): per-example clipping in ``train_step``
-  (``dp_model.py``) through a clipping engine: ``clipping.py`` (vectorized engine and
-  the registry), ``ghost.py`` (ghost norms, rules in ``ghost_layers.py``), both
-  returning the ``ClippedSum`` of ``clipped_sum.py``; examples with a non-finite loss or
-  gradient are dropped, counted and reported (``nonfinite.py``).
+- :func:`make_private` (a :class:`PrivateModel`, ``dp_model.py``): per-example clipping in
+  ``train_step``, whose engines are the backend's (``keras_noisecurve.backend.<name>``:
+  ``dp_model``, ``clipping``, ``ghost`` and its rules); examples with a non-finite loss or
+  gradient are dropped, counted and reported.
+- :func:`describe`, :func:`register_rule` (``rules.py``): which rule clips each layer, and a
+  rule of your own, on the backend in use.
 - :func:`fit_distributed` (``distributed.py``): the training loop for
-  ``MultiWorkerMirroredStrategy``, where Keras 3's ``fit`` does not run.
+  ``MultiWorkerMirroredStrategy``, where Keras 3's ``fit`` does not run (TensorFlow).
 - :func:`learning_rate_schedule`, :class:`LinearCooldown`, :class:`MultiplierSchedule`
   (``schedules.py``): the Keras learning rate of an ``UpdateRule``'s schedule, for an
   ``inner=keras.optimizers.SGD(...)`` that runs the update a mixing matrix was solved for.
@@ -22,18 +23,20 @@ import importlib
 # package imports no framework and the TensorFlow-only parts (the clipping engines, the
 # ghost-norm rules, fit_distributed) load only where they are used
 _EXPORTS = {
-    "ClippedSum": "keras_noisecurve.training.clipping",
+    "ClippedSum": "keras_noisecurve.backend.tensorflow.clipping",
     "LinearCooldown": "keras_noisecurve.training.schedules",
     "MultiplierSchedule": "keras_noisecurve.training.schedules",
     "NoiseCurveOptimizer": "keras_noisecurve.training.optimizer",
     "PrivateModel": "keras_noisecurve.training.dp_model",
     "StreamNoise": "keras_noisecurve.training.noise",
+    "describe": "keras_noisecurve.training.rules",
     "fit_distributed": "keras_noisecurve.training.distributed",
-    "get_engine": "keras_noisecurve.training.clipping",
+    "get_engine": "keras_noisecurve.backend.tensorflow.clipping",
     "learning_rate_schedule": "keras_noisecurve.training.schedules",
     "make_private": "keras_noisecurve.training.dp_model",
+    "register_rule": "keras_noisecurve.training.rules",
     "replace_batch_normalization": "keras_noisecurve.training.batchnorm",
-    "vectorized_clipped_sum": "keras_noisecurve.training.clipping",
+    "vectorized_clipped_sum": "keras_noisecurve.backend.tensorflow.clipping",
 }
 
 #: names that exist on the TensorFlow backend only

@@ -11,7 +11,7 @@ One training step (docs/design.md#update-rule):
 
 ``class_weight`` multiplies each example's weight before clipping, a layer's
 ``add_loss`` penalty on the weights only is added like a regulariser and one that
-depends on the data is refused (:mod:`keras_noisecurve.training.keras_features` on
+depends on the data is refused (:mod:`keras_noisecurve.backend.tensorflow.features` on
 TensorFlow, :mod:`keras_noisecurve.backend.jax.features` on JAX). ``test_step`` reports the same loss as training (the compiled per-example
 loss, weighted mean over the batch); ``predict_step`` is Keras's own.
 """
@@ -29,8 +29,8 @@ from keras_noisecurve import backend as _backend
 from keras_noisecurve._losses import per_example_loss_fn
 from keras_noisecurve._validation import check_choice, check_float, check_int
 from keras_noisecurve.training import lora_state
-from keras_noisecurve.training.class_weight import check_class_weight
-from keras_noisecurve.training.model_checks import ENGINES, check_model_is_clippable
+from keras_noisecurve.backend.class_weight import check_class_weight
+from keras_noisecurve.backend.model_checks import ENGINES, check_model_is_clippable
 from keras_noisecurve.training.optimizer import NoiseCurveOptimizer
 
 __all__ = ["PrivateModel", "make_private"]
@@ -40,7 +40,7 @@ _PACKAGE = "keras_noisecurve"
 #: the module of each backend's ``TrainStepBackend`` (the private ``train_step`` and what
 #: ``fit`` needs around it); a third backend is one more entry
 IMPLEMENTATIONS = {
-    "tensorflow": "keras_noisecurve.training.dp_model_tf",
+    "tensorflow": "keras_noisecurve.backend.tensorflow.dp_model",
     "jax": "keras_noisecurve.backend.jax.dp_model",
 }
 _impl = importlib.import_module(IMPLEMENTATIONS[_backend.name()])
@@ -148,7 +148,7 @@ class PrivateModel(_impl.TrainStepBackend, keras.Model):
       model: any Keras model (Sequential, functional or subclassed). Its weights
         are shared, not copied.
       clipping: the clipping engine: ``"auto"`` (ghost-norm clipping when
-        ``keras_noisecurve.training.ghost`` supports the model, else vectorized),
+        ``keras_noisecurve.backend.tensorflow.ghost`` supports the model, else vectorized),
         ``"vectorized"`` or ``"ghost"``.
       microbatch_size: evaluate per-example gradients in chunks of this many
         examples to bound memory (``None``: the whole batch at once).
@@ -162,7 +162,7 @@ class PrivateModel(_impl.TrainStepBackend, keras.Model):
     (it contributes 0, within the clip bound); ``fit`` logs the epoch's count as
     ``nonfinite_examples`` and warns once per ``fit`` naming the steps; a step whose
     every real example is non-finite stops ``fit`` before the weights change
-    (``keras_noisecurve.training.nonfinite``; docs/training.md). On JAX that step applies
+    (``keras_noisecurve.backend.tensorflow.features``; docs/training.md). On JAX that step applies
     its noise only and ``fit`` raises at the end of the epoch (docs/backends.md).
     """
 

@@ -116,7 +116,7 @@ def test_model_checks_pass_on_a_correct_private_model_and_print_one_line_each(tm
 
 
 def test_a_planted_clipping_bug_exits_with_3(tmp_path, capsys, monkeypatch):
-    from keras_noisecurve.training import ghost_dense
+    from keras_noisecurve.backend.tensorflow import ghost_dense
 
     from . import broken
 

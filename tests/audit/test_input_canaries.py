@@ -9,7 +9,7 @@ import tensorflow as tf
 
 from keras_noisecurve.audit import input_canaries
 from keras_noisecurve.audit.whitebox import audit_whitebox
-from keras_noisecurve.training import ghost, ghost_conv, ghost_dense, ghost_norm
+from keras_noisecurve.backend.tensorflow import ghost, ghost_conv, ghost_dense, ghost_norm
 
 from . import broken
 

@@ -12,7 +12,7 @@ import pytest
 import keras_noisecurve as knc
 from keras_noisecurve.audit.mechanism import check_mechanism, check_sampling
 from keras_noisecurve.audit.whitebox import build_mixing
-from keras_noisecurve.training import ghost, ghost_conv, ghost_dense, ghost_generic, ghost_lora, ghost_norm, ghost_rnn
+from keras_noisecurve.backend.tensorflow import ghost, ghost_conv, ghost_dense, ghost_generic, ghost_lora, ghost_norm, ghost_rnn
 
 from . import broken
 
@@ -144,7 +144,7 @@ def test_a_dropped_share_is_blamed_on_its_layer_when_another_layers_sum_is_furth
     import tensorflow as tf
 
     from keras_noisecurve.audit.mechanism_clipping import check_clipping
-    from keras_noisecurve.training.ghost_scale import ComputedScaleRule
+    from keras_noisecurve.backend.tensorflow.ghost_scale import ComputedScaleRule
 
     inputs = keras.Input((2,))
     model = keras.Model(inputs, keras.layers.Dense(1, name="head")(LinearScale(name="target")(inputs)))

@@ -139,3 +139,23 @@ def test_refuses_a_wrap_that_is_not_callable_or_returns_no_callable():
         with wrapped_calls([layer], wrap=lambda layer, original: None):
             pass
     assert "call" not in vars(layer)
+
+
+def test_training_kwargs_passes_training_only_to_a_call_that_takes_it():
+    from keras_noisecurve.backend.calls import training_kwargs
+
+    class Takes:
+        def call(self, x, training=None):
+            return x
+
+    class Keywords:
+        def call(self, x, **kwargs):
+            return x
+
+    class Plain:
+        def call(self, x):
+            return x
+
+    assert training_kwargs(Takes(), True) == {"training": True}
+    assert training_kwargs(Keywords(), False) == {"training": False}
+    assert training_kwargs(Plain(), True) == {}

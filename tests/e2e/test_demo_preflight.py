@@ -18,7 +18,7 @@ def test_a_step_that_cannot_run_fails_before_the_spectrum(tmp_path, monkeypatch)
     # spectrum estimation impossible to reach unnoticed: the demo must stop in the
     # check, before any spectrum work.
     import keras_noisecurve as knc
-    from keras_noisecurve.training import ghost_conv
+    from keras_noisecurve.backend.tensorflow import ghost_conv
 
     def broken(*args, **kwargs):
         raise _Broken("this kernel does not run here")

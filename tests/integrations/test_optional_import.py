@@ -12,7 +12,7 @@ import types
 import pytest
 
 import keras_noisecurve
-from keras_noisecurve.integrations._tf_privacy_import import import_tf_privacy
+from keras_noisecurve.backend.tensorflow.tf_privacy_import import import_tf_privacy
 
 EXTRA = 'pip install "keras-noisecurve[tf-privacy]"'
 

@@ -9,7 +9,7 @@ import tensorflow as tf
 pytest.importorskip("keras_noisecurve.integrations.tf_privacy",
                     reason="needs tensorflow-privacy: the tf-privacy extra (Python <= 3.11)")
 
-from keras_noisecurve.integrations._tf_privacy_import import import_tf_privacy  # noqa: E402
+from keras_noisecurve.backend.tensorflow.tf_privacy_import import import_tf_privacy  # noqa: E402
 from keras_noisecurve.integrations.tf_privacy import BandedMatrixFactorizationQuery  # noqa: E402
 from keras_noisecurve.mixing import MixingMatrix  # noqa: E402
 from keras_noisecurve.training import NoiseCurveOptimizer  # noqa: E402

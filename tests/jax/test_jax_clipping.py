@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from keras_noisecurve import NoiseCurveOptimizer, make_private
-from keras_noisecurve.backend.jax.dp_model import clipped_sum
+from keras_noisecurve.backend.jax.clipping import clipped_sum
 from tests.jax.helpers import mlp, mse_per_example, reference_clipped_sum, weights_of
 
 RTOL, ATOL = 2e-5, 2e-6

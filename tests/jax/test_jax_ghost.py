@@ -42,7 +42,7 @@ def _compare(model, x, y, weights, clip, loss=mse_per_example, clipping="ghost")
 
 
 def _vectorized(*args, **kwargs):
-    from keras_noisecurve.backend.jax.dp_model import clipped_sum
+    from keras_noisecurve.backend.jax.clipping import clipped_sum
     return clipped_sum(*args, **kwargs)
 
 

@@ -30,7 +30,7 @@ from tests.jax.helpers import mse_per_example, reference_clipped_sum
 
 
 def _vectorized(*args, **kwargs):
-    from keras_noisecurve.backend.jax.dp_model import clipped_sum
+    from keras_noisecurve.backend.jax.clipping import clipped_sum
     return clipped_sum(*args, **kwargs)
 
 

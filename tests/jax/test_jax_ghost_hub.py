@@ -1,5 +1,5 @@
 """The JAX ghost engine's rules for LoRA, RMS-type norms and KerasHub layers
-(keras_noisecurve.backend.jax.ghost_hub) against an INDEPENDENT per-example loop
+(keras_noisecurve.backend.jax.ghost_lora, ghost_scale, ghost_embedding) against an INDEPENDENT per-example loop
 (tests/jax/helpers.reference_clipped_sum: one ``jax.grad`` of the model's ``stateless_call``
 per example, clipping in float64 numpy), and checks that the rules, not the per-layer
 fallback, handled the layers.
@@ -19,7 +19,7 @@ import pytest
 
 from keras_noisecurve.backend.jax import ghost
 from keras_noisecurve.backend.jax.ghost import ghost_clipped_sum
-from keras_noisecurve.backend.jax.ghost_hub import probe_affine_scale
+from keras_noisecurve.backend.jax.ghost_scale import probe_affine_scale
 from tests.jax.helpers import mse_per_example, reference_clipped_sum, spy_fallback
 
 

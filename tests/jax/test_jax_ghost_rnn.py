@@ -56,7 +56,7 @@ def ruled(monkeypatch):
 
 
 def _vectorized(*args, **kwargs):
-    from keras_noisecurve.backend.jax.dp_model import clipped_sum
+    from keras_noisecurve.backend.jax.clipping import clipped_sum
     return clipped_sum(*args, **kwargs)
 
 

@@ -64,7 +64,7 @@ def test_optimizer_fingerprint_ignores_metadata_and_sees_clip_sigma_and_rule():
     import keras
 
     from keras_noisecurve.training import NoiseCurveOptimizer
-    from keras_noisecurve.training.distributed import _optimizer_fingerprint
+    from keras_noisecurve.backend.tensorflow.distributed import _optimizer_fingerprint
 
     def fp(meta=None, clip=1.0, lr=0.1, inner=None, **plan):
         run = PrivateRun(mixing=_c(meta), **{**PLAN, **plan})

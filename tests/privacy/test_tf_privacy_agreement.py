@@ -7,7 +7,7 @@ import pytest
 pytest.importorskip("keras_noisecurve.integrations.tf_privacy",
                     reason="needs tensorflow-privacy: the tf-privacy extra (Python <= 3.11)")
 
-from keras_noisecurve.integrations._tf_privacy_import import import_tf_privacy  # noqa: E402
+from keras_noisecurve.backend.tensorflow.tf_privacy_import import import_tf_privacy  # noqa: E402
 from keras_noisecurve.privacy import accounting as acc  # noqa: E402
 
 LIB = "privacy.analysis.compute_dp_sgd_privacy_lib"

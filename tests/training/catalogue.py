@@ -583,7 +583,7 @@ def _engine_step(model, loss_fn, x, y, w, clip):
         import jax
         import jax.numpy as jnp
 
-        from keras_noisecurve.backend.jax.dp_model import clipped_sum
+        from keras_noisecurve.backend.jax.clipping import clipped_sum
         from keras_noisecurve.backend.jax.ghost import ghost_clipped_sum
 
         handed = []
@@ -602,7 +602,7 @@ def _engine_step(model, loss_fn, x, y, w, clip):
                 "vectorized" if handed else "ghost")
     import tensorflow as tf
 
-    from keras_noisecurve.training.clipping import get_engine
+    from keras_noisecurve.backend.tensorflow.clipping import get_engine
 
     engine = get_engine("auto", model)
     got = tf.function(lambda x, y, w: engine(model, loss_fn, x, y, w, l2_norm_clip=clip, training=False))(x, y, w)
@@ -655,7 +655,7 @@ def _jax_loop_gradients(model, loss_fn, x, y, w):
 
 def coverage(model) -> dict:
     """``{rule kind: number of layers}`` of the engine's plan (``"generic"``: the per-layer fallback)."""
-    from keras_noisecurve.training.ghost import describe
+    from keras_noisecurve.backend.tensorflow.ghost import describe
 
     counts = {}
     for _, _, how in describe(model):

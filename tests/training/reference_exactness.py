@@ -21,7 +21,7 @@ def main():
     import tensorflow as tf
 
     from keras_noisecurve.apps.models import small_groupnorm_cnn
-    from keras_noisecurve.training.clipping import get_engine, per_example_loss_fn
+    from keras_noisecurve.backend.tensorflow.clipping import get_engine, per_example_loss_fn
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=(P, 28, 28, 1)).astype("float32")

@@ -10,8 +10,8 @@ import tensorflow as tf
 
 from keras_noisecurve._losses import per_example_loss_fn
 from keras_noisecurve.training.batchnorm import replace_batch_normalization
-from keras_noisecurve.training.ghost import ghost_clipped_sum, supports
-from keras_noisecurve.training.clipping import check_model_is_clippable
+from keras_noisecurve.backend.tensorflow.ghost import ghost_clipped_sum, supports
+from keras_noisecurve.backend.tensorflow.clipping import check_model_is_clippable
 
 
 @pytest.fixture

@@ -164,7 +164,7 @@ def test_a_layer_called_with_its_inputs_by_keyword_is_clipped_exactly():
     # the engine's recording wrapper once required the inputs positionally: GptOss and XLNet
     # failed with "call() missing 1 required positional argument: 'inputs'"
     from keras_noisecurve._losses import per_example_loss_fn
-    from keras_noisecurve.training.clipping import get_engine
+    from keras_noisecurve.backend.tensorflow.clipping import get_engine
 
     keras.utils.set_random_seed(0)
     inputs = keras.Input((4,), dtype="float64")
@@ -186,7 +186,7 @@ def test_a_layer_called_with_its_inputs_by_keyword_is_clipped_exactly():
 def _engine_against_loop(model, x, rtol):
     """The default engine's norms and clipped sum (ζ = median norm) against the loop."""
     from keras_noisecurve._losses import per_example_loss_fn
-    from keras_noisecurve.training.clipping import get_engine
+    from keras_noisecurve.backend.tensorflow.clipping import get_engine
 
     rng = np.random.default_rng(1)
     y, w = rng.integers(0, 2, catalogue.P), np.ones(catalogue.P)
@@ -218,7 +218,7 @@ class UnusedBranch(keras.layers.Layer):
 def test_an_unbuilt_layer_inside_the_model_is_ignored_and_the_rest_clipped_exactly():
     # the planner once asked the Conv rule about the unbuilt layer, which read its kernel:
     # "You must build the layer before accessing `kernel`" (EfficientNetBackbone)
-    from keras_noisecurve.training.ghost import describe
+    from keras_noisecurve.backend.tensorflow.ghost import describe
 
     keras.utils.set_random_seed(0)
     inputs = keras.Input((6, 6, 2), dtype="float64")
@@ -270,7 +270,7 @@ def test_a_broadcast_row_in_a_model_of_fixed_length_is_clipped_through_its_calle
 def test_the_coverage_table_of_docs_models_is_generated_from_the_rules():
     # docs/models.md lists the rules the engine tries, rendered from the registry: a rule added
     # (or a class it names) without regenerating the table fails here
-    from keras_noisecurve.training.ghost_layers import RULES, rule_table
+    from keras_noisecurve.backend.tensorflow.ghost_rules import RULES, rule_table
     from tests.training import rules_table
 
     import keras_noisecurve.apps.layers  # noqa: F401  registers a rule at import: the table must not list it
@@ -303,12 +303,12 @@ class _Float64Ops:
 @pytest.mark.benchmark
 def test_gemma4_with_its_float32_casts_lifted_matches_the_loop_to_float64_round_off(monkeypatch):
     # Gemma4's decoder block reads its feed-forward kernels outside their layers' calls and is
-    # clipped whole through the block (training/ghost_reads.py); its 1.4e-6 in the catalogue is
+    # clipped whole through the block (backend/tensorflow/ghost_reads.py); its 1.4e-6 in the catalogue is
     # the float32 inside its keras-hub code: with the casts lifted, engine and loop agree to 1e-12
     import importlib
 
     from keras_noisecurve._compat import flatten_layers
-    from keras_noisecurve.training.ghost import describe
+    from keras_noisecurve.backend.tensorflow.ghost import describe
 
     for module in ("gemma4_layers", "gemma4_attention", "gemma4_decoder_block", "gemma4_backbone"):
         monkeypatch.setattr(importlib.import_module(f"keras_hub.src.models.gemma4.{module}"), "ops", _Float64Ops())

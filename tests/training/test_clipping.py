@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from keras_noisecurve.training.clipping import (
+from keras_noisecurve.backend.tensorflow.clipping import (
     add_regularization,
     get_engine,
     per_example_loss_fn,

@@ -5,7 +5,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_noisecurve.training import NoiseCurveOptimizer, make_private
-from keras_noisecurve.training.clipping import add_regularization, get_engine, per_example_loss_fn
+from keras_noisecurve.backend.tensorflow.clipping import add_regularization, get_engine, per_example_loss_fn
 from tests.training.helpers import random_banded_c
 
 B = 6

@@ -18,9 +18,9 @@ import tensorflow as tf
 import keras
 
 from tests.training.helpers import noiseless
-from keras_noisecurve.training.clipping import vectorized_clipped_sum
-from keras_noisecurve.training.ghost import describe, ghost_clipped_sum, supports
-from keras_noisecurve.training import ghost_conv, ghost_layers, kernels
+from keras_noisecurve.backend.tensorflow.clipping import vectorized_clipped_sum
+from keras_noisecurve.backend.tensorflow.ghost import describe, ghost_clipped_sum, supports
+from keras_noisecurve.backend.tensorflow import ghost_conv, ghost_rules, kernels
 from tests.training.helpers import float64_layers, loop_reference, mse, set_precision
 
 P = 6
@@ -402,9 +402,9 @@ def test_sequence_sq_norms_both_forms_agree_with_materialised():
     a = tf.constant(rng.normal(size=(3, 4, 5)))
     g = tf.constant(rng.normal(size=(3, 4, 2)))
     want = np.array([np.sum((a.numpy()[i].T @ g.numpy()[i]) ** 2) for i in range(3)])
-    np.testing.assert_allclose(ghost_layers.sequence_sq_norms(a, g).numpy(), want, rtol=1e-12)  # materialised
+    np.testing.assert_allclose(ghost_rules.sequence_sq_norms(a, g).numpy(), want, rtol=1e-12)  # materialised
     np.testing.assert_allclose(
-        ghost_layers.sequence_sq_norms(a[:, :3], g[:, :3]).numpy(),
+        ghost_rules.sequence_sq_norms(a[:, :3], g[:, :3]).numpy(),
         [np.sum((a.numpy()[i, :3].T @ g.numpy()[i, :3]) ** 2) for i in range(3)],
         rtol=1e-12,
     )  # Gram (9 < 10)
@@ -458,7 +458,7 @@ def test_make_private_fit_with_ghost_takes_the_clipped_sgd_step():
 
 def test_auto_engine_is_the_per_layer_engine_and_never_the_whole_model_one():
     from keras_noisecurve.training import make_private
-    from keras_noisecurve.training.clipping import get_engine
+    from keras_noisecurve.backend.tensorflow.clipping import get_engine
 
     plain = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
     custom = keras.Sequential([keras.Input((3,)), Scale(), keras.layers.Dense(2)])
@@ -591,16 +591,16 @@ def test_grouped_kernel_probe_follows_the_onednn_switch():
     if switch not in ("0", "1"):
         pytest.skip("TF_ENABLE_ONEDNN_OPTS not forced: TensorFlow chooses by the CPU's instructions")
     assert GROUPED_RUNS == (switch == "1")
-    assert ghost_layers.conv_chunk(tf.float32) == (ghost_layers.CONV_CHUNK if switch == "1" else 1)
+    assert ghost_rules.conv_chunk(tf.float32) == (ghost_rules.CONV_CHUNK if switch == "1" else 1)
     # no CPU kernel runs it in float64, oneDNN or not
-    assert ghost_layers.conv_chunk(tf.float64) == 1
+    assert ghost_rules.conv_chunk(tf.float64) == 1
 
 
 @pytest.mark.skipif(GROUPED_RUNS, reason="the grouped kernel runs here")
 def test_explicit_grouped_chunk_is_refused_where_the_kernel_does_not_run():
     a, g = tf.zeros([2, 5, 5, 2]), tf.zeros([2, 5, 5, 3])
     with pytest.raises(ValueError, match=r"chunk=4.*TF_ENABLE_ONEDNN_OPTS=1.*chunk=1"):
-        ghost_layers.conv_sq_norms([(a, g)], [3, 3], [1, 1], "SAME", chunk=4)
+        ghost_rules.conv_sq_norms([(a, g)], [3, 3], [1, 1], "SAME", chunk=4)
 
 
 @pytest.mark.parametrize("chunk", [None, 1, pytest.param(3, marks=needs_grouped)])
@@ -626,10 +626,10 @@ def test_conv_sq_norms_grouped_chunks_equal_per_example_loop(chunk, strides, pad
                         for a, g in calls)
         want.append(np.sum(tape.gradient(total, kernel).numpy() ** 2))
     images = [(tf.constant(a, tf.float32), tf.constant(g, tf.float32)) for a, g in calls]
-    got = ghost_layers.conv_sq_norms(images, [3, 2], list(strides), padding, chunk=chunk)
+    got = ghost_rules.conv_sq_norms(images, [3, 2], list(strides), padding, chunk=chunk)
     assert got.dtype == tf.float32 and got.shape == (n,)
     np.testing.assert_allclose(got.numpy(), want, rtol=RTOL)
-    got64 = ghost_layers.conv_sq_norms([(tf.constant(a), tf.constant(g)) for a, g in calls], [3, 2],
+    got64 = ghost_rules.conv_sq_norms([(tf.constant(a), tf.constant(g)) for a, g in calls], [3, 2],
                                        list(strides), padding)
     np.testing.assert_allclose(got64.numpy(), want, rtol=1e-12)
 
@@ -698,11 +698,11 @@ def test_conv_sq_norms_with_unknown_batch_size():
     rng = np.random.default_rng(31)
     a, g = rng.normal(size=(5, 6, 6, 2)).astype("float32"), rng.normal(size=(5, 3, 3, 4)).astype("float32")
     fn = tf.function(
-        lambda a, g: ghost_layers.conv_sq_norms([(a, g)], [3, 3], [2, 2], "SAME"),
+        lambda a, g: ghost_rules.conv_sq_norms([(a, g)], [3, 3], [2, 2], "SAME"),
         input_signature=[tf.TensorSpec([None, 6, 6, 2], tf.float32), tf.TensorSpec([None, 3, 3, 4], tf.float32)],
     )
     images64 = [(tf.constant(a, tf.float64), tf.constant(g, tf.float64))]
-    want = ghost_layers.conv_sq_norms(images64, [3, 3], [2, 2], "SAME")
+    want = ghost_rules.conv_sq_norms(images64, [3, 3], [2, 2], "SAME")
     np.testing.assert_allclose(fn(a, g).numpy(), want.numpy(), rtol=RTOL)
 
 
@@ -714,7 +714,7 @@ def test_float32_conv_model_any_batch_size_and_odd_images(n, form, monkeypatch):
     # loop over single examples. The conv layers are wide enough in positions that
     # the rule takes conv_sq_norms, not the patches.
     monkeypatch.setattr(ghost_conv, "conv_chunk",
-                        lambda dtype, device=None: ghost_layers.CONV_CHUNK if form == "grouped" else 1)
+                        lambda dtype, device=None: ghost_rules.CONV_CHUNK if form == "grouped" else 1)
     set_precision("float32")
     rng = np.random.default_rng(37 + n)
     model = keras.Sequential(
@@ -766,7 +766,7 @@ def test_reversible_embedding_lookup_and_projection(tied):
 
 
 def test_tied_cross_term_equals_the_dense_inner_product():
-    from keras_noisecurve.training.ghost_embedding import tied_cross_term
+    from keras_noisecurve.backend.tensorflow.ghost_embedding import tied_cross_term
 
     rng = np.random.default_rng(13)
     vocab, d, length, m = 6, 3, 4, 5
@@ -812,7 +812,7 @@ def test_lora_with_a_contracted_last_kernel_axis_takes_the_fallback():
 
 def test_a_weight_in_two_plan_entries_is_an_internal_error_naming_both_layers():
     # a plan that clips one weight by two rules would count its per-example gradient twice
-    from keras_noisecurve.training.ghost import check_partition, plan
+    from keras_noisecurve.backend.tensorflow.ghost import check_partition, plan
 
     shared = keras.layers.Dense(3, name="shared")
     outer = keras.layers.TimeDistributed(shared, name="td")

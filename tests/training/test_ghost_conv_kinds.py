@@ -14,11 +14,11 @@ import pytest
 import tensorflow as tf
 import keras
 
-from keras_noisecurve.training.ghost import describe, ghost_clipped_sum, supports
-from keras_noisecurve.training import kernels as _kernels
-from keras_noisecurve.training.ghost_conv_kinds import GroupedGrads, example_grads_3d, patches
-from keras_noisecurve.training.ghost_conv_kinds import _example_grads_3d_grouped
-from keras_noisecurve.training.ghost_taps import LiveTapGrads, correlation_example_grads, tap_example_grads
+from keras_noisecurve.backend.tensorflow.ghost import describe, ghost_clipped_sum, supports
+from keras_noisecurve.backend.tensorflow import kernels as _kernels
+from keras_noisecurve.backend.tensorflow.ghost_conv_kinds import GroupedGrads, example_grads_3d, patches
+from keras_noisecurve.backend.tensorflow.ghost_conv_kinds import _example_grads_3d_grouped
+from keras_noisecurve.backend.tensorflow.ghost_taps import LiveTapGrads, correlation_example_grads, tap_example_grads
 from tests.training.helpers import float64_layers, loop_reference, mse
 
 P = 5

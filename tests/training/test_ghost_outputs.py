@@ -16,7 +16,7 @@ import pytest
 import tensorflow as tf
 import keras
 
-from keras_noisecurve.training.ghost import describe, ghost_clipped_sum
+from keras_noisecurve.backend.tensorflow.ghost import describe, ghost_clipped_sum
 from tests.training.helpers import float64_layers, loop_reference, mse
 
 P, D = 6, 4
@@ -180,7 +180,7 @@ def test_rows_that_are_not_examples_are_clipped_through_their_caller():
 
 def test_rows_refused_before_compile_when_no_caller_takes_examples():
     import keras_noisecurve as knc
-    from keras_noisecurve.training.ghost import supports
+    from keras_noisecurve.backend.tensorflow.ghost import supports
 
     inputs = keras.Input((3, D))
     flat = keras.layers.Lambda(lambda t: tf.reshape(t, (-1, D)))(inputs)

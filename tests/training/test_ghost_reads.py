@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from keras_noisecurve.training.ghost import describe, ghost_clipped_sum, supports
+from keras_noisecurve.backend.tensorflow.ghost import describe, ghost_clipped_sum, supports
 from tests.training.helpers import float64_layers, loop_reference, mse
 
 P = 5
@@ -186,7 +186,7 @@ def test_a_read_with_no_per_example_caller_is_refused_naming_the_weight_and_the_
 
 def test_a_read_the_probe_cannot_see_is_refused_when_the_step_is_traced(monkeypatch):
     # without the probe (here: switched off), the traced step's graph still shows the read
-    from keras_noisecurve.training import ghost_rows
+    from keras_noisecurve.backend.tensorflow import ghost_rows
 
     monkeypatch.setattr(ghost_rows, "_input_specs", lambda model, like=None: None)
     model = _reader_model((3,), called=True)

@@ -17,10 +17,10 @@ import tensorflow as tf
 import keras
 
 from tests.training.helpers import noiseless
-from keras_noisecurve.training import ghost
-from keras_noisecurve.training.ghost import ghost_clipped_sum, supports
-from keras_noisecurve.training.ghost_layers import find_rule
-from keras_noisecurve.training.ghost_rnn import RecurrentRule
+from keras_noisecurve.backend.tensorflow import ghost
+from keras_noisecurve.backend.tensorflow.ghost import ghost_clipped_sum, supports
+from keras_noisecurve.backend.tensorflow.ghost_rules import find_rule
+from keras_noisecurve.backend.tensorflow.ghost_rnn import RecurrentRule
 from tests.training.helpers import float64_layers, loop_reference, mse, set_precision
 
 P, L, VOCAB, UNITS, DIM = 6, 7, 20, 5, 4
@@ -249,7 +249,7 @@ def test_make_private_fit_lstm_classifier_takes_the_clipped_sgd_step():
     # One fit step with σ = 0 moves the weights by exactly −η·Σ_i clip(g_i)/B, the
     # clipped sum from the per-example loop; clipping="auto" picks the ghost engine.
     from keras_noisecurve.training import NoiseCurveOptimizer, make_private
-    from keras_noisecurve.training.clipping import get_engine
+    from keras_noisecurve.backend.tensorflow.clipping import get_engine
 
     set_precision("float32")
     rng = np.random.default_rng(6)

@@ -17,8 +17,8 @@ import keras
 
 from keras_noisecurve import _compat
 from keras_noisecurve._losses import per_example_loss_fn
-from keras_noisecurve.training.ghost import describe, ghost_clipped_sum, observe_layer_norms
-from keras_noisecurve.training.ghost_t5 import RelativeAttentionBiasRule, bucket_ids
+from keras_noisecurve.backend.tensorflow.ghost import describe, ghost_clipped_sum, observe_layer_norms
+from keras_noisecurve.backend.tensorflow.ghost_t5 import RelativeAttentionBiasRule, bucket_ids
 from tests.training.helpers import float64_layers, loop_reference
 
 keras_hub = pytest.importorskip("keras_hub")

@@ -116,7 +116,7 @@ def test_model_checkpoint_and_load_model_continue_the_plan(tmp_path, data, expec
 
 
 def _custom_loop(model, optimizer, dataset, taken, stop=None):
-    from keras_noisecurve.training.clipping import get_engine, per_example_loss_fn
+    from keras_noisecurve.backend.tensorflow.clipping import get_engine, per_example_loss_fn
 
     engine = get_engine("vectorized", model)
     loss_fn = per_example_loss_fn(keras.losses.SparseCategoricalCrossentropy(from_logits=True))

@@ -16,7 +16,7 @@ from tests.training.helpers import noiseless
 from keras_noisecurve.mixing import MixingMatrix
 from keras_noisecurve.privacy.run import PrivateRun
 from keras_noisecurve.training import NoiseCurveOptimizer, make_private
-from keras_noisecurve.training.dp_model_tf import _train_loss
+from keras_noisecurve.backend.tensorflow.dp_model import _train_loss
 from tests.training.helpers import random_banded_c
 
 B = 16

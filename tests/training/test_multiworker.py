@@ -245,7 +245,7 @@ def test_the_optimizer_fingerprint_ignores_seeds_and_names():
     """Workers compare the optimizer's public configuration: the seed (the chief's key is
     used) and Keras's per-process numbered names (sgd, sgd_1, …) are left out."""
     import keras_noisecurve as knc
-    from keras_noisecurve.training.distributed import _optimizer_fingerprint
+    from keras_noisecurve.backend.tensorflow.distributed import _optimizer_fingerprint
 
     def optimizer(**kwargs):
         kwargs.setdefault("noise_multiplier", 1.0)

@@ -24,9 +24,10 @@ import pytest
 import tensorflow as tf
 
 from keras_noisecurve.privacy.run import PrivateRun
-from keras_noisecurve.training import NoiseCurveOptimizer, make_private, nonfinite
-from keras_noisecurve.training.clipping import vectorized_clipped_sum
-from keras_noisecurve.training.ghost import describe, ghost_clipped_sum
+from keras_noisecurve.training import NoiseCurveOptimizer, make_private
+from keras_noisecurve.backend.tensorflow import features
+from keras_noisecurve.backend.tensorflow.clipping import vectorized_clipped_sum
+from keras_noisecurve.backend.tensorflow.ghost import describe, ghost_clipped_sum
 from tests.training.helpers import float64_layers, loop_reference, mse
 
 P = 7
@@ -203,13 +204,13 @@ def test_chunks_and_non_finite_padding(float64, engine):
 
 def test_count_ignores_padding_and_an_empty_batch_is_no_error():
     mask = tf.constant([True, False, True, False])
-    dropped, real = nonfinite.count_dropped(mask, tf.constant([1.0, 1.0, 0.0, 0.0]), tf.zeros(4))
+    dropped, real = features.count_dropped(mask, tf.constant([1.0, 1.0, 0.0, 0.0]), tf.zeros(4))
     assert (int(dropped), int(real)) == (1, 2)
-    dropped, real = nonfinite.count_dropped(mask, None, tf.zeros(4))
+    dropped, real = features.count_dropped(mask, None, tf.zeros(4))
     assert (int(dropped), int(real)) == (2, 4)
-    assert not bool(nonfinite.all_dropped(tf.constant(0, tf.int64), tf.constant(0, tf.int64)))  # empty Poisson batch
-    assert bool(nonfinite.all_dropped(tf.constant(2, tf.int64), tf.constant(2, tf.int64)))
-    assert not bool(nonfinite.all_dropped(tf.constant(1, tf.int64), tf.constant(2, tf.int64)))
+    assert not bool(features.all_dropped(tf.constant(0, tf.int64), tf.constant(0, tf.int64)))  # empty Poisson batch
+    assert bool(features.all_dropped(tf.constant(2, tf.int64), tf.constant(2, tf.int64)))
+    assert not bool(features.all_dropped(tf.constant(1, tf.int64), tf.constant(2, tf.int64)))
 
 
 # ------------------------------------------------------------------------ fit
@@ -255,7 +256,7 @@ def test_fit_drops_non_finite_examples_counts_them_and_warns_once(clipping):
         warnings.simplefilter("always")
         history = private.fit(run.dataset(x, y), verbose=0)
     assert all(np.all(np.isfinite(v)) for v in private.get_weights())
-    counts = history.history[nonfinite.METRIC]
+    counts = history.history[features.METRIC]
     assert len(counts) == run.epochs and sum(counts) == expected  # per epoch, summed
     assert all(np.isfinite(history.history["loss"]))
     dropped = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning) and "dropped" in str(w.message)]
@@ -282,7 +283,7 @@ def test_fit_distributed_counts_them_and_warns_once_as_fit():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         history = fit_distributed(private, x, y, run=run, verbose=0)
-    assert history.history[nonfinite.METRIC] == [expected]  # one epoch: every step of the call
+    assert history.history[features.METRIC] == [expected]  # one epoch: every step of the call
     assert all(np.all(np.isfinite(v)) for v in private.get_weights())
     dropped = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning) and "dropped" in str(w.message)]
     assert len(dropped) == 1 and f"dropped {expected} example(s)" in dropped[0]
@@ -296,7 +297,7 @@ def test_a_clean_fit_logs_zero_and_does_not_warn():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         history = private.fit(run.dataset(x, y), verbose=0)
-    assert history.history[nonfinite.METRIC] == [0]
+    assert history.history[features.METRIC] == [0]
     assert not [w for w in caught if "dropped" in str(w.message)]
 
 
@@ -329,7 +330,7 @@ def test_without_a_run_too():
         np.testing.assert_array_equal(a, b)
     x[1:, :] = 1.0  # one bad example among 16: dropped, counted
     history = model.fit(x[:16], y[:16], batch_size=8, epochs=2, verbose=0)
-    assert history.history[nonfinite.METRIC] == [1, 1]
+    assert history.history[features.METRIC] == [1, 1]
     assert all(np.all(np.isfinite(v)) for v in model.get_weights())
 
 

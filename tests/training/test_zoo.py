@@ -18,8 +18,8 @@ import keras
 
 import keras_noisecurve as knc
 from keras_noisecurve._losses import per_example_loss_fn
-from keras_noisecurve.training.clipping import get_engine
-from keras_noisecurve.training.ghost import describe
+from keras_noisecurve.backend.tensorflow.clipping import get_engine
+from keras_noisecurve.backend.tensorflow.ghost import describe
 from tests.training import zoo
 from tests.training.helpers import loop_reference
 

@@ -12,8 +12,8 @@ import keras
 
 import keras_noisecurve as knc
 from keras_noisecurve._losses import per_example_loss_fn
-from keras_noisecurve.training.clipping import get_engine
-from keras_noisecurve.training.ghost import describe, supports
+from keras_noisecurve.backend.tensorflow.clipping import get_engine
+from keras_noisecurve.backend.tensorflow.ghost import describe, supports
 from tests.training import zoo, zoo_extra
 from tests.training.helpers import loop_reference, set_precision
 

@@ -16,13 +16,13 @@ One step, all under ``jax.jit`` (Keras's JAX trainer compiles ``train_step``)::
 with w_i the batch's mask (padding 0) times any sample weight times the class weight of
 ``fit(class_weight=...)``, applied before clipping (``features`` has the non-finite count,
 the class weights and the add_loss check, as the TensorFlow step does them).
-That is the ``clipping="vectorized"`` engine (:func:`clipped_sum`): the per-example
+That is the ``clipping="vectorized"`` engine (:func:`~keras_noisecurve.backend.jax.clipping.clipped_sum`): the per-example
 gradients are exact for every layer (``vmap`` of the whole model's gradient);
 ``microbatch_size=m`` evaluates them m examples at a time (``jax.lax.map`` over chunks;
 the batch is padded with weight-0 rows to a multiple of m). ``clipping="auto"`` and
 ``"ghost"`` compute the same ``S`` and norms by per-layer ghost norms instead
 (:mod:`keras_noisecurve.backend.jax.ghost`; ``"auto"`` hands a model it cannot attribute
-to examples, or a microbatched one, to :func:`clipped_sum`).
+to examples, or a microbatched one, to the vectorized engine).
 
 Refusals: a batch whose step is not the optimizer's, or a step t ≥ T of a plan, has its
 clipped sum replaced by zeros inside the step (the noise is still applied: it leaks
@@ -43,12 +43,13 @@ import numpy as np
 from keras_noisecurve import _compat
 from keras_noisecurve._losses import float32_outputs, split_sample_weight, weigh_positions
 from keras_noisecurve.backend import messages
+from keras_noisecurve.backend.run_batch import split_step as _split_step
 from keras_noisecurve.backend.jax import features
+from keras_noisecurve.backend.jax.clipping import clipped_sum
 from keras_noisecurve.backend.jax.ghost import ghost_clipped_sum
 from keras_noisecurve.backend.jax.pipeline import RunBatches
-from keras_noisecurve.backend.jax.pipeline import split_step as _split_step
 
-__all__ = ["TrainStepBackend", "clipped_sum", "per_example_grads"]
+__all__ = ["TrainStepBackend"]
 
 
 def _past_plan_message(step, steps):
@@ -72,100 +73,6 @@ class _RefusePastPlan(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self._done += 1
-
-
-def per_example_grads(model, loss_fn, trainable, non_trainable, x, y, weights, *, training=True):
-    """Per-example gradients of ``weights_i·loss_fn(y_i, model(x_i))``.
-
-    Args:
-      model: a Keras model (its ``stateless_call`` is differentiated).
-      loss_fn: ``(y_true, y_pred) -> (P,)`` per-example losses.
-      trainable, non_trainable: the values of ``model.trainable_variables`` and
-        ``model.non_trainable_variables``.
-      x, y: the batch (leading dimension P); weights: float32 (P,).
-
-    Returns:
-      ``(grads, losses, y_pred, non_trainable)``: a list with one (P, *shape) array
-      per trainable variable, the unweighted losses (P,), the predictions (P, ...) and
-      the non-trainable values after the call of example 0 (e.g. a dropout seed).
-    """
-
-    def one(tv, xi, yi, wi):
-        xb = jax.tree_util.tree_map(lambda a: a[None], xi)
-        yb = jax.tree_util.tree_map(lambda a: a[None], yi)
-        kwargs = {"training": training}
-        y_pred, new_ntv = model.stateless_call(tv, non_trainable, xb, **kwargs)
-        y_pred32 = float32_outputs(y_pred)  # as Keras's Loss.__call__, each output keeping its Keras mask
-        loss = jnp.reshape(loss_fn(yb, y_pred32), (-1,))[0]
-        return loss * wi.astype(loss.dtype), (loss, jax.tree_util.tree_map(lambda a: a[0], y_pred), new_ntv)
-
-    grad_fn = jax.grad(one, has_aux=True)
-    grads, (losses, y_pred, new_ntv) = jax.vmap(grad_fn, in_axes=(None, 0, 0, 0))(trainable, x, y, weights)
-    new_ntv = [v[0] for v in new_ntv]
-    return list(grads), losses, y_pred, new_ntv
-
-
-def _clip_and_sum(grads, losses, l2_norm_clip):
-    """``(Σ_i clip(g_i, ζ), norms (P,))`` with the global per-example norm; an example whose
-    loss or norm is not finite is dropped (factor 0, and its gradient replaced by zeros so
-    that 0·inf = nan cannot reach the sum), as the TensorFlow engines do."""
-    squares = sum(jnp.sum(jnp.reshape(g.astype(jnp.float32), (g.shape[0], -1)) ** 2, axis=1) for g in grads)
-    norms = jnp.sqrt(squares)
-    keep = jnp.logical_not(features.nonfinite_mask(losses, norms))
-    clip = jnp.asarray(l2_norm_clip, jnp.float32)
-    factor = jnp.where(keep, clip / jnp.maximum(norms, clip), 0.0)  # min(1, ζ/‖g‖), 0 when dropped
-
-    def plain(grads):
-        return [jnp.tensordot(factor.astype(g.dtype), g, axes=1) for g in grads]
-
-    def masked(grads):  # only when an example was dropped (lax.cond: the usual step skips the pass)
-        return plain([jnp.where(jnp.reshape(keep, (-1,) + (1,) * (g.ndim - 1)), g, jnp.zeros_like(g))
-                      for g in grads])
-
-    return jax.lax.cond(jnp.all(keep), plain, masked, list(grads)), norms
-
-
-def clipped_sum(model, loss_fn, trainable, non_trainable, x, y, weights, *, l2_norm_clip,
-                microbatch_size=None, training=True):
-    """``Σ_i clip(w_i·∇loss_i, ζ)`` by per-example gradients (see the module docstring).
-
-    Returns ``(sums, norms, losses, y_pred, non_trainable)``: one array per trainable
-    variable, the norms ‖w_i·∇loss_i‖ (P,) before clipping, the unweighted per-example
-    losses (P,), the predictions and the non-trainable values after the call. An example
-    whose loss or norm is not finite contributes 0 to ``sums`` (the contract of every
-    engine: ``train_step`` counts them from ``losses`` and ``norms``).
-    """
-    size = int(weights.shape[0])
-    if microbatch_size is None or microbatch_size >= size:
-        grads, losses, y_pred, ntv = per_example_grads(model, loss_fn, trainable, non_trainable, x, y, weights,
-                                                        training=training)
-        sums, norms = _clip_and_sum(grads, losses, l2_norm_clip)
-        return sums, norms, losses, y_pred, ntv
-    m = int(microbatch_size)
-    chunks = -(-size // m)
-    pad = chunks * m - size
-
-    def chunked(a):  # rows padded with copies of row 0 (weight 0), then (chunks, m, ...)
-        if pad:
-            a = jnp.concatenate([a, jnp.repeat(a[:1], pad, axis=0)], axis=0)
-        return jnp.reshape(a, (chunks, m) + a.shape[1:])
-
-    xs, ys = jax.tree_util.tree_map(chunked, x), jax.tree_util.tree_map(chunked, y)
-    ws = chunked(weights) if not pad else jnp.reshape(
-        jnp.concatenate([weights, jnp.zeros((pad,), weights.dtype)]), (chunks, m))
-
-    def chunk(args):
-        xc, yc, wc = args
-        grads, losses, y_pred, ntv = per_example_grads(model, loss_fn, trainable, non_trainable, xc, yc, wc,
-                                                        training=training)
-        sums, norms = _clip_and_sum(grads, losses, l2_norm_clip)
-        return sums, norms, losses, y_pred, ntv
-
-    sums, norms, losses, y_pred, ntv = jax.lax.map(chunk, (xs, ys, ws))
-    unchunk = lambda a: jnp.reshape(a, (chunks * m,) + a.shape[2:])[:size]  # noqa: E731
-    sums = [jnp.sum(s, axis=0) for s in sums]
-    return (sums, unchunk(norms), unchunk(losses), jax.tree_util.tree_map(unchunk, y_pred),
-            [v[0] for v in ntv])
 
 
 class TrainStepBackend:

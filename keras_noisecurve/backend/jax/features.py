@@ -1,5 +1,5 @@
 """What the JAX private step keeps of Keras's training features, as the TensorFlow step
-does (``keras_noisecurve.training.nonfinite`` and ``keras_features`` there):
+does (``keras_noisecurve.backend.tensorflow.features``):
 
 * **Non-finite examples.** An example whose loss or per-example gradient norm is not
   finite is dropped by the clipping engine (clip factor 0: it contributes exactly 0,

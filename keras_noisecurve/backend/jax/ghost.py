@@ -14,10 +14,10 @@ the per-example gradients of the whole model, all inside the jitted train step.
    added after the layer's own computation: ``g_k`` is the gradient flowing into the
    output from outside the layer only.
 3. Per layer, the per-example squared norms of ITS weights' gradient: a rule of
-   :mod:`keras_noisecurve.backend.jax.ghost_rules` (Dense, EinsumDense, Embedding,
-   LayerNormalization, GroupNormalization; :mod:`~keras_noisecurve.backend.jax.ghost_conv`:
-   Conv1D/2D/3D, depthwise, separable and transposed convolutions; :mod:`~keras_noisecurve.backend.jax.ghost_hub`:
-   LoRA, RMS norms, KerasHub's embeddings; :mod:`~keras_noisecurve.backend.jax.ghost_rnn`: LSTM, GRU,
+   :mod:`keras_noisecurve.backend.jax.ghost_rules` (one module per layer family: ``ghost_dense``
+   Dense, EinsumDense, Embedding; ``ghost_norm`` LayerNormalization, GroupNormalization;
+   ``ghost_conv`` Conv1D/2D/3D, depthwise, separable and transposed convolutions; ``ghost_lora``;
+   ``ghost_scale`` RMS norms; ``ghost_embedding`` KerasHub's embeddings; ``ghost_rnn`` LSTM, GRU,
    SimpleRNN, also each direction of a Bidirectional) from the recorded ``(a, g)`` (the rule runs under a
    stateless scope of the step's weight values), else the exact per-layer fallback:
    ``jax.vmap`` over examples of ``∂⟨layer(W; a_i), g_i⟩/∂W`` (the VJP of that one
@@ -60,11 +60,12 @@ import keras
 from keras_noisecurve import _compat
 from keras_noisecurve._losses import float32_outputs
 from keras_noisecurve.backend import norm_observer
-from keras_noisecurve.backend.calls import wrapped_calls
+from keras_noisecurve.backend.calls import training_kwargs, wrapped_calls
+from keras_noisecurve.backend.clip import clip_factors
 from keras_noisecurve.backend.jax import ghost_rows
 from keras_noisecurve.backend.jax.ghost_rules import find_rule, kept, uses_pre_activation
 
-__all__ = ["ghost_clipped_sum", "ghost_norms", "targets"]
+__all__ = ["describe", "ghost_clipped_sum", "ghost_norms", "targets"]
 
 _F32 = jnp.float32
 
@@ -189,7 +190,7 @@ def _tracking_call(model, trainable, non_trainable, x, training, recorder):
     recorder.owner = {id(v): index for index, (_, owned) in enumerate(recorder.targets) for v in owned}
     mapping = list(zip(model.trainable_variables, trainable)) + list(zip(model.non_trainable_variables, non_trainable))
     with _ReadScope(recorder.read, state_mapping=mapping):
-        return model.call(x, training=training)
+        return model.call(x, **training_kwargs(model, training))
 
 
 def _without_activation(layer, original, args, kwargs):
@@ -376,7 +377,8 @@ def ghost_norms(model, loss_fn, trainable, non_trainable, x, y, weights, *, trai
             if perturbations is None:  # the shape pass also checks where each weight is read
                 y_pred, new_ntv = _tracking_call(model, trainable, non_trainable, x, training, recorder), None
             else:
-                y_pred, new_ntv = model.stateless_call(trainable, non_trainable, x, training=training)
+                kwargs = training_kwargs(model, training)
+                y_pred, new_ntv = model.stateless_call(trainable, non_trainable, x, **kwargs)
         y32 = float32_outputs(y_pred)  # as Keras's Loss.__call__, each output keeping its Keras mask
         losses = jnp.reshape(loss_fn(y, y32), (-1,))
         total = jnp.sum(losses * weights.astype(losses.dtype))
@@ -464,7 +466,7 @@ def _reset(recorder, perturbations):
 def ghost_clipped_sum(model, loss_fn, trainable, non_trainable, x, y, weights, *, l2_norm_clip,
                       microbatch_size=None, training=True, clipping="ghost", vectorized=None):
     """``Σ_i clip(w_i·∇loss_i, ζ)`` by ghost norms (see the module docstring); the same contract
-    as ``keras_noisecurve.backend.jax.dp_model.clipped_sum``.
+    as ``keras_noisecurve.backend.jax.clipping.clipped_sum``.
 
     Returns ``(sums, norms, losses, y_pred, non_trainable)``: one array per trainable
     variable, the norms ‖w_i·∇loss_i‖ (P,) before clipping, the unweighted per-example
@@ -492,7 +494,51 @@ def ghost_clipped_sum(model, loss_fn, trainable, non_trainable, x, y, weights, *
                           microbatch_size=microbatch_size, training=training)
     sq, sums_fn, losses, y_pred, ntv = result
     norms = jnp.sqrt(sq)
-    keep = jnp.isfinite(norms) & jnp.isfinite(losses)  # a non-finite example is dropped (contributes 0)
-    factor = jnp.where(keep, clip / jnp.maximum(norms, clip), 0.0)  # min(1, ζ/‖g_i‖), 0 when dropped
+    factor, keep = clip_factors(norms, losses, clip)  # min(1, ζ/‖g_i‖); a non-finite example: 0, dropped
     sums = jax.lax.cond(jnp.all(keep), sums_fn, lambda f: sums_fn(f, keep), factor)  # masking only if needed
     return sums, norms, losses, y_pred, ntv
+
+
+def describe(model, x, *, inside: bool = False) -> list:
+    """``[(layer name, class, how)]`` for every layer with trainable weights, as the ghost engine
+    clips it in a step on a batch shaped like ``x``: ``how`` is the rule's name (``"dense_rule"``,
+    ``"conv_rule"``, …), ``"fallback"`` for the exact per-layer VJP, ``"caller"`` for a layer
+    clipped whole with the layers under it (rows that are not examples, a weight read outside its
+    call), or ``"vectorized"`` for every layer when no layer but the model encloses such a problem
+    (``clipping="auto"`` then clips the model with the vectorized engine). ``inside=True`` lists
+    the layers under a caller too, right after it, with ``how`` = ``"through '<caller name>'"``.
+
+    The step is traced on abstract values (``jax.eval_shape``: nothing is computed); ``x`` is a
+    batch of inputs (any number of examples ≥ 1), or a structure of ``jax.ShapeDtypeStruct``.
+    """
+    if not isinstance(inside, bool):
+        raise TypeError(f"inside must be True or False, got {inside!r}.")
+    leaves = jax.tree_util.tree_leaves(x)
+    if not leaves or any(getattr(a, "ndim", 0) < 1 for a in leaves):
+        raise ValueError(f"x must be a batch of the model's inputs (arrays with the examples first), got {x!r}.")
+    size = int(leaves[0].shape[0])
+
+    def loss_fn(_, y_pred):  # any per-example loss: the rules do not depend on it
+        return sum(jnp.sum(jnp.reshape(leaf.astype(_F32), (size, -1)), axis=1)
+                   for leaf in jax.tree_util.tree_leaves(y_pred))
+
+    def step(trainable, non_trainable, x):
+        result = ghost_norms(model, loss_fn, trainable, non_trainable, x, None, jnp.ones((size,), _F32),
+                             training=True, strict=False)
+        return None if result is None else result[0]
+
+    specs = lambda values: [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in values]  # noqa: E731
+    with norm_observer.observe_layer_norms() as seen:
+        clipped = jax.eval_shape(step, specs(model.trainable_variables), specs(model.non_trainable_variables), x)
+    if clipped is None:
+        return [(layer.name, type(layer).__name__, "vectorized") for layer, _ in targets(model)]
+    trainable = {id(v) for v in model.trainable_variables}
+    out = []
+    for layer, how, _, _ in seen:
+        out.append((layer.name, type(layer).__name__, how))
+        if inside and (how == "caller" or isinstance(layer, keras.layers.RNN)):
+            out += [(sub.name, type(sub).__name__, f"through '{layer.name}'")
+                    for sub in _compat.flatten_layers(layer, include_self=False)
+                    if any(id(v) in trainable for v in _compat.own_trainable_variables(sub))]
+    return out
+

@@ -8,7 +8,7 @@ last. The rule contract is the one of
 
 Every one of these kernels has a per-example gradient that is a sum over output positions of
 outer products, one per group of channels (the same table as the TensorFlow rules,
-:mod:`keras_noisecurve.training.ghost_conv_kinds`):
+:mod:`keras_noisecurve.backend.tensorflow.ghost_conv_kinds`):
 
     ∂W_i[γ] = Σ_l x_ilγ ⊗ y_ilγ          x (P, L, G, d_in), y (P, L, G, d_out)
 
@@ -67,6 +67,8 @@ import jax
 import jax.numpy as jnp
 import keras
 
+from keras_noisecurve.backend.geometry import explicit_padding
+
 __all__ = ["CONV_RULES", "PRE_ACTIVATION", "conv_rule", "conv_transpose_rule", "depthwise_output", "depthwise_rule",
            "example_grads", "explicit_padding", "grouped_sq_norms", "separable_rule", "window_patches"]
 
@@ -94,24 +96,6 @@ def _ruled(layer, types, calls) -> bool:
     rank = len(layer.kernel_size)
     return all(hasattr(c["a"], "shape") and hasattr(c["g"], "shape") and c["a"].ndim == rank + 2
                and c["g"].ndim == rank + 2 and c["a"].shape[0] == c["g"].shape[0] for c in calls)
-
-
-def explicit_padding(size, out, kernel, stride, dilation, padding):
-    """``(before, after)`` zeros of one spatial axis so that the padded input spans exactly the
-    ``out`` windows: ``before + size + after = (out − 1)·stride + (kernel − 1)·dilation + 1``
-    (``after`` may be negative: trailing entries no window reads). ``before``: 0 for ``"valid"``,
-    ``⌊total/2⌋`` of the TensorFlow ``"same"`` total, ``(kernel − 1)·dilation`` for ``"causal"``;
-    ``None`` for any other padding."""
-    needed = (out - 1) * stride + (kernel - 1) * dilation + 1
-    if padding == "valid":
-        before = 0
-    elif padding == "same":
-        before = max(needed - size, 0) // 2
-    elif padding == "causal":
-        before = (kernel - 1) * dilation
-    else:
-        return None
-    return before, needed - size - before
 
 
 def window_patches(a, *, out_shape, kernel_size, strides, dilation_rate, padding):

@@ -1,18 +1,48 @@
-"""Norm and sum forms shared by the JAX ghost-norm rules (:mod:`~keras_noisecurve.backend.jax.ghost_rules`,
-:mod:`~keras_noisecurve.backend.jax.ghost_hub`), in ``jax.numpy``: the per-example squared norm of a
+"""Norm and sum forms shared by the JAX ghost-norm rules (the ``ghost_*`` rule modules listed in
+:mod:`~keras_noisecurve.backend.jax.ghost_rules`), in ``jax.numpy``: the per-example squared norm of a
 sum of outer products over positions, of an embedding table's gradient, the zeroing of dropped
-examples' rows, and the parsing of an EinsumDense equation.
+examples' rows, the parsing of an EinsumDense equation, and the small helpers every rule uses
+on its recorded calls.
 
 Shapes: P examples, L positions.
 """
 
 from __future__ import annotations
 
-import string
-
 import jax.numpy as jnp
 
-__all__ = ["kept", "parse_einsum", "sequence_sq_norms", "token_sq_norms"]
+from keras_noisecurve.backend.geometry import parse_einsum
+
+__all__ = ["F32", "call_args", "cat", "kept", "parse_einsum", "plain", "scaled", "sequence_sq_norms", "single",
+           "token_sq_norms"]
+
+#: the dtype of the norms and sums
+F32 = jnp.float32
+
+
+def plain(layer) -> bool:
+    """No LoRA, no quantization: the layer's ``call`` is the textbook one."""
+    return not getattr(layer, "lora_enabled", False) and getattr(layer, "quantization_mode", None) is None
+
+
+def single(calls) -> bool:
+    """Every call has one array input and one array output with the examples first."""
+    return all(hasattr(c["a"], "shape") and hasattr(c["g"], "shape") for c in calls)
+
+
+def call_args(call):
+    """``(args, kwargs)`` of a recorded call (``((a,), {})`` when the engine gave none)."""
+    return call.get("args") or ((call["a"],), {})
+
+
+def cat(parts):
+    """The calls of a shared layer, concatenated along the positions (axis 1)."""
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
+
+
+def scaled(c, g):
+    """``g`` with example i's rows multiplied by ``c[i]``; ``c`` (P,), ``g`` (P, ...)."""
+    return g * jnp.reshape(c, (-1,) + (1,) * (g.ndim - 1)).astype(g.dtype)
 
 
 def sequence_sq_norms(a, g):
@@ -50,13 +80,3 @@ def kept(x, keep):
     return jnp.where(jnp.reshape(keep, (-1,) + (1,) * (x.ndim - 1)), x, jnp.zeros_like(x))
 
 
-def parse_einsum(equation, input_rank):
-    """``(input, kernel, output)`` letters of an EinsumDense equation, ``...`` expanded for an
-    input of rank ``input_rank``."""
-    lhs, out = equation.replace(" ", "").split("->")
-    inp, ker = lhs.split(",")
-    if "..." in inp:
-        fresh = [ch for ch in string.ascii_letters if ch not in equation]
-        filler = "".join(fresh[: input_rank - len(inp.replace("...", ""))])
-        inp, out = inp.replace("...", filler), out.replace("...", filler)
-    return inp, ker, out

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from keras_noisecurve.backend.calls import training_kwargs
+
 __all__ = ["HVPEngine", "per_example_gradient_norms", "sgd_step_fn"]
 
 
@@ -31,7 +33,8 @@ def _loss_of(model, loss_fn, *, training: bool, reduce: str, inv_n: float = 1.0)
     import jax.numpy as jnp
 
     def f(trainable, non_trainable, xb, yb):
-        pred, non_trainable = model.stateless_call(trainable, non_trainable, xb, training=training)
+        kwargs = training_kwargs(model, training)
+        pred, non_trainable = model.stateless_call(trainable, non_trainable, xb, **kwargs)
         dtype = trainable[0].dtype
         values = jnp.asarray(loss_fn(yb, pred)).astype(dtype)
         if reduce == "mean":

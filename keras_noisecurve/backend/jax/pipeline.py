@@ -9,7 +9,7 @@ after reading one batch to build the model) without skipping a step.
 
 Keras's ``PyDataset`` items are ``(inputs, targets, sample_weights)`` at most, so an item
 ``batches[i]`` carries the step inside the inputs: ``({"inputs": x, STEP_KEY: step},
-y, mask)``; the private model's ``train_step`` takes it apart (:func:`split_step`).
+y, mask)``; the private model's ``train_step`` takes it apart (``keras_noisecurve.backend.run_batch.split_step``).
 Iterating the dataset (a custom loop) yields ``(x, y, mask, step)`` as on TensorFlow.
 
 Under several JAX processes (``jax.distributed.initialize``) every process iterates the
@@ -28,22 +28,11 @@ import keras
 import numpy as np
 from jax.experimental import multihost_utils
 
-__all__ = ["STEP_KEY", "RunBatches", "agreed_position", "batch_shards", "input_parts", "run_batches", "shared_key",
-           "split_step"]
+from keras_noisecurve.backend.run_batch import STEP_KEY
+
+__all__ = ["STEP_KEY", "RunBatches", "agreed_position", "batch_shards", "input_parts", "run_batches", "shared_key"]
 
 #: the key of a batch's step inside the inputs of a ``RunBatches`` item
-STEP_KEY = "noisecurve_step"
-
-
-def split_step(data):
-    """``(x, y, sample_weight), step`` of a run batch (an item of :class:`RunBatches`, or
-    the ``(x, y, mask, step)`` of its iteration); ``data, None`` for any other batch."""
-    if isinstance(data, (tuple, list)):
-        if len(data) == 4:
-            return tuple(data[:3]), data[3]
-        if data and isinstance(data[0], dict) and STEP_KEY in data[0] and set(data[0]) == {"inputs", STEP_KEY}:
-            return (data[0]["inputs"],) + tuple(data[1:]), data[0][STEP_KEY]
-    return data, None
 
 
 class RunBatches(keras.utils.PyDataset):

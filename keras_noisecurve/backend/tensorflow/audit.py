@@ -2,7 +2,7 @@
 :mod:`keras_noisecurve.audit.input_canaries`): the independent references, one
 ``tf.GradientTape`` per example and the canaries' tape jacobian, and the scope in which a
 float64 clone is built (anywhere). (The engine's side is the private model's
-``_dp_engine_run``, in :mod:`keras_noisecurve.training.dp_model_tf`.)"""
+``_dp_engine_run``, in :mod:`keras_noisecurve.backend.tensorflow.dp_model`.)"""
 
 from __future__ import annotations
 

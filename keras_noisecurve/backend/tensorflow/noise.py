@@ -25,7 +25,7 @@ import math
 import numpy as np
 import tensorflow as tf
 
-from keras_noisecurve import _compat
+from keras_noisecurve.backend.tensorflow import compat
 from keras_noisecurve.backend import philox
 
 __all__ = [
@@ -134,7 +134,7 @@ def fold_in(seed, data) -> tf.Tensor:
 def _in_xla_context() -> bool:
     """Whether the graph being built is compiled by XLA (``jit_compile=True``); True
     when TensorFlow's (private) test is unavailable, which is correct either way."""
-    return _compat.in_xla_context()
+    return compat.in_xla_context()
 
 
 def _box_muller(seed, n, compute, scale=None):

@@ -1,0 +1,160 @@
+"""Per-layer rules for ghost (per-example) gradient norms.
+
+Each rule knows, for one Keras 3 layer type with its own trainable weights,
+
+1. ``check(layer)``: why the layer's configuration is not supported (``None`` if it is);
+2. ``forward(layer, original_call, record, inputs, *args, **kwargs)``: the layer's
+   forward computation, recording the tensor ``out`` whose gradient ``g`` is needed
+   (the *pre-activation* output for layers with a fused ``activation=``) and the
+   auxiliary tensors (input activation, token ids, normalised input) of that call;
+3. ``analyse(layer, calls) -> (sq_norms, grads)``: from the recorded calls (each a
+   dict with the recorded tensors and ``"g"``, the gradient of ``Σ_i w_i·loss_i``
+   w.r.t. ``out``), the per-example squared norm (P,) of the gradient of the layer's
+   own weights, and a function ``grads(scale)`` returning ``[(variable,
+   Σ_i scale_i·∇_variable(w_i·loss_i))]``: with ``scale = c`` (the clip factors) this is
+   the layer's part of the clipped sum, assembled from the same ``(a, g)`` as the
+   norms ("book-keeping", Bu et al. 2022) instead of a second backward pass.
+
+No per-example gradient of a weight is materialised unless it is the cheaper form
+(see :func:`sequence_sq_norms`). A layer called several times (shared weights) has
+its calls concatenated along the position axis: the per-example gradient of a weight
+is the sum over calls and positions of the same outer products.
+
+This module is the registry (:data:`RULES`, :func:`find_rule`) and re-exports the
+rules' public names: the shared math and :class:`Rule` live in ``ghost_forms``, the
+rules in ``ghost_dense`` (Dense, EinsumDense, Embedding), ``ghost_conv``
+(Conv1D/Conv2D), ``ghost_norm`` (normalisation layers), ``ghost_t5`` (T5's relative-attention bias) and ``ghost_rnn`` (LSTM, GRU,
+SimpleRNN; its rule sets ``covers_sublayers``: the weights of the layer's cell count
+as the layer's own).
+"""
+
+from __future__ import annotations
+
+from keras_noisecurve.backend.tensorflow.ghost_forms import Rule, sequence_sq_norms
+from keras_noisecurve.backend.tensorflow.ghost_conv import CONV_CHUNK, ConvRule, conv_chunk, conv_sq_norms
+from keras_noisecurve.backend.tensorflow.ghost_conv_kinds import (
+    Conv3DRule,
+    ConvTransposeRule,
+    DepthwiseConvRule,
+    GroupedConvRule,
+    SeparableConvRule,
+)
+from keras_noisecurve.backend.tensorflow.ghost_embedding import DiagonalScaleRule, PositionEmbeddingRule, ReversibleEmbeddingRule
+from keras_noisecurve.backend.tensorflow.ghost_lora import LoRARule
+from keras_noisecurve.backend.tensorflow.ghost_generic import GenericRule, RNNFallbackRule, TimeDistributedRule
+from keras_noisecurve.backend.tensorflow.ghost_dense import (
+    DenseRule,
+    EinsumDenseRule,
+    EmbeddingRule,
+    einsum_structure,
+    token_sq_norms,
+)
+from keras_noisecurve.backend.tensorflow.ghost_norm import GroupNormalizationRule, LayerNormalizationRule
+from keras_noisecurve.backend.tensorflow.ghost_rnn import RecurrentRule
+from keras_noisecurve.backend.tensorflow.ghost_scale import ComputedScaleRule, PReLURule
+from keras_noisecurve.backend.tensorflow.ghost_t5 import RelativeAttentionBiasRule
+from keras_noisecurve.backend.tensorflow.ghost_timedist import FoldedTimeDistributedRule
+
+__all__ = [
+    "CONV_CHUNK", "RULES", "ComputedScaleRule", "Conv3DRule", "ConvRule", "ConvTransposeRule",
+    "DenseRule", "DepthwiseConvRule", "DiagonalScaleRule", "EinsumDenseRule", "EmbeddingRule",
+    "FoldedTimeDistributedRule", "GenericRule", "GroupNormalizationRule", "GroupedConvRule",
+    "LayerNormalizationRule", "LoRARule", "PReLURule", "PositionEmbeddingRule", "RNNFallbackRule",
+    "RecurrentRule", "RelativeAttentionBiasRule", "ReversibleEmbeddingRule", "Rule", "SeparableConvRule", "TimeDistributedRule",
+    "conv_chunk", "conv_sq_norms", "einsum_structure", "find_rule", "register_rule",
+    "sequence_sq_norms", "token_sq_norms",
+]
+
+RULES = (
+    LoRARule(),
+    EinsumDenseRule(),
+    DenseRule(),
+    EmbeddingRule(),
+    ReversibleEmbeddingRule(),
+    PositionEmbeddingRule(),
+    DiagonalScaleRule(),
+    RelativeAttentionBiasRule(),  # KerasHub T5's relative-attention bias table (ghost_t5)
+    PReLURule(),
+    ConvRule(),
+    GroupedConvRule(),  # Conv1D/Conv2D with groups > 1 (ghost_conv_kinds)
+    Conv3DRule(),
+    DepthwiseConvRule(),
+    SeparableConvRule(),
+    ConvTransposeRule(),
+    LayerNormalizationRule(),
+    GroupNormalizationRule(),
+    RecurrentRule(),  # LSTM / GRU / SimpleRNN (ghost_rnn)
+    FoldedTimeDistributedRule(),  # TimeDistributed over a position-wise rule (ghost_timedist)
+    TimeDistributedRule(),
+    RNNFallbackRule(),  # any other RNN, or one RecurrentRule refuses
+    ComputedScaleRule(),  # one (d,) weight, y = u(x) ⊙ (α + w): probed once (ghost_scale), tried last
+)
+
+
+#: rules added with :func:`register_rule`, tried before :data:`RULES`
+_REGISTERED: list = []
+
+
+def register_rule(rule) -> None:
+    """Add a ghost-norm ``rule`` (a :class:`Rule` instance) for a layer class outside Keras.
+
+    Registered rules are tried before the built-in :data:`RULES`, in the order they were
+    registered; registering a rule of the same type and ``classes`` again is a no-op (a
+    module that registers its rule at import may be reloaded).
+    """
+    if not isinstance(rule, Rule):
+        raise TypeError(f"rule must be a ghost_rules.Rule instance, got {type(rule).__name__}")
+    if not rule.classes:
+        raise ValueError(f"rule {type(rule).__name__} names no layer classes (its `classes` is empty)")
+    if any(type(r) is type(rule) and r.classes == rule.classes for r in _REGISTERED):
+        return
+    _REGISTERED.append(rule)
+
+
+def find_rule(layer):
+    """The first registered rule (:func:`register_rule`), then of :data:`RULES`, that matches
+    ``layer`` and accepts its configuration (``check`` returns no reason), or ``None`` (the
+    engine then uses :class:`GenericRule`)."""
+    for rule in (*_REGISTERED, *RULES):
+        if rule.matches(layer) and not rule.check(layer):
+            return rule
+    return None
+
+
+def _rule_layers(rule) -> list:
+    """The layer classes a rule names: its ``classes`` and the KerasHub classes it finds by
+    module (``hub``, ``module``); empty when it matches by an ``isinstance`` of its own."""
+    names = [cls.__name__ for cls in rule.classes]
+    hub = getattr(rule, "hub", ())
+    if hub and isinstance(hub[0], str):  # one (module, class name) pair
+        hub = (hub,)
+    for entry in hub:
+        if isinstance(entry, (tuple, list)) and len(entry) >= 2 and isinstance(entry[1], str):
+            names.append(entry[1])
+    module = getattr(rule, "module", None)
+    if module:
+        names.append(f"{module.rsplit('.', 1)[-1].title().replace('_', '')} (KerasHub)")
+    return list(dict.fromkeys(names))
+
+
+def rule_table(*, registered: bool = True) -> list:
+    """One row per rule the engine tries, in order (registered rules first, then
+    :data:`RULES`; ``registered=False``: the built-in :data:`RULES` only, whatever modules
+    registered their own): ``{"kind", "layers", "fallback", "summary"}``.
+
+    ``kind`` is what :func:`~keras_noisecurve.backend.tensorflow.ghost.describe` reports for a layer the
+    rule takes; ``layers`` the class names it names (empty: it matches by ``isinstance`` in its
+    ``matches``, the summary says which); ``fallback`` True when the rule re-runs the layer per
+    example (the per-layer fallback's cost); ``summary`` the first paragraph of its docstring.
+    Documentation (docs/models.md) is rendered from this, so it follows the registry.
+    """
+    rows = []
+    for rule in (*(_REGISTERED if registered else ()), *RULES):
+        doc = (type(rule).__doc__ or "").strip().split("\n\n")[0]
+        rows.append({
+            "kind": rule.kind,
+            "layers": _rule_layers(rule),
+            "fallback": isinstance(rule, GenericRule),
+            "summary": " ".join(doc.split()),
+        })
+    return rows

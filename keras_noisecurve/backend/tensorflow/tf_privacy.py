@@ -1,0 +1,178 @@
+"""The correlated noise of a mixing strategy as a TensorFlow Privacy ``DPQuery``
+(``keras_noisecurve.integrations.tf_privacy``, TensorFlow only: TensorFlow Privacy is).
+
+``BandedMatrixFactorizationQuery`` is a ``SumAggregationDPQuery``: each record (a
+nested structure of tensors, e.g. one example's gradients) is clipped to global L2
+norm ζ, records are summed, and ``get_noised_result`` adds ζσ·z̃_t, where
+z̃ = C⁻¹Z is produced online by the SAME code as ``NoiseCurveOptimizer``
+(``keras_noisecurve.training.noise``). With the same seed and C, step t of the
+query adds exactly the noise the optimizer adds at step t (the flattened position
+of a tensor in the record structure plays the role of the optimizer's variable index).
+
+Every strategy kind works (``MixingMatrix``, ``ToeplitzMixing``, ``BLTMixing``,
+``BISRMixing``: ``keras_noisecurve.training.noise.StreamNoise``, the optimizer's
+generator). The global state holds the step counter, the int64 noise key and one
+noise-state array per tensor (``mixing.buffers`` × the tensor's shape: the ring of
+b − 1 past z̃ of a banded or Toeplitz C, the p − 1 past draws of BISR, the d
+accumulators of BLT; an empty tensor without state); it is a plain nest of tensors,
+so it can be checkpointed and carried through ``tf.function``.
+
+Privacy accounting: each call returns ``GaussianDpEvent(σ)``. Composing it once per
+step is a valid (conservative) account when every example participates at most
+once in any b consecutive steps, b the band width of C, and no amplification is
+claimed: row t of C has entries of magnitude ≤ 1 (unit columns) and then touches at
+most one participation, so it moves row t of CG by at most ζ. BLT and BISR C's are
+full lower-triangular (b = T): for them the condition is one participation in the
+whole run. The tight account (cyclic Poisson with b partitions, or several epochs
+with the sensitivity of all participations) is ``keras_noisecurve.privacy``
+(``PrivateRun``).
+
+Needs TensorFlow Privacy, an optional extra (Python <= 3.11 only):
+``pip install "keras-noisecurve[tf-privacy]"``. Without it, importing this module
+raises an ``ImportError`` that says so.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import tensorflow as tf
+
+from keras_noisecurve._validation import check_float
+from keras_noisecurve.backend.tensorflow.tf_privacy_import import import_tf_privacy
+from keras_noisecurve.mixing.strategies import load_mixing
+from keras_noisecurve.training.noise import StreamNoise, key_from_seed
+
+_dp_query = import_tf_privacy("privacy.dp_query.dp_query")
+
+import dp_accounting  # noqa: E402  (after the tf-privacy import workaround)
+
+__all__ = ["BandedMatrixFactorizationQuery"]
+
+
+def _is_shape(t) -> bool:
+    return isinstance(t, (tuple, list, tf.TensorShape)) and all(isinstance(d, (int, np.integer)) for d in t)
+
+
+def _template_specs(template):
+    """(structure, TensorSpecs) of a template: a list of shapes, or a nest of tensors/specs/arrays."""
+    if isinstance(template, (tuple, list)) and template and all(_is_shape(t) for t in template):
+        specs = [tf.TensorSpec(tf.TensorShape(t), tf.float32) for t in template]
+        return specs, specs
+    flat = tf.nest.flatten(template)
+    if not flat:
+        raise ValueError(f"template must hold at least one tensor, shape or TensorSpec; got {template!r}.")
+    specs = []
+    for i, t in enumerate(flat):
+        if not isinstance(t, tf.TensorSpec):
+            t = tf.convert_to_tensor(t)
+            t = tf.TensorSpec(t.shape, t.dtype)
+        if not t.shape.is_fully_defined():
+            raise ValueError(f"template entry {i} must have a fully defined shape, got {t.shape}.")
+        specs.append(t)
+    return tf.nest.pack_sequence_as(template, specs), specs
+
+
+class BandedMatrixFactorizationQuery(_dp_query.SumAggregationDPQuery):
+    """TF Privacy ``DPQuery``: clip records to ζ, sum, add ζσ·(C⁻¹Z)_t.
+
+    Args:
+      l2_norm_clip: ζ > 0, global L2 clipping norm of one record.
+      noise_multiplier: σ ≥ 0 (noise std ζσ on the sum).
+      mixing: anything ``keras_noisecurve.mixing.load_mixing`` reads: a ``MixingMatrix``,
+        ``ToeplitzMixing``, ``BLTMixing`` or ``BISRMixing``, a path to a ``.npz`` file of
+        one, its ``to_config()`` dict, or ``"dpsgd"``.
+      template: the record structure: a nest of tensors/``tf.TensorSpec``s, or a
+        list of shapes (float32). Tensor k of ``tf.nest.flatten(template)`` gets the
+        noise of variable index k.
+      seed: ``None`` (secret key from OS entropy, the default) or an int (tests and
+        reproducibility only; weakens DP if known).
+
+    ``get_noised_result`` fails once the T steps of the mixing matrix are used.
+    """
+
+    _GlobalState = collections.namedtuple("_GlobalState", ["step", "key", "rings", "l2_norm_clip", "stddev"])
+
+    def __init__(self, l2_norm_clip, noise_multiplier, mixing, template, seed=None):
+        self._l2_norm_clip = check_float("l2_norm_clip", l2_norm_clip, positive=True)
+        self._noise_multiplier = check_float("noise_multiplier", noise_multiplier, nonnegative=True)
+        self._mixing = load_mixing(mixing)
+        self._noise = StreamNoise.from_mixing(self._mixing)
+        self._structure, self._specs = _template_specs(template)
+        self._key = key_from_seed(seed)
+
+    @classmethod
+    def from_run(cls, run, *, l2_norm_clip, template, seed=None) -> "BandedMatrixFactorizationQuery":
+        """The query of a ``keras_noisecurve.PrivateRun``: its C and σ (the run's ledger
+        then accounts for the query's T noisy sums, drawn with ``run.dataset`` batches).
+
+        Args:
+          run: the ``PrivateRun``.
+          l2_norm_clip, template, seed: as the constructor.
+        """
+        from keras_noisecurve.privacy.run import PrivateRun
+
+        if not isinstance(run, PrivateRun):
+            raise ValueError(f"run must be a keras_noisecurve.PrivateRun, got {type(run).__name__}.")
+        return cls(l2_norm_clip, run.noise_multiplier, run.mixing, template, seed=seed)
+
+    @property
+    def noise(self) -> StreamNoise:
+        """The shared online noise generator."""
+        return self._noise
+
+    def initial_global_state(self):
+        rings = []
+        for s in self._specs:
+            shape = self._noise.state_shape(s.shape)
+            rings.append(tf.zeros([0], s.dtype) if shape is None else tf.zeros(shape, s.dtype))
+        return self._GlobalState(
+            step=tf.constant(0, tf.int64),
+            key=tf.constant(self._key, tf.int64),
+            rings=tuple(rings),
+            l2_norm_clip=tf.constant(self._l2_norm_clip, tf.float32),
+            stddev=tf.constant(self._l2_norm_clip * self._noise_multiplier, tf.float32),
+        )
+
+    def derive_sample_params(self, global_state):
+        return global_state.l2_norm_clip
+
+    def initial_sample_state(self, template=None):
+        """Zeros shaped like ``template`` (default: the template given at construction)."""
+        if template is None:
+            return tf.nest.map_structure(lambda s: tf.zeros(s.shape, s.dtype), self._structure)
+        return super().initial_sample_state(template)
+
+    def preprocess_record(self, params, record):
+        """Clip the record's global L2 norm to ζ (``tf.clip_by_global_norm``)."""
+        flat = tf.nest.flatten(record)
+        clipped, _ = tf.clip_by_global_norm(flat, params)
+        return tf.nest.pack_sequence_as(record, clipped)
+
+    def get_noised_result(self, sample_state, global_state):
+        """Sum + ζσ·z̃_t for every tensor; advances the step and the noise state."""
+        flat = tf.nest.flatten(sample_state)
+        if len(flat) != len(self._specs):
+            raise ValueError(f"sample_state has {len(flat)} tensors, the template {len(self._specs)}.")
+        step = global_state.step
+        checks = [op for op in [self._noise.assert_in_plan(step)] if op is not None]
+        results, rings = [], []
+        with tf.control_dependencies(checks):
+            for k, (value, ring) in enumerate(zip(flat, global_state.rings)):
+                has_state = self._noise.buffers > 0
+                z_tilde, new_state = self._noise.sample(
+                    global_state.key, step, k, value.shape, dtype=value.dtype, state=ring if has_state else None
+                )
+                results.append(value + tf.cast(global_state.stddev, value.dtype) * z_tilde)
+                rings.append(new_state if has_state else ring)
+        new_state = global_state._replace(step=step + 1, rings=tuple(rings))
+        event = dp_accounting.GaussianDpEvent(self._noise_multiplier)
+        return tf.nest.pack_sequence_as(sample_state, results), new_state, event
+
+    def derive_metrics(self, global_state):
+        return collections.OrderedDict(
+            step=global_state.step,
+            l2_norm_clip=global_state.l2_norm_clip,
+            noise_stddev=global_state.stddev,
+        )

@@ -1,0 +1,43 @@
+"""``keras_noisecurve.training.describe`` and ``register_rule`` on TensorFlow: the neutral entry
+points give the TensorFlow engine's answers (its registry is tested in test_ghost.py and
+test_layers.py)."""
+
+import keras
+import numpy as np
+import pytest
+
+import keras_noisecurve as knc
+from keras_noisecurve.backend.tensorflow import ghost, ghost_rules
+
+
+def _model():
+    inp = keras.Input((6,))
+    h = keras.layers.Dense(4, name="first")(inp)
+    h = keras.layers.LayerNormalization(name="norm")(h)
+    return keras.Model(inp, keras.layers.Dense(2, name="head")(h))
+
+
+def test_describe_is_the_tensorflow_engines_plan():
+    model = _model()
+    got = knc.training.describe(model)
+    assert got == ghost.describe(model)
+    assert [name for name, *_ in got] == ["first", "norm", "head"]
+    assert got[0][2] == "Dense"
+    # the batch is not needed on TensorFlow, and does not change the plan
+    assert knc.training.describe(model, np.zeros((2, 6), np.float32)) == got
+
+
+def test_register_rule_adds_to_the_tensorflow_registry(monkeypatch):
+    monkeypatch.setattr(ghost_rules, "_REGISTERED", [])
+
+    class Mine(keras.layers.Layer):
+        pass
+
+    class MineRule(ghost_rules.DenseRule):
+        kind = "Mine"
+        classes = (Mine,)
+
+    knc.training.register_rule(MineRule())
+    assert [row["kind"] for row in ghost_rules.rule_table()][0] == "Mine"
+    with pytest.raises(TypeError, match="Rule instance"):
+        knc.training.register_rule(lambda layer, calls: None)  # a JAX rule is not a TensorFlow one
