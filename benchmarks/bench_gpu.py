@@ -26,6 +26,16 @@ model are interleaved (rotating order) so that drift of the device's clocks hits
 alike. Private cells show the ratio to the plain step of the same run. A configuration
 that fails prints its error in its cell; the table always prints.
 
+Two more tables follow, same models and configurations: the **time to the first step** (the
+first ``train_on_batch`` of a fresh model: tracing, compilation and one step; the plain step's
+ratio beside each), and the **memory of one step** as XLA plans it: the step compiled alone
+(``jax.jit(model.train_step, donate_argnums=0)`` on the state Keras's trainer passes) and its
+``memory_analysis()``: arguments + outputs + temporaries − the donated buffers updated in place,
+in MiB (``--no-memory`` skips that extra compilation). The ghost engine needs no per-example
+gradient of the whole model, so its step should plan about the plain step's memory plus
+per-layer terms; the vectorized engine's holds P copies of the gradient. On a GPU the
+footer adds the device's own ``peak_bytes_in_use``.
+
 The last row is the noise recurrence alone: one banded step (b = 16) of
 z̃_t = (z_t − Σ_{j=1}^{b−1} c_j z̃_{t−j}) / c_0 over a ring of b − 1 float32 buffers of
 124M parameters, in jax.numpy, jitted with the ring donated (updated in place), against a
@@ -246,6 +256,25 @@ def step_fn(model, x, y):
     return step
 
 
+def step_memory(model, x, y):
+    """Bytes XLA plans for one jitted ``train_step`` of ``model`` on ``(x, y)``, as Keras's JAX
+    trainer calls it (state donated): arguments + outputs + temporaries − aliased (from the
+    compiled step's ``memory_analysis()``); ``None`` where the platform reports none."""
+    import jax
+
+    state = (
+        [v.value for v in model.trainable_variables],
+        [v.value for v in model.non_trainable_variables],
+        [v.value for v in model.optimizer.variables],
+        [v.value for v in model.metrics_variables],
+    )
+    analysis = jax.jit(model.train_step, donate_argnums=0).lower(state, (x, y, None)).compile().memory_analysis()
+    if analysis is None:
+        return None
+    return int(analysis.argument_size_in_bytes + analysis.output_size_in_bytes + analysis.temp_size_in_bytes
+               - analysis.alias_size_in_bytes)
+
+
 def _short(exc) -> str:
     if isinstance(exc, ImportError) and "jax_privacy" in str(exc):
         return "not installed"
@@ -253,12 +282,14 @@ def _short(exc) -> str:
     return text[:90] + ("…" if len(text) > 90 else "")
 
 
-def time_model(name, size, configs, *, warmup, repeats, rng, verbose, deadline=None):
-    """{config: median seconds or an error string}, and the parameter count. Past
+def time_model(name, size, configs, *, warmup, repeats, rng, verbose, deadline=None, memory=True):
+    """``(results, params, first, planned)``: {config: median seconds or an error string}, the
+    parameter count, {config: seconds of the first step (compilation included)} and {config:
+    bytes XLA plans for one step (:func:`step_memory`), ``None`` or an error string}. Past
     ``deadline`` (a ``time.perf_counter()`` value) only the plain step is still started."""
     x, y = batch_data(name, size, rng)
     steps_planned = max(warmup + repeats + 8, 4 * BANDS)
-    runs, results, params = {}, {}, None
+    runs, results, params, first, planned = {}, {}, None, {}, {}
     for config in configs:
         if deadline is not None and config != "plain" and time.perf_counter() > deadline:
             results[config] = "not run (--max-seconds)"
@@ -266,9 +297,17 @@ def time_model(name, size, configs, *, warmup, repeats, rng, verbose, deadline=N
         try:
             model = compiled(name, config, size, steps_planned)
             step = step_fn(model, x, y)
-            for _ in range(warmup):
+            start = time.perf_counter()
+            step()  # the first step: tracing and compilation included
+            first[config] = time.perf_counter() - start
+            for _ in range(warmup - 1):
                 step()
             runs[config] = step
+            if memory:
+                try:
+                    planned[config] = step_memory(model, x, y)
+                except Exception as exc:  # noqa: BLE001 - a step that cannot be compiled alone
+                    planned[config] = _short(exc)
             if params is None:
                 params = int(sum(int(np.prod(v.shape)) for v in model.trainable_variables))
         except Exception as exc:  # noqa: BLE001 - every failure goes into its cell
@@ -291,7 +330,7 @@ def time_model(name, size, configs, *, warmup, repeats, rng, verbose, deadline=N
     for config, values in times.items():
         if config not in results:
             results[config] = float(np.median(values))
-    return results, params
+    return results, params, first, planned
 
 
 # ------------------------------------------------------------------------------ recurrence
@@ -341,6 +380,29 @@ def _cell(value, plain):
     return text
 
 
+def _seconds(value, plain):
+    if not isinstance(value, float):
+        return "–" if value is None else str(value)
+    text = f"{value:.2f} s"
+    if isinstance(plain, float) and plain > 0:
+        text += f" ({value / plain:.2f}×)"
+    return text
+
+
+def _mib(value, plain):
+    if not isinstance(value, int):
+        return "–" if value is None else str(value)
+    text = f"{value / 2**20:.1f} MiB"
+    if isinstance(plain, int) and plain > 0:
+        text += f" ({value / plain:.2f}×)"
+    return text
+
+
+def _table(title, cols, rows) -> list[str]:
+    return ["", title, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)] + [
+        "| " + " | ".join(row) + " |" for row in rows]
+
+
 def header_lines(args) -> list[str]:
     import jax
     import keras
@@ -365,14 +427,17 @@ def main(argv=None) -> int:
     parser.add_argument("--recurrence-params", type=int, default=None,
                         help="parameters of the recurrence row (default 124M; 1M with --small; 0 skips it)")
     parser.add_argument("--verbose", action="store_true", help="print the traceback of a failing cell")
+    parser.add_argument("--no-memory", dest="memory", action="store_false",
+                        help="skip the memory table (one more compilation of each step)")
     parser.add_argument("--max-seconds", type=float, default=None,
                         help="start no private configuration after this many seconds (the plain steps and the "
                              "recurrence still run; their cells say 'not run'); default: no limit")
     args = parser.parse_args(argv)
     args.repeats = args.repeats or (3 if args.small else 15)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.small else 3)
-    if args.repeats < 1 or args.warmup < 0:
-        parser.error(f"--repeats must be >= 1 and --warmup >= 0, got {args.repeats} and {args.warmup}.")
+    if args.repeats < 1 or args.warmup < 1:
+        parser.error(f"--repeats and --warmup must be >= 1 (the first step is timed apart: it compiles), got "
+                     f"{args.repeats} and {args.warmup}.")
     import keras
 
     if keras.backend.backend() != "jax":
@@ -385,17 +450,24 @@ def main(argv=None) -> int:
     lines.append("| " + " | ".join(cols) + " |")
     lines.append("|" + "---|" * len(cols))
     print("\n".join(lines), flush=True)
+    first_rows, memory_rows = [], []
     for name in args.models:
         size = SIZES[name][1 if args.small else 0]
         deadline = None if args.max_seconds is None else started + args.max_seconds
-        results, params = time_model(name, size, configs, warmup=args.warmup, repeats=args.repeats, rng=rng,
-                                     verbose=args.verbose, deadline=deadline)
+        results, params, first, planned = time_model(
+            name, size, configs, warmup=args.warmup, repeats=args.repeats, rng=rng, verbose=args.verbose,
+            deadline=deadline, memory=args.memory)
         plain = results.get("plain")
         label = name + (f" L = {size['length']}" if "length" in size else "")
         count = "?" if not params else (f"{params / 1e6:.2f}M" if params >= 100_000 else f"{params / 1e3:.1f}k")
         row = [label, count, str(size["batch"])]
         row += [_cell(results[c], plain if c != "plain" else None) for c in configs]
         print("| " + " | ".join(row) + " |", flush=True)
+        failed = {c: results[c] for c in configs if isinstance(results.get(c), str)}  # the error, in every table
+        first_rows.append([label] + [_seconds(first[c] if c in first else failed.get(c),
+                                              first.get("plain") if c != "plain" else None) for c in configs])
+        memory_rows.append([label] + [_mib(planned[c] if c in planned else failed.get(c),
+                                           planned.get("plain") if c != "plain" else None) for c in configs])
     p = args.recurrence_params if args.recurrence_params is not None else RECURRENCE["small" if args.small else "full"]
     if p > 0:
         try:
@@ -408,6 +480,17 @@ def main(argv=None) -> int:
         row = [f"noise recurrence alone, b = {BANDS}", f"{p / 1e6:g}M float32", "–"] + cells
         row += [""] * (len(cols) - len(row))
         print("| " + " | ".join(row[: len(cols)]) + " |", flush=True)
+    heads = ["model"] + [HEADERS[c] for c in configs]
+    print("\n".join(_table("Time to the first step (tracing + compilation + one step; ratio to plain):", heads,
+                           first_rows)), flush=True)
+    if args.memory:
+        print("\n".join(_table("Memory of one step as XLA plans it (arguments + outputs + temporaries − donated; "
+                               "ratio to plain):", heads, memory_rows)), flush=True)
+    import jax
+
+    stats = getattr(jax.devices()[0], "memory_stats", lambda: None)()
+    if stats and "peak_bytes_in_use" in stats:
+        print(f"\ndevice peak_bytes_in_use over the whole run: {stats['peak_bytes_in_use'] / 2**20:.0f} MiB", flush=True)
     print(f"\n({time.perf_counter() - started:.0f} s; tensorflow imported: {sys.modules.get('tensorflow') is not None})", flush=True)
     return 0
 

@@ -1,6 +1,6 @@
 """``benchmarks/bench_gpu.py --small`` under ``KERAS_BACKEND=jax`` in a subprocess, with
-TensorFlow unimportable (as on the GPU machines): the one table prints, with a plain step
-time for every model and the recurrence row. ``--max-seconds 45`` bounds the run: private
+TensorFlow unimportable (as on the GPU machines): the tables print, with a plain step
+time, time to the first step and planned memory for every model, and the recurrence row. ``--max-seconds 45`` bounds the run: private
 configurations not yet started by then say "not run" (their first step compiles the whole
 private step, minutes on a loaded 2-core CPU)."""
 
@@ -39,6 +39,12 @@ def test_bench_gpu_small_prints_the_table():
         assert re.match(r"\| [^|]+ \| [0-9.]+[Mk] \| \d+ \| [0-9.]+ ms \|", row), row
     recurrence = next(line for line in rows if line.startswith("| noise recurrence alone, b = 16"))
     assert re.search(r"ring step \d+ GB/s \| copy \d+ GB/s \| \d+ % of copy", recurrence), recurrence
+    # the time to the first step and the memory XLA plans for one step, each model's plain cell filled
+    first = out.split("Time to the first step")[1].split("Memory of one step")[0]
+    memory = out.split("Memory of one step")[1]
+    for name in ("mlp", "gn_cnn", "transformer_small", "transformer_14m"):
+        assert re.search(rf"\| {name}[^|]* \| [0-9.]+ s \|", first), first
+        assert re.search(rf"\| {name}[^|]* \| [0-9.]+ MiB \|", memory), memory
     assert "tensorflow imported: False" in out
     if (ROOT / "keras_noisecurve" / "backend" / "jax" / "optimizer.py").exists():  # the JAX training step is in
         assert "import of tensorflow halted" not in out, "a cell imported TensorFlow"  # what a blocked import says
