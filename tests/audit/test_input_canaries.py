@@ -80,10 +80,15 @@ def test_a_correct_run_with_input_canaries_is_consistent():
 @pytest.mark.parametrize("family", sorted(RULES))
 def test_a_layer_left_unclipped_is_flagged_by_the_input_canaries(family, monkeypatch):
     """The rule's norm drops its layer's share (patched from outside, tests/audit/broken.py):
-    the canaries of that layer's branch enter the update unclipped and the bound of that
-    branch exceeds the claim."""
+    the canaries of that layer's branch enter the update unclipped, the bound of that branch
+    exceeds the claim, and no other branch's does (the audit names the broken layer). The
+    overall best bound is that branch's or the pooled one, which holds the same canaries: the
+    two are within 1 % of each other (attention: 1.638 and 1.644 at ε = 1), so which one wins
+    is float round-off, not a property of the audit."""
     broken.drop_layer_share(monkeypatch, RULES[family])
     result = audit_whitebox(**INPUT).result
     assert result.verdict == "violation", (family, result.epsilon_lower, result.claimed_epsilon, result.best)
-    assert result.best.startswith(BRANCH_OF[family] + ":"), result.best
-    assert result.info["bounds_by_layer"][BRANCH_OF[family]]["epsilon_lower"] > result.claimed_epsilon
+    assert result.best.startswith((BRANCH_OF[family] + ":", "claimed/")), result.best
+    bounds = {branch: b["epsilon_lower"] for branch, b in result.info["bounds_by_layer"].items()}
+    assert bounds[BRANCH_OF[family]] > result.claimed_epsilon, bounds
+    assert all(b <= result.claimed_epsilon for branch, b in bounds.items() if branch != BRANCH_OF[family]), bounds
