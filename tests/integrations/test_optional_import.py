@@ -30,7 +30,8 @@ class _NotInstalled:
 def _forget_tf_privacy(monkeypatch):
     """Drop tensorflow-privacy and the integration from the import caches for one test."""
     for name in list(sys.modules):
-        if name.split(".")[0] == "tensorflow_privacy" or name == "keras_noisecurve.integrations.tf_privacy":
+        if name.split(".")[0] == "tensorflow_privacy" or name in (
+            "keras_noisecurve.integrations.tf_privacy", "keras_noisecurve.backend.tensorflow.tf_privacy"):
             monkeypatch.delitem(sys.modules, name)
     monkeypatch.delitem(keras_noisecurve.__dict__, "BandedMatrixFactorizationQuery", raising=False)
 
