@@ -380,22 +380,23 @@ def _cell(value, plain):
     return text
 
 
-def _seconds(value, plain):
-    if not isinstance(value, float):
+def _measured(value, plain, kind, unit):
+    """A cell of the extra tables: ``value`` in ``unit`` (``"s"`` seconds, ``"MiB"`` bytes) with
+    its ratio to ``plain``; an error string as it is; ``–`` for nothing."""
+    if not isinstance(value, kind):
         return "–" if value is None else str(value)
-    text = f"{value:.2f} s"
-    if isinstance(plain, float) and plain > 0:
+    text = f"{value:.2f} s" if unit == "s" else f"{value / 2**20:.1f} MiB"
+    if isinstance(plain, kind) and plain > 0:
         text += f" ({value / plain:.2f}×)"
     return text
+
+
+def _seconds(value, plain):
+    return _measured(value, plain, float, "s")
 
 
 def _mib(value, plain):
-    if not isinstance(value, int):
-        return "–" if value is None else str(value)
-    text = f"{value / 2**20:.1f} MiB"
-    if isinstance(plain, int) and plain > 0:
-        text += f" ({value / plain:.2f}×)"
-    return text
+    return _measured(value, plain, int, "MiB")
 
 
 def _table(title, cols, rows) -> list[str]:

@@ -14,7 +14,9 @@ uses the exact per-layer fallback): ``sq`` (P,) float32 per-example squared norm
 gradient of the layer's own weights, ``sums(c, keep=None)`` a dict ``{id(variable): Σ_i c_i·G_i}``
 (with ``keep`` (P,) bool: the rows of examples not kept zeroed first, see :func:`kept`).
 ``calls`` is a list of dicts with ``"a"`` (the first positional argument of ``call``) and
-``"g"`` (the gradient at the call's single output).
+``"g"`` (the gradient at the call's single output), and ``"args"``, the call's ``(args, kwargs)`` as
+recorded; a rule runs under a ``keras.StatelessScope`` mapping every model variable to its traced
+value (``variable.value`` is the step's value, read at rule time).
 
 One module per layer family, named as the TensorFlow engine's (``backend/tensorflow/``):
 ``ghost_dense`` (Dense, EinsumDense, Embedding), ``ghost_norm`` (LayerNormalization,

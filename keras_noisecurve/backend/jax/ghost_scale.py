@@ -2,10 +2,8 @@
 in ``jax.numpy``.
 Each rule is ``rule(layer, calls) -> (sq, sums)`` or ``None``, the contract of
 :mod:`~keras_noisecurve.backend.jax.ghost_rules` (which lists the rules, in order).
-Here ``calls`` also carry ``"args"``, the call's ``(args, kwargs)`` as recorded, and a rule runs
-under a ``keras.StatelessScope`` mapping every model variable to its traced value
-(``variable.value`` is the step's value, read at rule time). Notation: P examples; ``a`` a call's
-input, ``g`` the gradient at its output (both with the examples first); ``c`` (P,) the clipping factors.
+Its ``calls`` also carry ``"args"`` and it runs under the step's weight values (see
+:mod:`~keras_noisecurve.backend.jax.ghost_rules`).
 
 * RMS-type norms, recognised by computation (:func:`probe_affine_scale`): a layer whose one
   weight w (d,) enters as ``y = u(x) ⊙ (α + w)`` along the last axis, ``u`` independent of w
