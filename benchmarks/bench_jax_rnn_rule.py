@@ -60,7 +60,7 @@ def plain_loss(tv, ntv, x, y):
 
 steps = {"plain grad": jax.jit(jax.grad(plain_loss))}
 full = ghost_rules.RULES
-for name, rules in (("rule", full), ("fallback", tuple(r for r in full if r is not ghost_rnn.recurrent_rule))):
+for name, rules in (("rule", full), ("fallback", tuple((k, r) for k, r in full if r is not ghost_rnn.recurrent_rule))):
     step = clip_step()
     ghost_rules.RULES = rules
     try:

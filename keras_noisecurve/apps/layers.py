@@ -15,11 +15,11 @@
 Both are registered for Keras serialization as ``keras_noisecurve>GroupNorm`` and
 ``keras_noisecurve>AdaptiveAveragePooling2D``, so saved ``.keras`` files load after
 ``import keras_noisecurve.apps.layers`` (``keras_noisecurve.apps.models`` imports it).
-Importing this module also registers the ghost-norm rule of ``GroupNorm`` with the engine of
-the backend in use (``keras_noisecurve.training.register_rule``): on TensorFlow
-``GroupNormRule`` (a ``Rule`` of the TensorFlow engine), on JAX ``GroupNorm_rule`` (the JAX
-engine's group-normalisation rule for this class), so the per-layer engine clips it from
-``(a, g)`` instead of with its per-layer fallback. Either way the module imports no framework.
+Importing this module also registers the ghost-norm rule of ``GroupNorm``, ``GROUP_NORM_RULE``
+(a ``keras_noisecurve.training.LayerRule`` of kind ``"GroupNorm"``: on TensorFlow ``GroupNormRule``,
+a ``Rule`` of the TensorFlow engine; on JAX the JAX engine's group-normalisation rule for this
+class), so the per-layer engine clips it from ``(a, g)`` instead of with its per-layer fallback.
+The module imports no framework: only the kernel of the backend in use is made.
 """
 
 from __future__ import annotations
@@ -30,8 +30,10 @@ import keras
 from keras import ops
 
 from keras_noisecurve._validation import check_int
+from keras_noisecurve.backend import SUPPORTED
+from keras_noisecurve.training.rules import LayerRule, register_rule
 
-__all__ = ["AdaptiveAveragePooling2D", "GroupNorm", "GroupNormRule"]
+__all__ = ["GROUP_NORM_RULE", "AdaptiveAveragePooling2D", "GroupNorm", "GroupNormRule"]
 
 
 @keras.saving.register_keras_serializable(package="keras_noisecurve")
@@ -166,14 +168,15 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-if keras.backend.backend() == "tensorflow":
-    from keras_noisecurve.backend.tensorflow.ghost_rules import register_rule
-
-    register_rule(__getattr__("GroupNormRule")())
-elif keras.backend.backend() == "jax":
+def _jax_rule():
+    """The JAX engine's group-normalisation rule for :class:`GroupNorm` (made on the JAX backend only)."""
     from keras_noisecurve.backend.jax.ghost_norm import grouped_norm_rule
-    from keras_noisecurve.backend.jax.ghost_rules import register_rule
 
-    _rule = grouped_norm_rule(GroupNorm, name="GroupNorm_rule")
-    _rule.__module__ = __name__
-    register_rule(_rule)
+    return grouped_norm_rule(GroupNorm, name="GroupNorm_rule")
+
+
+#: the ghost-norm rule of :class:`GroupNorm`, one kernel per backend
+GROUP_NORM_RULE = LayerRule("GroupNorm", tensorflow=lambda: __getattr__("GroupNormRule")(), jax=_jax_rule)
+
+if keras.backend.backend() in SUPPORTED:  # the layers themselves run on any backend
+    register_rule(GROUP_NORM_RULE)

@@ -11,10 +11,14 @@ part: which layers qualify (:func:`single_weight`), the probing input and weight
 the affinity test (:func:`affine_in_weight`) and the per-layer cache; each engine passes
 how to run the layer's call with a substituted weight and the scope that makes the call
 concrete (eager) even inside a traced step.
+
+The RMS norms known by class (:data:`KNOWN_RMS_NORMS`, :func:`known_rms_norm`) take the
+"RMS scale" rule on both engines, before any probing.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 import weakref
 
@@ -22,7 +26,17 @@ import numpy as np
 
 from keras_noisecurve import _compat
 
-__all__ = ["PROBE_SHAPE", "TOLERANCE", "AffineScaleProbe", "affine_in_weight", "single_weight"]
+__all__ = ["KNOWN_RMS_NORMS", "PROBE_SHAPE", "TOLERANCE", "AffineScaleProbe", "affine_in_weight", "known_rms_norm",
+           "loaded_class", "single_weight"]
+
+#: RMS norms known by class, ``(module, class name)`` (:func:`loaded_class`): Keras's, and KerasHub's
+#: Llama, Gemma and Mistral norms (``y = x̂ ⊙ s`` or ``x̂ ⊙ (1 + s)``, one weight ``scale`` (d,))
+KNOWN_RMS_NORMS = (
+    ("keras", "layers.RMSNormalization"),
+    ("keras_hub.src.models.llama.llama_layernorm", "LlamaLayerNorm"),
+    ("keras_hub.src.models.gemma.rms_normalization", "RMSNormalization"),
+    ("keras_hub.src.models.mistral.mistral_layer_norm", "MistralLayerNormalization"),
+)
 
 #: the probing input: PROBE_SHAPE + (d,), P = 2 examples of 3 positions
 PROBE_SHAPE = (2, 3)
@@ -43,6 +57,26 @@ def single_weight(layer):
     if len(w.shape) != 1 or w.shape[0] is None or not w.trainable:
         return None
     return w
+
+
+def loaded_class(module: str, name: str):
+    """The class ``name`` (an attribute path, e.g. ``"layers.RMSNormalization"``) of ``module`` if
+    that module is already imported, else ``None`` (nothing is imported here: a model with a
+    KerasHub layer has imported KerasHub)."""
+    found = sys.modules.get(module)
+    for part in name.split("."):
+        found = getattr(found, part, None) if found is not None else None
+    return found
+
+
+def known_rms_norm(layer) -> bool:
+    """Whether ``layer`` is an instance of a class of :data:`KNOWN_RMS_NORMS` and runs that
+    class's own ``call`` (a subclass that overrides it computes something else)."""
+    for module, name in KNOWN_RMS_NORMS:
+        cls = loaded_class(module, name)
+        if cls is not None and isinstance(layer, cls) and type(layer).call is cls.call:
+            return True
+    return False
 
 
 def affine_in_weight(*, outputs, width: int, compute_dtype: str) -> bool:

@@ -18,7 +18,7 @@ def observe_layer_norms():
     inside it (for the audit's clipping check).
 
     Yields a list that each step extends with ``(layer, rule, variables, sq)``: ``rule`` the
-    layer's rule (TensorFlow: its rule object; JAX: the rule's name, ``"fallback"`` for the
+    layer's rule (TensorFlow: its rule object; JAX: the rule's kind, ``"generic"`` for the
     per-layer VJP, ``"caller"`` for a layer clipped whole through it), ``sq`` (P,) the squared
     norms of the per-example gradients of that layer's ``variables`` as the rule computed them
     (their sum over layers is the squared norm the step clips with). Run the engine outside a

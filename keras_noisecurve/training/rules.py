@@ -1,16 +1,18 @@
-"""The per-layer ghost-norm rules of the backend in use: which layer each clips
-(:func:`describe`) and how to add one for a layer of your own (:func:`register_rule`).
+"""The per-layer ghost-norm rules: which rule clips each layer (:func:`describe`) and how to
+add one for a layer of your own (:func:`register_rule`, :class:`LayerRule`).
 
-One registry per backend (``keras_noisecurve.backend.<name>.ghost_rules``), each with the same
-two entry points; what a rule is differs, because a rule computes in its framework:
+One table of rules serves both engines (``keras_noisecurve.backend.layer_rules.BUILTIN``): a rule
+is a :class:`LayerRule`, the name of a layer family (its ``kind``, what :func:`describe` reports,
+the same on every backend) with one kernel per backend, the code that computes in that framework:
 
 - TensorFlow: an instance of ``keras_noisecurve.backend.tensorflow.ghost_forms.Rule``
-  (``classes``, ``check``, ``forward``, ``analyse``; the bundled ``GroupNorm`` registers
-  one, ``keras_noisecurve/apps/layers.py``);
+  (``classes``, ``check``, ``forward``, ``analyse``);
 - JAX: a function ``rule(layer, calls) -> (sq, sums)`` or ``None``
   (``keras_noisecurve.backend.jax.ghost_rules`` states the contract).
 
-A layer no rule takes is clipped exactly by the per-layer fallback on both backends.
+A layer no rule takes, or whose rule has no kernel on the backend in use, is clipped exactly by
+the per-layer fallback (``"generic"``) on both backends. The bundled ``GroupNorm`` registers one
+rule with both kernels (``keras_noisecurve/apps/layers.py``).
 """
 
 from __future__ import annotations
@@ -18,16 +20,22 @@ from __future__ import annotations
 import numpy as np
 
 from keras_noisecurve import backend as _backend
+from keras_noisecurve.backend.layer_rules import LayerRule
 
-__all__ = ["describe", "register_rule"]
+__all__ = ["LayerRule", "describe", "register_rule"]
 
 
 def register_rule(rule) -> None:
-    """Add ``rule`` to the ghost engine of the backend in use; registered rules are tried
-    before the built-in ones (see the module docstring for what a rule is on each backend).
+    """Add ``rule`` to the ghost engine of the backend in use, before the built-in rules.
+
+    Args:
+      rule: a :class:`LayerRule` (its kernel for the backend in use is made now; a rule without
+        one changes nothing here: the fallback clips its layers), or a kernel of the backend in
+        use (see the module docstring), registered under its own kind (TensorFlow: the rule's
+        ``kind``; JAX: the function's name).
 
     Raises:
-      TypeError: ``rule`` is not a rule of this backend.
+      TypeError: ``rule`` is neither, or its kernel is not a kernel of this backend.
     """
     _backend.module("ghost_rules").register_rule(rule)
 
@@ -49,9 +57,9 @@ def describe(model, x=None, *, inside: bool = False) -> list:
     """``[(layer name, class, how)]``: how the ghost engine (``make_private``'s
     ``clipping="auto"``) clips each layer with trainable weights, on the backend in use.
 
-    ``how`` names the rule (TensorFlow: its kind, e.g. ``"Dense"``; JAX: its function, e.g.
-    ``"dense_rule"``), or the per-layer fallback (``"generic"`` on TensorFlow, ``"fallback"``
-    on JAX), or a caller that clips the layers under it whole (``"caller"`` on JAX); JAX's
+    ``how`` is the rule's kind (e.g. ``"Dense"``, the same on both backends), or ``"generic"``
+    (the per-layer fallback), or a caller that clips the layers under it whole (``"caller"`` on
+    JAX; TensorFlow reports such a caller under its own kind); JAX's
     ``"vectorized"`` means the whole model goes to the vectorized engine. ``inside=True`` lists
     the layers under such a caller too, right after it, with ``how`` = ``"through '<caller>'"``.
 

@@ -65,7 +65,7 @@ def test_correct_runs_pass_every_check_on_jax(strategy, clipping, inner):
     # the reference is float64 (jax.enable_x64), the engine float32: agreement to float32 rounding
     assert clip.reference_dtype == "float64" and clip.worst_error < 1e-5 and clip.norm_error < 1e-5, clip.line
     assert [entry["layer"].split("/")[-1] for entry in clip.layers] == ["body", "norm", "head"]
-    rules = (["vectorized"] * 3 if clipping == "vectorized" else ["dense_rule", "layer_norm_rule", "dense_rule"])
+    rules = (["vectorized"] * 3 if clipping == "vectorized" else ["Dense", "LayerNormalization", "Dense"])
     assert [entry["rule"] for entry in clip.layers] == rules, clip.layers
     assert abs(report.checks["noise"].scale - 1) < 0.03
 
@@ -85,12 +85,11 @@ def test_a_rule_that_drops_its_layers_share_is_caught_and_named(monkeypatch):
         sq, sums = result
         return sq * 0.0, sums
 
-    dropped.__name__ = "layer_norm_rule"
-    monkeypatch.setattr(ghost_rules, "RULES", tuple(dropped if r is original else r for r in ghost_rules.RULES))
+    monkeypatch.setattr(ghost_rules, "RULES", tuple((kind, dropped if r is original else r) for kind, r in ghost_rules.RULES))
     bad = check_mechanism(model=private, x=x, y=y, checks=("clipping",), batches=1, batch_size=8).checks["clipping"]
     assert not bad.passed and "clipping: FAIL" in bad.line, bad.line
     name, cls, rule = bad.worst_layer
-    assert name.endswith("norm") and cls == "LayerNormalization" and rule == "layer_norm_rule", bad.line
+    assert name.endswith("norm") and cls == "LayerNormalization" and rule == "LayerNormalization", bad.line
     assert bad.worst_error > 0.5
 
 

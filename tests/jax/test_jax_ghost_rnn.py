@@ -49,9 +49,9 @@ def ruled(monkeypatch):
             seen.append(layer.name)
         return result
 
-    monkeypatch.setattr(ghost_rnn, "recurrent_rule", recording)
     from keras_noisecurve.backend.jax import ghost_rules
-    monkeypatch.setattr(ghost_rules, "RULES", tuple(recording if r is original else r for r in ghost_rules.RULES))
+    monkeypatch.setattr(ghost_rules, "RULES", tuple((kind, recording if r is original else r)
+                                                    for kind, r in ghost_rules.RULES))
     return seen
 
 

@@ -62,18 +62,18 @@ def test_describe_names_each_layers_rule_and_the_fallback(registry):
     keras.utils.set_random_seed(0)
     model = _model()
     assert knc.training.describe(model) == [
-        ("first", "Dense", "dense_rule"), ("gate", "Gate", "fallback"), ("head", "Dense", "dense_rule")]
+        ("first", "Dense", "Dense"), ("gate", "Gate", "generic"), ("head", "Dense", "Dense")]
     knc.training.register_rule(gate_rule)
     assert knc.training.describe(model, np.zeros((3, 5, 4), np.float32))[1] == ("gate", "Gate", "gate_rule")
     assert ghost_rules.rule_table()[0]["kind"] == "gate_rule"
-    assert ghost_rules.rule_table(registered=False)[0]["kind"] == "dense_rule"
+    assert [row["kind"] for row in ghost_rules.rule_table(registered=False)] == [kind for kind, _ in ghost_rules.RULES]
 
 
 def test_describe_lists_the_layers_under_a_recurrent_layer():
     seq = keras.Sequential([keras.layers.Embedding(50, 8), keras.layers.LSTM(6, name="lstm"), keras.layers.Dense(2)])
     seq.build((None, 7))
     ids = np.zeros((2, 7), np.int32)
-    assert [how for *_, how in knc.training.describe(seq, ids)] == ["embedding_rule", "recurrent_rule", "dense_rule"]
+    assert [how for *_, how in knc.training.describe(seq, ids)] == ["Embedding", "Recurrent", "Dense"]
     inside = knc.training.describe(seq, ids, inside=True)
     assert inside[2][1:] == ("LSTMCell", "through 'lstm'")
 
@@ -91,7 +91,7 @@ def test_describe_without_a_batch_needs_known_inputs():
     model(np.zeros((1, 3), np.float32))
     with pytest.raises(ValueError, match="pass a batch of the model's inputs"):
         knc.training.describe(model)
-    assert knc.training.describe(model, np.zeros((2, 3), np.float32)) == [("out", "Dense", "dense_rule")]
+    assert knc.training.describe(model, np.zeros((2, 3), np.float32)) == [("out", "Dense", "Dense")]
     with pytest.raises(TypeError, match="inside must be True or False"):
         knc.training.describe(model, np.zeros((2, 3), np.float32), inside=1)
 
@@ -106,7 +106,7 @@ def test_a_registered_rule_clips_as_the_independent_loop(registry):
     weights[1], weights[2] = 0.0, 0.5
     knc.training.register_rule(gate_rule)
     knc.training.register_rule(gate_rule)  # again: replaced, not added twice
-    assert registry == [gate_rule]
+    assert [function for _, function, _ in registry] == [gate_rule]
     _, free = reference_clipped_sum(model, x, y, weights, 1e9, loss=mse_per_example)
     clip = float(np.median(free[free > 0]))
     trainable = [v.value for v in model.trainable_variables]
@@ -121,8 +121,24 @@ def test_a_registered_rule_clips_as_the_independent_loop(registry):
         np.testing.assert_allclose(np.asarray(s), r, rtol=1e-4, atol=1e-4 * scale, err_msg=v.path)
 
 
+def test_a_layer_rule_registers_its_jax_kernel_under_its_kind(registry):
+    keras.utils.set_random_seed(0)
+    model = _model()
+    made = []
+    knc.training.register_rule(knc.training.LayerRule("Gate", tensorflow=lambda: made.append("tf"), jax=lambda: gate_rule))
+    assert made == []  # the TensorFlow kernel is not made on JAX
+    assert knc.training.describe(model)[1] == ("gate", "Gate", "Gate")
+    assert ghost_rules.rule_table()[0]["kind"] == "Gate"
+    # the same kind again replaces it; a rule without a JAX kernel changes nothing here
+    knc.training.register_rule(knc.training.LayerRule("Gate", jax=lambda: gate_rule))
+    knc.training.register_rule(knc.training.LayerRule("Other", tensorflow=lambda: made.append("tf")))
+    assert [kind for kind, _, _ in registry] == ["Gate"] and made == []
+    with pytest.raises(TypeError, match="the jax kernel of rule 'Bad' must be a function"):
+        knc.training.register_rule(knc.training.LayerRule("Bad", jax=lambda: "not a function"))
+
+
 def test_register_rule_refuses_what_is_not_a_rule(registry):
-    with pytest.raises(TypeError, match="rule must be a function"):
+    with pytest.raises(TypeError, match="rule must be a LayerRule or a function"):
         knc.training.register_rule("gate_rule")
     assert registry == []
 
@@ -137,7 +153,7 @@ def test_the_bundled_group_norm_registers_its_jax_rule_and_it_is_exact():
     h = keras.layers.GlobalAveragePooling2D()(h)
     model = keras.Model(inp, keras.layers.Dense(3, name="head")(h))
     model.get_layer("gn").gamma.assign(np.linspace(0.5, 1.5, 8).astype(np.float32))  # not the identity
-    assert knc.training.describe(model)[1] == ("gn", "GroupNorm", "GroupNorm_rule")
+    assert knc.training.describe(model)[1] == ("gn", "GroupNorm", "GroupNorm")
     rng = np.random.default_rng(3)
     x = rng.normal(size=(6, 6, 6, 4)).astype(np.float32)
     y = rng.normal(size=(6, 3)).astype(np.float32)

@@ -41,3 +41,36 @@ def test_register_rule_adds_to_the_tensorflow_registry(monkeypatch):
     assert [row["kind"] for row in ghost_rules.rule_table()][0] == "Mine"
     with pytest.raises(TypeError, match="Rule instance"):
         knc.training.register_rule(lambda layer, calls: None)  # a JAX rule is not a TensorFlow one
+
+
+def test_a_layer_rule_registers_its_tensorflow_kernel_under_its_kind(monkeypatch):
+    monkeypatch.setattr(ghost_rules, "_REGISTERED", [])
+
+    class Mine(keras.layers.Dense):
+        pass
+
+    class MineRule(ghost_rules.DenseRule):
+        classes = (Mine,)
+
+        def matches(self, layer):
+            return isinstance(layer, Mine)
+
+    made = []
+    knc.training.register_rule(knc.training.LayerRule("Mine", tensorflow=MineRule, jax=lambda: made.append("jax")))
+    assert made == []  # the JAX kernel is not made on TensorFlow
+    inp = keras.Input((6,))
+    model = keras.Model(inp, Mine(2, name="mine")(keras.layers.Dense(4, name="first")(inp)))
+    assert knc.training.describe(model) == [("first", "Dense", "Dense"), ("mine", "Mine", "Mine")]
+    # a rule without a TensorFlow kernel changes nothing here
+    knc.training.register_rule(knc.training.LayerRule("Other", jax=lambda: made.append("jax")))
+    assert len(ghost_rules._REGISTERED) == 1 and made == []
+    with pytest.raises(TypeError, match="the tensorflow kernel of rule 'Bad' must be a ghost_rules.Rule instance"):
+        knc.training.register_rule(knc.training.LayerRule("Bad", tensorflow=lambda: (lambda layer, calls: None)))
+
+
+def test_the_builtin_rules_are_the_tables_tensorflow_kernels_in_its_order():
+    from keras_noisecurve.backend import layer_rules
+
+    kinds = [rule.kind for rule in ghost_rules.RULES]
+    assert kinds[:-1] == [spec.kind for spec in layer_rules.BUILTIN]
+    assert kinds[-1] == "generic"  # the recurrent layers' re-run fallback, this engine's own

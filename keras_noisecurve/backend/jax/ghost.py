@@ -59,7 +59,7 @@ import keras
 
 from keras_noisecurve import _compat
 from keras_noisecurve._losses import float32_outputs
-from keras_noisecurve.backend import norm_observer
+from keras_noisecurve.backend import layer_rules, norm_observer
 from keras_noisecurve.backend.calls import training_kwargs, wrapped_calls
 from keras_noisecurve.backend.clip import clip_factors
 from keras_noisecurve.backend.jax import ghost_rows
@@ -429,7 +429,7 @@ def ghost_norms(model, loss_fn, trainable, non_trainable, x, y, weights, *, trai
         layer_sq = sum(jnp.sum(jnp.reshape(p * p, (size, -1)), axis=1) for p in per)
         sq = sq + layer_sq
         if observer is not None:
-            observer.append((layer, "caller" if id(layer) in grouped else "fallback", list(owned), layer_sq))
+            observer.append((layer, "caller" if id(layer) in grouped else layer_rules.GENERIC, list(owned), layer_sq))
         parts.append((owned, lambda c, keep=None, per=per, owned=owned: {
             id(v): jnp.tensordot(c, kept(p, keep), axes=1) for v, p in zip(owned, per)}))
 
@@ -501,8 +501,9 @@ def ghost_clipped_sum(model, loss_fn, trainable, non_trainable, x, y, weights, *
 
 def describe(model, x, *, inside: bool = False) -> list:
     """``[(layer name, class, how)]`` for every layer with trainable weights, as the ghost engine
-    clips it in a step on a batch shaped like ``x``: ``how`` is the rule's name (``"dense_rule"``,
-    ``"conv_rule"``, …), ``"fallback"`` for the exact per-layer VJP, ``"caller"`` for a layer
+    clips it in a step on a batch shaped like ``x``: ``how`` is the rule's kind (``"Dense"``,
+    ``"Conv"``, …: ``layer_rules.BUILTIN``, as on TensorFlow), ``"generic"`` for the exact per-layer
+    VJP (the fallback), ``"caller"`` for a layer
     clipped whole with the layers under it (rows that are not examples, a weight read outside its
     call), or ``"vectorized"`` for every layer when no layer but the model encloses such a problem
     (``clipping="auto"`` then clips the model with the vectorized engine). ``inside=True`` lists

@@ -69,8 +69,8 @@ import keras
 
 from keras_noisecurve.backend.geometry import explicit_padding
 
-__all__ = ["CONV_RULES", "PRE_ACTIVATION", "conv_rule", "conv_transpose_rule", "depthwise_output", "depthwise_rule",
-           "example_grads", "explicit_padding", "grouped_sq_norms", "separable_rule", "window_patches"]
+__all__ = ["PRE_ACTIVATION", "conv3d_rule", "conv_rule", "conv_transpose_rule", "depthwise_output", "depthwise_rule",
+           "example_grads", "grouped_conv_rule", "explicit_padding", "grouped_sq_norms", "separable_rule", "window_patches"]
 
 _F32 = jnp.float32
 _CONV = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D)
@@ -245,7 +245,30 @@ def _analyse(layer, calls, groups, to_kernel, kernel_var=None, bias_var=None, bi
 
 
 def conv_rule(layer, calls):
-    """``Conv1D``/``Conv2D``/``Conv3D`` (exact types), channels last, ``groups`` ≥ 1: see the module docstring."""
+    """``Conv1D``/``Conv2D`` (exact types), channels last, ``groups`` = 1: see the module docstring."""
+    if type(layer) not in _CONV[:2] or layer.groups != 1:
+        return None
+    return _conv(layer, calls)
+
+
+def grouped_conv_rule(layer, calls):
+    """``Conv1D``/``Conv2D`` (exact types), channels last, ``groups`` > 1: the plain convolution's
+    form on each group's input channels and filters."""
+    if type(layer) not in _CONV[:2] or layer.groups == 1:
+        return None
+    return _conv(layer, calls)
+
+
+def conv3d_rule(layer, calls):
+    """``Conv3D`` (exact type), channels last, any ``groups``."""
+    if type(layer) is not keras.layers.Conv3D:
+        return None
+    return _conv(layer, calls)
+
+
+def _conv(layer, calls):
+    """``Conv1D``/``Conv2D``/``Conv3D`` (exact types), channels last, ``groups`` ≥ 1: the shared
+    analysis of :func:`conv_rule`, :func:`grouped_conv_rule` and :func:`conv3d_rule`."""
     if not _ruled(layer, _CONV, calls):
         return None
     groups, taps = layer.groups, len(layer.kernel_size)
@@ -399,7 +422,3 @@ def conv_transpose_rule(layer, calls):
         return jnp.reshape(kernel, (*layer.kernel_size, filters, channels))
 
     return _analyse(layer, swapped, 1, to_kernel, bias_calls=calls)
-
-
-#: registered into ``ghost_rules.RULES``
-CONV_RULES = (conv_rule, depthwise_rule, separable_rule, conv_transpose_rule)

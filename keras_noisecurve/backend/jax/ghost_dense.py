@@ -37,7 +37,7 @@ from keras_noisecurve.backend.jax.ghost_forms import (
     token_sq_norms,
 )
 
-__all__ = ["DENSE_RULES", "dense_rule", "einsum_dense_rule", "embedding_rule"]
+__all__ = ["dense_rule", "einsum_dense_rule", "embedding_rule"]
 
 
 def dense_rule(layer, calls):
@@ -129,6 +129,3 @@ def embedding_rule(layer, calls):
         return {id(layer.embeddings): jnp.zeros((vocabulary, d), F32).at[jnp.reshape(ids, (-1,))].add(rows)}
 
     return sq, sums
-
-
-DENSE_RULES = (dense_rule, einsum_dense_rule, embedding_rule)

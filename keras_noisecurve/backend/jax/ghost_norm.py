@@ -20,7 +20,7 @@ import keras
 
 from keras_noisecurve.backend.jax.ghost_forms import F32, cat, kept, single
 
-__all__ = ["NORM_RULES", "group_norm_rule", "grouped_norm_rule", "layer_norm_rule"]
+__all__ = ["group_norm_rule", "grouped_norm_rule", "layer_norm_rule"]
 
 
 def layer_norm_rule(layer, calls):
@@ -89,5 +89,3 @@ def _affine(layer, x_hat, g):
 
 
 group_norm_rule = grouped_norm_rule(keras.layers.GroupNormalization, name="group_norm_rule")
-
-NORM_RULES = (layer_norm_rule, group_norm_rule)

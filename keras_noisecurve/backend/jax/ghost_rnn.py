@@ -59,7 +59,7 @@ import keras
 
 from keras_noisecurve.backend.jax.ghost_forms import kept, sequence_sq_norms
 
-__all__ = ["RNN_RULES", "recurrence", "recurrent_rule"]
+__all__ = ["recurrence", "recurrent_rule"]
 
 _F32 = jnp.float32
 _LAYERS = (keras.layers.LSTM, keras.layers.GRU, keras.layers.SimpleRNN, keras.layers.RNN)
@@ -284,7 +284,3 @@ def recurrent_rule(layer, calls):
         return out
 
     return sq, sums
-
-
-#: registered into ``ghost_rules.RULES``
-RNN_RULES = (recurrent_rule,)

@@ -9,8 +9,9 @@ output; ``c`` (P,) the clipping factors ``min(1, ζ/‖w_i·∇loss_i‖)``. A l
 several times (a shared layer) has its calls' positions concatenated: its per-example
 gradient is the sum over all its calls.
 
-Each rule is a function ``rule(layer, calls) -> (sq, sums)`` or ``None`` (the engine then
-uses the exact per-layer fallback): ``sq`` (P,) float32 per-example squared norms of the
+The rules are the JAX kernels of ``keras_noisecurve.backend.layer_rules.BUILTIN`` (one table for
+both engines: the order, and each family's ``kind``, what ``describe`` reports). Each is a function
+``rule(layer, calls) -> (sq, sums)`` or ``None`` (the engine then uses the exact per-layer fallback): ``sq`` (P,) float32 per-example squared norms of the
 gradient of the layer's own weights, ``sums(c, keep=None)`` a dict ``{id(variable): Σ_i c_i·G_i}``
 (with ``keep`` (P,) bool: the rows of examples not kept zeroed first, see :func:`kept`).
 ``calls`` is a list of dicts with ``"a"`` (the first positional argument of ``call``) and
@@ -29,14 +30,9 @@ from __future__ import annotations
 
 import keras
 
-from keras_noisecurve.backend.jax.ghost_conv import CONV_RULES, PRE_ACTIVATION
-from keras_noisecurve.backend.jax.ghost_dense import DENSE_RULES
-from keras_noisecurve.backend.jax.ghost_embedding import position_embedding_rule, reversible_embedding_rule
+from keras_noisecurve.backend import layer_rules
+from keras_noisecurve.backend.jax.ghost_conv import PRE_ACTIVATION
 from keras_noisecurve.backend.jax.ghost_forms import kept, sequence_sq_norms, token_sq_norms
-from keras_noisecurve.backend.jax.ghost_lora import lora_rule
-from keras_noisecurve.backend.jax.ghost_norm import NORM_RULES
-from keras_noisecurve.backend.jax.ghost_rnn import RNN_RULES
-from keras_noisecurve.backend.jax.ghost_scale import rms_scale_rule
 
 __all__ = ["RULES", "find_rule", "kept", "register_rule", "rule_table", "sequence_sq_norms", "token_sq_norms",
            "uses_pre_activation"]
@@ -50,45 +46,60 @@ def uses_pre_activation(layer) -> bool:
             and getattr(layer, "quantization_mode", None) is None)
 
 
-#: The rules, tried in order; the first that returns a result is used.
-RULES = (*DENSE_RULES, *NORM_RULES, *CONV_RULES, lora_rule, reversible_embedding_rule, position_embedding_rule,
-         rms_scale_rule, *RNN_RULES)
+#: The built-in rules with a JAX kernel, ``(kind, function)`` in the order of
+#: ``layer_rules.BUILTIN``; the first that returns a result is used.
+RULES = tuple((spec.kind, spec.kernel("jax")) for spec in layer_rules.BUILTIN if spec.jax is not None)
 
 
-_REGISTERED: list = []
+_REGISTERED: list = []  # (kind, function, key)
 
 
 def register_rule(rule) -> None:
-    """Add a ghost-norm ``rule``, a function ``rule(layer, calls) -> (sq, sums)`` or ``None`` (the
-    contract above), for a layer the built-in :data:`RULES` do not take. Registered rules are
-    tried first, in the order they were registered; registering a function of the same module
-    and qualified name again replaces it (a module that registers its rule at import may be
-    reloaded)."""
-    if not callable(rule) or not hasattr(rule, "__name__"):
-        raise TypeError(f"rule must be a function rule(layer, calls) -> (sq, sums) or None, got {rule!r}")
-    key = (getattr(rule, "__module__", None), getattr(rule, "__qualname__", rule.__name__))
-    _REGISTERED[:] = [r for r in _REGISTERED
-                      if (getattr(r, "__module__", None), getattr(r, "__qualname__", r.__name__)) != key]
-    _REGISTERED.append(rule)
+    """Put ``rule`` before the built-in :data:`RULES`: a ``layer_rules.LayerRule`` (its JAX kernel;
+    one without is skipped: the fallback clips its layers here), or a function
+    ``rule(layer, calls) -> (sq, sums)`` or ``None`` (the contract above; its kind is its name).
+    Registered rules are tried in the order they were registered; registering a rule of the same
+    kind (a ``LayerRule``) or the same function (module and qualified name) again replaces it, so a
+    module that registers its rule at import may be reloaded.
+
+    Raises:
+      TypeError: ``rule`` is neither.
+    """
+    if isinstance(rule, layer_rules.LayerRule):
+        function = rule.kernel("jax")
+        if function is None:
+            return
+        if not callable(function):
+            raise TypeError(f"the jax kernel of rule {rule.kind!r} must be a function rule(layer, calls), "
+                            f"got {function!r}")
+        kind, key = rule.kind, ("kind", rule.kind)
+    elif callable(rule) and hasattr(rule, "__name__"):
+        function, kind = rule, rule.__name__
+        key = (getattr(rule, "__module__", None), getattr(rule, "__qualname__", rule.__name__))
+    else:
+        raise TypeError(f"rule must be a LayerRule or a function rule(layer, calls) -> (sq, sums) or None, "
+                        f"got {rule!r}")
+    _REGISTERED[:] = [entry for entry in _REGISTERED if entry[2] != key]
+    _REGISTERED.append((kind, function, key))
 
 
 def find_rule(layer, calls):
-    """``(name, (sq, sums))`` of the first rule, registered (:func:`register_rule`) then built in,
+    """``(kind, (sq, sums))`` of the first rule, registered (:func:`register_rule`) then built in,
     that handles ``layer``'s calls, else ``None``."""
-    for rule in (*_REGISTERED, *RULES):
+    for kind, rule in (*((k, f) for k, f, _ in _REGISTERED), *RULES):
         result = rule(layer, calls)
         if result is not None:
-            return rule.__name__, result
+            return kind, result
     return None
 
 
 def rule_table(*, registered: bool = True) -> list:
     """One row per rule the engine tries, in order (registered rules first; ``registered=False``:
-    the built-in :data:`RULES` only): ``{"kind", "summary"}``, ``kind`` the rule's name as
-    :func:`~keras_noisecurve.backend.jax.ghost.describe` reports it, ``summary`` the first paragraph
-    of its docstring."""
+    the built-in :data:`RULES` only): ``{"kind", "summary"}``, ``kind`` what
+    :func:`~keras_noisecurve.backend.jax.ghost.describe` reports for a layer the rule takes,
+    ``summary`` the first paragraph of its function's docstring."""
     rows = []
-    for rule in (*(_REGISTERED if registered else ()), *RULES):
+    for kind, rule in (*((k, f) for k, f, _ in (_REGISTERED if registered else ())), *RULES):
         doc = (rule.__doc__ or "").strip().split("\n\n")[0]
-        rows.append({"kind": rule.__name__, "summary": " ".join(doc.split())})
+        rows.append({"kind": kind, "summary": " ".join(doc.split())})
     return rows

@@ -11,6 +11,9 @@ Its ``calls`` also carry ``"args"`` and it runs under the step's weight values (
   Mistral, Qwen, Phi-3, T5 norms, a custom layer written the same way). Per step,
   ``u = ∂y/∂w`` is the JVP of the layer's call at the recorded input with tangent 1 on w
   (exact since ``y_k`` depends on w only through ``w_k``); ``G_i = Σ_positions g_i ⊙ u_i`` (d,).
+  The norms known by class (``affine_scale.known_rms_norm``: Keras's RMSNormalization, KerasHub's
+  Llama, Gemma and Mistral norms) take the same computation under the name "RMS scale"
+  (:func:`diagonal_scale_rule`), as on TensorFlow.
 
 The TensorFlow engine's rule: ``keras_noisecurve/backend/tensorflow/ghost_scale.py``.
 """
@@ -25,7 +28,7 @@ import numpy as np
 from keras_noisecurve.backend import affine_scale
 from keras_noisecurve.backend.jax.ghost_forms import F32, call_args, kept, single
 
-__all__ = ["probe_affine_scale", "rms_scale_rule"]
+__all__ = ["diagonal_scale_rule", "probe_affine_scale", "rms_scale_rule"]
 
 
 def _with_weight(layer, weight, value, x):
@@ -83,3 +86,12 @@ def rms_scale_rule(layer, calls):
         return {id(weight): jnp.tensordot(c.astype(F32), kept(per, keep), axes=1)}
 
     return sq, sums
+
+
+def diagonal_scale_rule(layer, calls):
+    """An RMS norm known by class (``affine_scale.known_rms_norm``) normalising the last axis:
+    :func:`rms_scale_rule`'s computation (its probe confirms the form)."""
+    axis = getattr(layer, "axis", -1)
+    if not affine_scale.known_rms_norm(layer) or list(axis if isinstance(axis, (list, tuple)) else [axis]) != [-1]:
+        return None
+    return rms_scale_rule(layer, calls)

@@ -19,6 +19,7 @@ import keras
 import tensorflow as tf
 
 from keras_noisecurve import _compat
+from keras_noisecurve.backend import affine_scale
 from keras_noisecurve.backend.tensorflow.ghost_forms import (
     Rule,
     concat_positions,
@@ -66,7 +67,7 @@ class ReversibleEmbeddingRule(Rule):
     def matches(self, layer) -> bool:
         if super().matches(layer):
             return True
-        cls = _hub_class(*self.hub)
+        cls = affine_scale.loaded_class(*self.hub)
         return (cls is not None and cls not in self.classes and isinstance(layer, cls)
                 and type(layer).call is cls.call)
 
@@ -126,14 +127,6 @@ class ReversibleEmbeddingRule(Rule):
         return total, grads
 
 
-def _hub_class(module: str, name: str):
-    """A KerasHub class if KerasHub is already imported (this module never imports it)."""
-    import sys
-
-    loaded = sys.modules.get(module)
-    return getattr(loaded, name, None) if loaded is not None else None
-
-
 class PositionEmbeddingRule(Rule):
     """KerasHub's ``PositionEmbedding``: rows ``start … start+L-1`` of the table, broadcast
     to the (P, L, d) input. Example i's gradient of those rows is its output gradient
@@ -143,7 +136,7 @@ class PositionEmbeddingRule(Rule):
     module = "keras_hub.src.layers.modeling.position_embedding"
 
     def matches(self, layer) -> bool:
-        cls = _hub_class(self.module, "PositionEmbedding")
+        cls = affine_scale.loaded_class(self.module, "PositionEmbedding")
         return cls is not None and isinstance(layer, cls) and type(layer).call is cls.call
 
     def expected_variables(self, layer):
@@ -195,18 +188,10 @@ class DiagonalScaleRule(Rule):
 
     kind = "RMS scale"
     classes = (keras.layers.RMSNormalization,)
-    hub = (("keras_hub.src.models.llama.llama_layernorm", "LlamaLayerNorm"),
-           ("keras_hub.src.models.gemma.rms_normalization", "RMSNormalization"),
-           ("keras_hub.src.models.mistral.mistral_layer_norm", "MistralLayerNormalization"))
+    hub = affine_scale.KNOWN_RMS_NORMS[1:]
 
     def matches(self, layer) -> bool:
-        if super().matches(layer):
-            return True
-        for module, name in self.hub:
-            cls = _hub_class(module, name)
-            if cls is not None and isinstance(layer, cls) and type(layer).call is cls.call:
-                return True
-        return False
+        return affine_scale.known_rms_norm(layer)
 
     def expected_variables(self, layer):
         return [layer.scale]

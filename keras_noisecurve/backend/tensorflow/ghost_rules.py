@@ -20,7 +20,8 @@ No per-example gradient of a weight is materialised unless it is the cheaper for
 its calls concatenated along the position axis: the per-example gradient of a weight
 is the sum over calls and positions of the same outer products.
 
-This module is the registry (:data:`RULES`, :func:`find_rule`) and re-exports the
+This module is the registry (:data:`RULES`, made from the table of both engines,
+``keras_noisecurve.backend.layer_rules.BUILTIN``; :func:`find_rule`) and re-exports the
 rules' public names: the shared math and :class:`Rule` live in ``ghost_forms``, the
 rules in ``ghost_dense`` (Dense, EinsumDense, Embedding), ``ghost_conv``
 (Conv1D/Conv2D), ``ghost_norm`` (normalisation layers), ``ghost_t5`` (T5's relative-attention bias) and ``ghost_rnn`` (LSTM, GRU,
@@ -30,6 +31,7 @@ as the layer's own).
 
 from __future__ import annotations
 
+from keras_noisecurve.backend import layer_rules
 from keras_noisecurve.backend.tensorflow.ghost_forms import Rule, sequence_sq_norms
 from keras_noisecurve.backend.tensorflow.ghost_conv import CONV_CHUNK, ConvRule, conv_chunk, conv_sq_norms
 from keras_noisecurve.backend.tensorflow.ghost_conv_kinds import (
@@ -65,30 +67,23 @@ __all__ = [
     "sequence_sq_norms", "token_sq_norms",
 ]
 
-RULES = (
-    LoRARule(),
-    EinsumDenseRule(),
-    DenseRule(),
-    EmbeddingRule(),
-    ReversibleEmbeddingRule(),
-    PositionEmbeddingRule(),
-    DiagonalScaleRule(),
-    RelativeAttentionBiasRule(),  # KerasHub T5's relative-attention bias table (ghost_t5)
-    PReLURule(),
-    ConvRule(),
-    GroupedConvRule(),  # Conv1D/Conv2D with groups > 1 (ghost_conv_kinds)
-    Conv3DRule(),
-    DepthwiseConvRule(),
-    SeparableConvRule(),
-    ConvTransposeRule(),
-    LayerNormalizationRule(),
-    GroupNormalizationRule(),
-    RecurrentRule(),  # LSTM / GRU / SimpleRNN (ghost_rnn)
-    FoldedTimeDistributedRule(),  # TimeDistributed over a position-wise rule (ghost_timedist)
-    TimeDistributedRule(),
-    RNNFallbackRule(),  # any other RNN, or one RecurrentRule refuses
-    ComputedScaleRule(),  # one (d,) weight, y = u(x) ⊙ (α + w): probed once (ghost_scale), tried last
-)
+def _builtin_rules():
+    """The TensorFlow kernels of ``layer_rules.BUILTIN``, in its order, then the re-run fallback
+    of the recurrent layers no rule takes (:class:`RNNFallbackRule`, this engine's own)."""
+    rules = []
+    for spec in layer_rules.BUILTIN:
+        rule = spec.kernel("tensorflow")
+        if rule is None:
+            continue
+        if rule.kind != spec.kind:  # a kernel reports its family's name (describe, the audit)
+            raise RuntimeError(f"{type(rule).__name__}.kind is {rule.kind!r}; layer_rules.BUILTIN names it {spec.kind!r}")
+        rules.append(rule)
+    return (*rules, RNNFallbackRule())
+
+
+#: The rules, tried in order: the TensorFlow kernels of ``keras_noisecurve.backend.layer_rules.BUILTIN``
+#: (one table for both engines), then :class:`RNNFallbackRule`.
+RULES = _builtin_rules()
 
 
 #: rules added with :func:`register_rule`, tried before :data:`RULES`
@@ -96,14 +91,28 @@ _REGISTERED: list = []
 
 
 def register_rule(rule) -> None:
-    """Add a ghost-norm ``rule`` (a :class:`Rule` instance) for a layer class outside Keras.
+    """Put ``rule`` before the built-in :data:`RULES`: a ``layer_rules.LayerRule`` (its TensorFlow
+    kernel, with the rule's kind; one without is skipped: the fallback clips its layers here) or
+    a :class:`Rule` instance for a layer class outside Keras.
 
-    Registered rules are tried before the built-in :data:`RULES`, in the order they were
-    registered; registering a rule of the same type and ``classes`` again is a no-op (a
-    module that registers its rule at import may be reloaded).
+    Registered rules are tried in the order they were registered; registering a rule of the
+    same type and ``classes`` again is a no-op (a module that registers its rule at import may
+    be reloaded).
+
+    Raises:
+      TypeError: ``rule`` is neither, or a ``LayerRule``'s TensorFlow kernel is not a :class:`Rule`.
+      ValueError: the rule names no layer classes.
     """
+    if isinstance(rule, layer_rules.LayerRule):
+        spec, rule = rule, rule.kernel("tensorflow")
+        if rule is None:
+            return
+        if not isinstance(rule, Rule):
+            raise TypeError(f"the tensorflow kernel of rule {spec.kind!r} must be a ghost_rules.Rule instance, "
+                            f"got {type(rule).__name__}")
+        rule.kind = spec.kind
     if not isinstance(rule, Rule):
-        raise TypeError(f"rule must be a ghost_rules.Rule instance, got {type(rule).__name__}")
+        raise TypeError(f"rule must be a LayerRule or a ghost_rules.Rule instance, got {type(rule).__name__}")
     if not rule.classes:
         raise ValueError(f"rule {type(rule).__name__} names no layer classes (its `classes` is empty)")
     if any(type(r) is type(rule) and r.classes == rule.classes for r in _REGISTERED):
