@@ -9,6 +9,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
+from keras_noisecurve.backend import norm_forms
 from keras_noisecurve.backend.geometry import parse_einsum
 from keras_noisecurve.backend.tensorflow.ghost_forms import (
     Rule,
@@ -24,34 +25,14 @@ from keras_noisecurve.backend.tensorflow.ghost_forms import (
 
 
 def token_sq_norms(ids: tf.Tensor, g: tf.Tensor, vocabulary: int) -> tf.Tensor:
-    """Per-example squared norm of an embedding table's gradient.
-
-    ``ids``: (P, L) integer token ids, ``g``: (P, L, d) gradients of the looked-up rows.
-    The per-example gradient of row v is ``Σ_{l: id_l = v} g_l``, so its squared norm is
-    ``Σ_{l,l'} [id_l = id_l'] (g_l·g_l')`` (Gram form, memory P·L²), used when
-    L² < vocabulary·d; else the rows are summed per example with a segment sum
-    (memory P·vocabulary·d). Returns (P,).
-    """
-    d = g.shape[-1]
-    length = ids.shape[1]
-
-    def gram():
-        same = tf.cast(tf.equal(ids[:, :, None], ids[:, None, :]), g.dtype)
-        gg = tf.matmul(g, g, transpose_b=True)
-        return tf.reduce_sum(same * gg, axis=[1, 2])
-
-    def materialise():
-        p = tf.shape(ids)[0]
-        seg = ids + tf.range(p, dtype=ids.dtype)[:, None] * vocabulary
-        rows = tf.math.unsorted_segment_sum(
-            tf.reshape(g, [-1, d]), tf.reshape(seg, [-1]), p * vocabulary
-        )
-        return tf.reduce_sum(tf.square(tf.reshape(rows, [p, vocabulary * d])), axis=1)
-
-    if length is not None:
-        return gram() if length * length < vocabulary * d else materialise()
+    """Per-example squared norm (P,) of an embedding table's gradient, ``ids`` (P, L) integer
+    token ids, ``g`` (P, L, d): ``norm_forms.token_sq_norms`` when L is known, else a
+    ``tf.cond`` between its two forms."""
+    if ids.shape[1] is not None:
+        return norm_forms.token_sq_norms(ids, g, vocabulary)
     dyn = tf.shape(ids)[1]
-    return tf.cond(dyn * dyn < vocabulary * d, gram, materialise)
+    return tf.cond(dyn * dyn < vocabulary * g.shape[-1], lambda: norm_forms.token_gram_sq_norms(ids, g),
+                   lambda: norm_forms.token_rows_sq_norms(ids, g, vocabulary))
 
 
 class DenseRule(Rule):

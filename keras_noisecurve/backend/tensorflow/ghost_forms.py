@@ -1,6 +1,8 @@
 """Tensor math shared by the ghost-clipping layer rules, and the rule interface.
 
-Per-example squared norms of bilinear weight gradients (``sequence_sq_norms``), the
+Per-example squared norms of bilinear weight gradients (``sequence_sq_norms``: the forms of
+``keras_noisecurve.backend.norm_forms``, shared with the JAX engine, chosen also for an unknown
+sequence length), the
 book-keeping sums that assemble the clipped gradient from the same (input,
 output-gradient) pairs, and :class:`Rule`, the base class of the rules in
 ``ghost_dense``, ``ghost_conv`` and ``ghost_norm`` (the contract is described in
@@ -13,6 +15,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from keras_noisecurve import _compat
+from keras_noisecurve.backend import norm_forms
 
 
 def norm_dtype(dtype) -> tf.DType:
@@ -22,34 +25,19 @@ def norm_dtype(dtype) -> tf.DType:
 
 
 def sequence_sq_norms(a: tf.Tensor, g: tf.Tensor) -> tf.Tensor:
-    """Per-example ``‖Σ_l a_il g_ilᵀ‖²_F`` without forming it when that is dearer.
-
-    ``a``: (P, L, d_in) input activations, ``g``: (P, L, d_out) output gradients.
-    Returns (P,). For L = 1 this is ``‖a_i‖²·‖g_i‖²``. Otherwise the Gram form
-    ``Σ_{l,l'} (a_il·a_il')(g_il·g_il')`` (memory P·L²) is used when L² < d_in·d_out,
-    else the per-example gradient ``a_iᵀ g_i`` (memory P·d_in·d_out) is formed and
-    squared. The choice is static when L is known, a ``tf.cond`` otherwise.
-    """
+    """Per-example ``‖Σ_l a_il g_ilᵀ‖²_F`` (P,) without forming it when that is dearer:
+    ``norm_forms.sequence_sq_norms`` (``a`` (P, L, d_in), ``g`` (P, L, d_out)) when the shapes
+    are known; for an unknown L a ``tf.cond`` between its two forms, and the Gram form for an
+    unknown width."""
     d_in, d_out = a.shape[-1], g.shape[-1]
     length = a.shape[1]
-    if length == 1:
-        return tf.reduce_sum(tf.square(a), axis=[1, 2]) * tf.reduce_sum(tf.square(g), axis=[1, 2])
-
-    def gram():
-        aa = tf.matmul(a, a, transpose_b=True)
-        gg = tf.matmul(g, g, transpose_b=True)
-        return tf.reduce_sum(aa * gg, axis=[1, 2])
-
-    def materialise():
-        per_example = tf.einsum("pli,plj->pij", a, g)  # faster than matmul(transpose_a) on CPU
-        return tf.reduce_sum(tf.square(per_example), axis=[1, 2])
-
+    if length == 1 or None not in (length, d_in, d_out):
+        return norm_forms.sequence_sq_norms(a, g)
     if d_in is None or d_out is None:
-        return gram()
-    if length is not None:
-        return gram() if length * length < d_in * d_out else materialise()
+        return norm_forms.gram_sq_norms(a, g)
     dyn = tf.shape(a)[1]
-    return tf.cond(dyn * dyn < d_in * d_out, gram, materialise)
+    return tf.cond(dyn * dyn < d_in * d_out, lambda: norm_forms.gram_sq_norms(a, g),
+                   lambda: norm_forms.outer_sq_norms(a, g))
 
 
 def concat_positions(tensors):

@@ -1,0 +1,76 @@
+"""The per-example squared norms of the Dense and Embedding weight gradients, in ``keras.ops``:
+the same math for both ghost-clipping engines (each backend's ``ghost_forms`` re-exports these
+and the rules of ``ghost_dense``, ``ghost_conv``, ``ghost_rnn``, … use them). No framework import.
+
+Shapes: P examples, L positions. A Dense-type weight's per-example gradient is a sum of outer
+products over the positions, ``G_i = Σ_l a_il g_ilᵀ`` (``a`` (P, L, d_in) the layer's inputs,
+``g`` (P, L, d_out) the gradients at its outputs), and its squared Frobenius norm is computed
+without ``G_i`` when that is cheaper (Li et al. 2022, "ghost clipping"):
+
+- L = 1: ``‖a_i‖²·‖g_i‖²``;
+- the Gram form ``Σ_{l,l'} (a_il·a_il')(g_il·g_il')``, memory P·L², when L² < d_in·d_out
+  (:func:`gram_is_cheaper`);
+- else ``G_i`` itself, memory P·d_in·d_out.
+
+An embedding table's per-example gradient has row v = ``Σ_{l: id_il = v} g_il``; its squared norm
+is ``Σ_{l,l'} [id_il = id_il'] (g_il·g_il')`` (memory P·L²) when L² < vocabulary·d, else the
+rows summed per example (a segment sum, memory P·vocabulary·d).
+"""
+
+from __future__ import annotations
+
+from keras import ops
+
+__all__ = ["gram_is_cheaper", "gram_sq_norms", "outer_sq_norms", "sequence_sq_norms", "token_gram_sq_norms",
+           "token_rows_sq_norms", "token_sq_norms"]
+
+
+def gram_is_cheaper(length: int, d_in: int, d_out: int) -> bool:
+    """Whether the Gram form (P·L² numbers) is smaller than ``G_i`` (P·d_in·d_out numbers)."""
+    return length * length < d_in * d_out
+
+
+def gram_sq_norms(a, g):
+    """``Σ_{l,l'} (a_il·a_il')(g_il·g_il')`` (P,): ``a`` (P, L, d_in), ``g`` (P, L, d_out)."""
+    return ops.sum(ops.einsum("pli,pmi->plm", a, a) * ops.einsum("plj,pmj->plm", g, g), axis=(1, 2))
+
+
+def outer_sq_norms(a, g):
+    """``‖Σ_l a_il g_ilᵀ‖²_F`` (P,) with ``G_i`` formed (P, d_in, d_out)."""
+    per_example = ops.einsum("pli,plj->pij", a, g)
+    return ops.sum(per_example * per_example, axis=(1, 2))
+
+
+def sequence_sq_norms(a, g):
+    """Per-example ``‖Σ_l a_il g_ilᵀ‖²_F`` (P,) by the cheapest form for the static shapes of
+    ``a`` (P, L, d_in) and ``g`` (P, L, d_out); L, d_in and d_out must be known (the TensorFlow
+    engine chooses for an unknown L itself)."""
+    length, d_in, d_out = a.shape[1], a.shape[-1], g.shape[-1]
+    if length == 1:
+        return ops.sum(a * a, axis=(1, 2)) * ops.sum(g * g, axis=(1, 2))
+    return gram_sq_norms(a, g) if gram_is_cheaper(length, d_in, d_out) else outer_sq_norms(a, g)
+
+
+def token_gram_sq_norms(ids, g):
+    """``Σ_{l,l'} [id_l = id_l'] (g_l·g_l')`` (P,): ``ids`` (P, L) integers, ``g`` (P, L, d)."""
+    same = ops.cast(ops.equal(ids[:, :, None], ids[:, None, :]), g.dtype)
+    return ops.sum(same * ops.einsum("pld,pmd->plm", g, g), axis=(1, 2))
+
+
+def token_rows_sq_norms(ids, g, vocabulary: int):
+    """The same as :func:`token_gram_sq_norms` with each example's table rows summed (a segment
+    sum over example × vocabulary rows, memory P·vocabulary·d)."""
+    p, d = ops.shape(ids)[0], g.shape[-1]
+    segments = ids + ops.cast(ops.arange(p)[:, None] * vocabulary, ids.dtype)
+    rows = ops.segment_sum(ops.reshape(g, (-1, d)), ops.reshape(segments, (-1,)), num_segments=p * vocabulary)
+    return ops.sum(ops.reshape(rows * rows, (p, vocabulary * d)), axis=1)
+
+
+def token_sq_norms(ids, g, vocabulary: int):
+    """Per-example squared norm (P,) of an embedding table's gradient, ``ids`` (P, L) integer
+    token ids, ``g`` (P, L, d): the Gram form when L² < vocabulary·d, else the segment sum
+    (L must be known; the TensorFlow engine chooses for an unknown L itself)."""
+    length, d = ids.shape[1], g.shape[-1]
+    if gram_is_cheaper(length, vocabulary, d):
+        return token_gram_sq_norms(ids, g)
+    return token_rows_sq_norms(ids, g, vocabulary)
