@@ -109,10 +109,11 @@ def test_numpy_box_muller_equals_the_tensorflow_noise_with_and_without_xla():
         step, index = int(rng.choice(STEPS)), int(rng.integers(0, 50))
         n = int(rng.choice([1, 2, 9, 1000, 1001]))
         words = philox.fold_in(np, philox.fold_in(np, _words(key), *philox.int64_words(step)), index, 0)
-        key_t, step_t = tf.constant(key), tf.constant(step, tf.int64)
-        np.testing.assert_array_equal(words, _words(seed_xla(key_t, step_t, tf.constant(index, tf.int64)).numpy()))
+        # tensors, not Python numbers: the XLA draw is compiled once per size n, not per key and step
+        key_t, step_t, index_t = tf.constant(key), tf.constant(step, tf.int64), tf.constant(index, tf.int64)
+        np.testing.assert_array_equal(words, _words(seed_xla(key_t, step_t, index_t).numpy()))
         expected = _numpy_normal(words, n)
-        for got in (draw(key_t, step_t, index, n).numpy(), draw_xla(key_t, step_t, index, n).numpy()):
+        for got in (draw(key_t, step_t, index, n).numpy(), draw_xla(key_t, step_t, index_t, n).numpy()):
             assert got.dtype == np.float32 and got.shape == (n,)
             np.testing.assert_allclose(got, expected, rtol=2e-6, atol=2e-6)
 
