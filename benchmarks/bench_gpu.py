@@ -31,7 +31,9 @@ first ``train_on_batch`` of a fresh model: tracing, compilation and one step; th
 ratio beside each), and the **memory of one step** as XLA plans it: the step compiled alone
 (``jax.jit(model.train_step, donate_argnums=0)`` on the state Keras's trainer passes) and its
 ``memory_analysis()``: arguments + outputs + temporaries − the donated buffers updated in place,
-in MiB (``--no-memory`` skips that extra compilation). The ghost engine needs no per-example
+in MiB (``--no-memory`` skips that extra compilation), and where that compilation's time goes:
+tracing (``lower``: Keras and this library build the step in Python) and XLA's ``compile``,
+each timed alone. The ghost engine needs no per-example
 gradient of the whole model, so its step should plan about the plain step's memory plus
 per-layer terms; the vectorized engine's holds P copies of the gradient. On a GPU the
 footer adds the device's own ``peak_bytes_in_use``.
@@ -256,10 +258,12 @@ def step_fn(model, x, y):
     return step
 
 
-def step_memory(model, x, y):
-    """Bytes XLA plans for one jitted ``train_step`` of ``model`` on ``(x, y)``, as Keras's JAX
-    trainer calls it (state donated): arguments + outputs + temporaries − aliased (from the
-    compiled step's ``memory_analysis()``); ``None`` where the platform reports none."""
+def step_compile(model, x, y):
+    """The jitted ``train_step`` of ``model`` on ``(x, y)``, as Keras's JAX trainer calls it (state
+    donated), lowered and compiled alone: ``{"trace": s, "compile": s, "bytes": int or None}``,
+    the seconds of ``lower`` (tracing: Keras and this library build the step in Python) and of
+    ``compile`` (XLA), and the bytes XLA plans for one step: arguments + outputs + temporaries −
+    aliased (``memory_analysis()``; ``None`` where the platform reports none)."""
     import jax
 
     state = (
@@ -268,11 +272,17 @@ def step_memory(model, x, y):
         [v.value for v in model.optimizer.variables],
         [v.value for v in model.metrics_variables],
     )
-    analysis = jax.jit(model.train_step, donate_argnums=0).lower(state, (x, y, None)).compile().memory_analysis()
-    if analysis is None:
-        return None
-    return int(analysis.argument_size_in_bytes + analysis.output_size_in_bytes + analysis.temp_size_in_bytes
-               - analysis.alias_size_in_bytes)
+    jax.clear_caches()  # traced and compiled anew, as a fresh model's first step (a cached plain step costs 0 s)
+    start = time.perf_counter()
+    lowered = jax.jit(model.train_step, donate_argnums=0).lower(state, (x, y, None))
+    traced = time.perf_counter()
+    executable = lowered.compile()
+    done = time.perf_counter()
+    analysis = executable.memory_analysis()
+    planned = None if analysis is None else int(
+        analysis.argument_size_in_bytes + analysis.output_size_in_bytes + analysis.temp_size_in_bytes
+        - analysis.alias_size_in_bytes)
+    return {"trace": traced - start, "compile": done - traced, "bytes": planned}
 
 
 def _short(exc) -> str:
@@ -285,7 +295,7 @@ def _short(exc) -> str:
 def time_model(name, size, configs, *, warmup, repeats, rng, verbose, deadline=None, memory=True):
     """``(results, params, first, planned)``: {config: median seconds or an error string}, the
     parameter count, {config: seconds of the first step (compilation included)} and {config:
-    bytes XLA plans for one step (:func:`step_memory`), ``None`` or an error string}. Past
+    :func:`step_compile`'s dict (tracing and compilation seconds, planned bytes) or an error string}. Past
     ``deadline`` (a ``time.perf_counter()`` value) only the plain step is still started."""
     x, y = batch_data(name, size, rng)
     steps_planned = max(warmup + repeats + 8, 4 * BANDS)
@@ -305,7 +315,7 @@ def time_model(name, size, configs, *, warmup, repeats, rng, verbose, deadline=N
             runs[config] = step
             if memory:
                 try:
-                    planned[config] = step_memory(model, x, y)
+                    planned[config] = step_compile(model, x, y)
                 except Exception as exc:  # noqa: BLE001 - a step that cannot be compiled alone
                     planned[config] = _short(exc)
             if params is None:
@@ -314,6 +324,9 @@ def time_model(name, size, configs, *, warmup, repeats, rng, verbose, deadline=N
             results[config] = _short(exc)
             if verbose:
                 traceback.print_exc()
+    if memory:  # step_compile cleared JAX's caches: every step compiles again, before the timing
+        for step in runs.values():
+            step()
     times = {config: [] for config in runs}
     names = list(runs)
     for r in range(repeats):
@@ -399,6 +412,22 @@ def _mib(value, plain):
     return _measured(value, plain, int, "MiB")
 
 
+def _part(planned, config, key, failed):
+    """One part of :func:`step_compile`'s result for ``config``, or its error string, or ``None``."""
+    value = planned.get(config, failed.get(config))
+    return value.get(key) if isinstance(value, dict) else value
+
+
+def _split(value, plain):
+    """A cell of the tracing/compilation table: ``"trace + compile s (a× + b×)"``."""
+    if not isinstance(value, dict):
+        return "–" if value is None else str(value)
+    text = f"{value['trace']:.2f} + {value['compile']:.2f} s"
+    if isinstance(plain, dict) and plain["trace"] > 0 and plain["compile"] > 0:
+        text += f" ({value['trace'] / plain['trace']:.1f}× + {value['compile'] / plain['compile']:.1f}×)"
+    return text
+
+
 def _table(title, cols, rows) -> list[str]:
     return ["", title, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)] + [
         "| " + " | ".join(row) + " |" for row in rows]
@@ -451,7 +480,7 @@ def main(argv=None) -> int:
     lines.append("| " + " | ".join(cols) + " |")
     lines.append("|" + "---|" * len(cols))
     print("\n".join(lines), flush=True)
-    first_rows, memory_rows = [], []
+    first_rows, memory_rows, split_rows = [], [], []
     for name in args.models:
         size = SIZES[name][1 if args.small else 0]
         deadline = None if args.max_seconds is None else started + args.max_seconds
@@ -467,8 +496,10 @@ def main(argv=None) -> int:
         failed = {c: results[c] for c in configs if isinstance(results.get(c), str)}  # the error, in every table
         first_rows.append([label] + [_seconds(first[c] if c in first else failed.get(c),
                                               first.get("plain") if c != "plain" else None) for c in configs])
-        memory_rows.append([label] + [_mib(planned[c] if c in planned else failed.get(c),
-                                           planned.get("plain") if c != "plain" else None) for c in configs])
+        memory_rows.append([label] + [_mib(_part(planned, c, "bytes", failed),
+                                           _part(planned, "plain", "bytes", {}) if c != "plain" else None)
+                                      for c in configs])
+        split_rows.append([label] + [_split(planned.get(c, failed.get(c)), planned.get("plain")) for c in configs])
     p = args.recurrence_params if args.recurrence_params is not None else RECURRENCE["small" if args.small else "full"]
     if p > 0:
         try:
@@ -487,6 +518,8 @@ def main(argv=None) -> int:
     if args.memory:
         print("\n".join(_table("Memory of one step as XLA plans it (arguments + outputs + temporaries − donated; "
                                "ratio to plain):", heads, memory_rows)), flush=True)
+        print("\n".join(_table("Where the compilation goes: the step lowered (tracing, in Python) + compiled (XLA) "
+                               "alone, seconds; ratios to plain:", heads, split_rows)), flush=True)
     import jax
 
     stats = getattr(jax.devices()[0], "memory_stats", lambda: None)()

@@ -41,10 +41,15 @@ def test_bench_gpu_small_prints_the_table():
     assert re.search(r"ring step \d+ GB/s \| copy \d+ GB/s \| \d+ % of copy", recurrence), recurrence
     # the time to the first step and the memory XLA plans for one step, each model's plain cell filled
     first = out.split("Time to the first step")[1].split("Memory of one step")[0]
-    memory = out.split("Memory of one step")[1]
+    memory = out.split("Memory of one step")[1].split("Where the compilation goes")[0]
+    split = out.split("Where the compilation goes")[1]
     for name in ("mlp", "gn_cnn", "transformer_small", "transformer_14m"):
         assert re.search(rf"\| {name}[^|]* \| [0-9.]+ s \|", first), first
         assert re.search(rf"\| {name}[^|]* \| [0-9.]+ MiB \|", memory), memory
+        # tracing + XLA compilation of the step compiled alone, after clearing JAX's caches: the plain
+        # step is compiled anew (a cached one would cost 0.00 s)
+        cell = re.search(rf"\| {name}[^|]* \| ([0-9.]+) \+ ([0-9.]+) s", split)
+        assert cell and float(cell.group(2)) > 0, split
     assert "tensorflow imported: False" in out
     if (ROOT / "keras_noisecurve" / "backend" / "jax" / "optimizer.py").exists():  # the JAX training step is in
         assert "import of tensorflow halted" not in out, "a cell imported TensorFlow"  # what a blocked import says
