@@ -18,18 +18,18 @@ The RMS norms known by class (:data:`KNOWN_RMS_NORMS`, :func:`known_rms_norm`) t
 
 from __future__ import annotations
 
-import sys
 import threading
 import weakref
 
 import numpy as np
 
 from keras_noisecurve import _compat
+from keras_noisecurve.backend import layer_classes
 
 __all__ = ["KNOWN_RMS_NORMS", "PROBE_SHAPE", "TOLERANCE", "AffineScaleProbe", "affine_in_weight", "known_rms_norm",
-           "loaded_class", "single_weight"]
+           "single_weight"]
 
-#: RMS norms known by class, ``(module, class name)`` (:func:`loaded_class`): Keras's, and KerasHub's
+#: RMS norms known by class, ``(module, class name)`` (``layer_classes.loaded_class``): Keras's, and KerasHub's
 #: Llama, Gemma and Mistral norms (``y = x̂ ⊙ s`` or ``x̂ ⊙ (1 + s)``, one weight ``scale`` (d,))
 KNOWN_RMS_NORMS = (
     ("keras", "layers.RMSNormalization"),
@@ -59,24 +59,10 @@ def single_weight(layer):
     return w
 
 
-def loaded_class(module: str, name: str):
-    """The class ``name`` (an attribute path, e.g. ``"layers.RMSNormalization"``) of ``module`` if
-    that module is already imported, else ``None`` (nothing is imported here: a model with a
-    KerasHub layer has imported KerasHub)."""
-    found = sys.modules.get(module)
-    for part in name.split("."):
-        found = getattr(found, part, None) if found is not None else None
-    return found
-
-
 def known_rms_norm(layer) -> bool:
     """Whether ``layer`` is an instance of a class of :data:`KNOWN_RMS_NORMS` and runs that
     class's own ``call`` (a subclass that overrides it computes something else)."""
-    for module, name in KNOWN_RMS_NORMS:
-        cls = loaded_class(module, name)
-        if cls is not None and isinstance(layer, cls) and type(layer).call is cls.call:
-            return True
-    return False
+    return any(layer_classes.is_loaded_instance(layer, module, name) for module, name in KNOWN_RMS_NORMS)
 
 
 def affine_in_weight(*, outputs, width: int, compute_dtype: str) -> bool:

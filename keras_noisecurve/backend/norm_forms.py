@@ -1,6 +1,7 @@
 """The per-example squared norms of the Dense and Embedding weight gradients, in ``keras.ops``:
-the same math for both ghost-clipping engines (each backend's ``ghost_forms`` re-exports these
-and the rules of ``ghost_dense``, ``ghost_conv``, ``ghost_rnn``, … use them). No framework import.
+the same math for both ghost-clipping engines (JAX's ``ghost_forms`` re-exports these;
+TensorFlow's ``sequence_sq_norms`` and ``token_sq_norms`` call them, choosing between the forms
+themselves for an unknown sequence length). No framework import.
 
 Shapes: P examples, L positions. A Dense-type weight's per-example gradient is a sum of outer
 products over the positions, ``G_i = Σ_l a_il g_ilᵀ`` (``a`` (P, L, d_in) the layer's inputs,

@@ -20,11 +20,10 @@ The TensorFlow engine's rules: ``keras_noisecurve/backend/tensorflow/ghost_embed
 
 from __future__ import annotations
 
-import sys
-
 import jax.numpy as jnp
 import keras
 
+from keras_noisecurve.backend import layer_classes
 from keras_noisecurve.backend.jax.ghost_forms import (
     F32,
     call_args,
@@ -97,9 +96,8 @@ def reversible_embedding_rule(layer, calls):
 
 def position_embedding_rule(layer, calls):
     """KerasHub's PositionEmbedding called with ``start_index=0`` and no ``positions``."""
-    module = sys.modules.get("keras_hub.src.layers.modeling.position_embedding")
-    cls = getattr(module, "PositionEmbedding", None)
-    if cls is None or not isinstance(layer, cls) or type(layer).call is not cls.call or not single(calls):
+    if not layer_classes.is_loaded_instance(layer, "keras_hub.src.layers.modeling.position_embedding",
+                                            "PositionEmbedding") or not single(calls):
         return None
     for c in calls:
         args, kwargs = call_args(c)

@@ -19,7 +19,7 @@ import keras
 import tensorflow as tf
 
 from keras_noisecurve import _compat
-from keras_noisecurve.backend import affine_scale
+from keras_noisecurve.backend import affine_scale, layer_classes
 from keras_noisecurve.backend.tensorflow.ghost_forms import (
     Rule,
     concat_positions,
@@ -67,9 +67,8 @@ class ReversibleEmbeddingRule(Rule):
     def matches(self, layer) -> bool:
         if super().matches(layer):
             return True
-        cls = affine_scale.loaded_class(*self.hub)
-        return (cls is not None and cls not in self.classes and isinstance(layer, cls)
-                and type(layer).call is cls.call)
+        cls = layer_classes.loaded_class(*self.hub)
+        return cls not in self.classes and layer_classes.runs_call_of(layer, cls)
 
     def expected_variables(self, layer):
         return [layer.embeddings] + ([] if layer.tie_weights else [layer.reverse_embeddings])
@@ -136,8 +135,7 @@ class PositionEmbeddingRule(Rule):
     module = "keras_hub.src.layers.modeling.position_embedding"
 
     def matches(self, layer) -> bool:
-        cls = affine_scale.loaded_class(self.module, "PositionEmbedding")
-        return cls is not None and isinstance(layer, cls) and type(layer).call is cls.call
+        return layer_classes.is_loaded_instance(layer, self.module, "PositionEmbedding")
 
     def expected_variables(self, layer):
         return [layer.position_embeddings]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from keras_noisecurve import _compat
-from keras_noisecurve.backend import norm_forms
+from keras_noisecurve.backend import layer_classes, norm_forms
 
 
 def norm_dtype(dtype) -> tf.DType:
@@ -149,9 +149,7 @@ class Rule:
         return [v for v in source if id(v) in trainable_ids]
 
     def matches(self, layer) -> bool:
-        return any(
-            isinstance(layer, cls) and type(layer).call is cls.call for cls in self.classes
-        )
+        return any(layer_classes.runs_call_of(layer, cls) for cls in self.classes)
 
     def expected_variables(self, layer):
         raise NotImplementedError

@@ -37,7 +37,7 @@ import keras
 import tensorflow as tf
 
 from keras_noisecurve.backend.tensorflow.ghost_forms import Rule, norm_dtype, per_example_sq, weighted_sum
-from keras_noisecurve.backend.affine_scale import loaded_class
+from keras_noisecurve.backend.layer_classes import loaded_class, runs_call_of
 
 __all__ = ["RelativeAttentionBiasRule", "bucket_ids"]
 
@@ -74,8 +74,7 @@ class RelativeAttentionBiasRule(Rule):
 
     def matches(self, layer) -> bool:
         cls = loaded_class(*self.hub)
-        return (cls is not None and isinstance(layer, cls) and type(layer).call is cls.call
-                and type(layer).compute_bias is cls.compute_bias
+        return (runs_call_of(layer, cls) and type(layer).compute_bias is cls.compute_bias
                 and bool(getattr(layer, "use_relative_attention_bias", False)))
 
     def expected_variables(self, layer):
