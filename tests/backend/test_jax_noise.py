@@ -54,6 +54,30 @@ def test_key_words_are_the_int64_keys_words():
         jax_noise.key_words(np.array([1, 2, 3]))
 
 
+def test_the_looped_block_is_the_unrolled_block():
+    """``philox_block_looped`` under JAX (its rounds one ``fori_loop``, jitted) gives the
+    Random123 known answers of Philox-4×32-10 and, over a grid of lanes with a key per row,
+    the unrolled block's words; a step seed's two derivation blocks are two loops."""
+    mask = 2**32 - 1
+    cases = [((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+             ((mask,) * 4, (mask,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD))]
+    looped = jax.jit(lambda c, k: philox.philox_block_looped(jax_noise._xp, tuple(c), tuple(k)))
+    for counter, key, expected in cases:
+        words = looped(jnp.asarray(counter, jnp.uint32), jnp.asarray(key, jnp.uint32))
+        np.testing.assert_array_equal([int(w) for w in words], expected)
+    rng = np.random.default_rng(3)
+    lanes = rng.integers(0, 2**32, size=(5, 3), dtype=np.uint64).astype(np.uint32)
+    row_keys = rng.integers(0, 2**32, size=(2, 5, 1), dtype=np.uint64).astype(np.uint32)
+    high = rng.integers(0, 2**32, size=2, dtype=np.uint64).astype(np.uint32)
+    counter, key = (lanes, np.uint32(0), high[0], high[1]), (row_keys[0], row_keys[1])
+    got = jax.jit(lambda: philox.philox_block_looped(jax_noise._xp, counter, key))()
+    for a, b in zip(got, philox.philox_block(np, counter, key)):
+        assert a.shape == (5, 3)
+        np.testing.assert_array_equal(np.asarray(a), b)
+    text = str(jax.make_jaxpr(lambda s: jax_noise.step_seed(s, 5))(jnp.zeros(4, jnp.uint32)))
+    assert text.count("= scan[") == 2  # fold_in: the key/counter block and block 0, a loop each
+
+
 def test_seeds_equal_tensorflows_fold_in():
     """step_seed and variable_seed give the words of TensorFlow's stateless_fold_in chain,
     for int64 keys, uint32 words and int32 words (the same bits), traced int32 steps under

@@ -36,11 +36,14 @@ __all__ = [
 
 class _Arrays:
     """jax.numpy for ``keras_noisecurve.backend.philox``, with ``materialize``
-    (``jax.lax.optimization_barrier``): the key and counter words of a Philox chain are
-    computed once instead of being copied by XLA into every fusion that reads them
-    (which made a jitted draw take seconds to compile)."""
+    (``jax.lax.optimization_barrier``: the key and counter words of a Philox chain are
+    computed once instead of being copied by XLA into every fusion that reads them, which
+    made a jitted draw take seconds to compile) and ``fori_loop`` (``jax.lax.fori_loop``:
+    the few-lane key derivations run their 10 rounds as one loop,
+    ``philox.philox_block_looped``)."""
 
     materialize = staticmethod(jax.lax.optimization_barrier)
+    fori_loop = staticmethod(jax.lax.fori_loop)  # the key derivations' rounds as one loop
 
     def __getattr__(self, name):
         return getattr(jnp, name)
