@@ -1,10 +1,12 @@
 """Step times of private training on the Keras JAX backend, for a GPU (or any JAX device).
 
-One command, one table. For four models (issue 31's: an MLP 784-512-512-10 at B = 1024, a
+One command, one table. For six models (issue 31's: an MLP 784-512-512-10 at B = 1024, a
 GroupNorm CNN on 28×28×1 at B = 512, a one-block transformer of 0.84M parameters at
 L = 64, B = 256, and a 2-block transformer of 14.5M parameters, d = 512, 8 heads,
-vocabulary 16000, at L = 128, B = 64; all built from plain Keras layers below) it times
-one training step of:
+vocabulary 16000, at L = 128, B = 64, all built from plain Keras layers below; and
+KerasHub's GPT-2 124M causal LM, built from its config without weights, at B = 16, L = 128
+(``gpt2``) and B = 32, L = 256 (``gpt2_long``), next-token loss over every position) it
+times one training step of:
 
 - ``plain``: the model compiled with ``keras.optimizers.SGD`` and run by Keras's own JAX
   trainer (``train_on_batch``, jitted);
@@ -18,6 +20,10 @@ one training step of:
 - ``DP-SGD, vectorized clipping``: DP-SGD with ``make_private(model, clipping="vectorized")``
   (per-example gradients of the whole model by ``jax.vmap``) instead of the default
   per-layer ghost norms (``clipping="auto"``, :mod:`keras_noisecurve.backend.jax.ghost`).
+
+The GPT-2 rows run plain, DP-SGD, banded and jax_privacy unless ``--configs`` names others
+(their first steps compile in 12 s, 23 s and 37 s for plain, DP-SGD and banded on a 2-core
+CPU: each configuration more is about half a minute).
 
 Each cell is the median of ``--repeats`` single steps after ``--warmup`` steps, each step
 ended by a host sync (the logs ``train_on_batch`` returns are host numbers, and the first
@@ -45,28 +51,33 @@ plain jitted copy of the same number of bytes; both in GB/s counting bytes read 
 written once ((b + 1)·p·4 bytes per step: b − 1 ring rows and z_t read, one row written).
 
 Needs only JAX, Keras (3.15) and this package's own dependencies (numpy, scipy,
-dp-accounting); never TensorFlow::
+dp-accounting), and KerasHub for the GPT-2 rows; never TensorFlow::
 
-    KERAS_BACKEND=jax python benchmarks/bench_gpu.py                 # the full table (< 5 min on an H100)
-    KERAS_BACKEND=jax python benchmarks/bench_gpu.py --small         # tiny sizes (< 1 min on 2 CPU cores)
+    KERAS_BACKEND=jax python benchmarks/bench_gpu.py                 # the full table (all six models; minutes)
+    KERAS_BACKEND=jax python benchmarks/bench_gpu.py --small         # tiny sizes, the first four models (~2 min on 2 CPU cores)
+    KERAS_BACKEND=jax python benchmarks/bench_gpu.py --small --models gpt2 gpt2_long   # a 2-layer GPT-2
     KERAS_BACKEND=jax python benchmarks/bench_gpu.py --models mlp gn_cnn --repeats 30
     KERAS_BACKEND=jax python benchmarks/bench_gpu.py --small --max-seconds 45   # bounded (tests/e2e)
 
 On the project's GPU machines (Python 3.12 with JAX 0.11 on CUDA, and numpy, scipy,
-absl-py, rich, h5py, ml-dtypes, attrs, wrapt, mpmath there, but no Keras and no TensorFlow)
+absl-py, rich, h5py, ml-dtypes, attrs, wrapt, mpmath, regex, tokenizers and sentencepiece
+there, but no Keras, no KerasHub and no TensorFlow; KerasHub imports without TensorFlow and
+kagglehub, which it needs only to download presets)
 the missing wheels travel in ``.whl/`` (ignored by git: ``/.whl/`` in ``.git/info/exclude``),
 filled once on a machine with pip::
 
     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
         --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl \
-        keras==3.15.1 namex==0.1.0 optree==0.20.0 dm-tree==0.1.10 dp-accounting==0.6.0
+        keras==3.15.1 namex==0.1.0 optree==0.20.0 dm-tree==0.1.10 dp-accounting==0.6.0 keras-hub==0.32.0
 
 (the machine's own ml-dtypes, h5py, rich and absl-py are left in place: a second ml-dtypes
 beside jaxlib's would break it). The device command, from the repository root, with
-``.whl`` carried::
+``.whl`` carried (the GPT-2 rows first, and ``--max-seconds 300``: no private configuration is
+started after 5 minutes, so that the call ends inside the device's limit however long the
+compilations take there)::
 
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD KERAS_BACKEND=jax PYTHONUNBUFFERED=1 && python3 benchmarks/bench_gpu.py 2>&1 | tee $OUT/bench_gpu.txt
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD KERAS_BACKEND=jax PYTHONUNBUFFERED=1 && python3 benchmarks/bench_gpu.py --models gpt2 gpt2_long mlp gn_cnn transformer_small transformer_14m --max-seconds 300 2>&1 | tee $OUT/bench_gpu.txt
 """
 
 from __future__ import annotations
@@ -83,7 +94,8 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's package
 
-MODELS = ("mlp", "gn_cnn", "transformer_small", "transformer_14m")
+MODELS = ("mlp", "gn_cnn", "transformer_small", "transformer_14m", "gpt2", "gpt2_long")
+SMALL_MODELS = MODELS[:4]  # --small's default: the GPT-2 rows need KerasHub and a minute more
 CONFIGS = ("plain", "dpsgd", "banded16", "blt4", "jax_privacy", "dpsgd_vectorized")
 HEADERS = {
     "plain": "plain Keras-JAX step",
@@ -93,6 +105,9 @@ HEADERS = {
     "jax_privacy": "jax_privacy Keras API (DP-SGD)",
     "dpsgd_vectorized": "DP-SGD, vectorized clipping",
 }
+# what the GPT-2 rows run unless --configs names others: the issue-31 targets (DP-SGD against
+# plain, banded against DP-SGD) and the peer; the other two compile ~30 s more each (2-core CPU)
+GPT2_CONFIGS = ("plain", "dpsgd", "banded16", "jax_privacy")
 LEARNING_RATE = 0.05
 
 # name -> (batch size, sizes): full and --small
@@ -104,6 +119,13 @@ SIZES = {
     "transformer_14m": ({"batch": 64, "length": 128, "vocab": 16000, "dim": 512, "heads": 8, "mlp": 2048, "blocks": 2},
                         {"batch": 8, "length": 16, "vocab": 1000, "dim": 64, "heads": 8, "mlp": 128, "blocks": 2}),
 }
+# KerasHub's GPT-2 124M ("gpt2_base_en": 50257 tokens, 12 layers, 12 heads, d = 768, MLP 3072,
+# 1024 positions; the output layer is the token embedding, tied), built from its config (no
+# weights), dropout off; --small: 2 layers of d = 64 over 1000 tokens
+GPT2_124M = {"vocab": 50257, "layers": 12, "heads": 12, "dim": 768, "mlp": 3072, "positions": 1024}
+GPT2_TINY = {"vocab": 1000, "layers": 2, "heads": 4, "dim": 64, "mlp": 128, "positions": 64}
+SIZES["gpt2"] = ({"batch": 16, "length": 128, **GPT2_124M}, {"batch": 4, "length": 16, **GPT2_TINY})
+SIZES["gpt2_long"] = ({"batch": 32, "length": 256, **GPT2_124M}, {"batch": 4, "length": 32, **GPT2_TINY})
 RECURRENCE = {"full": 124_000_000, "small": 1_000_000}
 BANDS = 16
 
@@ -151,11 +173,24 @@ def transformer(*, length, vocab, dim, heads, mlp, blocks, **_):
     return keras.Model(inp, keras.layers.Dense(2)(h), name="transformer")
 
 
+def gpt2(*, vocab, layers, heads, dim, mlp, positions, **_):
+    """KerasHub's ``GPT2CausalLM`` (no preprocessor) on a ``GPT2Backbone`` of this config, built
+    without weights: token ids and padding mask in, next-token logits (B, L, vocab) out."""
+    import keras_hub
+
+    backbone = keras_hub.models.GPT2Backbone(vocabulary_size=vocab, num_layers=layers, num_heads=heads,
+                                             hidden_dim=dim, intermediate_dim=mlp, max_sequence_length=positions,
+                                             dropout=0.0)
+    return keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
+
+
 def build_model(name, size):
     if name == "mlp":
         return mlp(size["width"])
     if name == "gn_cnn":
         return gn_cnn()
+    if name.startswith("gpt2"):
+        return gpt2(**size)
     return transformer(**size)
 
 
@@ -166,6 +201,9 @@ def batch_data(name, size, rng):
     if name == "gn_cnn":
         return rng.normal(size=(b, 28, 28, 1)).astype(np.float32), rng.integers(0, 10, size=b).astype(np.int32)
     x = rng.integers(0, size["vocab"], size=(b, size["length"])).astype(np.int32)
+    if name.startswith("gpt2"):  # a language model's batch: every token real, the next token its label
+        ids = x + (x == 0)
+        return {"token_ids": ids, "padding_mask": np.ones_like(ids)}, np.roll(ids, -1, axis=1)
     return x, rng.integers(0, 2, size=b).astype(np.int32)
 
 
@@ -312,21 +350,13 @@ def time_model(name, size, configs, *, warmup, repeats, rng, verbose, deadline=N
             first[config] = time.perf_counter() - start
             for _ in range(warmup - 1):
                 step()
-            runs[config] = step
-            if memory:
-                try:
-                    planned[config] = step_compile(model, x, y)
-                except Exception as exc:  # noqa: BLE001 - a step that cannot be compiled alone
-                    planned[config] = _short(exc)
+            runs[config] = (model, step)
             if params is None:
                 params = int(sum(int(np.prod(v.shape)) for v in model.trainable_variables))
         except Exception as exc:  # noqa: BLE001 - every failure goes into its cell
             results[config] = _short(exc)
             if verbose:
                 traceback.print_exc()
-    if memory:  # step_compile cleared JAX's caches: every step compiles again, before the timing
-        for step in runs.values():
-            step()
     times = {config: [] for config in runs}
     names = list(runs)
     for r in range(repeats):
@@ -336,13 +366,19 @@ def time_model(name, size, configs, *, warmup, repeats, rng, verbose, deadline=N
                 continue
             try:
                 start = time.perf_counter()
-                runs[config]()
+                runs[config][1]()
                 times[config].append(time.perf_counter() - start)
             except Exception as exc:  # noqa: BLE001
                 results[config] = _short(exc)
     for config, values in times.items():
         if config not in results:
             results[config] = float(np.median(values))
+    if memory:  # after the timing: step_compile clears JAX's caches, which would compile every step again
+        for config, (model, _) in runs.items():
+            try:
+                planned[config] = step_compile(model, x, y)
+            except Exception as exc:  # noqa: BLE001 - a step that cannot be compiled alone
+                planned[config] = _short(exc)
     return results, params, first, planned
 
 
@@ -449,8 +485,10 @@ def header_lines(args) -> list[str]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
-    parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=None,
+                        help=f"default: all ({', '.join(MODELS)}); with --small the first four")
+    parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=None,
+                        help=f"default: all ({', '.join(CONFIGS)}); the GPT-2 rows {', '.join(GPT2_CONFIGS)}")
     parser.add_argument("--repeats", type=int, default=None, help="timed steps per cell (default 15; 3 with --small)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3; 1 with --small)")
     parser.add_argument("--small", action="store_true", help="tiny sizes: the whole script in < 1 min on 2 CPU cores")
@@ -463,6 +501,7 @@ def main(argv=None) -> int:
                         help="start no private configuration after this many seconds (the plain steps and the "
                              "recurrence still run; their cells say 'not run'); default: no limit")
     args = parser.parse_args(argv)
+    args.models = args.models or list(SMALL_MODELS if args.small else MODELS)
     args.repeats = args.repeats or (3 if args.small else 15)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.small else 3)
     if args.repeats < 1 or args.warmup < 1:
@@ -475,7 +514,7 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(0)
     started = time.perf_counter()
     lines = header_lines(args)
-    configs = list(args.configs)
+    configs = list(args.configs or CONFIGS)
     cols = ["model", "parameters", "B"] + [HEADERS[c] for c in configs]
     lines.append("| " + " | ".join(cols) + " |")
     lines.append("|" + "---|" * len(cols))
@@ -484,9 +523,12 @@ def main(argv=None) -> int:
     for name in args.models:
         size = SIZES[name][1 if args.small else 0]
         deadline = None if args.max_seconds is None else started + args.max_seconds
+        own = [c for c in configs if args.configs or not name.startswith("gpt2") or c in GPT2_CONFIGS]
         results, params, first, planned = time_model(
-            name, size, configs, warmup=args.warmup, repeats=args.repeats, rng=rng, verbose=args.verbose,
+            name, size, own, warmup=args.warmup, repeats=args.repeats, rng=rng, verbose=args.verbose,
             deadline=deadline, memory=args.memory)
+        for c in configs:
+            results.setdefault(c, "not run (name it in --configs)")
         plain = results.get("plain")
         label = name + (f" L = {size['length']}" if "length" in size else "")
         count = "?" if not params else (f"{params / 1e6:.2f}M" if params >= 100_000 else f"{params / 1e3:.1f}k")

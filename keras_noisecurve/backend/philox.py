@@ -137,7 +137,7 @@ def philox_block_looped(xp, counter, key):
     Where ``xp`` has ``fori_loop`` (JAX's ``jax.lax.fori_loop``) the rounds are one loop body,
     traced and compiled once; unrolled, each of these small blocks is 10 rounds of scalar
     kernels that XLA compiles one by one (a step's draw derives its keys in about seven such
-    blocks: on a 2-core CPU the MLP's draw compiles in 0.4 s instead of 0.95 s, and runs no
+    blocks: on a 2-core CPU the MLP's draw compiles in 0.55 s instead of 1.04 s, and runs no
     slower; docs/performance.md). The bulk of a draw keeps :func:`philox_block`: over many
     lanes the unrolled rounds run 1.4–1.6× faster than the loop there. A namespace without
     ``fori_loop`` (numpy, TensorFlow's ops) runs :func:`philox_block`.

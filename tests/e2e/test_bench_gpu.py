@@ -53,3 +53,22 @@ def test_bench_gpu_small_prints_the_table():
     assert "tensorflow imported: False" in out
     if (ROOT / "keras_noisecurve" / "backend" / "jax" / "optimizer.py").exists():  # the JAX training step is in
         assert "import of tensorflow halted" not in out, "a cell imported TensorFlow"  # what a blocked import says
+
+
+def test_bench_gpu_gpt2_rows_train_privately():
+    """The GPT-2 rows (KerasHub's GPT2CausalLM from a config, no weights; ``--small``: 2 layers,
+    d = 64) print a plain step and a private DP-SGD step, without TensorFlow."""
+    pytest.importorskip("jax")
+    pytest.importorskip("keras_hub")
+    env = dict(os.environ, KERAS_BACKEND="jax", JAX_PLATFORMS="cpu")
+    done = subprocess.run([sys.executable, "-c", RUN, str(SCRIPT), "--small", "--models", "gpt2", "gpt2_long",
+                           "--configs", "plain", "dpsgd", "--no-memory", "--repeats", "2",
+                           "--recurrence-params", "0"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| gpt2")]
+    assert len(rows) == 4, done.stdout  # the step table and the first-step table
+    for length, batch in ((16, 4), (32, 4)):
+        row = next(line for line in rows if f"L = {length} |" in line and " ms " in line)
+        assert re.match(rf"\| gpt2[a-z_]* L = {length} \| [0-9.]+M \| {batch} \| [0-9.]+ ms \| [0-9.]+ ms \([0-9.]+×\) \|$",
+                        row), row
+    assert "tensorflow imported: False" in done.stdout
