@@ -130,6 +130,57 @@ def test_an_exception_of_wrap_part_way_restores_the_layers_already_wrapped():
     assert all("call" not in vars(layer) for layer in layers)
 
 
+def test_shared_blocks_of_several_threads_run_inside_one_wrapper():
+    """The shared mode (the TensorFlow engine's replica threads): two threads inside shared
+    blocks over the same layer at once wrap it once (the first block's wrapper serves both), a
+    layer with its own instance ``call`` gets that object back when the last block leaves, and a
+    non-shared block inside a shared one still nests."""
+    import threading
+
+    layer = _dense()
+    own = layer.call
+    object.__setattr__(layer, "call", own)  # an instance entry of its own, to get back
+    x = _x()
+    expected = np.asarray(layer(x))
+    seen, wraps = [], []
+
+    def wrap(layer, original):
+        wraps.append(original)
+        return _log(seen, f"wrapper {len(wraps)}")(layer, original)
+
+    inside, release, outputs = threading.Barrier(2), threading.Event(), {}
+
+    def replica(name):
+        with wrapped_calls([layer], wrap=wrap, shared=True):
+            inside.wait(timeout=30)  # both threads inside their blocks
+            outputs[name] = np.asarray(layer(x))
+            if name == "first":
+                release.wait(timeout=30)  # leaves after the second
+            else:
+                assert vars(layer)["call"] is not own
+                release.set()
+
+    threads = [threading.Thread(target=replica, args=(n,)) for n in ("first", "second")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert len(wraps) == 1 and wraps[0] is own  # wrapped once, around the layer's own call
+    assert seen == [("wrapper 1", layer.name)] * 2
+    for out in outputs.values():
+        np.testing.assert_array_equal(out, expected)
+    assert vars(layer)["call"] is own  # the last block out restored the layer's own entry
+    with wrapped_calls([layer], wrap=_log(seen, "outer"), shared=True):
+        with wrapped_calls([layer], wrap=_log(seen, "inner")):
+            layer(x)
+        with pytest.raises(RuntimeError, match="inside"):
+            with wrapped_calls([layer], wrap=_log(seen, "again"), shared=True):
+                raise RuntimeError("inside")
+        assert vars(layer)["call"] is not own  # the outer shared block still holds it
+    assert seen[2:] == [("inner", layer.name), ("outer", layer.name)]
+    assert vars(layer)["call"] is own
+
+
 def test_refuses_a_wrap_that_is_not_callable_or_returns_no_callable():
     layer = _dense()
     with pytest.raises(TypeError, match="wrap must be a callable .* but got 3"):

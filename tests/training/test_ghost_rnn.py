@@ -163,7 +163,7 @@ def test_recorded_forward_equals_the_layers_own_call(case):
     want = layer(x, **kwargs)
     rule = find_rule(layer)
     assert isinstance(rule, RecurrentRule) and rule.check(layer) is None
-    with ghost._Recording([(layer, rule)]) as recorder:
+    with ghost._recording([(layer, rule)]) as recorder:
         got = layer(x, **kwargs)
     (call,) = recorder.calls[id(layer)]
     assert call["out"].shape == (P, L, layer.cell.kernel.shape[1])

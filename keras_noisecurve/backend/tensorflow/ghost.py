@@ -27,7 +27,8 @@ this engine never does:
    weight-gradient step.
 
 Recording works by temporarily replacing the ``call`` of each supported layer
-instance with a wrapper for the duration of the forward pass (under a lock, with a
+instance with a wrapper for the duration of the forward pass
+(``keras_noisecurve.backend.calls.wrapped_calls`` in its shared mode: under a lock, with a
 reference count, so concurrent replicas of ``tf.distribute`` share it safely); the
 wrapper records into a thread-local recorder and calls the original ``call`` when no
 recording is active in its thread. Inside ``tf.function`` this happens only while
@@ -53,6 +54,7 @@ and a read the probe did not see that falls outside the plan (checked when the s
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import threading
 import weakref
@@ -62,6 +64,7 @@ import tensorflow as tf
 from keras_noisecurve import _compat
 from keras_noisecurve._validation import check_int
 from keras_noisecurve.backend import norm_observer
+from keras_noisecurve.backend.calls import wrapped_calls
 from keras_noisecurve.backend.clip import clip_factors
 from keras_noisecurve.backend.norm_observer import observe_layer_norms  # noqa: F401 - re-exported
 from keras_noisecurve.backend.tensorflow.clipped_sum import ClippedSum, chunked_clipped_sum
@@ -238,9 +241,7 @@ def describe(model, *, inside: bool = False) -> list:
 
 # ---------------------------------------------------------------------- recording
 
-_LOCK = threading.Lock()
 _LOCAL = threading.local()
-_INSTALLED: dict[int, list] = {}  # id(layer) -> [layer, original_call, refcount]
 
 
 class _Recorder:
@@ -293,50 +294,21 @@ def _make_wrapper(layer, rule, original_call):
     return call
 
 
-def _install(layers_and_rules):
-    with _LOCK:
-        for layer, rule in layers_and_rules:
-            entry = _INSTALLED.get(id(layer))
-            if entry is None:
-                had_own = "call" in layer.__dict__
-                original = layer.call  # bound method of the class (or an earlier override)
-                object.__setattr__(layer, "call", _make_wrapper(layer, rule, original))
-                _INSTALLED[id(layer)] = [layer, original, 1, had_own]
-            else:
-                entry[2] += 1
-
-
-def _uninstall(layers_and_rules):
-    with _LOCK:
-        for layer, _ in layers_and_rules:
-            entry = _INSTALLED[id(layer)]
-            entry[2] -= 1
-            if entry[2] == 0:
-                if entry[3]:
-                    object.__setattr__(layer, "call", entry[1])
-                else:
-                    del layer.__dict__["call"]
-                del _INSTALLED[id(layer)]
-
-
-class _Recording:
-    """Context manager: wrap the supported layers and record in this thread."""
-
-    def __init__(self, layers_and_rules):
-        self.layers_and_rules = layers_and_rules
-        self.recorder = _Recorder()
-
-    def __enter__(self):
-        if getattr(_LOCAL, "recorder", None) is not None:
-            raise RuntimeError("ghost_clipped_sum cannot be nested inside another ghost_clipped_sum call.")
-        _install(self.layers_and_rules)
-        _LOCAL.recorder = self.recorder
-        return self.recorder
-
-    def __exit__(self, *exc):
-        _LOCAL.recorder = None
-        _uninstall(self.layers_and_rules)
-        return False
+@contextlib.contextmanager
+def _recording(layers_and_rules):
+    """Wrap the supported layers (shared with other threads' recordings of the same layers)
+    and record in this thread; yields the :class:`_Recorder`."""
+    if getattr(_LOCAL, "recorder", None) is not None:
+        raise RuntimeError("ghost_clipped_sum cannot be nested inside another ghost_clipped_sum call.")
+    rules = {id(layer): rule for layer, rule in layers_and_rules}
+    recorder = _Recorder()
+    with wrapped_calls([layer for layer, _ in layers_and_rules], shared=True,
+                       wrap=lambda layer, original: _make_wrapper(layer, rules[id(layer)], original)):
+        _LOCAL.recorder = recorder
+        try:
+            yield recorder
+        finally:
+            _LOCAL.recorder = None
 
 
 # ------------------------------------------------------------------------ engine
@@ -389,7 +361,7 @@ def _ghost_step(model, loss_fn, x, y, sample_weight, clip, training, entries):
     layers_and_rules = [(layer, rule) for layer, rule, _ in entries]
     graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
     first_op = graph.version if graph is not None else None
-    with _Recording(layers_and_rules) as recorder:
+    with _recording(layers_and_rules) as recorder:
         with tf.GradientTape() as tape:
             y_pred = model(x, training=training)
             per_example_loss = loss_fn(y, y_pred)
@@ -486,7 +458,7 @@ def _check_reads_once(model, x, training, entries):
     def forward(x):
         graph = tf.compat.v1.get_default_graph()
         start = graph.version
-        with _Recording(layers_and_rules) as recorder:
+        with _recording(layers_and_rules) as recorder:
             out = model(x, training=training)
         check_reads(entries, recorder.spans, graph, start, graph.version)
         return tf.nest.flatten(out)[0]
