@@ -16,14 +16,20 @@ without ``G_i`` when that is cheaper (Li et al. 2022, "ghost clipping"):
 An embedding table's per-example gradient has row v = ``Σ_{l: id_il = v} g_il``; its squared norm
 is ``Σ_{l,l'} [id_il = id_il'] (g_il·g_il')`` (memory P·L²) when L² < vocabulary·d, else the
 rows summed per example (a segment sum, memory P·vocabulary·d).
+
+A per-example normalisation ``out = γ ⊙ x̂ + β`` (LayerNormalization, GroupNormalization) has the
+per-example gradients ``Σ_positions x̂ ⊙ g`` (γ) and ``Σ_positions g`` (β)
+(:func:`scale_offset_grads`), x̂ the normalised input (:func:`layer_norm_hat`,
+:func:`group_norm_hat`); the TensorFlow engine computes x̂ in its recording forward, the JAX
+engine from the recorded input.
 """
 
 from __future__ import annotations
 
 from keras import ops
 
-__all__ = ["gram_is_cheaper", "gram_sq_norms", "outer_sq_norms", "sequence_sq_norms", "token_gram_sq_norms",
-           "token_rows_sq_norms", "token_sq_norms"]
+__all__ = ["gram_is_cheaper", "gram_sq_norms", "group_norm_hat", "layer_norm_hat", "outer_sq_norms",
+           "scale_offset_grads", "sequence_sq_norms", "token_gram_sq_norms", "token_rows_sq_norms", "token_sq_norms"]
 
 
 def gram_is_cheaper(length: int, d_in: int, d_out: int) -> bool:
@@ -75,3 +81,34 @@ def token_sq_norms(ids, g, vocabulary: int):
     if gram_is_cheaper(length, vocabulary, d):
         return token_gram_sq_norms(ids, g)
     return token_rows_sq_norms(ids, g, vocabulary)
+
+
+def layer_norm_hat(x, axes, epsilon, *, rms: bool = False):
+    """LayerNormalization's x̂ over ``axes`` (positive, never 0): ``(x − mean)/√(var + ε)``, or
+    ``x/√(var + ε)`` with ``rms`` (Keras's ``rms_scaling=True`` divides by the variance's root,
+    not by the mean square's), in the dtype of ``x``. The variance is the mean of ``(x − mean)²``
+    (not ``E[x²] − mean²``, which loses digits when the mean is large)."""
+    axes = tuple(axes)
+    mean = ops.mean(x, axis=axes, keepdims=True)
+    inverse = ops.rsqrt(ops.mean(ops.square(x - mean), axis=axes, keepdims=True) + epsilon)
+    return x * inverse if rms else (x - mean) * inverse
+
+
+def group_norm_hat(x, groups: int, epsilon):
+    """GroupNormalization's x̂ with the channels on the last axis: ``x`` (P, ..., C) in ``groups``
+    groups of C/groups channels, mean and variance over the positions and each group's channels
+    (as :func:`layer_norm_hat`); returns x̂ of the shape of ``x``. The positions must be known
+    (static shapes)."""
+    channels = x.shape[-1]
+    grouped = ops.reshape(x, (x.shape[0] if x.shape[0] is not None else -1, -1, groups, channels // groups))
+    return ops.reshape(layer_norm_hat(grouped, (1, 3), epsilon), ops.shape(x))
+
+
+def scale_offset_grads(x_hat, g, keep_axes):
+    """The per-example gradients of ``γ ⊙ x̂ + β``: ``(Σ x̂ ⊙ g, Σ g)``, each summed over every
+    axis of ``g`` (P, ...) but 0 and ``keep_axes`` (positive: the axes γ and β are laid along), so
+    of shape (P, *kept sizes)."""
+    axes = tuple(k for k in range(1, len(g.shape)) if k not in keep_axes)
+    if not axes:
+        return x_hat * g, g
+    return ops.sum(x_hat * g, axis=axes), ops.sum(g, axis=axes)

@@ -8,16 +8,18 @@ Each rule is ``rule(layer, calls) -> (sq, sums)`` or ``None``, the contract of
 * GroupNormalization with channels last: the same, with mean and variance over the
   positions and the channels of each group.
 
-RMS-type norms are recognised by what they compute (:mod:`~keras_noisecurve.backend.jax.ghost_scale`).
+x̂ and the per-example gradients from (x̂, g) are the shared ``keras.ops`` forms of
+:mod:`~keras_noisecurve.backend.norm_forms`, as on TensorFlow; this engine computes x̂ from the
+recorded input. RMS-type norms are recognised by what they compute (:mod:`~keras_noisecurve.backend.jax.ghost_scale`).
 The TensorFlow engine's rules of the same layers: ``keras_noisecurve/backend/tensorflow/ghost_norm.py``.
 """
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import keras
 
+from keras_noisecurve.backend import norm_forms
 from keras_noisecurve.backend.jax.ghost_forms import F32, cat, kept, single
 
 __all__ = ["group_norm_rule", "grouped_norm_rule", "layer_norm_rule"]
@@ -35,10 +37,8 @@ def layer_norm_rule(layer, calls):
     p = calls[0]["g"].shape[0]
     xs, gs = [], []
     for c in calls:
-        a = c["a"].astype(F32)
-        mean = jnp.mean(a, axis=-1, keepdims=True)
-        var = jnp.mean(jnp.square(a - mean), axis=-1, keepdims=True)
-        xs.append(jnp.reshape((a - mean) * jax.lax.rsqrt(var + layer.epsilon), (p, -1, d)))
+        xs.append(jnp.reshape(norm_forms.layer_norm_hat(c["a"].astype(F32), (c["a"].ndim - 1,), layer.epsilon),
+                              (p, -1, d)))
         gs.append(jnp.reshape(c["g"].astype(F32), (p, -1, d)))
     return _affine(layer, cat(xs), cat(gs))
 
@@ -58,13 +58,10 @@ def grouped_norm_rule(cls, *, name: str):
             return None  # channels not on the last axis
         d = calls[0]["a"].shape[-1]
         p = calls[0]["g"].shape[0]
-        groups = layer.groups
         xs, gs = [], []
         for c in calls:
-            a = jnp.reshape(c["a"].astype(F32), (p, -1, groups, d // groups))
-            mean = jnp.mean(a, axis=(1, 3), keepdims=True)
-            var = jnp.mean(jnp.square(a - mean), axis=(1, 3), keepdims=True)
-            xs.append(jnp.reshape((a - mean) * jax.lax.rsqrt(var + layer.epsilon), (p, -1, d)))
+            x_hat = norm_forms.group_norm_hat(c["a"].astype(F32), layer.groups, layer.epsilon)
+            xs.append(jnp.reshape(x_hat, (p, -1, d)))
             gs.append(jnp.reshape(c["g"].astype(F32), (p, -1, d)))
         return _affine(layer, cat(xs), cat(gs))
 
@@ -75,11 +72,12 @@ def grouped_norm_rule(cls, *, name: str):
 
 def _affine(layer, x_hat, g):
     """Per-example gradients of ``gamma ⊙ x̂ + beta`` over the last axis: ``Σ_l x̂_l ⊙ g_l``, ``Σ_l g_l``."""
+    gamma, beta = norm_forms.scale_offset_grads(x_hat, g, (2,))
     per = {}
     if layer.gamma is not None:
-        per[id(layer.gamma)] = jnp.sum(x_hat * g, axis=1)
+        per[id(layer.gamma)] = gamma
     if layer.beta is not None:
-        per[id(layer.beta)] = jnp.sum(g, axis=1)
+        per[id(layer.beta)] = beta
     sq = sum(jnp.sum(v * v, axis=1) for v in per.values())
 
     def sums(c, keep=None):

@@ -11,14 +11,16 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from keras_noisecurve.backend.tensorflow.ghost_forms import Rule, norm_dtype, per_example_sq, sum_over, weighted_sum
+from keras_noisecurve.backend import norm_forms
+from keras_noisecurve.backend.tensorflow.ghost_forms import Rule, norm_dtype, per_example_sq, weighted_sum
 
 
 class _NormalizationRule(Rule):
     """Scale ``gamma`` and offset ``beta`` of a per-example normalisation.
 
     The per-example gradients are ``Σ_positions g ⊙ x̂`` (gamma) and ``Σ_positions g``
-    (beta) per parameter entry, with x̂ the normalised input recomputed here.
+    (beta) per parameter entry (``norm_forms.scale_offset_grads``, shared with the JAX
+    engine), with x̂ the normalised input computed in this rule's forward.
     """
 
     def expected_variables(self, layer):
@@ -49,16 +51,15 @@ class _NormalizationRule(Rule):
         gamma_grads, beta_grads = [], []
         for c in calls:
             g = tf.cast(c["g"], dtype)
-            keep = self.param_axes(layer, g.shape.rank)
-            if layer.gamma is not None:
-                gamma_grads.append(sum_over(g * tf.cast(c["xhat"], dtype), keep))
-            if layer.beta is not None:
-                beta_grads.append(sum_over(g, keep))
+            gamma, beta = norm_forms.scale_offset_grads(tf.cast(c["xhat"], dtype), g,
+                                                        self.param_axes(layer, g.shape.rank))
+            gamma_grads.append(gamma)
+            beta_grads.append(beta)
         total = 0.0
         per_example = []
-        if gamma_grads:
+        if layer.gamma is not None:
             per_example.append((layer.gamma, tf.add_n(gamma_grads)))
-        if beta_grads:
+        if layer.beta is not None:
             per_example.append((layer.beta, tf.add_n(beta_grads)))
         for _, grad in per_example:
             total += per_example_sq(grad)
@@ -98,9 +99,7 @@ class LayerNormalizationRule(_NormalizationRule):
         axes = _positive_axes(layer.axis, x.shape.rank)
         if 0 in axes:
             raise ValueError(f"LayerNormalization '{layer.name}' normalises over the example axis.")
-        mean, variance = tf.nn.moments(x, axes=axes, keepdims=True)
-        inv = tf.math.rsqrt(variance + layer.epsilon)
-        return x * inv if layer.rms_scaling else (x - mean) * inv
+        return norm_forms.layer_norm_hat(x, axes, layer.epsilon, rms=layer.rms_scaling)
 
 
 class _ChannelsLastGroupsRule(_NormalizationRule):
