@@ -30,6 +30,7 @@ The noise z_t of variable k is ``box_muller(fold_in(fold_in(key, t), k), n)``
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -150,16 +151,23 @@ def philox_block_looped(xp, counter, key):
     words = [_u32(xp, c) for c in counter]
     shape = xp.broadcast_shapes(*(xp.shape(c) for c in words))
     words = [xp.broadcast_to(c, shape) for c in words]  # a loop carries fixed shapes
-    w0, w1 = (_u32(xp, w) for w in PHILOX_W)
+    return tuple(loop(0, ROUNDS, _round_body(xp), (*words, *(_u32(xp, k) for k in key)))[:4])
 
-    def round_(_, carry):  # one round, then the key's Weyl step (unused after the last round)
+
+@functools.lru_cache(maxsize=None)
+def _round_body(xp):
+    """One Philox round then the key's Weyl step (unused after the last round), as a loop body
+    over ``(c₀, c₁, c₂, c₃, k₀, k₁)``: one function object per namespace, so that JAX reuses its
+    compiled loop when a draw runs outside ``jit`` (a new closure per call compiled it anew)."""
+    def round_(_, carry):
         c0, c1, c2, c3, k0, k1 = carry
         hi0, lo0 = mul_hi_lo(xp, c0, PHILOX_M[0])
         hi1, lo1 = mul_hi_lo(xp, c2, PHILOX_M[1])
         return (xp.bitwise_xor(xp.bitwise_xor(hi1, c1), k0), lo1,
-                xp.bitwise_xor(xp.bitwise_xor(hi0, c3), k1), lo0, xp.add(k0, w0), xp.add(k1, w1))
+                xp.bitwise_xor(xp.bitwise_xor(hi0, c3), k1), lo0,
+                xp.add(k0, _u32(xp, PHILOX_W[0])), xp.add(k1, _u32(xp, PHILOX_W[1])))
 
-    return tuple(loop(0, ROUNDS, round_, (*words, *(_u32(xp, k) for k in key)))[:4])
+    return round_
 
 
 def key_counter(xp, seed):
