@@ -25,9 +25,12 @@ class PrivacyBudget(keras.callbacks.Callback):
     """Log ``logs["epsilon"]`` and stop training before the plan or ε budget runs out.
 
     Args (keyword-only):
-      run: the :class:`~keras_noisecurve.PrivateRun` being trained (its spec, σ, δ and
-        accountant; its ε table is shared, not rebuilt). For a run not trained through
-        ``run.dataset``, describe it as a ``PrivateRun`` all the same (σ given).
+      run: ``None`` (default): the run of the model's optimizer
+        (``NoiseCurveOptimizer(run=run)``), taken when training starts; its ε table is
+        shared, not rebuilt. A run given here must be the optimizer's plan (``ValueError``
+        at ``on_train_begin`` otherwise, before the first step: the ε of another run is not
+        the ε spent). For an optimizer without a run (the low-level path), describe the
+        run as a ``PrivateRun`` (σ given): its C, σ and B must be the optimizer's.
       target_epsilon: optional ε budget (> 0). Training stops after the last step
         whose ε is ≤ target_epsilon.
       log_every_step: also put ε into the logs of every batch.
@@ -45,14 +48,12 @@ class PrivacyBudget(keras.callbacks.Callback):
     a few milliseconds, computed at most once per participation count (docs/privacy.md §6).
     """
 
-    def __init__(self, *, run: PrivateRun, target_epsilon: Optional[float] = None, log_every_step: bool = False,
-                 verbose: int = 1):
+    def __init__(self, *, run: Optional[PrivateRun] = None, target_epsilon: Optional[float] = None,
+                 log_every_step: bool = False, verbose: int = 1):
         super().__init__()
-        if not isinstance(run, PrivateRun):
-            raise TypeError(f"run must be a keras_noisecurve.PrivateRun, got {type(run).__name__}.")
+        if run is not None and not isinstance(run, PrivateRun):
+            raise TypeError(f"run must be a keras_noisecurve.PrivateRun or None, got {type(run).__name__}.")
         self.run = run
-        self.ledger = run.ledger
-        self.spec = run.spec
         self.target_epsilon = None if target_epsilon is None else check_float(
             "target_epsilon", target_epsilon, positive=True
         )
@@ -62,6 +63,59 @@ class PrivacyBudget(keras.callbacks.Callback):
         self._host_count: Optional[int] = None
         self.stop_reason: Optional[str] = None
         self.stopped_at_step: Optional[int] = None
+
+    # ------------------------------------------------------------- the run
+    @property
+    def ledger(self):
+        """The run's ε table (``run.ledger``)."""
+        return self._the_run().ledger
+
+    @property
+    def spec(self):
+        """The run's :class:`~keras_noisecurve.privacy.spec.RunSpec`."""
+        return self._the_run().spec
+
+    def _the_run(self) -> PrivateRun:
+        if self.run is None:
+            raise RuntimeError("PrivacyBudget(run=None) takes its run from the model's optimizer, when training "
+                               "starts; give run=... to ask for epsilon before that.")
+        return self.run
+
+    def _take_run(self) -> None:
+        """The run whose ε this callback reports is the optimizer's: taken from it when none
+        was given; a given run must have the optimizer's plan (``ValueError`` otherwise, before
+        the first step). An optimizer without a run (the low-level path) must have the given
+        run's C, σ and B."""
+        optimizer = getattr(self.model, "optimizer", None)
+        own = getattr(optimizer, "run", None)
+        if self.run is None:
+            if own is None:
+                raise ValueError(
+                    "PrivacyBudget has no run: the model's optimizer was not made from a PrivateRun. Pass "
+                    "run=keras_noisecurve.PrivateRun(...) describing how it is trained, or make the optimizer "
+                    "with NoiseCurveOptimizer(run=run, ...).")
+            self.run = own
+            return
+        if own is not None:
+            if not self.run.same_plan(own):
+                raise ValueError(
+                    f"PrivacyBudget was given another run ({self.run!r}) than the one the model's optimizer "
+                    f"trains ({own!r}): it would report that run's epsilon, not the one spent. Leave run out "
+                    "(PrivacyBudget takes the optimizer's) or pass the optimizer's run.")
+            return
+        if optimizer is None:
+            return
+        if not hasattr(optimizer, "noise_multiplier"):
+            raise ValueError(
+                f"the model's optimizer ({type(optimizer).__name__}) adds no noise: there is no epsilon to report. "
+                "Train with keras_noisecurve.make_private(model) and a NoiseCurveOptimizer.")
+        mine = (self.run.mixing.digest(), float(self.run.noise_multiplier), int(self.run.batch_size))
+        theirs = (optimizer.mixing.digest(), float(optimizer.noise_multiplier), int(optimizer.expected_batch_size))
+        if mine != theirs:
+            raise ValueError(
+                f"PrivacyBudget's run ({self.run!r}) does not describe the model's optimizer: its mixing matrix, "
+                f"noise_multiplier={optimizer.noise_multiplier} or expected_batch_size="
+                f"{optimizer.expected_batch_size} differ, so the epsilon reported would not be the one spent.")
 
     # ------------------------------------------------------------- accounting
     def epsilon_at(self, steps_done: int) -> float:
@@ -128,6 +182,7 @@ class PrivacyBudget(keras.callbacks.Callback):
         )
 
     def on_train_begin(self, logs=None):
+        self._take_run()
         self._host_count = None
         done = self._steps_done()
         if self._counts_on_host():
@@ -163,7 +218,7 @@ class PrivacyBudget(keras.callbacks.Callback):
     def get_config(self) -> dict:
         """The constructor's arguments, the run as ``run.get_config()`` (its public plan)."""
         return {
-            "run": self.run.get_config(),
+            "run": None if self.run is None else self.run.get_config(),
             "target_epsilon": self.target_epsilon,
             "log_every_step": self.log_every_step,
             "verbose": self.verbose,

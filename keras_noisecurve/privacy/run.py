@@ -35,6 +35,7 @@ from keras_noisecurve.privacy.events import ACCOUNTANTS
 from keras_noisecurve.privacy.spec import RunSpec
 from keras_noisecurve.privacy.overflow import overflow_delta, padding
 from keras_noisecurve.privacy.sampler import BatchSampler, check_key, key_from_seed
+from keras_noisecurve.privacy.secrets import fixed_seed_warning
 
 __all__ = ["PrivateRun"]
 
@@ -128,6 +129,8 @@ class PrivateRun:
                                                overflow_probability=overflow_probability)
         self._max_batch_size = None if max_batch_size is None else self._padded
         self._overflow_target = None if overflow_probability is None else float(overflow_probability)
+        if seed is not None:
+            fixed_seed_warning("PrivateRun", "batches")
         self._key = key_from_seed(seed)
         self._ledger = None
 
@@ -249,7 +252,19 @@ class PrivateRun:
     @classmethod
     def from_config(cls, config: dict) -> "PrivateRun":
         """The run of ``get_config()``, with a NEW secret key: a restored optimizer's
-        variables supply the saved one."""
+        variables supply the saved one. Takes exactly the keys ``get_config`` writes
+        (``ValueError`` otherwise: a ``seed`` in a config would make the batches predictable)."""
+        if not isinstance(config, dict):
+            raise TypeError(f"config must be the dict of PrivateRun.get_config(), got {type(config).__name__}.")
+        keys = {"num_examples", "batch_size", "steps", "mixing", "noise_multiplier", "delta", "sampling",
+                "accountant", "max_batch_size", "overflow_probability"}
+        unknown, missing = sorted(set(config) - keys), sorted(keys - set(config))
+        if unknown or missing:
+            raise ValueError(
+                f"a PrivateRun config holds exactly the keys get_config() writes ({sorted(keys)}); got "
+                f"{'unknown ' + str(unknown) if unknown else ''}{' and ' if unknown and missing else ''}"
+                f"{'missing ' + str(missing) if missing else ''}. A seed is never part of a config: give "
+                "PrivateRun(seed=...) directly, for tests only.")
         return cls(**config)
 
     def fingerprint(self) -> int:
@@ -274,14 +289,29 @@ class PrivateRun:
         )
 
     # ------------------------------------------------------------ the key
+    def __getstate__(self):
+        """Pickling (joblib, multiprocessing, experiment trackers) leaves the secret key out:
+        an unpickled run plans, accounts and checks plans, and refuses what needs the key."""
+        state = dict(self.__dict__)
+        state["_key"] = None
+        state["_ledger"] = None
+        return state
+
+    def _own_key(self) -> np.ndarray:
+        if self._key is None:
+            raise ValueError(
+                "this PrivateRun was unpickled: pickling leaves its secret sampling key out. Sample with the "
+                "original run, or with a restored optimizer's key (run.sampler(optimizer.sampling_key)).")
+        return self._key
+
     def initial_key(self) -> np.ndarray:
         """The key a new optimizer's ``sampling_key`` variable starts from (secret)."""
-        return self._key.copy()
+        return self._own_key().copy()
 
     def sampler(self, key=None) -> BatchSampler:
         """The random-access :class:`BatchSampler` of the plan for ``key`` (default: this
         run's key, :meth:`initial_key`; a restored run's is ``optimizer.sampling_key``)."""
-        key = self._key if key is None else check_key(key)
+        key = self._own_key() if key is None else check_key(key)
         return BatchSampler(spec=self._spec, padded_size=self._padded, key=key)
 
     # ------------------------------------------------------------ the batches

@@ -12,7 +12,7 @@ from typing import Optional
 
 import numpy as np
 
-from keras_noisecurve.privacy.source_base import ExampleSource, _for_tf, _spec, flatten, map_structure
+from keras_noisecurve.privacy.source_base import ExampleSource, _for_tf, _spec, flatten, hash_arrays, map_structure
 
 
 def _mapping_of(array) -> Optional[mmap.mmap]:
@@ -77,6 +77,10 @@ class _ArraySource(ExampleSource):
                 self._tensors = convert(self._x, self._y)
             return self._tensors
 
+    def _hash_examples(self, digest):
+        if not hash_arrays(digest, self._leaves):
+            super()._hash_examples(digest)
+
     def _flat_gather(self, indices):
         return [np.take(a, indices, axis=0) for a in self._leaves]
 
@@ -94,6 +98,10 @@ class _MemmapSource(ExampleSource):
             _random_access_map(a) if _mapping_of(a) is not None else np.asarray(a)
             for a in flatten(x) + ([] if y is None else flatten(y))
         ]
+
+    def _hash_examples(self, digest):
+        if not hash_arrays(digest, self._leaves):
+            super()._hash_examples(digest)
 
     def _flat_gather(self, indices):
         # One np.take per leaf, rows in the order of `indices` (the take releases the GIL while it copies).

@@ -11,6 +11,7 @@ tuples of arrays) are walked by ``keras.tree``, in ``tf.nest``'s order.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 
 import numpy as np
 
@@ -140,6 +141,44 @@ class ExampleSource:
         return (f"{type(self).__name__}(kind={self.kind!r}, num_examples={self.num_examples}, "
                 f"has_labels={self.has_labels})")
 
+    # --- the fingerprint of the examples in their order
+    #: a source of at most this many examples is read whole by :meth:`fingerprint`
+    FINGERPRINT_FULL = 4096
+    #: a larger one: this many examples at fixed, spread positions (and n, specs, weights)
+    FINGERPRINT_PROBES = 1024
+
+    def fingerprint(self) -> int:
+        """A nonzero 31-bit hash of the examples in their order, computed once.
+
+        What the optimizer's state binds at the first private ``fit``
+        (:mod:`keras_noisecurve.privacy.plan_state`): resuming on other examples or the same
+        ones in another order is refused. In-memory and memory-mapped arrays of up to
+        :data:`FINGERPRINT_FULL_BYTES` are hashed whole; so is any source of at most
+        ``FINGERPRINT_FULL`` examples; a larger streamed source hashes n, the example specs,
+        the sample weights and ``FINGERPRINT_PROBES`` examples at fixed positions spread
+        over [0, n) (any reordering moves some of them with overwhelming probability; one
+        replaced example among many is caught only when it is probed: docs/privacy.md)."""
+        cached = getattr(self, "_fingerprint", None)
+        if cached is None:
+            digest = hashlib.blake2b(digest_size=8)
+            digest.update(repr((self.num_examples, self.example_spec)).encode())
+            if self.sample_weight is not None:
+                digest.update(np.ascontiguousarray(self.sample_weight).tobytes())
+            self._hash_examples(digest)
+            cached = int.from_bytes(digest.digest()[:4], "little") % (2**31 - 1) + 1
+            self._fingerprint = cached
+        return cached
+
+    def _hash_examples(self, digest) -> None:
+        n = self.num_examples
+        if n <= self.FINGERPRINT_FULL:
+            positions = np.arange(n, dtype=np.int64)
+        else:
+            positions = np.unique(np.linspace(0, n - 1, self.FINGERPRINT_PROBES).astype(np.int64))
+        for start in range(0, positions.size, 512):
+            for leaf in self._flat_gather(positions[start:start + 512]):
+                digest.update(_leaf_bytes(leaf))
+
     # --- subclasses implement _flat_gather (numpy, any thread); gather and tf_gather wrap it
     def _flat_gather(self, indices: np.ndarray) -> list:
         """The leaves of x then of y (:func:`flatten` order) for int64 indices (P,)."""
@@ -168,6 +207,31 @@ class ExampleSource:
         from keras_noisecurve.backend.tensorflow import pipeline
 
         return pipeline.gather(self, indices)
+
+
+#: arrays (in memory or memory-mapped) of at most this many bytes in all are hashed whole
+FINGERPRINT_FULL_BYTES = 2**31
+
+
+def _leaf_bytes(array) -> bytes:
+    """The bytes of a gathered leaf (text and objects by their repr)."""
+    array = np.asarray(array)
+    if array.dtype.kind == "O":
+        return repr(array.tolist()).encode()
+    return np.ascontiguousarray(array).tobytes()
+
+
+def hash_arrays(digest, leaves) -> bool:
+    """Hash whole ``leaves`` (numpy arrays, n rows each) into ``digest`` in chunks of rows;
+    ``False`` (nothing hashed) when they hold more than ``FINGERPRINT_FULL_BYTES``."""
+    if sum(int(np.asarray(a).nbytes) for a in leaves) > FINGERPRINT_FULL_BYTES:
+        return False
+    for leaf in leaves:
+        leaf = np.asarray(leaf)
+        rows = max(1, (1 << 24) // max(1, leaf[:1].nbytes))
+        for start in range(0, max(1, leaf.shape[0]), rows):
+            digest.update(_leaf_bytes(leaf[start:start + rows]))
+    return True
 
 
 def _check_weights(sample_weight, n: int):

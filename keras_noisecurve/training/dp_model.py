@@ -88,6 +88,16 @@ def _check_run_data(planned, run, x):
         )
 
 
+def _is_arrays(x) -> bool:
+    """Whether ``fit`` batches ``x`` itself (arrays, or a dict/list of them): Keras's
+    ``batch_size`` (default 32) then sets the batches."""
+    if isinstance(x, dict):
+        x = next(iter(x.values()), None)
+    elif isinstance(x, (list, tuple)):
+        x = x[0] if x else None
+    return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
 def _iterations(optimizer) -> int:
     """The optimizer's step count, through ``.numpy()`` (numpy's conversion of a
     ``keras.Variable`` warns with a DeprecationWarning under numpy 2)."""
@@ -137,6 +147,50 @@ class _LowLevelStart(keras.callbacks.Callback):
         if done >= steps:
             raise RuntimeError(f"the plan of {steps} steps is complete (the optimizer has taken {done} steps): "
                                "no further private step is possible with this banded_poisson_dataset.")
+
+
+class _PlanStart(keras.callbacks.Callback):
+    """Before the first step of a private ``fit`` (after any restore: it runs after the
+    user's callbacks), refuses an optimizer state saved under another plan, on other
+    examples or their order, or for another model or loss (``optimizer.check_plan``), and
+    warns when the weights changed since the last private step of this process; at the end
+    records the weights' digest."""
+
+    def __init__(self, data):
+        super().__init__()
+        self._data = data
+
+    def on_train_begin(self, logs=None):
+        private = self.model
+        private._dp_check_plan(data=self._data)
+        private._dp_check_weights_unchanged()
+
+    def on_train_end(self, logs=None):
+        self.model._dp_record_weights()
+
+
+def _weights_digest(model) -> bytes:
+    """A digest of every weight of ``model`` (host values, in order)."""
+    import hashlib
+
+    digest = hashlib.blake2b(digest_size=16)
+    for variable in model.weights:
+        digest.update(np.ascontiguousarray(keras.ops.convert_to_numpy(variable.value)).tobytes())
+    return digest.digest()
+
+
+def _low_level_warning(optimizer, batch_size) -> str:
+    """The warning of a private fit whose optimizer has no run: nothing tracks ε."""
+    size = f" of {batch_size} examples" if batch_size is not None else ""
+    expected = optimizer.expected_batch_size
+    mismatch = (f" The batches{size} are not the expected_batch_size={expected} the noisy sum is divided by."
+                if batch_size is not None and batch_size != expected else "")
+    return (
+        f"this optimizer has no PrivateRun: epsilon is not tracked, and nothing checks that the batches follow "
+        f"the sampling your accounting assumes (fixed, shuffled batches are not Poisson sampling).{mismatch} "
+        "Describe the run once, run = keras_noisecurve.PrivateRun(...), and train with "
+        "NoiseCurveOptimizer(run=run, ...) on fit(run.dataset(x, y)) (docs/run.md)."
+    )
 
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)
@@ -249,9 +303,42 @@ class PrivateModel(_impl.TrainStepBackend, keras.Model):
             lora_state.apply_values(self.inner, pending)
 
     def train_on_batch(self, *args, **kwargs):
-        """Keras's ``train_on_batch`` (after a ``load_model``, the LoRA factors restored first)."""
+        """Keras's ``train_on_batch`` (after a ``load_model``, the LoRA factors restored first;
+        the first call after ``compile`` checks the optimizer's saved plan, model and loss,
+        ``optimizer.check_plan``)."""
         self._dp_apply_pending_lora()
+        if not getattr(self, "_dp_plan_checked", False):
+            self._dp_check_plan()
+            object.__setattr__(self, "_dp_plan_checked", True)
+        object.__setattr__(self, "_dp_weights_after", None)  # a private step: the next fit compares nothing
         return super().train_on_batch(*args, **kwargs)
+
+    # ------------------------------------------------------------ the plan and the weights
+    def _dp_check_plan(self, data=None):
+        """``optimizer.check_plan`` with this model's model word (and ``data``'s)."""
+        from keras_noisecurve.privacy import plan_state
+
+        optimizer = getattr(self, "optimizer", None)
+        if isinstance(optimizer, NoiseCurveOptimizer):
+            optimizer.check_plan(data=data, model=plan_state.model_word(self.inner, getattr(self, "loss", None)))
+
+    def _dp_check_weights_unchanged(self):
+        """Warn when the weights differ from those after this process's last private step:
+        something else trained or edited them, and the reported ε does not describe them."""
+        recorded = getattr(self, "_dp_weights_after", None)
+        if recorded is not None and _weights_digest(self) != recorded:
+            import warnings
+
+            warnings.warn(
+                "the model's weights changed since its last private step (a non-private fit of the wrapped "
+                "model, set_weights, load_weights of other weights, ...): the epsilon this run reports covers "
+                "the private steps only, not what changed the weights in between. If private data changed "
+                "them, the model is not private at the reported epsilon.",
+                RuntimeWarning, stacklevel=2)
+        object.__setattr__(self, "_dp_weights_after", None)
+
+    def _dp_record_weights(self):
+        object.__setattr__(self, "_dp_weights_after", _weights_digest(self))
 
     def _dp_setup(self, clipping, microbatch_size):
         self._dp_clipping = check_choice("clipping", clipping, ENGINES)
@@ -316,6 +403,7 @@ class PrivateModel(_impl.TrainStepBackend, keras.Model):
         self._dp_compile_defaults(kwargs)
         super().compile(optimizer=optimizer, loss=loss, **kwargs)
         self._dp_train_functions = {}  # traced for the previous compile
+        object.__setattr__(self, "_dp_plan_checked", False)
         self._dp_engine = None  # resolved on first train_step (the model may not be built yet)
 
     def get_compile_config(self):
@@ -362,17 +450,25 @@ class PrivateModel(_impl.TrainStepBackend, keras.Model):
             optimizer = self.optimizer
             if not isinstance(optimizer, NoiseCurveOptimizer):
                 raise ValueError(f"a private model needs a NoiseCurveOptimizer, got {type(optimizer).__name__}.")
+            data = x
             x = self._dp_batches(x, optimizer)
             kwargs.setdefault("steps_per_epoch", run.steps_per_epoch)
             kwargs.setdefault("epochs", run.epochs)
             kwargs.setdefault("shuffle", False)  # the plan decides the order
             callbacks = list(kwargs.pop("callbacks", None) or [])
-            kwargs["callbacks"] = callbacks + [_StopAtPlanEnd(run.steps)]
+            kwargs["callbacks"] = callbacks + [_PlanStart(data.source.fingerprint()), _StopAtPlanEnd(run.steps)]
         low = getattr(x, "_knc_low_level_plan", None)
         if run is None and low is not None:  # banded_poisson_dataset: start at the optimizer's step
             x = low.dataset(self.optimizer, with_step=True)
             kwargs.setdefault("shuffle", False)  # the plan decides the order
             kwargs["callbacks"] = list(kwargs.pop("callbacks", None) or []) + [_LowLevelStart(low)]
+        elif run is None and isinstance(self.optimizer, NoiseCurveOptimizer):
+            import warnings
+
+            batch_size = kwargs.get("batch_size", 32 if _is_arrays(x) else None)
+            warnings.warn(_low_level_warning(self.optimizer, batch_size), RuntimeWarning, stacklevel=3)
+        if run is None:
+            kwargs["callbacks"] = list(kwargs.pop("callbacks", None) or []) + [_PlanStart(None)]
         extra = self._dp_step_callbacks()
         if extra:
             kwargs["callbacks"] = list(kwargs.pop("callbacks", None) or []) + extra

@@ -43,6 +43,8 @@ import numpy as np
 from keras_noisecurve import _compat
 from keras_noisecurve import backend as _backend
 from keras_noisecurve.mixing.strategies import load_mixing
+from keras_noisecurve.privacy import plan_state
+from keras_noisecurve.privacy.secrets import fixed_seed_warning, warn_keys_written
 from keras_noisecurve.training.noise import StreamNoise, key_from_seed
 from keras_noisecurve.training.optimizer_args import (
     IGNORED_DEFAULTS,
@@ -204,6 +206,10 @@ class NoiseCurveOptimizer(_impl.OptimizerBackend, keras.optimizers.Optimizer):
         self._sampling_key = None
         self._private_apply = False
         self._step_noise = None  # _StepNoise while one step's updates are built
+        self._plan = None  # the plan words variable (plan_state), made by build()
+        self._pending_plan = {}  # {field: word} bound before build (data, model)
+        if seed is not None:
+            fixed_seed_warning("NoiseCurveOptimizer", "noise")
         message = update_rule_warning(mixing, inner, _compat.learning_rate_value(self))
         if message is not None:
             warnings.warn(message, UserWarning, stacklevel=2)
@@ -252,6 +258,51 @@ class NoiseCurveOptimizer(_impl.OptimizerBackend, keras.optimizers.Optimizer):
             return 0
         return int(sum(np.prod(r.shape) * np.dtype(r.dtype).itemsize for r in self._rings if r is not None))
 
+    # ------------------------------------------------------------------ the plan
+    def _dp_expected_plan(self) -> np.ndarray:
+        """The plan words (``plan_state.words``) of this optimizer: the run's plan and ζ, or
+        for an optimizer without a run its C, σ, B and ζ; ``data``/``model`` as bound."""
+        run = self.run
+        facts = {"mixing": self._mixing.digest(), "noise_multiplier": float(self.noise_multiplier),
+                 "batch_size": int(self.expected_batch_size), "l2_norm_clip": float(self.l2_norm_clip)}
+        if run is not None:
+            facts.update(num_examples=run.num_examples, steps=run.steps, delta=run.delta, sampling=run.sampling,
+                         accountant=run.accountant, padded_batch_size=run.padded_batch_size)
+        expected = plan_state.words(facts)
+        for name, value in self._pending_plan.items():
+            expected[plan_state.FIELDS.index(name)] = value
+        return expected
+
+    def saved_plan(self) -> np.ndarray:
+        """The plan words in the optimizer's state (int32 (fields,); restored with its step),
+        or the expected ones before ``build``."""
+        if self._plan is None:
+            return self._dp_expected_plan()
+        return np.asarray(keras.ops.convert_to_numpy(self._plan.value), dtype=np.int32)
+
+    def check_plan(self, *, data=None, model=None) -> None:
+        """Refuse (``ValueError``) to continue a state saved under another plan: the saved
+        plan words (restored with the step by any route) against this optimizer's, and,
+        where given, the words of the training examples (``data``, in order) and of the
+        model and loss (``model``), which the first private fit binds. Host-side, once per
+        ``fit`` or custom loop: no cost per step."""
+        bind = {name: int(w) for name, w in (("data", data), ("model", model)) if w}
+        expected = self._dp_expected_plan()
+        for name, value in bind.items():
+            expected[plan_state.FIELDS.index(name)] = value
+        if self._plan is None:  # not built: build() starts from these words
+            self._pending_plan.update(bind)
+            return
+        saved = self.saved_plan()
+        differ = plan_state.differences(saved, expected)
+        if differ:
+            step = int(keras.ops.convert_to_numpy(self.iterations.value))
+            raise ValueError(plan_state.refusal(differ, step=step, plan=repr(self.run or self)))
+        unbound = [plan_state.FIELDS.index(name) for name in bind if not saved[plan_state.FIELDS.index(name)]]
+        if unbound:
+            saved[unbound] = expected[unbound]
+            self._plan.assign(saved)
+
     # ------------------------------------------------------------ inner optimizer
     @property
     def inner(self):
@@ -279,6 +330,13 @@ class NoiseCurveOptimizer(_impl.OptimizerBackend, keras.optimizers.Optimizer):
         """This optimizer's variables, then the inner optimizer's (as ``LossScaleOptimizer``)."""
         inner = self.inner
         return _compat.optimizer_variables(self)[:] + (inner.variables if inner is not None else [])
+
+    def save_own_variables(self, store):
+        """Keras's, and a ``UserWarning`` naming the file: the optimizer's variables hold the
+        run's secret noise key and sampling key (``.keras``, ``.weights.h5``,
+        ``ModelCheckpoint``, ``BackupAndRestore``); once per file and process."""
+        super().save_own_variables(store)
+        warn_keys_written(store, sampling=self._sampling_key is not None)
 
     def load_own_variables(self, store):
         """Keras's loading of a ``.keras`` file's optimizer variables, across backends: the keys
@@ -313,6 +371,11 @@ class NoiseCurveOptimizer(_impl.OptimizerBackend, keras.optimizers.Optimizer):
         super().build(variables)
         # the keys: int64 (2,) on TensorFlow, their four 32-bit words (int32 (4,)) on JAX
         self._noise_key = self._dp_key_variable(self._initial_key, "noise_key")
+        # the plan words (plan_state): what epsilon depends on, saved and restored with the step
+        self._plan = self.add_variable(
+            shape=(len(plan_state.FIELDS),), dtype="int32",
+            initializer=lambda shape, dtype=None: keras.ops.convert_to_tensor(self._dp_expected_plan(), "int32"),
+            name="plan")
         if self.run is not None:
             # The run's secret sampling key, saved and restored with the optimizer (and,
             # under MultiWorkerMirroredStrategy, initialised from the chief's value).
@@ -413,9 +476,8 @@ class NoiseCurveOptimizer(_impl.OptimizerBackend, keras.optimizers.Optimizer):
                 "l2_norm_clip": self.l2_norm_clip,
                 "noise_multiplier": self.noise_multiplier,
                 "expected_batch_size": self.expected_batch_size,
-                "seed": self.seed,
             }
-        )
+        )  # never the seed: a fixed one would print the noise key in config.json (the key is a variable)
         if self.inner is not None:
             config.pop("learning_rate", None)  # the inner optimizer's, stored with it
             config["inner"] = keras.saving.serialize_keras_object(self.inner)

@@ -4,6 +4,7 @@ import keras
 import numpy as np
 import pytest
 
+from keras_noisecurve import NoiseCurveOptimizer, make_private
 from keras_noisecurve.callbacks import PrivacyBudget
 from keras_noisecurve.mixing import MixingMatrix
 from keras_noisecurve.privacy import compute_epsilon
@@ -29,9 +30,11 @@ def _data():
     return x, y
 
 
-def _model():
-    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
-    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+def _model(run):
+    """A private model whose optimizer (no run: the low-level path) has ``run``'s C, σ and B."""
+    model = make_private(keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)]))
+    model.compile(optimizer=NoiseCurveOptimizer(learning_rate=0.05, mixing=run.mixing, noise_multiplier=SIGMA,
+                                                expected_batch_size=B, seed=3), loss="mse")
     return model
 
 
@@ -44,8 +47,9 @@ def _eps(steps, accountant):
 def test_stops_before_target_epsilon_and_logs_it(accountant, target, capsys):
     x, y = _data()
     ds = banded_poisson_dataset(x, y, batch_size=B, bands=BANDS, steps=T, seed=1)
-    model = _model()
-    cb = PrivacyBudget(run=_run(accountant=accountant), target_epsilon=target)
+    run = _run(accountant=accountant)
+    model = _model(run)
+    cb = PrivacyBudget(run=run, target_epsilon=target)
     history = model.fit(ds, epochs=4, steps_per_epoch=10, callbacks=[cb], verbose=0)
     done = int(model.optimizer.iterations.numpy())
     assert done < T
@@ -64,8 +68,9 @@ def test_stops_at_step_plan_and_counts_across_fits():
     x, y = _data()
     steps = 12
     ds = banded_poisson_dataset(x, y, batch_size=B, bands=BANDS, steps=steps, seed=2).repeat()
-    model = _model()
-    cb = PrivacyBudget(run=_run(steps, "rdp"), log_every_step=True, verbose=0)
+    run = _run(steps, "rdp")
+    model = _model(run)
+    cb = PrivacyBudget(run=run, log_every_step=True, verbose=0)
     seen = []
     recorder = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: seen.append(logs["epsilon"]))
     model.fit(ds, epochs=1, steps_per_epoch=5, callbacks=[cb, recorder], verbose=0)
@@ -96,8 +101,7 @@ def test_get_config_round_trip_and_validation():
 @pytest.mark.parametrize(
     "kwargs,error,match",
     [
-        (dict(run={"steps": T}), TypeError, "run must be a keras_noisecurve.PrivateRun, got dict"),
-        (dict(run=None), TypeError, "run must be a keras_noisecurve.PrivateRun, got NoneType"),
+        (dict(run={"steps": T}), TypeError, "run must be a keras_noisecurve.PrivateRun or None, got dict"),
         (dict(target_epsilon=0.0), ValueError, "target_epsilon must be > 0, got 0.0"),
         (dict(verbose=-1), ValueError, "verbose must be >= 0, got -1"),
     ],
@@ -110,20 +114,22 @@ def test_validation_messages(kwargs, error, match):
 
 
 class _Optimizer:
-    def __init__(self, iterations):
+    def __init__(self, iterations, run):
         self.iterations = iterations
+        self.run = run
 
 
 class _Model:
-    def __init__(self, iterations):
-        self.optimizer = _Optimizer(iterations)
+    def __init__(self, iterations, run):
+        self.optimizer = _Optimizer(iterations, run)
         self.stop_training = False
 
 
 def test_no_epsilon_is_computed_after_train_begin_except_new_epoch_ends():
     """The end of fit costs nothing: on_train_begin computed epsilon at the last allowed step."""
-    cb = PrivacyBudget(run=_run(), verbose=0)
-    cb.set_model(_Model(np.int64(0)))
+    run = _run()
+    cb = PrivacyBudget(run=run, verbose=0)
+    cb.set_model(_Model(np.int64(0), run))
     cb.on_train_begin()
     ledger = cb.ledger
     assert ledger.mechanism_builds == 1 and ledger.evaluations == 1

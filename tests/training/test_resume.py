@@ -66,7 +66,7 @@ def test_keras_save_and_load(tmp_path, data, initial_weights, uninterrupted):
     path = tmp_path / "m.keras"
     model.save(path)
     loaded = keras.models.load_model(path)
-    assert loaded.optimizer.seed == SEED
+    assert loaded.optimizer.seed is None  # the seed is not in the file's config; the noise key variable is
     _fit(loaded, data, 2)
     assert int(loaded.optimizer.iterations.numpy()) == STEPS
     _assert_same(loaded.get_weights(), uninterrupted)

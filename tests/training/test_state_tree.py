@@ -47,7 +47,7 @@ def test_a_state_tree_whose_paths_do_not_name_the_noise_state_is_refused_and_not
     saved = _trained("net").get_state_tree(value_format="numpy_array")
     other = _private("other_net")  # its noise states are other_net_hidden_kernel_noise_ring, ...
     before = [np.asarray(v.value).copy() for v in other.variables + other.optimizer.variables]
-    with pytest.raises(ValueError, match=r"does not name 4 of this optimizer's 7 variables \(noisecurve_optimizer/"
+    with pytest.raises(ValueError, match=r"does not name 4 of this optimizer's 8 variables \(noisecurve_optimizer/"
                                          r"other_net_hidden_bias_noise_ring.*Keras would skip them"):
         other.set_state_tree(saved)
     for b, v in zip(before, other.variables + other.optimizer.variables):

@@ -1,0 +1,119 @@
+"""The plan words: what ε depends on, saved in the optimizer's state beside its step.
+
+ε is computed from the plan — n, B, T, σ, the mixing matrix C, δ, the sampling, the
+accountant, the padded batch size P, the clip norm ζ — and assumes that the batches of
+every step come from ONE dataset in ONE order, run through one model and loss. A
+checkpoint restored into a script whose plan was edited would continue under the new
+plan and report the new plan's ε, although its first steps spent the old one's. So the
+optimizer saves the plan with its step counter: an int32 variable ``plan`` of
+:data:`FIELDS` words, each a 32-bit hash of one field (0: not part of this optimizer's
+plan). Every route that restores the optimizer (``BackupAndRestore``, ``load_weights``,
+``load_model``, ``tf.train.Checkpoint``, Orbax) restores the words with the step; the
+next private ``fit`` or custom loop compares them with the script's own plan
+(:func:`differences`) and refuses to continue under another.
+
+``data`` and ``model`` are bound at the first private ``fit`` (or custom loop) on a
+run's examples: the fingerprint of the examples in their order
+(:meth:`~keras_noisecurve.privacy.source_base.ExampleSource.fingerprint`) and of the
+model's trainable variables and loss (:func:`model_word`). Resuming on other examples,
+the same examples in another order, or another model or loss is refused, so a step that
+runs again from a checkpoint takes the same inputs and draws the same noise: it
+reproduces its first output instead of releasing a second one (docs/privacy.md, "What
+can make ε wrong").
+
+Neutral code (numpy and hashlib): no framework is imported here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import numpy as np
+
+__all__ = ["FIELDS", "BOUND_AT_FIT", "words", "word", "differences", "refusal", "model_word"]
+
+#: the fields of the plan, in the order of the ``plan`` variable's words
+FIELDS = ("num_examples", "batch_size", "steps", "mixing", "noise_multiplier", "delta", "sampling",
+          "accountant", "padded_batch_size", "l2_norm_clip", "data", "model")
+
+#: the fields bound at the first private fit (0 until then), not when the optimizer is built
+BOUND_AT_FIT = ("data", "model")
+
+#: what each field is, for messages
+_WHAT = {
+    "num_examples": "n, the number of examples",
+    "batch_size": "B, the (expected) batch size",
+    "steps": "T, the number of steps",
+    "mixing": "the mixing matrix C",
+    "noise_multiplier": "σ, the noise multiplier (calibrated from epsilon when epsilon is given)",
+    "delta": "δ",
+    "sampling": "the sampling",
+    "accountant": "the accountant",
+    "padded_batch_size": "P, the padded batch size",
+    "l2_norm_clip": "ζ, the clip norm",
+    "data": "the training examples or their order",
+    "model": "the model's trainable variables or its loss",
+}
+
+
+def word(value) -> int:
+    """A nonzero 31-bit hash of a JSON-able ``value`` (``None`` → 0: not in the plan)."""
+    if value is None:
+        return 0
+    digest = hashlib.blake2b(json.dumps(value, sort_keys=True).encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little") % (2**31 - 1) + 1
+
+
+def words(facts: dict) -> np.ndarray:
+    """The int32 (len(FIELDS),) words of ``facts`` ({field: JSON-able value or None});
+    fields left out are 0."""
+    unknown = set(facts) - set(FIELDS)
+    if unknown:
+        raise ValueError(f"unknown plan fields {sorted(unknown)}; the fields are {list(FIELDS)}.")
+    return np.array([word(facts.get(name)) for name in FIELDS], dtype=np.int32)
+
+
+def differences(saved, expected) -> list:
+    """The fields whose saved word differs from the expected one. A field that is 0 on
+    either side is not compared (not part of that plan, or not bound yet)."""
+    saved = np.asarray(saved, dtype=np.int64).reshape(-1)
+    expected = np.asarray(expected, dtype=np.int64).reshape(-1)
+    if saved.shape != expected.shape:
+        return list(FIELDS)
+    return [name for name, a, b in zip(FIELDS, saved, expected) if a and b and a != b]
+
+
+def refusal(fields, *, step: int, plan: str) -> str:
+    """The message refusing to continue a state saved under another plan."""
+    listed = "; ".join(_WHAT[name] for name in fields)
+    return (
+        f"the optimizer's state (step {step}) was saved under another plan than this script's ({plan}); "
+        f"what differs: {listed}. epsilon is computed from the plan, so continuing would report an epsilon the "
+        "run did not spend, and a step run again on other inputs would reuse its noise. Resume with the "
+        "plan, data (same order), model and loss the checkpoint was written with, or start a new run from a "
+        "fresh optimizer and account for both runs (their epsilons compose)."
+    )
+
+
+def model_word(model, loss) -> int:
+    """The hash of what one step computes besides the data: the trainable variables'
+    shapes and dtypes in order, the layer classes and the compiled loss's config (layer
+    and variable NAMES are left out: a fresh process numbers Keras's automatic names anew)."""
+    variables = [[list(map(int, v.shape)), str(v.dtype)] for v in model.trainable_variables]
+    layers = [type(layer).__name__ for layer in getattr(model, "_flatten_layers", lambda: [])()]
+    return word({"variables": variables, "layers": layers, "loss": _loss_description(loss)})
+
+
+def _loss_description(loss):
+    if loss is None or isinstance(loss, str):
+        return loss
+    get_config = getattr(loss, "get_config", None)
+    if get_config is not None:
+        try:
+            config = dict(get_config())
+            config.pop("name", None)
+            return [type(loss).__name__, json.loads(json.dumps(config, default=str))]
+        except (TypeError, ValueError, NotImplementedError):
+            pass
+    return getattr(loss, "__qualname__", type(loss).__name__)
