@@ -1,0 +1,209 @@
+"""What can make ε wrong: each path of docs/privacy.md's hazard table, refused, warned or
+accounted. Backend-neutral (the public API only): tests/privacy/test_hazards.py runs these
+on TensorFlow, tests/jax/test_jax_hazards.py on JAX. A test here fails if its path turns
+silent again.
+
+A tiny run (n = 200, B = 20, T = 8, DP-BandMF b = 2 where it matters) on a one-Dense model.
+"""
+
+import pickle
+import warnings
+
+import keras
+import numpy as np
+import pytest
+
+import keras_noisecurve as knc
+from keras_noisecurve import NoiseCurveOptimizer, PrivateRun, make_private
+from keras_noisecurve.callbacks import PrivacyBudget
+from keras_noisecurve.mixing import MixingMatrix
+from keras_noisecurve.privacy.secrets import FixedSeedWarning, KeysWrittenWarning
+
+N, B, T = 200, 20, 8
+
+
+@pytest.fixture(scope="module")
+def data():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(N, 5)).astype("float32")
+    y = (x @ rng.normal(size=(5, 1))).astype("float32")
+    return x, y
+
+
+def _banded():
+    dense = np.tril(np.ones((T, T))) - np.tril(np.ones((T, T)), -2)
+    return MixingMatrix.from_dense(dense / np.linalg.norm(dense, axis=0), bands=2)
+
+
+def _run(epsilon=8.0, batch_size=B, seed=1):
+    return PrivateRun(num_examples=N, batch_size=batch_size, steps=T, mixing=_banded(), epsilon=epsilon, delta=1e-5,
+                      seed=seed)
+
+
+def _private(run, loss="mse", clip=1.0):
+    keras.utils.set_random_seed(0)
+    model = make_private(keras.Sequential([keras.Input((5,)), keras.layers.Dense(1)]))
+    model.compile(optimizer=NoiseCurveOptimizer(run=run, learning_rate=0.1, l2_norm_clip=clip, seed=2), loss=loss)
+    return model
+
+
+class _Crash(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 3:
+            raise RuntimeError("simulated crash after step 4")
+
+
+def _crashed_backup(tmp_path, data, run=None):
+    """A BackupAndRestore directory of a run that crashed after 4 steps."""
+    backup = str(tmp_path / "backup")
+    run = run or _run()
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        _private(run).fit(run.dataset(*data), verbose=0,
+                          callbacks=[keras.callbacks.BackupAndRestore(backup, save_freq=1), _Crash()])
+    return backup
+
+
+def _resume(backup, run, data, model=None):
+    model = model or _private(run)
+    model.fit(run.dataset(*data), verbose=0, callbacks=[keras.callbacks.BackupAndRestore(backup, save_freq=1)])
+    return model
+
+
+def _iterations(model):
+    return int(keras.ops.convert_to_numpy(model.optimizer.iterations.value))
+
+
+def test_resume_under_an_edited_epsilon_is_refused_the_same_plan_resumes(tmp_path, data):
+    backup = _crashed_backup(tmp_path, data)
+    with pytest.raises(ValueError, match=r"\(step 4\) was saved under another plan.*σ, the noise multiplier"):
+        _resume(backup, _run(epsilon=2.0), data)
+    assert _iterations(_resume(backup, _run(), data)) == T  # the script as it was: resumes to the end
+
+
+def test_load_weights_of_another_plan_then_fit_is_refused(tmp_path, data):
+    run = _run()
+    model = _private(run)
+    model.fit(run.dataset(*data), verbose=0, steps_per_epoch=3, epochs=1)
+    path = str(tmp_path / "a.weights.h5")
+    model.save_weights(path)
+    other = _run(batch_size=25)
+    restored = _private(other)
+    restored.optimizer.build(restored.trainable_variables)
+    restored.load_weights(path)
+    with pytest.raises(ValueError, match=r"what differs: B, the \(expected\) batch size.*P, the padded"):
+        restored.fit(other.dataset(*data), verbose=0)
+
+
+@pytest.mark.parametrize("change", ["one example", "order", "loss", "clip"])
+def test_resume_on_other_inputs_is_refused(tmp_path, data, change):
+    """A step run again from a checkpoint must take the same inputs (then it draws the same noise and
+    reproduces its output); on other inputs it would reuse its noise, so it is refused."""
+    backup = _crashed_backup(tmp_path, data)
+    x, y = data
+    run, loss, clip, what = _run(), "mse", 1.0, "the training examples or their order"
+    if change == "one example":
+        x = x.copy()
+        x[17, 0] += 1.0  # e.g. a deletion request answered by replacing one example
+    elif change == "order":
+        order = np.random.default_rng(5).permutation(N)
+        x, y = x[order], y[order]
+    elif change == "loss":
+        loss, what = "mae", "the model's trainable variables or its loss"
+    else:
+        clip, what = 0.5, "ζ, the clip norm"
+    with pytest.raises(ValueError, match=f"what differs: {what}"):
+        _resume(backup, run, (x, y), model=_private(run, loss=loss, clip=clip))
+
+
+def test_privacy_budget_takes_the_optimizers_run_and_refuses_another(data):
+    run = _run()
+    model = _private(run)
+    other = _run(epsilon=1.0)
+    with pytest.raises(ValueError, match="another run .* than the one the model's optimizer trains"):
+        model.fit(run.dataset(*data), verbose=0, callbacks=[PrivacyBudget(run=other, verbose=0)])
+    assert _iterations(model) == 0  # refused before the first step
+    budget = PrivacyBudget(verbose=0)
+    history = model.fit(run.dataset(*data), verbose=0, callbacks=[budget])
+    assert budget.run is run
+    assert history.history["epsilon"][-1] == pytest.approx(run.epsilon(T))
+
+
+def test_a_non_private_optimizer_has_no_epsilon_to_report(data):
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(ValueError, match="adds no noise"):
+        model.fit(*data, verbose=0, callbacks=[PrivacyBudget(run=_run(), verbose=0)])
+
+
+def test_files_that_hold_the_keys_say_so_and_the_inner_model_holds_none(tmp_path, data):
+    run = _run()
+    model = _private(run)
+    model.fit(run.dataset(*data), verbose=0, steps_per_epoch=2, epochs=1)
+    path = tmp_path / "private.keras"
+    with pytest.warns(KeysWrittenWarning, match=f"{path}.*secret noise key and sampling key"):
+        model.save(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", KeysWrittenWarning)
+        model.inner.save(tmp_path / "release.keras")  # the documented release: no optimizer, no key
+    released = keras.models.load_model(tmp_path / "release.keras")
+    assert getattr(released, "optimizer", None) is None
+    np.testing.assert_array_equal(released.get_weights()[0], model.inner.get_weights()[0])
+
+
+def test_a_fixed_seed_warns_and_never_enters_a_config():
+    with pytest.warns(FixedSeedWarning, match="PrivateRun.*batches predictable"):
+        run = PrivateRun(num_examples=N, batch_size=B, steps=T, noise_multiplier=1.0, delta=1e-5, seed=0)
+    with pytest.warns(FixedSeedWarning, match="NoiseCurveOptimizer.*noise predictable"):
+        optimizer = NoiseCurveOptimizer(run=run, learning_rate=0.1, seed=0)
+    assert "seed" not in optimizer.get_config() and "seed" not in run.get_config()
+    with pytest.raises(ValueError, match=r"unknown \['seed'\].*A seed is never part of a config"):
+        PrivateRun.from_config({**run.get_config(), "seed": 0})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FixedSeedWarning)
+        PrivateRun.from_config(run.get_config())  # no seed: a secret key, no warning
+
+
+def test_a_pickled_run_leaves_its_key_out():
+    run = _run()
+    again = pickle.loads(pickle.dumps(run))
+    words = [int(w) for w in run.initial_key()]
+    blob = pickle.dumps(run)
+    assert not any(int(w).to_bytes(8, "little", signed=True) in blob for w in words)
+    assert again.epsilon() == run.epsilon() and again.same_plan(run)
+    with pytest.raises(ValueError, match="unpickled"):
+        again.sampler()
+
+
+def test_weights_changed_between_private_fits_warn(data):
+    run = _run()
+    model = _private(run)
+    model.fit(run.dataset(*data), verbose=0, steps_per_epoch=2, epochs=1)
+    inner = model.inner
+    inner.compile(optimizer=keras.optimizers.SGD(0.5), loss="mse")
+    inner.fit(*data, verbose=0, epochs=1)  # non-private steps on the private data
+    with pytest.warns(RuntimeWarning, match="weights changed since its last private step"):
+        model.fit(run.dataset(*data), verbose=0, steps_per_epoch=2, epochs=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        model.fit(run.dataset(*data), verbose=0, steps_per_epoch=2, epochs=1)  # nothing changed in between
+
+
+def test_the_low_level_path_on_arrays_warns_that_epsilon_is_not_tracked(data):
+    model = make_private(keras.Sequential([keras.Input((5,)), keras.layers.Dense(1)]))
+    model.compile(optimizer=NoiseCurveOptimizer(learning_rate=0.1, noise_multiplier=1.0, expected_batch_size=20),
+                  loss="mse")
+    with pytest.warns(RuntimeWarning, match="epsilon is not tracked.*batches of 100 examples are not the "
+                                            "expected_batch_size=20"):
+        model.fit(*data, batch_size=100, epochs=1, verbose=0)
+
+
+def test_the_hazard_table_names_every_path():
+    """docs/privacy.md's table lists each path these tests cover."""
+    import pathlib
+
+    text = (pathlib.Path(knc.__file__).parents[1] / "docs" / "privacy.md").read_text()
+    table = text.split("What can make ε wrong")[-1]
+    for path in ("edited", "load_weights", "PrivacyBudget(run=", "other data", "another order", "loss",
+                 "clip", ".keras", "seed", "from_config", "pickle", "non-private", "low-level", "sampler(key)",
+                 "BackupAndRestore"):
+        assert path in table, path
