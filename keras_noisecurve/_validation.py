@@ -12,15 +12,25 @@ import numbers
 import numpy as np
 
 
-def check_int(name: str, value, *, minimum: int | None = None, maximum: int | None = None) -> int:
-    """Return ``value`` as ``int`` after checking it is an integer in range."""
+def check_int(name: str, value, *, minimum: int | None = None, maximum: int | None = None,
+              secret: bool = False) -> int:
+    """Return ``value`` as ``int`` after checking it is an integer in range.
+
+    ``secret``: the messages say the type (and shape) received, never the value (a seed
+    is its key; a key passed where a seed belongs would be printed otherwise).
+    """
     if isinstance(value, bool) or not isinstance(value, (numbers.Integral, np.integer)):
+        if secret:
+            shape = getattr(value, "shape", None)
+            got = f"a {type(value).__name__}" + (f" of shape {tuple(shape)}" if shape is not None else "")
+            raise TypeError(f"{name} must be an integer, got {got} (its value is secret and not shown).")
         raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__}).")
     value = int(value)
+    shown = "a value out of range (secret, not shown)" if secret else str(value)
     if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}.")
+        raise ValueError(f"{name} must be >= {minimum}, got {shown}.")
     if maximum is not None and value > maximum:
-        raise ValueError(f"{name} must be <= {maximum}, got {value}.")
+        raise ValueError(f"{name} must be <= {maximum}, got {shown}.")
     return value
 
 

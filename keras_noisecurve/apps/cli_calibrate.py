@@ -25,7 +25,8 @@ from keras_noisecurve.privacy import accounting
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``calibrate`` options to ``parser``."""
     parser.add_argument("--epsilon", type=float, required=True, help="target epsilon (> 0)")
-    parser.add_argument("--delta", type=float, required=True, help="accounting delta in (0, 1)")
+    parser.add_argument("--delta", type=float, required=True,
+                        help="accounting delta in (0, 1), much smaller than 1/n (e.g. 1e-5 for n = 1000)")
     parser.add_argument("--num-examples", type=int, required=True, help="n, size of the private training set")
     parser.add_argument("--batch-size", type=int, required=True,
                         help="B: expected batch size (cyclic_poisson) or fixed batch size (fixed_epochs)")
@@ -93,6 +94,11 @@ def run(args) -> int:
               file=sys.stderr)
         return 2
 
+    if args.delta >= 1.0 / args.num_examples:
+        print(f"noisecurve calibrate: warning: --delta {args.delta:g} is not much smaller than 1/n = "
+              f"{1.0 / args.num_examples:.3g} (n = {args.num_examples}): a delta of 1/n or more allows releasing "
+              "an example outright, so this epsilon means little; use a delta much smaller than 1/n.",
+              file=sys.stderr)
     if args.json:
         print(json.dumps(result.to_dict(), sort_keys=True))
         return 0

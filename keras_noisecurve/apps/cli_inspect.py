@@ -62,6 +62,7 @@ from keras_noisecurve.apps import cli_inspect_plot
 from keras_noisecurve.apps.cli_inspect_strategy import (
     BLEND_OBJECTIVES,
     PROG,
+    metadata_contradictions,
     metadata_lines,
     missing_curvature_inputs,
     run_strategy,
@@ -249,9 +250,11 @@ def _expected_error(args, mixing, spectrum, reference, rule=None) -> dict:
 def _format_field(path: str) -> str:
     """The ``format`` field of an ``.npz`` file ('' when there is none or it is unreadable:
     ``MixingMatrix.load`` then says why)."""
+    from keras_noisecurve._npz import read_npz_field
+
     try:
-        with np.load(path, allow_pickle=False) as fields:
-            return str(fields["format"]) if "format" in fields.files else ""
+        value = read_npz_field(path, "format", what="mixing")  # the other fields are left unread
+        return "" if value is None else str(value)
     except Exception:  # noqa: BLE001 - any unreadable file
         return ""
 
@@ -274,6 +277,7 @@ def _read_file(path: str):
 def _text_report(path, mixing, norms, expected, diag, ref_diag, reference_how) -> list[str]:
     meta = mixing.metadata
     lines = [f"{path}: mixing matrix, steps T = {mixing.steps}, bands b = {mixing.bands}, digest {mixing.digest()[:16]}…"]
+    lines.extend(metadata_contradictions(mixing))
     lines.extend(metadata_lines(meta))
     lines.append(
         f"column norms: min {norms['min']:.17g}, max {norms['max']:.17g}, max |norm - 1| = "
@@ -345,6 +349,7 @@ def run(args) -> int:
             "bands": mixing.bands,
             "digest": mixing.digest(),
             "metadata": mixing.metadata,
+            "metadata_warnings": metadata_contradictions(mixing),
             "column_norms": norms,
             "expected_error": expected,
             "reference": reference_how,

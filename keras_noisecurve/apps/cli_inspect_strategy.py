@@ -9,6 +9,8 @@ participations) comes from ``keras_noisecurve.apps.strategy_table``. numpy only.
 from __future__ import annotations
 
 import json
+import math
+import numbers
 
 from keras_noisecurve.apps.cli_solve import (
     CommandError,
@@ -27,13 +29,16 @@ from keras_noisecurve.mixing.objectives import get_objective
 from keras_noisecurve.mixing.update_rule import UpdateRule
 from keras_noisecurve.mixing.workloads import CURVATURE_OBJECTIVES, OBJECTIVES
 
-__all__ = ["BLEND_OBJECTIVES", "PROG", "metadata_lines", "missing_curvature_inputs", "run_strategy", "sensitivity",
-           "sensitivity_lines", "stored_blend_weight"]
+__all__ = ["BLEND_OBJECTIVES", "PROG", "metadata_contradictions", "metadata_lines", "missing_curvature_inputs",
+           "run_strategy", "sensitivity", "sensitivity_lines", "stored_blend_weight"]
 
 PROG = "noisecurve inspect"
 
 #: objectives that take a blend weight λ
 BLEND_OBJECTIVES = tuple(name for name in OBJECTIVES if get_objective(name).blend)
+
+#: relative tolerance of a stored sensitivity against the one computed from C
+_SENSITIVITY_RTOL = 1e-6
 
 
 def missing_curvature_inputs(objective, spectrum, learning_rate, blend_weight) -> list:
@@ -233,6 +238,7 @@ def run_strategy(args, mixing, caught) -> int:
             "parameters": {k: v for k, v in mixing.to_config().items() if k not in ("kind", "steps", "metadata")},
             "sensitivity": sens,
             "metadata": mixing.metadata,
+            "metadata_warnings": metadata_contradictions(mixing),
             "expected_error": expected,
             "warnings": seen,
         }
@@ -240,6 +246,7 @@ def run_strategy(args, mixing, caught) -> int:
         return 0
     lines = [f"{args.file}: mixing strategy {mixing.kind!r}, steps T = {mixing.steps}, {size_text(mixing)}, "
              f"digest {mixing.digest()[:16]}…",
+             *metadata_contradictions(mixing),
              f"noise state: {noise_state_text(mixing)}",
              "parameters:"]
     lines.extend(kind_of(mixing).parameter_lines(mixing))
@@ -250,6 +257,74 @@ def run_strategy(args, mixing, caught) -> int:
     for line in lines:
         print(line)
     return 0
+
+
+def _same(stored, actual) -> bool:
+    """Whether a metadata value says ``actual`` (an int, a str or a float)."""
+    if isinstance(actual, str) or actual is None:
+        return stored == actual
+    if isinstance(stored, bool) or not isinstance(stored, numbers.Real):
+        return False
+    if isinstance(actual, float):
+        return math.isclose(float(stored), actual, rel_tol=_SENSITIVITY_RTOL, abs_tol=1e-12)
+    return float(stored) == actual
+
+
+def _text(value) -> str:
+    return json.dumps(value, sort_keys=True) if isinstance(value, (dict, list, str)) or value is None else repr(value)
+
+
+def metadata_contradictions(mixing) -> list[str]:
+    """One ``WARNING: ...`` line per metadata entry that contradicts what the stored C
+    says of itself (the digest covers C, not the metadata, so an edited metadata still
+    loads): ``strategy`` (the kind), ``steps`` (T), the size (``bands`` b, ``buffers`` d,
+    or a bisr file's ``bands`` p of C⁻¹), the solver's ``diagnostics`` ``steps``/``bands``
+    (banded), a ``sensitivity`` of one participation, and a blt file's
+    ``loss_components.sensitivity_squared`` for its ``participations``/``separation``.
+    Entries the metadata does not hold are not checked; every value reported is C's."""
+    meta = mixing.metadata
+    kind = kind_of(mixing)
+    facts = [("strategy", mixing.kind, "its kind"), ("steps", mixing.steps, "T")]
+    if kind.size_option is not None:
+        facts.append((kind.size_option.lstrip("-"), kind.size(mixing), kind.size_label))
+    diagnostics = meta.get("diagnostics")
+    if isinstance(diagnostics, dict) and kind.matrix_file:
+        facts += [("diagnostics.steps", mixing.steps, "T"), ("diagnostics.bands", mixing.bands, "bands b")]
+    sens = meta.get("sensitivity")
+    if sens is not None and not isinstance(sens, (dict, list)):
+        facts.append(("sensitivity", float(mixing.sensitivity()), "the sensitivity of one participation"))
+    components = meta.get("loss_components")
+    if isinstance(components, dict) and "sensitivity_squared" in components:
+        k, s = meta.get("participations") or 1, meta.get("separation")
+        try:
+            value = float(mixing.sensitivity(participations=k, separation=s)) ** 2
+        except (ValueError, TypeError) as exc:
+            return _lines(meta, facts) + [
+                f"WARNING: metadata participations = {_text(k)}, separation = {_text(s)} (of "
+                f"loss_components.sensitivity_squared) do not fit the stored matrix: {' '.join(str(exc).split())}"]
+        pattern = participation_text(k, s) if k > 1 else "one participation"
+        facts.append(("loss_components.sensitivity_squared", value, f"the sensitivity^2 of {pattern}"))
+    return _lines(meta, facts)
+
+
+_ABSENT = object()
+
+
+def _lines(meta, facts) -> list[str]:
+    """The warnings of ``facts`` ((dotted metadata key, C's value, what it is)); a key the
+    metadata does not hold is skipped."""
+    lines = []
+    for key, actual, label in facts:
+        stored = meta
+        for part in key.split("."):
+            stored = stored.get(part, _ABSENT) if isinstance(stored, dict) else _ABSENT
+        if stored is _ABSENT:
+            continue
+        if not _same(stored, actual):
+            shown = f"{actual:.10g}" if isinstance(actual, float) else str(actual)
+            lines.append(f"WARNING: metadata {key} = {_text(stored)} contradicts the stored matrix: {label} is "
+                         f"{shown} (the report uses the matrix; the metadata was edited or is not this C's)")
+    return lines
 
 
 def metadata_lines(meta) -> list[str]:

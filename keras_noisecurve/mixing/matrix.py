@@ -20,7 +20,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from keras_noisecurve._npz import one_line, read_npz
+from keras_noisecurve._npz import one_line, read_npz, read_npz_field
 from keras_noisecurve._validation import check_int
 from keras_noisecurve.mixing.errors import COLUMN_NORM_TOLERANCE, InvalidMixingMatrixError
 from keras_noisecurve.mixing.stream import BandedStream
@@ -30,6 +30,8 @@ __all__ = ["COLUMN_NORM_TOLERANCE", "InvalidMixingMatrixError", "MixingMatrix"]
 
 _FORMAT = "keras-noisecurve/mixing-matrix"
 _FORMAT_VERSION = 1
+#: The fields of a mixing-matrix file (``MixingMatrix.save``); a file with any other is refused unread.
+FILE_FIELDS = ("format", "format_version", "band_values", "metadata", "digest")
 
 
 def _column_norms(band_values: np.ndarray) -> np.ndarray:
@@ -234,7 +236,7 @@ class MixingMatrix(Strategy):
             digest does not match its values, or C breaks a constraint.
         """
         try:
-            fields = read_npz(path, what="mixing-matrix")
+            fields = read_npz(path, what="mixing-matrix", fields=FILE_FIELDS)
         except ValueError as exc:
             raise InvalidMixingMatrixError(str(exc)) from None
         try:
@@ -269,9 +271,10 @@ class MixingMatrix(Strategy):
 
 
 def _file_format(path) -> str:
-    """The ``format`` field of an ``.npz`` file ('' when there is none or it is unreadable)."""
+    """The ``format`` field of an ``.npz`` file ('' when there is none or it is unreadable);
+    the other fields are left unread."""
     try:
-        fields = read_npz(path, what="mixing")
-        return str(fields["format"]) if "format" in fields else ""
+        value = read_npz_field(path, "format", what="mixing")
+        return "" if value is None else str(value)
     except Exception:  # noqa: BLE001 - unreadable: MixingMatrix.load then says why, in one line
         return ""

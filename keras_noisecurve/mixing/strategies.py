@@ -71,6 +71,13 @@ STRATEGIES = ("banded", "toeplitz", "blt", "bisr")
 #: The kinds stored in the ``keras-noisecurve/mixing-strategy`` file (``MixingMatrix`` has its own).
 _STRATEGY_FILE_KINDS = tuple(kind for kind in STRATEGY_CLASSES if kind != MixingMatrix.kind)
 
+#: The fields a ``mixing-strategy`` file may hold (``save_strategy_file``: every kind's
+#: ``param_<name>``); a file with any other is refused unread.
+STRATEGY_FILE_FIELDS = ("format", "format_version", "kind", "steps", "metadata", "digest") + tuple(sorted({
+    f"param_{name}" for kind in _STRATEGY_FILE_KINDS
+    for name in getattr(STRATEGY_CLASSES[kind], "parameter_names", ())
+}))
+
 
 def strategy_class(kind: str) -> type:
     """The class registered for ``kind`` (one of ``STRATEGY_CLASSES``)."""
@@ -100,7 +107,7 @@ def strategy_from_fields(kind: str, *, steps, params: Mapping[str, Any], metadat
 def load_strategy(path) -> Strategy:
     """Read and re-validate a file written by a ``mixing-strategy`` ``save`` (every kind but banded)."""
     try:
-        fields = read_npz(path, what="mixing-strategy")
+        fields = read_npz(path, what="mixing-strategy", fields=STRATEGY_FILE_FIELDS)
     except ValueError as exc:
         raise InvalidMixingMatrixError(str(exc)) from None
     try:

@@ -59,6 +59,18 @@ _BRACKET_ERRORS = tuple(
 )
 
 
+def _too_small_sigma(epsilon: float, delta: float, floor: float, largest: float, num_examples: int) -> str:
+    """Why calibration refuses a run that a σ below ``floor`` would make (ε, δ)-DP; ``largest``
+    is ε at σ = ``floor``. A δ of 1/n or more is named as the cause: it is what makes ε cheap."""
+    if delta >= 1.0 / num_examples:
+        return (f"delta={delta:g} is too large: at this delta a sigma below {floor:g} already meets "
+                f"epsilon={epsilon:g} (sigma = {floor:g} gives {largest:.4g}), which means no meaningful privacy. "
+                f"delta must lie in (0, 1) and should be much smaller than 1/n = {1.0 / num_examples:.3g} "
+                f"(n = {num_examples} examples): a delta of 1/n or more allows releasing an example outright.")
+    return (f"epsilon={epsilon:g} is so large that sigma < {floor:g} would suffice, which gives no meaningful "
+            f"privacy. Possible: epsilon <= {largest:.4g} (sigma = {floor:g}) for this run at delta={delta:g}.")
+
+
 def calibrate_noise_multiplier(*, epsilon: float, delta: float, accountant: str = "pld",
                                spec: Optional[RunSpec] = None, **run) -> float:
     """Smallest noise multiplier σ whose run is (ε, δ)-DP, by root search.
@@ -128,11 +140,7 @@ def noise_multiplier_for(spec: RunSpec, epsilon: float, delta: float, accountant
                 lo = lo / factor
                 if lo < floor:
                     largest = gap(make_accountant, floor) + epsilon
-                    raise ValueError(
-                        f"epsilon={epsilon:g} is so large that sigma < {floor:g} would suffice, which gives no "
-                        f"meaningful privacy. Possible: epsilon <= {largest:.4g} (sigma = {floor:g}) for this "
-                        f"run at delta={delta:g}."
-                    )
+                    raise ValueError(_too_small_sigma(epsilon, delta, floor, largest, spec.num_examples))
                 if gap(make_accountant, lo) > 0:
                     break
                 hi = lo
@@ -159,11 +167,7 @@ def noise_multiplier_for(spec: RunSpec, epsilon: float, delta: float, accountant
     finally:
         absl.setLevel(level)
     if epsilon > largest:
-        raise ValueError(
-            f"epsilon={epsilon:g} is so large that sigma < {_MIN_SIGMA:g} would suffice, which gives no "
-            f"meaningful privacy. Possible: epsilon <= {largest:.4g} (sigma = {_MIN_SIGMA:g}) for this run at "
-            f"delta={delta:g}."
-        )
+        raise ValueError(_too_small_sigma(epsilon, delta, _MIN_SIGMA, largest, spec.num_examples))
     bracket1 = bracket_around(int_rdp, 1.0, factor=2.0)
     sigma1 = float(mc.calibrate_dp_mechanism(
         int_rdp, make_event, epsilon, delta, bracket1, tol=1e-5 * bracket1.endpoint_2,

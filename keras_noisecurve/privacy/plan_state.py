@@ -101,7 +101,9 @@ def model_word(model, loss) -> int:
     shapes and dtypes in order, the layer classes and the compiled loss's config (layer
     and variable NAMES are left out: a fresh process numbers Keras's automatic names anew)."""
     variables = [[list(map(int, v.shape)), str(v.dtype)] for v in model.trainable_variables]
-    layers = [type(layer).__name__ for layer in getattr(model, "_flatten_layers", lambda: [])()]
+    from keras_noisecurve import _compat
+
+    layers = [type(layer).__name__ for layer in _compat.flatten_layers(model)]
     return word({"variables": variables, "layers": layers, "loss": _loss_description(loss)})
 
 

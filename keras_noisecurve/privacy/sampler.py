@@ -57,15 +57,22 @@ def key_from_seed(seed=None) -> np.ndarray:
         return new_key()
     if isinstance(seed, np.random.SeedSequence):
         return seed.generate_state(KEY_WORDS, np.uint64).view(np.int64)
-    seed = check_int("seed", seed, minimum=0)
+    seed = check_int("seed", seed, minimum=0, secret=True)
     return np.random.SeedSequence(seed).generate_state(KEY_WORDS, np.uint64).view(np.int64)
 
 
 def check_key(key) -> np.ndarray:
-    """``key`` as an int64 array (2,), or ``ValueError`` saying what was received."""
-    arr = np.asarray(key)
+    """``key`` as an int64 array (2,), or ``ValueError`` saying the type, shape and dtype
+    received and what is allowed — never the key's values (the key is secret)."""
+    try:
+        arr = np.asarray(key)
+    except Exception:  # noqa: BLE001 - a ragged or foreign object: its message could quote the values
+        raise ValueError(f"a sampling key must be an integer array of shape ({KEY_WORDS},) (e.g. run.initial_key() "
+                         f"or optimizer.sampling_key); got a {type(key).__name__} that is not an array.") from None
     if arr.shape != (KEY_WORDS,) or not np.issubdtype(arr.dtype, np.integer):
-        raise ValueError(f"a sampling key must be {KEY_WORDS} integers, got {key!r}.")
+        raise ValueError(f"a sampling key must be an integer array of shape ({KEY_WORDS},) (e.g. run.initial_key() "
+                         f"or optimizer.sampling_key); got a {type(key).__name__} of shape {arr.shape} and dtype "
+                         f"{arr.dtype} (its values are secret and not shown).")
     return arr.astype(np.int64)
 
 

@@ -189,7 +189,8 @@ class Spectrum:
         """
         from keras_noisecurve._npz import one_line, read_npz
 
-        fields = read_npz(path, what="spectrum")
+        fields = read_npz(path, what="spectrum", fields=(
+            "format", "format_version", "eigenvalues", "multiplicities", "dimension", "metadata"))
         try:
             return cls._from_fields(path, fields)
         except Exception as exc:  # noqa: BLE001 - a foreign or damaged field: one line naming the file

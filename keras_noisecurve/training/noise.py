@@ -85,7 +85,7 @@ def key_from_seed(seed=None) -> np.ndarray:
     """
     if seed is None:
         return np.array([secrets.randbits(63), secrets.randbits(63)], dtype=np.int64)
-    seed = check_int("seed", seed, minimum=0, maximum=_SEED_LIMIT)
+    seed = check_int("seed", seed, minimum=0, maximum=_SEED_LIMIT, secret=True)
     # A fixed, documented mixing of the seed into two words (no secret here).
     return np.array([seed, 0x5EED_C0DE], dtype=np.int64)
 

@@ -142,7 +142,7 @@ def check_noise_arguments(*, l2_norm_clip, noise_multiplier, expected_batch_size
         )
     expected_batch_size = check_int("expected_batch_size", expected_batch_size, minimum=1)
     if seed is not None:
-        seed = check_int("seed", seed, minimum=0, maximum=2**63 - 1)
+        seed = check_int("seed", seed, minimum=0, maximum=2**63 - 1, secret=True)
     return l2_norm_clip, noise_multiplier, expected_batch_size, seed
 
 
