@@ -113,6 +113,13 @@ class PrivateRun:
             loaded = MixingMatrix.identity(self._spec.steps)
         self._mixing = loaded
         self._delta = check_float("delta", delta, open_unit=True)
+        if self._delta >= 1.0 / self._spec.num_examples:
+            import warnings
+
+            warnings.warn(
+                f"delta={self._delta:g} is not below 1/n = {1.0 / self._spec.num_examples:g}: an (epsilon, delta) "
+                "guarantee with delta >= 1/n allows releasing one example in the clear. Use delta much smaller "
+                "than 1/n (e.g. 1e-5 for n up to 10^4, or 1/n^1.1).", UserWarning, stacklevel=2)
         self._accountant = check_choice("accountant", accountant, ACCOUNTANTS)
         if (noise_multiplier is None) == (epsilon is None):
             raise ValueError(
