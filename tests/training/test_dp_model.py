@@ -174,9 +174,9 @@ def test_save_and_load_keras_file(tmp_path, data, factory):
     assert type(loaded) is type(model)
     assert isinstance(loaded.optimizer, NoiseCurveOptimizer) and loaded.optimizer.mixing == c
     assert loaded.clipping == "vectorized"
-    assert len(loaded.optimizer.variables) == len(model.optimizer.variables) == 3 + 4  # iter, lr, key, 4 rings
+    assert len(loaded.optimizer.variables) == len(model.optimizer.variables) == 4 + 4  # iter, lr, key, plan, 4 rings
     for a, b in zip(loaded.optimizer.variables, model.optimizer.variables):
-        np.testing.assert_array_equal(a.numpy(), b.numpy())  # iterations, secret key, ring buffers
+        np.testing.assert_array_equal(a.numpy(), b.numpy())  # iterations, secret key, plan words, ring buffers
     np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0), rtol=1e-6)
     if factory == "make_private":
         assert isinstance(loaded, PrivateModel)
