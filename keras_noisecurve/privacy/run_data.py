@@ -18,7 +18,9 @@ The examples are any :func:`~keras_noisecurve.privacy.sources.as_source` input o
 backends (arrays, memory maps, random-access sequences such as ``tfds.data_source``, a
 ``keras.utils.PyDataset``, a ``tf.data.Dataset`` where TensorFlow is installed). On the JAX
 backend the batches are a ``keras.utils.PyDataset`` (``keras_noisecurve.backend.jax.pipeline``)
-gathered in numpy (:meth:`ExampleSource.gather`), whose start is read when it is made.
+gathered in numpy (:meth:`ExampleSource.gather`), whose start is read when it is made, again
+before ``fit``'s first step (after the callbacks' ``on_train_begin``: a restore) and when a
+custom loop iterates it.
 
 This module imports TensorFlow only inside :meth:`RunData.batches` on that backend.
 """
@@ -86,9 +88,11 @@ class RunData:
           step)`` (numpy; ``step`` int32; P' = P rounded up to a multiple of the devices
           the batch is split over and of the JAX processes, divided by the processes:
           each process serves its block of the step's rows), starting at the optimizer's
-          step when it is made (one per ``fit``; make a new one after restoring a model).
+          step when it is iterated, or in ``fit`` after the callbacks' ``on_train_begin``.
 
-        Raises ``ValueError`` for an optimizer not made from a run, or made from another plan.
+        Raises ``ValueError`` for an optimizer not made from a run, or made from another plan,
+        and, when the batches start, for an optimizer whose state was saved under another plan
+        or on other examples or another order of them (``optimizer.check_plan``).
         """
         run = self._run
         if optimizer is None:
@@ -98,18 +102,25 @@ class RunData:
                 return 0, key
         else:
             check_optimizer(run, optimizer)
-            position = optimizer.sampling_position
+            data = self._source.fingerprint()
+
+            def position():  # read when the batches start: after any restore
+                optimizer.check_plan(data=data)
+                return optimizer.sampling_position()
         if _backend.name() == "jax":
             if input_context is not None:
                 raise ValueError("input_context is a tf.distribute argument; the JAX backend has none.")
             from keras_noisecurve.privacy.step_batches import StepBatches
 
             pipeline = _backend.module("pipeline")
-            built = optimizer is not None and optimizer.built and optimizer.sampling_key is not None
-            start = pipeline.agreed_position((*position(), built))  # the same in every JAX process
+
+            def agreed():  # read now and again before fit's first step (a restore), or a loop's iteration
+                built = optimizer is not None and optimizer.built and optimizer.sampling_key is not None
+                return pipeline.agreed_position((*position(), built))  # the same in every JAX process
+
             parts, part, multiple = pipeline.input_parts()
-            return pipeline.run_batches(StepBatches(run, self._source, start, parts=parts, part=part,
-                                                    multiple=multiple))
+            return pipeline.run_batches(StepBatches(run, self._source, agreed(), parts=parts, part=part,
+                                                    multiple=multiple), agreed)
         from keras_noisecurve.privacy.step_batches import Samplers
 
         batch_of = Samplers(run, self._source.sample_weight).batch

@@ -14,6 +14,7 @@ the processes and of the devices the batch is split over.
 
 from __future__ import annotations
 
+import copy
 import math
 import threading
 import warnings
@@ -95,6 +96,15 @@ class StepBatches:
         self.padded_size = -(-run.padded_batch_size // unit) * unit
         self.rows = self.padded_size // int(parts)
         self._first = int(part) * self.rows
+
+    def at(self, position) -> "StepBatches":
+        """These batches from another ``position`` ``(step, key)``: the same run, source and
+        split between processes, sharing the samplers (a new key gets its own)."""
+        step, key = position
+        moved = copy.copy(self)
+        moved.start = int(step)
+        moved.key = np.asarray(key, dtype=np.int64)
+        return moved
 
     def __len__(self) -> int:
         return max(0, self.run.steps - self.start)

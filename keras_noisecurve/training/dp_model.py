@@ -169,14 +169,19 @@ class _PlanStart(keras.callbacks.Callback):
         self.model._dp_record_weights()
 
 
-def _weights_digest(model) -> bytes:
-    """A digest of every weight of ``model`` (host values, in order)."""
+def _weights_digest(model):
+    """``(step, digest)``: the optimizer's step and a digest of every weight of ``model``
+    (host values, in order); ``None`` where a weight is not wholly on this process (JAX
+    arrays split across processes: nothing is compared then)."""
     import hashlib
 
+    values = [variable.value for variable in model.weights]
+    if not all(getattr(value, "is_fully_addressable", True) for value in values):
+        return None
     digest = hashlib.blake2b(digest_size=16)
-    for variable in model.weights:
-        digest.update(np.ascontiguousarray(keras.ops.convert_to_numpy(variable.value)).tobytes())
-    return digest.digest()
+    for value in values:
+        digest.update(np.ascontiguousarray(keras.ops.convert_to_numpy(value)).tobytes())
+    return _iterations(model.optimizer), digest.digest()
 
 
 def _low_level_warning(optimizer, batch_size) -> str:
@@ -326,7 +331,10 @@ class PrivateModel(_impl.TrainStepBackend, keras.Model):
         """Warn when the weights differ from those after this process's last private step:
         something else trained or edited them, and the reported ε does not describe them."""
         recorded = getattr(self, "_dp_weights_after", None)
-        if recorded is not None and _weights_digest(self) != recorded:
+        now = _weights_digest(self) if recorded is not None else None
+        # a restore (BackupAndRestore, load_weights) brings its own step with its weights: only
+        # weights that changed while the step stood still changed outside the private steps
+        if now is not None and now[0] == recorded[0] and now[1] != recorded[1]:
             import warnings
 
             warnings.warn(

@@ -191,6 +191,8 @@ class TrainStepBackend:
         return report if steps is None else report + [_RefusePastPlan(steps)]
 
     def _dp_fit(self, x, y, kwargs):
+        if isinstance(x, RunBatches):  # start at the optimizer's step after any on_train_begin restore
+            kwargs["callbacks"] = list(kwargs.pop("callbacks", None) or []) + [x.restart_callback()]
         active = keras.distribution.distribution()
         if not (isinstance(x, RunBatches) and getattr(active, "auto_shard_dataset", False)):
             return super().fit(x, y, **kwargs)

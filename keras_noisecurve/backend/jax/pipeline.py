@@ -1,11 +1,14 @@
 """The input pipeline of a private run on JAX: the plan's batches as a
 ``keras.utils.PyDataset``.
 
-``run_batches(batches)`` wraps the numpy step batches of a run (an object with
+``run_batches(batches, position)`` wraps the numpy step batches of a run (an object with
 ``len()`` and ``batches[i] -> (x, y, mask, step)``, ``keras_noisecurve.privacy.
 step_batches.StepBatches``) so Keras's JAX trainer can index them: item i is step
 ``start + i`` of the plan, and Keras may restart the iteration from item 0 (it does,
-after reading one batch to build the model) without skipping a step.
+after reading one batch to build the model) without skipping a step. ``start`` is read
+from the optimizer when the batches are made and again before ``fit``'s first step, after
+the callbacks' ``on_train_begin`` (where ``BackupAndRestore`` restores the optimizer), and
+before each iteration of a custom loop (:meth:`RunBatches.restart`).
 
 Keras's ``PyDataset`` items are ``(inputs, targets, sample_weights)`` at most, so an item
 ``batches[i]`` carries the step inside the inputs: ``({"inputs": x, STEP_KEY: step},
@@ -36,26 +39,88 @@ __all__ = ["STEP_KEY", "RunBatches", "agreed_position", "batch_shards", "input_p
 
 
 class RunBatches(keras.utils.PyDataset):
-    """The step batches of a run as a ``PyDataset`` (one batch per item, read in order).
+    """The step batches of a run as a ``PyDataset`` (one batch per item, read in order):
+    item i is step ``start + i``.
 
-    ``start`` is the first step (the optimizer's step when it was made)."""
+    ``start`` is the optimizer's step when the batches were made, read again (with the
+    sampling key) by :meth:`restart` when ``position`` is given: iterating (a custom loop)
+    restarts first, and a private model's ``fit`` restarts after every callback's
+    ``on_train_begin`` (:meth:`restart_callback`), where ``BackupAndRestore`` restores the
+    optimizer, after ``fit`` made the batches and built the model from the first. So the
+    batches start where the optimizer stands before the first step, as the ``tf.data``
+    pipeline, which reads the position when it is iterated.
 
-    def __init__(self, batches):
+    Args:
+      batches: a ``StepBatches`` from the optimizer's position now.
+      position: ``None`` or a function returning the optimizer's position ``(step, key)``
+        then, the same in every JAX process (:func:`agreed_position`, a collective: every
+        process restarts together).
+    """
+
+    def __init__(self, batches, position=None):
         super().__init__(workers=1, use_multiprocessing=False)
         self._batches = batches
-        self.start = batches.start
+        self._position = position
+        self._held = False
+
+    @property
+    def start(self) -> int:
+        """The step of item 0."""
+        return self._batches.start
+
+    def restart(self) -> None:
+        """Read the optimizer's position again: item 0 is its step from now on."""
+        self._held = False
+        if self._position is not None:
+            self._batches = self._batches.at(self._position())
+
+    def restart_callback(self) -> keras.callbacks.Callback:
+        """The callback that restarts these batches in ``fit``'s ``on_train_begin``: pass it
+        after every other callback (``on_train_begin`` runs them in order, the user's restores
+        first). Until then :attr:`num_batches` is the plan's step count."""
+        self._held = True
+        return _RestartAtTrainBegin(self)
 
     def __len__(self) -> int:
         return len(self._batches)
 
+    @property
+    def num_batches(self) -> int:
+        """What Keras counts: ``len()``, but the plan's whole step count T while a ``fit`` has
+        yet to restart the batches. Keras's epoch iterator counts the batches before the
+        callbacks' ``on_train_begin`` and ends an epoch early (restarting at item 0) after that
+        many: a count that never falls short of what remains after any restore (a restore to
+        an earlier step lengthens the batches). Until the restart, Keras reads items only to
+        build the model, and an item past ``len()`` is the last batch. After it the count is
+        ``len()`` again: Keras's pass over the items, made after ``on_train_begin``, ends
+        after the plan's last step (an accelerator's look-ahead reads no item past it)."""
+        return self._batches.run.steps if self._held else len(self)
+
     def __getitem__(self, index):
-        x, y, mask, step = self._batches[index]
+        batches = self._batches
+        if self._held:  # before the restart Keras reads batches only to build the model: the first, and on an
+            # accelerator one ahead, within the count T of num_batches; any index gets a batch there is
+            index = min(int(index), len(batches) - 1)
+        x, y, mask, step = batches[index]
         return {"inputs": x, STEP_KEY: step}, y, mask
 
     def __iter__(self):
-        """``(x, y, mask, step)`` of each remaining step, in order."""
-        for i in range(len(self)):
-            yield self._batches[i]
+        """``(x, y, mask, step)`` of each remaining step, in order, from the optimizer's step
+        when the iteration begins."""
+        self.restart()
+        batches = self._batches
+        return (batches[i] for i in range(len(batches)))
+
+
+class _RestartAtTrainBegin(keras.callbacks.Callback):
+    """``batches.restart()`` in ``on_train_begin`` (:meth:`RunBatches.restart_callback`)."""
+
+    def __init__(self, batches):
+        super().__init__()
+        self._batches = batches
+
+    def on_train_begin(self, logs=None):
+        self._batches.restart()
 
 
 def batch_shards() -> int:
@@ -122,6 +187,7 @@ def agreed_position(position):
     return int(steps[0]), shared_key(key)
 
 
-def run_batches(batches) -> RunBatches:
-    """``batches`` (``StepBatches``) as a :class:`RunBatches` ``PyDataset``."""
-    return RunBatches(batches)
+def run_batches(batches, position=None) -> RunBatches:
+    """``batches`` (``StepBatches``) as a :class:`RunBatches` ``PyDataset``, which reads
+    ``position()`` (the optimizer's agreed position) again when it restarts."""
+    return RunBatches(batches, position)
