@@ -110,6 +110,25 @@ def flatten_layers(model, *, include_self: bool = True, recursive: bool = True):
     return model._flatten_layers(include_self=include_self, recursive=recursive)
 
 
+def executing_eagerly() -> bool:
+    """Whether values can be read now: always on JAX outside a trace (Keras builds outside
+    ``jit``); TensorFlow's ``tf.executing_eagerly()`` (False inside a ``tf.function``)."""
+    import sys
+
+    import keras
+
+    tf = sys.modules.get("tensorflow")
+    if keras.backend.backend() == "tensorflow" and tf is not None:
+        return bool(tf.executing_eagerly())
+    return True
+
+
+def seed_generators(layer) -> list:
+    """The ``keras.random.SeedGenerator`` objects ``layer`` itself tracks (Keras's
+    ``Layer._seed_generators``; empty where a release has none)."""
+    return list(getattr(layer, "_seed_generators", None) or [])
+
+
 def own_trainable_variables(layer) -> list:
     """The trainable variables ``layer`` itself created (not its sublayers'): Keras's
     ``Layer._trainable_variables`` (empty when the layer has none)."""

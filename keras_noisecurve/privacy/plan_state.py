@@ -96,15 +96,47 @@ def refusal(fields, *, step: int, plan: str) -> str:
     )
 
 
-def model_word(model, loss) -> int:
-    """The hash of what one step computes besides the data: the trainable variables'
-    shapes and dtypes in order, the layer classes and the compiled loss's config (layer
-    and variable NAMES are left out: a fresh process numbers Keras's automatic names anew)."""
-    variables = [[list(map(int, v.shape)), str(v.dtype)] for v in model.trainable_variables]
+def model_word(model, loss, *, optimizer=None, class_weight=None) -> int:
+    """The hash of what one step computes besides the data and the restored state: the
+    trainable variables' shapes and dtypes in order, each layer's class and config (an
+    activation, a dropout rate), the compiled loss's config, the update's configuration
+    (the optimizer's and its inner optimizer's, a learning-rate schedule) and the
+    class-weight table. Names are left out (a fresh process numbers Keras's automatic names
+    anew), and so is a constant learning rate (a variable: restored with the state)."""
     from keras_noisecurve import _compat
 
-    layers = [type(layer).__name__ for layer in _compat.flatten_layers(model)]
-    return word({"variables": variables, "layers": layers, "loss": _loss_description(loss)})
+    variables = [[list(map(int, v.shape)), str(v.dtype)] for v in model.trainable_variables]
+    layers = [[type(layer).__name__, _config(layer)] for layer in _compat.flatten_layers(model)
+              if not hasattr(layer, "layers")]  # leaf layers: a model's config repeats them, with names
+    update = None if optimizer is None else _config(optimizer)
+    weights = None if class_weight is None else np.asarray(class_weight, np.float64).tolist()
+    return word({"variables": variables, "layers": layers, "loss": _loss_description(loss), "update": update,
+                 "class_weight": weights})
+
+
+_UNNAMED = ("name", "run", "seed", "dtype", "trainable")
+
+
+def _config(obj):
+    """``obj.get_config()`` as JSON-able data without names (and a float learning rate,
+    restored with the state); the class name where there is no config."""
+    try:
+        config = dict(obj.get_config())
+    except (AttributeError, TypeError, ValueError, NotImplementedError):
+        return type(obj).__name__
+    for key in _UNNAMED:
+        config.pop(key, None)
+    if isinstance(config.get("learning_rate"), (int, float)):
+        config.pop("learning_rate")
+    if isinstance(config.get("inner"), dict):
+        inner = dict(config["inner"])
+        inner_config = dict(inner.get("config") or {})
+        for key in _UNNAMED:
+            inner_config.pop(key, None)
+        if isinstance(inner_config.get("learning_rate"), (int, float)):
+            inner_config.pop("learning_rate")
+        config["inner"] = [inner.get("class_name"), inner_config]
+    return [type(obj).__name__, json.loads(json.dumps(config, sort_keys=True, default=str))]
 
 
 def _loss_description(loss):

@@ -88,6 +88,17 @@ def _check_run_data(planned, run, x):
         )
 
 
+def _budgets_last(callbacks) -> list:
+    """The user's callbacks with any ``PrivacyBudget`` moved after the others (in order): it
+    reads the step count in ``on_train_begin``, which must come after a restore
+    (``BackupAndRestore``) whatever order the user listed them in."""
+    from keras_noisecurve.privacy.budget import PrivacyBudget
+
+    callbacks = list(callbacks or [])
+    return ([c for c in callbacks if not isinstance(c, PrivacyBudget)]
+            + [c for c in callbacks if isinstance(c, PrivacyBudget)])
+
+
 def _is_arrays(x) -> bool:
     """Whether ``fit`` batches ``x`` itself (arrays, or a dict/list of them): Keras's
     ``batch_size`` (default 32) then sets the batches."""
@@ -164,6 +175,7 @@ class _PlanStart(keras.callbacks.Callback):
         private = self.model
         private._dp_check_plan(data=self._data)
         private._dp_check_weights_unchanged()
+        private._dp_warn_random_layers()
 
     def on_train_end(self, logs=None):
         self.model._dp_record_weights()
@@ -325,7 +337,39 @@ class PrivateModel(_impl.TrainStepBackend, keras.Model):
 
         optimizer = getattr(self, "optimizer", None)
         if isinstance(optimizer, NoiseCurveOptimizer):
-            optimizer.check_plan(data=data, model=plan_state.model_word(self.inner, getattr(self, "loss", None)))
+            word = plan_state.model_word(self.inner, getattr(self, "loss", None), optimizer=optimizer,
+                                         class_weight=self._dp_class_weight)
+            optimizer.check_plan(data=data, model=word)
+
+    def load_weights(self, filepath, *args, **kwargs):
+        """Keras's, with the optimizer built first when the model is compiled and built: Keras
+        would skip an unbuilt optimizer's saved state with a warning, and the run would restart
+        its step count, keys and plan on weights that carry private steps."""
+        optimizer = getattr(self, "optimizer", None)
+        if isinstance(optimizer, NoiseCurveOptimizer) and not optimizer.built and self.built:
+            optimizer.build(self.trainable_variables)
+        object.__setattr__(self, "_dp_plan_checked", False)  # train_on_batch checks the restored plan
+        return super().load_weights(filepath, *args, **kwargs)
+
+    def _dp_warn_random_layers(self):
+        """On a resume (step > 0 at the start of a private fit), warn when layers draw random
+        numbers in training (Dropout, GaussianNoise, ...): their generators' state is not in
+        checkpoints, so a step run again from a checkpoint does not reproduce its first release."""
+        optimizer = getattr(self, "optimizer", None)
+        if not isinstance(optimizer, NoiseCurveOptimizer) or _iterations(optimizer) == 0:
+            return
+        random = sorted({type(layer).__name__ for layer in _compat.flatten_layers(self.inner)
+                         if _compat.seed_generators(layer)})
+        if random:
+            import warnings
+
+            warnings.warn(
+                f"resuming at step {_iterations(optimizer)} with layers that draw random numbers in training "
+                f"({', '.join(random)}): their generators' state is not saved in checkpoints, so a step that "
+                "already ran after this checkpoint (before a crash) runs again on other random numbers with the "
+                "same noise. Harmless if nothing of those steps was released (their checkpoints, logs or "
+                "weights); otherwise their difference is released without noise (docs/privacy.md §9).",
+                RuntimeWarning, stacklevel=2)
 
     def _dp_check_weights_unchanged(self):
         """Warn when the weights differ from those after this process's last private step:
@@ -463,7 +507,7 @@ class PrivateModel(_impl.TrainStepBackend, keras.Model):
             kwargs.setdefault("steps_per_epoch", run.steps_per_epoch)
             kwargs.setdefault("epochs", run.epochs)
             kwargs.setdefault("shuffle", False)  # the plan decides the order
-            callbacks = list(kwargs.pop("callbacks", None) or [])
+            callbacks = _budgets_last(kwargs.pop("callbacks", None))
             kwargs["callbacks"] = callbacks + [_PlanStart(data.source.fingerprint()), _StopAtPlanEnd(run.steps)]
         low = getattr(x, "_knc_low_level_plan", None)
         if run is None and low is not None:  # banded_poisson_dataset: start at the optimizer's step

@@ -299,6 +299,15 @@ class NoiseCurveOptimizer(_impl.OptimizerBackend, keras.optimizers.Optimizer):
             step = int(keras.ops.convert_to_numpy(self.iterations.value))
             raise ValueError(plan_state.refusal(differ, step=step, plan=repr(self.run or self)))
         unbound = [plan_state.FIELDS.index(name) for name in bind if not saved[plan_state.FIELDS.index(name)]]
+        if unbound and self.seed is None and int(keras.ops.convert_to_numpy(self.iterations.value)) == 0:
+            current = np.asarray(keras.ops.convert_to_numpy(self._noise_key.value))
+            fresh = getattr(self, "_dp_fresh_noise_key", None)
+            if fresh is not None and not np.array_equal(current, fresh):
+                raise ValueError(
+                    "this optimizer's noise key was restored from a file saved before its first private step: "
+                    "every run started from that file draws the same noise, so two of them (e.g. on the data "
+                    "before and after a deletion) release their difference without noise. Start a run from a "
+                    "fresh optimizer (load only the model's weights: private.inner.load_weights(...)).")
         if unbound:
             saved[unbound] = expected[unbound]
             self._plan.assign(saved)
@@ -344,7 +353,17 @@ class NoiseCurveOptimizer(_impl.OptimizerBackend, keras.optimizers.Optimizer):
         halves), so a file written on one backend resumes on the other with the same noise key
         and sampling key (every other variable has the same shape on both)."""
         keys = [k for k in (getattr(self, "_noise_key", None), getattr(self, "_sampling_key", None)) if k is not None]
-        if len(store.keys()) != len(self.variables) or not keys:
+        if len(store.keys()) != len(self.variables):
+            # Keras would warn and skip: the weights would load while the step count, the keys
+            # and the plan words restart, and epsilon would forget the steps the weights carry
+            raise ValueError(
+                f"the file's state of optimizer {self.name!r} has {len(store.keys())} variables, this optimizer "
+                f"{len(self.variables)}{' (not built yet)' if not self.variables else ''}: it was written for "
+                "another model or optimizer, or by another version of keras_noisecurve. Restoring the weights "
+                "without the step count, keys and plan would report an epsilon that ignores the private steps "
+                "the weights carry. Build the model and call optimizer.build(model.trainable_variables) before "
+                "loading, with the model and run the file was written with, or start a new run from fresh weights.")
+        if not keys:
             return super().load_own_variables(store)
         converted = {}
         for i, variable in enumerate(self.variables):
@@ -371,6 +390,11 @@ class NoiseCurveOptimizer(_impl.OptimizerBackend, keras.optimizers.Optimizer):
         super().build(variables)
         # the keys: int64 (2,) on TensorFlow, their four 32-bit words (int32 (4,)) on JAX
         self._noise_key = self._dp_key_variable(self._initial_key, "noise_key")
+        # the key drawn in this process: a restore that replaces it before the first step is seen
+        # (a build traced inside the first step is never restored before that step)
+        self._dp_fresh_noise_key = None
+        if _compat.executing_eagerly():
+            self._dp_fresh_noise_key = np.asarray(keras.ops.convert_to_numpy(self._noise_key.value)).copy()
         # the plan words (plan_state): what epsilon depends on, saved and restored with the step
         self._plan = self.add_variable(
             shape=(len(plan_state.FIELDS),), dtype="int32",

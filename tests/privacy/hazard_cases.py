@@ -40,10 +40,10 @@ def _run(epsilon=8.0, batch_size=B, seed=1):
                       seed=seed)
 
 
-def _private(run, loss="mse", clip=1.0):
+def _private(run, loss="mse", clip=1.0, layers=None, seed=2):
     keras.utils.set_random_seed(0)
-    model = make_private(keras.Sequential([keras.Input((5,)), keras.layers.Dense(1)]))
-    model.compile(optimizer=NoiseCurveOptimizer(run=run, learning_rate=0.1, l2_norm_clip=clip, seed=2), loss=loss)
+    model = make_private(keras.Sequential([keras.Input((5,)), *(layers or [keras.layers.Dense(1)])]))
+    model.compile(optimizer=NoiseCurveOptimizer(run=run, learning_rate=0.1, l2_norm_clip=clip, seed=seed), loss=loss)
     return model
 
 
@@ -94,7 +94,7 @@ def test_load_weights_of_another_plan_then_fit_is_refused(tmp_path, data):
         restored.fit(other.dataset(*data), verbose=0)
 
 
-@pytest.mark.parametrize("change", ["one example", "order", "loss", "clip"])
+@pytest.mark.parametrize("change", ["one example", "order", "loss", "clip", "activation"])
 def test_resume_on_other_inputs_is_refused(tmp_path, data, change):
     """A step run again from a checkpoint must take the same inputs (then it draws the same noise and
     reproduces its output); on other inputs it would reuse its noise, so it is refused."""
@@ -109,10 +109,49 @@ def test_resume_on_other_inputs_is_refused(tmp_path, data, change):
         x, y = x[order], y[order]
     elif change == "loss":
         loss, what = "mae", "the model's trainable variables or its loss"
-    else:
+    elif change == "clip":
         clip, what = 0.5, "ζ, the clip norm"
+    layers = [keras.layers.Dense(1, activation="tanh")] if change == "activation" else None
+    if change == "activation":
+        what = "the model's trainable variables or its loss"
     with pytest.raises(ValueError, match=f"what differs: {what}"):
-        _resume(backup, run, (x, y), model=_private(run, loss=loss, clip=clip))
+        _resume(backup, run, (x, y), model=_private(run, loss=loss, clip=clip, layers=layers))
+
+
+def test_a_checkpoint_saved_before_the_first_step_cannot_start_runs(tmp_path, data):
+    """Two runs started from one step-0 file would share their noise (and release their difference)."""
+    run = _run()
+    first = _private(run, seed=None)
+    first.optimizer.build(first.trainable_variables)
+    path = str(tmp_path / "init.weights.h5")
+    first.save_weights(path)
+    again = _private(run, seed=None)
+    again.load_weights(path)
+    with pytest.raises(ValueError, match="restored from a file saved before its first private step"):
+        again.fit(run.dataset(*data), verbose=0)
+    assert _iterations(again) == 0
+
+
+def test_load_weights_before_the_optimizer_is_built_restores_its_state(tmp_path, data):
+    run = _run()
+    model = _private(run)
+    model.fit(run.dataset(*data), verbose=0, steps_per_epoch=3, epochs=1)
+    path = str(tmp_path / "m.weights.h5")
+    model.save_weights(path)
+    restored = _private(run)  # compiled, optimizer not built: Keras alone would skip its state
+    restored.load_weights(path)
+    assert _iterations(restored) == 3
+
+
+def test_resuming_with_random_layers_warns(tmp_path, data):
+    backup = str(tmp_path / "backup")
+    run = _run()
+    layers = [keras.layers.Dropout(0.2), keras.layers.Dense(1)]
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        _private(run, layers=layers).fit(run.dataset(*data), verbose=0,
+                                         callbacks=[keras.callbacks.BackupAndRestore(backup, save_freq=1), _Crash()])
+    with pytest.warns(RuntimeWarning, match=r"resuming at step 4 with layers that draw random numbers .*Dropout"):
+        _resume(backup, run, data, model=_private(run, layers=layers))
 
 
 def test_privacy_budget_takes_the_optimizers_run_and_refuses_another(data):
