@@ -123,6 +123,12 @@ def executing_eagerly() -> bool:
     return True
 
 
+def loss_kwargs(loss) -> dict:
+    """The keyword arguments a Keras loss object passes its function (``from_logits``, ...):
+    ``LossFunctionWrapper._fn_kwargs``; empty for other losses."""
+    return dict(getattr(loss, "_fn_kwargs", None) or {})
+
+
 def seed_generators(layer) -> list:
     """The ``keras.random.SeedGenerator`` objects ``layer`` itself tracks (Keras's
     ``Layer._seed_generators``; empty where a release has none)."""

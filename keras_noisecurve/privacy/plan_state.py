@@ -106,48 +106,59 @@ def model_word(model, loss, *, optimizer=None, class_weight=None) -> int:
     from keras_noisecurve import _compat
 
     variables = [[list(map(int, v.shape)), str(v.dtype)] for v in model.trainable_variables]
-    layers = [[type(layer).__name__, _config(layer)] for layer in _compat.flatten_layers(model)
-              if not hasattr(layer, "layers")]  # leaf layers: a model's config repeats them, with names
-    update = None if optimizer is None else _config(optimizer)
+    layers = [_facts(layer) for layer in _compat.flatten_layers(model)
+              if not hasattr(layer, "layers")]  # leaf layers
+    update = None
+    if optimizer is not None:
+        inner = getattr(optimizer, "inner", None)
+        update = [_facts(optimizer), None if inner is None else _facts(inner),
+                  _schedule(_compat.learning_rate_value(inner if inner is not None else optimizer))]
     weights = None if class_weight is None else np.asarray(class_weight, np.float64).tolist()
     return word({"variables": variables, "layers": layers, "loss": _loss_description(loss), "update": update,
                  "class_weight": weights})
 
 
-_UNNAMED = ("name", "run", "seed", "dtype", "trainable")
+#: attributes that are names, bookkeeping or restored with the state, not what a step computes
+_SKIPPED = {"name", "built", "trainable", "dtype", "path", "seed", "run", "learning_rate", "iterations"}
 
 
-def _config(obj):
-    """``obj.get_config()`` as JSON-able data without names (and a float learning rate,
-    restored with the state); the class name where there is no config."""
+def _facts(obj) -> list:
+    """``obj``'s class and its public attributes of plain types (an activation by its name,
+    a dropout rate, momentum); read from the object itself, not ``get_config`` (which, on
+    the JAX backend, imports TensorFlow where it is installed)."""
+    facts = {}
+    for key, value in sorted(vars(obj).items()):
+        if key.startswith(("_", "is_")) or key in _SKIPPED:  # is_*: state flags (is_gptq_calibrated)
+            continue
+        if isinstance(value, (bool, int, float, str)) or value is None:
+            facts[key] = value
+        elif isinstance(value, (tuple, list)) and all(isinstance(v, (bool, int, float, str)) for v in value):
+            facts[key] = list(value)
+        elif callable(value) and hasattr(value, "__name__") and not hasattr(value, "weights"):
+            facts[key] = getattr(value, "__qualname__", value.__name__)
+    return [type(obj).__name__, facts]
+
+
+def _schedule(learning_rate):
+    """A learning-rate schedule's class and config (a constant rate: ``None``, restored)."""
+    get_config = getattr(learning_rate, "get_config", None)
+    if get_config is None or not callable(learning_rate):
+        return None
     try:
-        config = dict(obj.get_config())
-    except (AttributeError, TypeError, ValueError, NotImplementedError):
-        return type(obj).__name__
-    for key in _UNNAMED:
-        config.pop(key, None)
-    if isinstance(config.get("learning_rate"), (int, float)):
-        config.pop("learning_rate")
-    if isinstance(config.get("inner"), dict):
-        inner = dict(config["inner"])
-        inner_config = dict(inner.get("config") or {})
-        for key in _UNNAMED:
-            inner_config.pop(key, None)
-        if isinstance(inner_config.get("learning_rate"), (int, float)):
-            inner_config.pop("learning_rate")
-        config["inner"] = [inner.get("class_name"), inner_config]
-    return [type(obj).__name__, json.loads(json.dumps(config, sort_keys=True, default=str))]
+        return [type(learning_rate).__name__, json.loads(json.dumps(get_config(), sort_keys=True, default=str))]
+    except (TypeError, ValueError, NotImplementedError):
+        return type(learning_rate).__name__
 
 
 def _loss_description(loss):
+    """A loss by name, or its class, its public facts and its function's keyword arguments
+    (``from_logits``, ``label_smoothing``, ...)."""
     if loss is None or isinstance(loss, str):
         return loss
-    get_config = getattr(loss, "get_config", None)
-    if get_config is not None:
-        try:
-            config = dict(get_config())
-            config.pop("name", None)
-            return [type(loss).__name__, json.loads(json.dumps(config, default=str))]
-        except (TypeError, ValueError, NotImplementedError):
-            pass
-    return getattr(loss, "__qualname__", type(loss).__name__)
+    if not hasattr(loss, "__dict__"):
+        return getattr(loss, "__qualname__", type(loss).__name__)
+    from keras_noisecurve import _compat
+
+    kwargs = {k: v for k, v in sorted(_compat.loss_kwargs(loss).items())
+              if isinstance(v, (bool, int, float, str)) or v is None}
+    return [*_facts(loss), kwargs]
