@@ -227,3 +227,31 @@ def test_an_accelerator_s_look_ahead_reads_no_batch_past_the_plan(tmp_path, look
     loaded.fit(run.dataset(*_data()), verbose=0)
     assert _step(loaded) == T
     _assert_same(_weights(loaded), want)
+
+
+def test_the_low_level_path_resumes_exactly_through_backup_and_restore(tmp_path):
+    """An optimizer without a run, fixed batches of arrays (shuffle=False): killed in the second
+    epoch and restored from the first epoch's backup, it ends with the uninterrupted weights."""
+    x, y = _data()
+    c = knc.solve_mixing_matrix(steps=30, bands=2)
+
+    def model():
+        keras.utils.set_random_seed(0)
+        private = knc.make_private(keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)], name="low"))
+        private.compile(optimizer=knc.NoiseCurveOptimizer(learning_rate=0.1, mixing=c, noise_multiplier=1.0,
+                                                          expected_batch_size=B, seed=9), loss="mse")
+        return private
+
+    def fit(private, **kwargs):
+        return private.fit(x[:40], y[:40], batch_size=B, epochs=3, shuffle=False, verbose=0, **kwargs)
+
+    with pytest.warns(RuntimeWarning, match="epsilon is not tracked"):
+        whole = fit(model()).model.get_weights()
+    backup = str(tmp_path / "backup")
+    with pytest.raises(RuntimeError):
+        fit(model(), callbacks=[keras.callbacks.BackupAndRestore(backup), CrashAt(3)])
+    resumed = model()
+    fit(resumed, callbacks=[keras.callbacks.BackupAndRestore(backup)])
+    assert int(np.asarray(resumed.optimizer.iterations.value)) == 6
+    for a, b in zip(resumed.get_weights(), whole):
+        np.testing.assert_array_equal(a, b)
