@@ -88,15 +88,15 @@ def _check_run_data(planned, run, x):
         )
 
 
-def _budgets_last(callbacks) -> list:
-    """The user's callbacks with any ``PrivacyBudget`` moved after the others (in order): it
-    reads the step count in ``on_train_begin``, which must come after a restore
-    (``BackupAndRestore``) whatever order the user listed them in."""
+def _budgets_apart(callbacks):
+    """``(others, budgets)``: the user's callbacks, the ``PrivacyBudget`` ones apart (each list
+    in the user's order). A budget reads the step count in ``on_train_begin``, which must come
+    after a restore (``BackupAndRestore``) whatever order the user listed them in."""
     from keras_noisecurve.privacy.budget import PrivacyBudget
 
     callbacks = list(callbacks or [])
-    return ([c for c in callbacks if not isinstance(c, PrivacyBudget)]
-            + [c for c in callbacks if isinstance(c, PrivacyBudget)])
+    return ([c for c in callbacks if not isinstance(c, PrivacyBudget)],
+            [c for c in callbacks if isinstance(c, PrivacyBudget)])
 
 
 def _is_arrays(x) -> bool:
@@ -507,8 +507,10 @@ class PrivateModel(_impl.TrainStepBackend, keras.Model):
             kwargs.setdefault("steps_per_epoch", run.steps_per_epoch)
             kwargs.setdefault("epochs", run.epochs)
             kwargs.setdefault("shuffle", False)  # the plan decides the order
-            callbacks = _budgets_last(kwargs.pop("callbacks", None))
-            kwargs["callbacks"] = callbacks + [_PlanStart(data.source.fingerprint()), _StopAtPlanEnd(run.steps)]
+            others, budgets = _budgets_apart(kwargs.pop("callbacks", None))
+            # after the user's restores, the plan check; then the budgets (they read the restored step)
+            kwargs["callbacks"] = others + [_PlanStart(data.source.fingerprint())] + budgets + [
+                _StopAtPlanEnd(run.steps)]
         low = getattr(x, "_knc_low_level_plan", None)
         if run is None and low is not None:  # banded_poisson_dataset: start at the optimizer's step
             x = low.dataset(self.optimizer, with_step=True)

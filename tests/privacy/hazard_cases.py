@@ -246,3 +246,13 @@ def test_the_hazard_table_names_every_path():
                  "clip", ".keras", "seed", "from_config", "pickle", "non-private", "low-level", "sampler(key)",
                  "BackupAndRestore"):
         assert path in table, path
+
+
+def test_a_budget_listed_before_backup_and_restore_counts_from_the_restored_step(tmp_path, data):
+    backup = _crashed_backup(tmp_path, data)
+    run = _run()
+    budget = PrivacyBudget(log_every_step=True, verbose=0)
+    history = _private(run).fit(run.dataset(*data), verbose=0,
+                                callbacks=[budget, keras.callbacks.BackupAndRestore(backup, save_freq=1)])
+    assert budget.stopped_at_step == T  # 4 restored + 4 run: the plan's end, not 4
+    assert history.history["epsilon"][-1] == pytest.approx(run.epsilon(T))
