@@ -131,12 +131,19 @@ def _facts(obj) -> list:
         if key.startswith(("_", "is_")) or key in _SKIPPED:  # is_*: state flags (is_gptq_calibrated)
             continue
         if isinstance(value, (bool, int, float, str)) or value is None:
-            facts[key] = value
+            facts[key] = _plain(value)
         elif isinstance(value, (tuple, list)) and all(isinstance(v, (bool, int, float, str)) for v in value):
-            facts[key] = list(value)
+            facts[key] = [_plain(v) for v in value]
         elif callable(value) and hasattr(value, "__name__") and not hasattr(value, "weights"):
             facts[key] = getattr(value, "__qualname__", value.__name__)
     return [type(obj).__name__, facts]
+
+
+def _plain(value):
+    """Numbers as floats (a config read back from a file turns 4 into 4.0), the rest as is."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return value
 
 
 def _schedule(learning_rate):

@@ -28,7 +28,7 @@ from keras_noisecurve import _compat
 from keras_noisecurve import backend as _backend
 from keras_noisecurve._losses import per_example_loss_fn
 from keras_noisecurve._validation import check_choice, check_float, check_int
-from keras_noisecurve.training import lora_state
+from keras_noisecurve.training import lora_state, plan_guard
 from keras_noisecurve.backend.class_weight import check_class_weight
 from keras_noisecurve.backend.model_checks import ENGINES, check_model_is_clippable
 from keras_noisecurve.training.optimizer import NoiseCurveOptimizer
@@ -86,17 +86,6 @@ def _check_run_data(planned, run, x):
             f"the dataset belongs to another plan ({run!r}) than this model's optimizer ({planned!r}): "
             "the batches and the noise would not belong to one run. Use the optimizer's run.dataset(x, y)."
         )
-
-
-def _budgets_apart(callbacks):
-    """``(others, budgets)``: the user's callbacks, the ``PrivacyBudget`` ones apart (each list
-    in the user's order). A budget reads the step count in ``on_train_begin``, which must come
-    after a restore (``BackupAndRestore``) whatever order the user listed them in."""
-    from keras_noisecurve.privacy.budget import PrivacyBudget
-
-    callbacks = list(callbacks or [])
-    return ([c for c in callbacks if not isinstance(c, PrivacyBudget)],
-            [c for c in callbacks if isinstance(c, PrivacyBudget)])
 
 
 def _is_arrays(x) -> bool:
@@ -158,56 +147,6 @@ class _LowLevelStart(keras.callbacks.Callback):
         if done >= steps:
             raise RuntimeError(f"the plan of {steps} steps is complete (the optimizer has taken {done} steps): "
                                "no further private step is possible with this banded_poisson_dataset.")
-
-
-class _PlanStart(keras.callbacks.Callback):
-    """Before the first step of a private ``fit`` (after any restore: it runs after the
-    user's callbacks), refuses an optimizer state saved under another plan, on other
-    examples or their order, or for another model or loss (``optimizer.check_plan``), and
-    warns when the weights changed since the last private step of this process; at the end
-    records the weights' digest."""
-
-    def __init__(self, data):
-        super().__init__()
-        self._data = data
-
-    def on_train_begin(self, logs=None):
-        private = self.model
-        private._dp_check_plan(data=self._data)
-        private._dp_check_weights_unchanged()
-        private._dp_warn_random_layers()
-
-    def on_train_end(self, logs=None):
-        self.model._dp_record_weights()
-
-
-def _weights_digest(model):
-    """``(step, digest)``: the optimizer's step and a digest of every weight of ``model``
-    (host values, in order); ``None`` where a weight is not wholly on this process (JAX
-    arrays split across processes: nothing is compared then)."""
-    import hashlib
-
-    values = [variable.value for variable in model.weights]
-    if not all(getattr(value, "is_fully_addressable", True) for value in values):
-        return None
-    digest = hashlib.blake2b(digest_size=16)
-    for value in values:
-        digest.update(np.ascontiguousarray(keras.ops.convert_to_numpy(value)).tobytes())
-    return _iterations(model.optimizer), digest.digest()
-
-
-def _low_level_warning(optimizer, batch_size) -> str:
-    """The warning of a private fit whose optimizer has no run: nothing tracks ε."""
-    size = f" of {batch_size} examples" if batch_size is not None else ""
-    expected = optimizer.expected_batch_size
-    mismatch = (f" The batches{size} are not the expected_batch_size={expected} the noisy sum is divided by."
-                if batch_size is not None and batch_size != expected else "")
-    return (
-        f"this optimizer has no PrivateRun: epsilon is not tracked, and nothing checks that the batches follow "
-        f"the sampling your accounting assumes (fixed, shuffled batches are not Poisson sampling).{mismatch} "
-        "Describe the run once, run = keras_noisecurve.PrivateRun(...), and train with "
-        "NoiseCurveOptimizer(run=run, ...) on fit(run.dataset(x, y)) (docs/run.md)."
-    )
 
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)
@@ -332,14 +271,8 @@ class PrivateModel(_impl.TrainStepBackend, keras.Model):
 
     # ------------------------------------------------------------ the plan and the weights
     def _dp_check_plan(self, data=None):
-        """``optimizer.check_plan`` with this model's model word (and ``data``'s)."""
-        from keras_noisecurve.privacy import plan_state
-
-        optimizer = getattr(self, "optimizer", None)
-        if isinstance(optimizer, NoiseCurveOptimizer):
-            word = plan_state.model_word(self.inner, getattr(self, "loss", None), optimizer=optimizer,
-                                         class_weight=self._dp_class_weight)
-            optimizer.check_plan(data=data, model=word)
+        """``optimizer.check_plan`` with this model's words (``plan_guard.check_plan``)."""
+        plan_guard.check_plan(self, data)
 
     def load_weights(self, filepath, *args, **kwargs):
         """Keras's, with the optimizer built first when the model is compiled and built: Keras
@@ -350,47 +283,6 @@ class PrivateModel(_impl.TrainStepBackend, keras.Model):
             optimizer.build(self.trainable_variables)
         object.__setattr__(self, "_dp_plan_checked", False)  # train_on_batch checks the restored plan
         return super().load_weights(filepath, *args, **kwargs)
-
-    def _dp_warn_random_layers(self):
-        """On a resume (step > 0 at the start of a private fit), warn when layers draw random
-        numbers in training (Dropout, GaussianNoise, ...): their generators' state is not in
-        checkpoints, so a step run again from a checkpoint does not reproduce its first release."""
-        optimizer = getattr(self, "optimizer", None)
-        if not isinstance(optimizer, NoiseCurveOptimizer) or _iterations(optimizer) == 0:
-            return
-        random = sorted({type(layer).__name__ for layer in _compat.flatten_layers(self.inner)
-                         if _compat.seed_generators(layer)})
-        if random:
-            import warnings
-
-            warnings.warn(
-                f"resuming at step {_iterations(optimizer)} with layers that draw random numbers in training "
-                f"({', '.join(random)}): their generators' state is not saved in checkpoints, so a step that "
-                "already ran after this checkpoint (before a crash) runs again on other random numbers with the "
-                "same noise. Harmless if nothing of those steps was released (their checkpoints, logs or "
-                "weights); otherwise their difference is released without noise (docs/privacy.md §9).",
-                RuntimeWarning, stacklevel=2)
-
-    def _dp_check_weights_unchanged(self):
-        """Warn when the weights differ from those after this process's last private step:
-        something else trained or edited them, and the reported ε does not describe them."""
-        recorded = getattr(self, "_dp_weights_after", None)
-        now = _weights_digest(self) if recorded is not None else None
-        # a restore (BackupAndRestore, load_weights) brings its own step with its weights: only
-        # weights that changed while the step stood still changed outside the private steps
-        if now is not None and now[0] == recorded[0] and now[1] != recorded[1]:
-            import warnings
-
-            warnings.warn(
-                "the model's weights changed since its last private step (a non-private fit of the wrapped "
-                "model, set_weights, load_weights of other weights, ...): the epsilon this run reports covers "
-                "the private steps only, not what changed the weights in between. If private data changed "
-                "them, the model is not private at the reported epsilon.",
-                RuntimeWarning, stacklevel=2)
-        object.__setattr__(self, "_dp_weights_after", None)
-
-    def _dp_record_weights(self):
-        object.__setattr__(self, "_dp_weights_after", _weights_digest(self))
 
     def _dp_setup(self, clipping, microbatch_size):
         self._dp_clipping = check_choice("clipping", clipping, ENGINES)
@@ -507,9 +399,9 @@ class PrivateModel(_impl.TrainStepBackend, keras.Model):
             kwargs.setdefault("steps_per_epoch", run.steps_per_epoch)
             kwargs.setdefault("epochs", run.epochs)
             kwargs.setdefault("shuffle", False)  # the plan decides the order
-            others, budgets = _budgets_apart(kwargs.pop("callbacks", None))
+            others, budgets = plan_guard.budgets_apart(kwargs.pop("callbacks", None))
             # after the user's restores, the plan check; then the budgets (they read the restored step)
-            kwargs["callbacks"] = others + [_PlanStart(data.source.fingerprint())] + budgets + [
+            kwargs["callbacks"] = others + [plan_guard.PlanStart(data.source.fingerprint())] + budgets + [
                 _StopAtPlanEnd(run.steps)]
         low = getattr(x, "_knc_low_level_plan", None)
         if run is None and low is not None:  # banded_poisson_dataset: start at the optimizer's step
@@ -520,9 +412,9 @@ class PrivateModel(_impl.TrainStepBackend, keras.Model):
             import warnings
 
             batch_size = kwargs.get("batch_size", 32 if _is_arrays(x) else None)
-            warnings.warn(_low_level_warning(self.optimizer, batch_size), RuntimeWarning, stacklevel=3)
+            warnings.warn(plan_guard.low_level_warning(self.optimizer, batch_size), RuntimeWarning, stacklevel=3)
         if run is None:
-            kwargs["callbacks"] = list(kwargs.pop("callbacks", None) or []) + [_PlanStart(None)]
+            kwargs["callbacks"] = list(kwargs.pop("callbacks", None) or []) + [plan_guard.PlanStart(None)]
         extra = self._dp_step_callbacks()
         if extra:
             kwargs["callbacks"] = list(kwargs.pop("callbacks", None) or []) + extra

@@ -210,6 +210,8 @@ class NoiseCurveOptimizer(_impl.OptimizerBackend, keras.optimizers.Optimizer):
         self._pending_plan = {}  # {field: word} bound before build (data, model)
         if seed is not None:
             fixed_seed_warning("NoiseCurveOptimizer", "noise")
+        # the variables of an unbuilt optimizer (step counter, learning rate; the inner's too)
+        self._dp_unbuilt_count = len(self.variables)
         message = update_rule_warning(mixing, inner, _compat.learning_rate_value(self))
         if message is not None:
             warnings.warn(message, UserWarning, stacklevel=2)
@@ -345,7 +347,8 @@ class NoiseCurveOptimizer(_impl.OptimizerBackend, keras.optimizers.Optimizer):
         run's secret noise key and sampling key (``.keras``, ``.weights.h5``,
         ``ModelCheckpoint``, ``BackupAndRestore``); once per file and process."""
         super().save_own_variables(store)
-        warn_keys_written(store, sampling=self._sampling_key is not None)
+        if self.built:  # an unbuilt optimizer writes no variable, so no key
+            warn_keys_written(store, sampling=self._sampling_key is not None)
 
     def load_own_variables(self, store):
         """Keras's loading of a ``.keras`` file's optimizer variables, across backends: the keys
@@ -353,6 +356,10 @@ class NoiseCurveOptimizer(_impl.OptimizerBackend, keras.optimizers.Optimizer):
         halves), so a file written on one backend resumes on the other with the same noise key
         and sampling key (every other variable has the same shape on both)."""
         keys = [k for k in (getattr(self, "_noise_key", None), getattr(self, "_sampling_key", None)) if k is not None]
+        if len(store.keys()) == getattr(self, "_dp_unbuilt_count", -1):
+            # saved before it was built (its step counter and learning rate only): no private
+            # step, no key, nothing to restore; the rate is the config's
+            return None
         if len(store.keys()) != len(self.variables):
             # Keras would warn and skip: the weights would load while the step count, the keys
             # and the plan words restart, and epsilon would forget the steps the weights carry

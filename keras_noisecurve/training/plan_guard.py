@@ -1,0 +1,135 @@
+"""What a private ``fit`` checks before its first step, so that the ε it reports is the ε spent.
+
+- :class:`PlanStart`, a callback the private model appends after the user's (so after any
+  restore, e.g. ``BackupAndRestore``): refuses an optimizer state saved under another plan,
+  on other examples or another order of them, or for another model, loss or update
+  (:func:`check_plan`, ``NoiseCurveOptimizer.check_plan``); warns when the weights changed
+  since this process's last private step, or when a resumed model has layers that draw
+  random numbers; records the weights' digest at the end.
+- :func:`budgets_apart`: ``PrivacyBudget`` callbacks run after the plan check, wherever the
+  user listed them (they read the restored step).
+- :func:`low_level_warning`: an optimizer without a run tracks no ε.
+
+docs/privacy.md, "What can make ε wrong", lists every path and what happens on it. All of
+this runs on the host, once per ``fit``: nothing per step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import warnings
+
+import keras
+import numpy as np
+
+from keras_noisecurve import _compat
+from keras_noisecurve.privacy import plan_state
+from keras_noisecurve.training.optimizer import NoiseCurveOptimizer
+
+__all__ = ["PlanStart", "budgets_apart", "check_plan", "low_level_warning"]
+
+
+def _step(optimizer) -> int:
+    return int(keras.ops.convert_to_numpy(optimizer.iterations.value))
+
+
+def check_plan(private, data=None) -> None:
+    """``optimizer.check_plan`` of ``private``'s optimizer with the words of its wrapped model,
+    compiled loss, update and class-weight table (``plan_state.model_word``) and ``data``'s."""
+    optimizer = getattr(private, "optimizer", None)
+    if isinstance(optimizer, NoiseCurveOptimizer):
+        word = plan_state.model_word(private.inner, getattr(private, "loss", None), optimizer=optimizer,
+                                     class_weight=getattr(private, "_dp_class_weight", None))
+        optimizer.check_plan(data=data, model=word)
+
+
+class PlanStart(keras.callbacks.Callback):
+    """Before the first step of a private ``fit``, after the user's callbacks: the plan check
+    (:func:`check_plan`), then the warnings of :func:`_weights_changed` and
+    :func:`_random_layers`; at the end, the weights' digest for the next ``fit``."""
+
+    def __init__(self, data):
+        super().__init__()
+        self._data = data
+
+    def on_train_begin(self, logs=None):
+        private = self.model
+        check_plan(private, self._data)
+        _weights_changed(private)
+        _random_layers(private)
+
+    def on_train_end(self, logs=None):
+        object.__setattr__(self.model, "_dp_weights_after", _weights_digest(self.model))
+
+
+def budgets_apart(callbacks):
+    """``(others, budgets)``: the user's callbacks, the ``PrivacyBudget`` ones apart (each list
+    in the user's order). A budget reads the step count in ``on_train_begin``, which must come
+    after a restore (``BackupAndRestore``) whatever order the user listed them in."""
+    from keras_noisecurve.privacy.budget import PrivacyBudget
+
+    callbacks = list(callbacks or [])
+    return ([c for c in callbacks if not isinstance(c, PrivacyBudget)],
+            [c for c in callbacks if isinstance(c, PrivacyBudget)])
+
+
+def low_level_warning(optimizer, batch_size) -> str:
+    """The warning of a private fit whose optimizer has no run: nothing tracks ε."""
+    size = f" of {batch_size} examples" if batch_size is not None else ""
+    expected = optimizer.expected_batch_size
+    mismatch = (f" The batches{size} are not the expected_batch_size={expected} the noisy sum is divided by."
+                if batch_size is not None and batch_size != expected else "")
+    return (
+        f"this optimizer has no PrivateRun: epsilon is not tracked, and nothing checks that the batches follow "
+        f"the sampling your accounting assumes (fixed, shuffled batches are not Poisson sampling).{mismatch} "
+        "Describe the run once, run = keras_noisecurve.PrivateRun(...), and train with "
+        "NoiseCurveOptimizer(run=run, ...) on fit(run.dataset(x, y)) (docs/run.md)."
+    )
+
+
+def _weights_digest(model):
+    """``(step, digest)``: the optimizer's step and a digest of every weight of ``model``
+    (host values, in order); ``None`` where a weight is not wholly on this process (JAX
+    arrays split across processes: nothing is compared then)."""
+    values = [variable.value for variable in model.weights]
+    if not all(getattr(value, "is_fully_addressable", True) for value in values):
+        return None
+    digest = hashlib.blake2b(digest_size=16)
+    for value in values:
+        digest.update(np.ascontiguousarray(keras.ops.convert_to_numpy(value)).tobytes())
+    return _step(model.optimizer), digest.digest()
+
+
+def _weights_changed(private) -> None:
+    """Warn when the weights differ from those after this process's last private step while
+    the step stood still (a restore brings its own step with its weights): something else
+    trained or edited them, and the reported ε does not describe them."""
+    recorded = getattr(private, "_dp_weights_after", None)
+    now = _weights_digest(private) if recorded is not None else None
+    if now is not None and now[0] == recorded[0] and now[1] != recorded[1]:
+        warnings.warn(
+            "the model's weights changed since its last private step (a non-private fit of the wrapped "
+            "model, set_weights, load_weights of other weights, ...): the epsilon this run reports covers "
+            "the private steps only, not what changed the weights in between. If private data changed "
+            "them, the model is not private at the reported epsilon.",
+            RuntimeWarning, stacklevel=2)
+    object.__setattr__(private, "_dp_weights_after", None)
+
+
+def _random_layers(private) -> None:
+    """On a resume (step > 0 at the start of a private fit), warn when layers draw random
+    numbers in training (Dropout, GaussianNoise, ...): their generators' state is not in
+    checkpoints, so a step run again from a checkpoint does not reproduce its first release."""
+    optimizer = getattr(private, "optimizer", None)
+    if not isinstance(optimizer, NoiseCurveOptimizer) or _step(optimizer) == 0:
+        return
+    random = sorted({type(layer).__name__ for layer in _compat.flatten_layers(private.inner)
+                     if _compat.seed_generators(layer)})
+    if random:
+        warnings.warn(
+            f"resuming at step {_step(optimizer)} with layers that draw random numbers in training "
+            f"({', '.join(random)}): their generators' state is not saved in checkpoints, so a step that "
+            "already ran after this checkpoint (before a crash) runs again on other random numbers with the "
+            "same noise. Harmless if nothing of those steps was released (their checkpoints, logs or "
+            "weights); otherwise their difference is released without noise (docs/privacy.md §9).",
+            RuntimeWarning, stacklevel=2)
