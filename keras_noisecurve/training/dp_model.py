@@ -224,11 +224,17 @@ class PrivateModel(_impl.TrainStepBackend, keras.Model):
         super().save_own_variables(store)
         self._dp_apply_pending_lora()
         lora_state.save_values(self.inner, store)
+        optimizer = getattr(self, "optimizer", None)
+        if isinstance(optimizer, NoiseCurveOptimizer) and optimizer.built:
+            # the private steps these weights carry, with the weights (plan_guard.check_plan)
+            store["dp_private_steps"] = np.asarray(_iterations(optimizer), np.int64)
 
     def load_own_variables(self, store):
         # the wrapper owns no variables (Keras's own check would count the LoRA entries)
         # the layers load after this (merged kernel, zero factors): put the values back before training
         self._dp_pending_lora = lora_state.stash_values(self.inner, store)
+        steps = int(np.asarray(store["dp_private_steps"])) if "dp_private_steps" in store.keys() else 0
+        object.__setattr__(self, "_dp_loaded_steps", steps)
 
     def set_state_tree(self, state_tree):
         """Keras's (what ``load_weights`` and ``load_model`` of an Orbax checkpoint call),

@@ -38,6 +38,16 @@ def check_plan(private, data=None) -> None:
     compiled loss, update and class-weight table (``plan_state.model_word``) and ``data``'s."""
     optimizer = getattr(private, "optimizer", None)
     if isinstance(optimizer, NoiseCurveOptimizer):
+        loaded = getattr(private, "_dp_loaded_steps", 0)
+        if loaded and _step(optimizer) == 0:
+            raise ValueError(
+                f"the weights were loaded from a file written after {loaded} private steps, but the optimizer "
+                "stands at step 0 (its state was not restored: load_model(..., compile=False), or a new "
+                "optimizer): epsilon would count from 0 on weights that already spent it. Resume with the "
+                "compiled file (keras.models.load_model(path)) or load_weights into the compiled model; to "
+                "start a new run from these weights on purpose (both runs count), copy them into the wrapped "
+                "model: new_private.inner.set_weights(loaded.inner.get_weights()).")
+        object.__setattr__(private, "_dp_loaded_steps", 0)
         word = plan_state.model_word(private.inner, getattr(private, "loss", None), optimizer=optimizer,
                                      class_weight=getattr(private, "_dp_class_weight", None))
         optimizer.check_plan(data=data, model=word)

@@ -256,3 +256,22 @@ def test_a_budget_listed_before_backup_and_restore_counts_from_the_restored_step
                                 callbacks=[budget, keras.callbacks.BackupAndRestore(backup, save_freq=1)])
     assert budget.stopped_at_step == T  # 4 restored + 4 run: the plan's end, not 4
     assert history.history["epsilon"][-1] == pytest.approx(run.epsilon(T))
+
+
+def test_weights_that_carry_private_steps_refuse_a_fresh_optimizer(tmp_path, data):
+    """load_model(..., compile=False) then a new optimizer: the weights carry 3 private steps that
+    the new optimizer would not count."""
+    run = _run()
+    model = _private(run)
+    model.fit(run.dataset(*data), verbose=0, steps_per_epoch=3, epochs=1)
+    model.save(tmp_path / "m.keras")
+    loaded = keras.models.load_model(tmp_path / "m.keras", compile=False)
+    loaded.compile(optimizer=NoiseCurveOptimizer(run=run, learning_rate=0.1, seed=2), loss="mse")
+    with pytest.raises(ValueError, match="written after 3 private steps, but the optimizer stands at step 0"):
+        loaded.fit(run.dataset(*data), verbose=0)
+    resumed = keras.models.load_model(tmp_path / "m.keras")  # compiled: the optimizer's state comes back
+    resumed.fit(run.dataset(*data), verbose=0)
+    assert _iterations(resumed) == T
+    fresh = _private(_run(seed=4))  # a new run from those weights, on purpose
+    fresh.inner.set_weights(loaded.inner.get_weights())
+    fresh.fit(fresh.optimizer.run.dataset(*data), verbose=0)
