@@ -65,8 +65,11 @@ class PlanStart(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         private = self.model
         check_plan(private, self._data)
+        recorded = getattr(private, "_dp_weights_after", None)
+        continued = recorded is not None and recorded[0] == _step(private.optimizer)  # no restore since
         _weights_changed(private)
-        _random_layers(private)
+        if not continued:
+            _random_layers(private)
 
     def on_train_end(self, logs=None):
         object.__setattr__(self.model, "_dp_weights_after", _weights_digest(self.model))
@@ -98,10 +101,10 @@ def low_level_warning(optimizer, batch_size) -> str:
 
 
 def _weights_digest(model):
-    """``(step, digest)``: the optimizer's step and a digest of every weight of ``model``
-    (host values, in order); ``None`` where a weight is not wholly on this process (JAX
+    """``(step, digest)``: the optimizer's step and a digest of the trainable weights of
+    ``model`` (host values, in order; frozen weights, e.g. a LoRA model's base, are left out); ``None`` where a weight is not wholly on this process (JAX
     arrays split across processes: nothing is compared then)."""
-    values = [variable.value for variable in model.weights]
+    values = [variable.value for variable in model.trainable_variables]  # what a fit can train
     if not all(getattr(value, "is_fully_addressable", True) for value in values):
         return None
     digest = hashlib.blake2b(digest_size=16)

@@ -275,3 +275,31 @@ def test_weights_that_carry_private_steps_refuse_a_fresh_optimizer(tmp_path, dat
     fresh = _private(_run(seed=4))  # a new run from those weights, on purpose
     fresh.inner.set_weights(loaded.inner.get_weights())
     fresh.fit(fresh.optimizer.run.dataset(*data), verbose=0)
+
+
+def test_a_step_zero_file_of_an_interrupted_fit_cannot_start_runs(tmp_path, data):
+    """A fit that stopped before its first step has bound the data and model words: its file still
+    holds a step-0 noise key that two runs would share."""
+    run = _run()
+    first = _private(run, seed=None)
+
+    class Stop(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            raise RuntimeError("stopped before the first step")
+
+    with pytest.raises(RuntimeError, match="before the first step"):
+        first.fit(run.dataset(*data), verbose=0, callbacks=[Stop()])
+    first.save(tmp_path / "step0.keras")
+    again = keras.models.load_model(tmp_path / "step0.keras")
+    with pytest.raises(ValueError, match="restored from a file saved before its first private step"):
+        again.fit(run.dataset(*data), verbose=0)
+
+
+def test_a_second_fit_in_the_same_process_is_no_resume(data):
+    run = _run()
+    model = _private(run, layers=[keras.layers.Dropout(0.2), keras.layers.Dense(1)])
+    model.fit(run.dataset(*data), verbose=0, steps_per_epoch=3, epochs=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        model.fit(run.dataset(*data), verbose=0)  # continues at step 3: no restore, no warning
+    assert _iterations(model) == T
