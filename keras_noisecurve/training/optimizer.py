@@ -296,12 +296,12 @@ class NoiseCurveOptimizer(_impl.OptimizerBackend, keras.optimizers.Optimizer):
             self._pending_plan.update(bind)
             return
         saved = self.saved_plan()
+        step = int(keras.ops.convert_to_numpy(self.iterations.value))
         differ = plan_state.differences(saved, expected)
         if differ:
-            step = int(keras.ops.convert_to_numpy(self.iterations.value))
             raise ValueError(plan_state.refusal(differ, step=step, plan=repr(self.run or self)))
         unbound = [plan_state.FIELDS.index(name) for name in bind if not saved[plan_state.FIELDS.index(name)]]
-        if self.seed is None and int(keras.ops.convert_to_numpy(self.iterations.value)) == 0:
+        if self.seed is None and step == 0:
             current = np.asarray(keras.ops.convert_to_numpy(self._noise_key.value))
             fresh = getattr(self, "_dp_fresh_noise_key", None)
             if fresh is not None and not np.array_equal(current, fresh):

@@ -69,6 +69,15 @@ def _resume(backup, run, data, model=None):
     return model
 
 
+def _weights_after_three_steps(tmp_path, data, run):
+    """The path of a ``.weights.h5`` file of ``run`` saved after 3 private steps."""
+    model = _private(run)
+    model.fit(run.dataset(*data), verbose=0, steps_per_epoch=3, epochs=1)
+    path = str(tmp_path / "three.weights.h5")
+    model.save_weights(path)
+    return path
+
+
 def _iterations(model):
     return int(keras.ops.convert_to_numpy(model.optimizer.iterations.value))
 
@@ -81,11 +90,7 @@ def test_resume_under_an_edited_epsilon_is_refused_the_same_plan_resumes(tmp_pat
 
 
 def test_load_weights_of_another_plan_then_fit_is_refused(tmp_path, data):
-    run = _run()
-    model = _private(run)
-    model.fit(run.dataset(*data), verbose=0, steps_per_epoch=3, epochs=1)
-    path = str(tmp_path / "a.weights.h5")
-    model.save_weights(path)
+    path = _weights_after_three_steps(tmp_path, data, _run())
     other = _run(batch_size=25)
     restored = _private(other)
     restored.optimizer.build(restored.trainable_variables)
@@ -134,10 +139,7 @@ def test_a_checkpoint_saved_before_the_first_step_cannot_start_runs(tmp_path, da
 
 def test_load_weights_before_the_optimizer_is_built_restores_its_state(tmp_path, data):
     run = _run()
-    model = _private(run)
-    model.fit(run.dataset(*data), verbose=0, steps_per_epoch=3, epochs=1)
-    path = str(tmp_path / "m.weights.h5")
-    model.save_weights(path)
+    path = _weights_after_three_steps(tmp_path, data, run)
     restored = _private(run)  # compiled, optimizer not built: Keras alone would skip its state
     restored.load_weights(path)
     assert _iterations(restored) == 3
