@@ -135,6 +135,14 @@ def seed_generators(layer) -> list:
     return list(getattr(layer, "_seed_generators", None) or [])
 
 
+def global_seed_generator():
+    """Keras's global ``SeedGenerator`` (what unseeded ``keras.random`` calls draw from), or
+    ``None`` when none was made yet (``keras.src.backend.common.global_state``)."""
+    from keras.src.backend.common import global_state
+
+    return global_state.get_global_attribute("global_seed_generator")
+
+
 def own_trainable_variables(layer) -> list:
     """The trainable variables ``layer`` itself created (not its sublayers'): Keras's
     ``Layer._trainable_variables`` (empty when the layer has none)."""

@@ -162,6 +162,7 @@ def check_mechanism(
 
     from keras_noisecurve._losses import per_example_loss_fn
     from keras_noisecurve.audit import mechanism_clipping, mechanism_noise
+    from keras_noisecurve.training import batch_probe
 
     checks = tuple(checks)
     unknown = [c for c in checks if c not in CHECKS]
@@ -213,7 +214,12 @@ def check_mechanism(
                 x=keras.tree.map_structure(lambda a: np.asarray(a)[index], x),
                 y=keras.tree.map_structure(lambda a: np.asarray(a)[index], y),
                 sample_weight=None if weights is None else weights[index], tolerance=tolerance))
-        done("clipping", mechanism_clipping.merge(parts, tolerance=tolerance), start)
+        merged = mechanism_clipping.merge(parts, tolerance=tolerance)
+        first = order[:batch_size]  # in training mode: MixUp, batch statistics, state written from the data
+        probe = batch_probe.probe_examples(private.inner, keras.tree.map_structure(lambda a: np.asarray(a)[first], x),
+                                           keras.tree.map_structure(lambda a: np.asarray(a)[first], y),
+                                           loss_fn=loss_fn)
+        done("clipping", mechanism_clipping.with_probe(merged, probe), start)
     if "sampling" in checks:
         start = time.perf_counter()
         done("sampling", check_sampling(run=run), start)

@@ -44,7 +44,7 @@ import dataclasses
 
 import numpy as np
 
-__all__ = ["ClippingCheck", "check_clipping", "float64_clone"]
+__all__ = ["ClippingCheck", "check_clipping", "float64_clone", "with_probe"]
 
 #: a layer's (or an example's) share below this fraction of the example's norm is
 #: compared in absolute terms (relative to this fraction of the total)
@@ -74,6 +74,10 @@ class ClippingCheck:
         ``sum_error`` of its part of the clipped sum against S_L, ``own_sum_error`` against
         the reference gradients scaled by the engine's factors.
       line: one line for a report.
+      training_mode: the batch probe's verdict in training mode
+        (:func:`keras_noisecurve.training.batch_probe.probe_examples`): ``"PASS"``, or the
+        reasons it fails (examples that reach one another, state written from the data);
+        ``""`` where it did not run.
     """
 
     passed: bool
@@ -87,6 +91,7 @@ class ClippingCheck:
     max_contribution: float
     layers: list
     line: str
+    training_mode: str = ""
 
 
 def _retype(config):
@@ -273,3 +278,23 @@ def merge(checks, *, tolerance):
             f"largest contribution "
             f"{merged.max_contribution:.6f} x zeta (tolerance {tolerance:g})")
     return dataclasses.replace(merged, line=line)
+
+
+def with_probe(check, probe):
+    """``check`` (a merged :class:`ClippingCheck`) with the batch probe's result ``probe``
+    (a ``batch_probe.ProbeResult``, training mode): failed, its line extended, when the
+    examples reach one another or the model writes state from the data. The comparison
+    above runs with ``training=False``; a MixUp layer or batch statistics act in training
+    only, so this is where they show."""
+    problems = probe.problems()
+    if problems:
+        verdict = "FAIL - " + " ".join(problems)
+    elif probe.rows < 2:
+        verdict = "not checked (fewer than 2 examples)"
+    elif not probe.reproducible:
+        verdict = "not checked (two identical training-mode calls disagree: randomness outside seed generators)"
+    else:
+        verdict = f"PASS ({probe.rows} examples: no example reaches another, no state written from the data)"
+    line = f"{check.line}; training mode: {verdict}"
+    return dataclasses.replace(check, passed=check.passed and not problems, line=line,
+                               training_mode="PASS" if verdict.startswith("PASS") else verdict)

@@ -23,7 +23,38 @@ import numpy as np
 
 from keras_noisecurve.privacy.sampler import truncation_warning
 
-__all__ = ["Samplers", "StepBatches"]
+__all__ = ["Samplers", "StepBatches", "blank_rows"]
+
+
+def _blank(leaf, keep):
+    """``leaf`` (P, ...) with the rows where ``keep`` (P,) bool is False set to zero (numbers),
+    ``""``/``b""`` (text) or ``None`` (other objects)."""
+    leaf = np.asarray(leaf)
+    if keep.all():
+        return leaf
+    if leaf.dtype == object:
+        first = next((v for v in leaf.reshape(-1)[:1]), None)
+        fill = type(first)() if isinstance(first, (str, bytes)) else None
+    else:
+        fill = np.zeros((), leaf.dtype)
+    out = leaf.copy()
+    out[~keep] = fill
+    return out
+
+
+def blank_rows(tree, mask):
+    """``tree`` (nested numpy arrays with leading dimension P, or ``None``) with the rows of
+    mask 0 blanked (:func:`_blank`): the padding rows of a batch carry no example's data,
+    whatever a model does with them (they are gathered as example 0 under mask 0)."""
+    if tree is None:
+        return None
+    keep = np.asarray(mask).reshape(-1) != 0
+    if isinstance(tree, dict):
+        return {k: blank_rows(v, mask) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        parts = [blank_rows(v, mask) for v in tree]
+        return type(tree)(*parts) if hasattr(tree, "_fields") else type(tree)(parts)
+    return _blank(tree, keep)
 
 
 class Samplers:
@@ -116,10 +147,10 @@ class StepBatches:
         t = self.start + i
         indices, mask = self._samplers.batch(t, self.key)
         extra = self.padded_size - indices.size
-        if extra:  # padding rows: example 0 under mask 0
+        if extra:  # padding rows: example 0 under mask 0, blanked after the gather
             indices = np.concatenate([indices, np.zeros(extra, np.int64)])
             mask = np.concatenate([mask, np.zeros(extra, np.float32)])
         rows = slice(self._first, self._first + self.rows)
         indices, mask = indices[rows], mask[rows]
         xb, yb = self.source.gather(indices)
-        return xb, yb, mask, np.full(mask.shape, t, dtype=np.int32)
+        return blank_rows(xb, mask), blank_rows(yb, mask), mask, np.full(mask.shape, t, dtype=np.int32)

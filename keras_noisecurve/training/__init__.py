@@ -28,6 +28,7 @@ _EXPORTS = {
     "LinearCooldown": "keras_noisecurve.training.schedules",
     "MultiplierSchedule": "keras_noisecurve.training.schedules",
     "NoiseCurveOptimizer": "keras_noisecurve.training.optimizer",
+    "PrivateLogsWarning": "keras_noisecurve.training.log_guard",
     "PrivateModel": "keras_noisecurve.training.dp_model",
     "StreamNoise": "keras_noisecurve.training.noise",
     "describe": "keras_noisecurve.training.rules",

@@ -28,7 +28,7 @@ from keras_noisecurve import _compat
 from keras_noisecurve import backend as _backend
 from keras_noisecurve._losses import per_example_loss_fn
 from keras_noisecurve._validation import check_choice, check_float, check_int
-from keras_noisecurve.training import lora_state, plan_guard
+from keras_noisecurve.training import batch_probe, log_guard, lora_state, plan_guard
 from keras_noisecurve.backend.class_weight import check_class_weight
 from keras_noisecurve.backend.model_checks import ENGINES, check_model_is_clippable
 from keras_noisecurve.training.optimizer import NoiseCurveOptimizer
@@ -86,16 +86,6 @@ def _check_run_data(planned, run, x):
             f"the dataset belongs to another plan ({run!r}) than this model's optimizer ({planned!r}): "
             "the batches and the noise would not belong to one run. Use the optimizer's run.dataset(x, y)."
         )
-
-
-def _is_arrays(x) -> bool:
-    """Whether ``fit`` batches ``x`` itself (arrays, or a dict/list of them): Keras's
-    ``batch_size`` (default 32) then sets the batches."""
-    if isinstance(x, dict):
-        x = next(iter(x.values()), None)
-    elif isinstance(x, (list, tuple)):
-        x = x[0] if x else None
-    return hasattr(x, "shape") and hasattr(x, "dtype")
 
 
 def _iterations(optimizer) -> int:
@@ -272,6 +262,9 @@ class PrivateModel(_impl.TrainStepBackend, keras.Model):
         if not getattr(self, "_dp_plan_checked", False):
             self._dp_check_plan()
             object.__setattr__(self, "_dp_plan_checked", True)
+        x = args[0] if args else kwargs.get("x")
+        y = args[1] if len(args) > 1 else kwargs.get("y")
+        self._dp_probe(x, y)
         object.__setattr__(self, "_dp_weights_after", None)  # a private step: the next fit compares nothing
         return super().train_on_batch(*args, **kwargs)
 
@@ -279,6 +272,15 @@ class PrivateModel(_impl.TrainStepBackend, keras.Model):
     def _dp_check_plan(self, data=None):
         """``optimizer.check_plan`` with this model's words (``plan_guard.check_plan``)."""
         plan_guard.check_plan(self, data)
+
+    def _dp_probe(self, x, y=None):
+        """Once per ``compile``, on a batch ``x, y`` (its first examples): refuse a model whose
+        examples reach one another in training mode, or that writes state from the data
+        (``batch_probe.check_examples_apart``)."""
+        if getattr(self, "_dp_probed", False) or x is None:
+            return
+        result = batch_probe.check_examples_apart(self, x, y, loss_fn=self._dp_loss_fn)  # builds an unbuilt model
+        object.__setattr__(self, "_dp_probed", result.rows >= 2)
 
     def load_weights(self, filepath, *args, **kwargs):
         """Keras's, with the optimizer built first when the model is compiled and built: Keras
@@ -354,6 +356,7 @@ class PrivateModel(_impl.TrainStepBackend, keras.Model):
         super().compile(optimizer=optimizer, loss=loss, **kwargs)
         self._dp_train_functions = {}  # traced for the previous compile
         object.__setattr__(self, "_dp_plan_checked", False)
+        object.__setattr__(self, "_dp_probed", False)
         self._dp_engine = None  # resolved on first train_step (the model may not be built yet)
 
     def get_compile_config(self):
@@ -394,6 +397,8 @@ class PrivateModel(_impl.TrainStepBackend, keras.Model):
 
         run = x.run if isinstance(x, RunData) else None
         _check_run_data(getattr(self.optimizer, "run", None), run, x)
+        log_guard.check_callbacks(kwargs.get("callbacks"))
+        log_guard.say_private_logs(self)
         if run is not None:
             if y is not None:
                 raise ValueError("a PrivateRun dataset carries its labels: call fit(run.dataset(x, y)) without y.")
@@ -407,9 +412,10 @@ class PrivateModel(_impl.TrainStepBackend, keras.Model):
             kwargs.setdefault("shuffle", False)  # the plan decides the order
             others, budgets = plan_guard.budgets_apart(kwargs.pop("callbacks", None))
             # after the user's restores, the plan check; then the budgets (they read the restored step)
-            kwargs["callbacks"] = others + [plan_guard.PlanStart(data.source.fingerprint())] + budgets + [
-                _StopAtPlanEnd(run.steps)]
+            start = plan_guard.PlanStart(data.source.fingerprint(), plan_guard.probe_rows(source=data.source))
+            kwargs["callbacks"] = others + [start] + budgets + [_StopAtPlanEnd(run.steps)]
         low = getattr(x, "_knc_low_level_plan", None)
+        rows = plan_guard.probe_rows(source=low.source) if low is not None else plan_guard.probe_rows(x, y)
         if run is None and low is not None:  # banded_poisson_dataset: start at the optimizer's step
             x = low.dataset(self.optimizer, with_step=True)
             kwargs.setdefault("shuffle", False)  # the plan decides the order
@@ -417,10 +423,10 @@ class PrivateModel(_impl.TrainStepBackend, keras.Model):
         elif run is None and isinstance(self.optimizer, NoiseCurveOptimizer):
             import warnings
 
-            batch_size = kwargs.get("batch_size", 32 if _is_arrays(x) else None)
+            batch_size = kwargs.get("batch_size", 32 if plan_guard.is_arrays(x) else None)
             warnings.warn(plan_guard.low_level_warning(self.optimizer, batch_size), RuntimeWarning, stacklevel=3)
         if run is None:
-            kwargs["callbacks"] = list(kwargs.pop("callbacks", None) or []) + [plan_guard.PlanStart(None)]
+            kwargs["callbacks"] = list(kwargs.pop("callbacks", None) or []) + [plan_guard.PlanStart(None, rows)]
         extra = self._dp_step_callbacks()
         if extra:
             kwargs["callbacks"] = list(kwargs.pop("callbacks", None) or []) + extra

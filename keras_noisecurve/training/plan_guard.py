@@ -3,7 +3,9 @@
 - :class:`PlanStart`, a callback the private model appends after the user's (so after any
   restore, e.g. ``BackupAndRestore``): refuses an optimizer state saved under another plan,
   on other examples or another order of them, or for another model, loss or update
-  (:func:`check_plan`, ``NoiseCurveOptimizer.check_plan``); warns when the weights changed
+  (:func:`check_plan`, ``NoiseCurveOptimizer.check_plan``); refuses a model whose examples
+  reach one another in training mode or that writes state from the data, probed on a few
+  examples (:mod:`~keras_noisecurve.training.batch_probe`, :func:`probe_rows`); warns when the weights changed
   since this process's last private step, or when a resumed model has layers that draw
   random numbers; records the weights' digest at the end.
 - :func:`budgets_apart`: ``PrivacyBudget`` callbacks run after the plan check, wherever the
@@ -24,9 +26,10 @@ import numpy as np
 
 from keras_noisecurve import _compat
 from keras_noisecurve.privacy import plan_state
+from keras_noisecurve.training.batch_probe import PROBE_ROWS
 from keras_noisecurve.training.optimizer import NoiseCurveOptimizer
 
-__all__ = ["PlanStart", "budgets_apart", "check_plan", "low_level_warning"]
+__all__ = ["PlanStart", "budgets_apart", "check_plan", "is_arrays", "low_level_warning", "probe_rows"]
 
 
 def _step(optimizer) -> int:
@@ -53,18 +56,62 @@ def check_plan(private, data=None) -> None:
         optimizer.check_plan(data=data, model=word)
 
 
+def probe_rows(x=None, y=None, *, source=None):
+    """``() -> (x, y) or None``: the first examples the batch probe
+    (:mod:`~keras_noisecurve.training.batch_probe`) runs on, read when called.
+
+    ``source``: an ``ExampleSource`` (a run's, a ``banded_poisson_dataset`` plan's); else
+    ``x, y`` as ``fit`` got them: arrays (or dicts/lists of arrays), a ``tf.data.Dataset``
+    of batches (its first), a ``keras.utils.PyDataset`` (its batch 0). Anything else (a
+    Python generator, which cannot be read twice): ``None``, nothing probed."""
+    rows = PROBE_ROWS
+
+    def read():
+        if source is not None:
+            return source.gather(np.arange(min(rows, source.num_examples), dtype=np.int64))
+        if is_arrays(x):
+            return x, y
+        if isinstance(x, keras.utils.PyDataset):
+            first = x[0]
+        elif hasattr(x, "element_spec") and hasattr(x, "take"):  # a tf.data.Dataset
+            first = next(iter(x.take(1)), None)
+        else:
+            return None
+        if first is None:
+            return None
+        bx, by, _ = keras.utils.unpack_x_y_sample_weight(first if isinstance(first, tuple) else (first,))
+        return bx, by
+
+    return read
+
+
+def is_arrays(x) -> bool:
+    """Whether ``fit`` batches ``x`` itself (arrays, or a dict/list of them): Keras's
+    ``batch_size`` (default 32) then sets the batches."""
+    if isinstance(x, dict):
+        x = next(iter(x.values()), None)
+    elif isinstance(x, (list, tuple)):
+        x = x[0] if x else None
+    return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
 class PlanStart(keras.callbacks.Callback):
     """Before the first step of a private ``fit``, after the user's callbacks: the plan check
-    (:func:`check_plan`), then the warnings of :func:`_weights_changed` and
-    :func:`_random_layers`; at the end, the weights' digest for the next ``fit``."""
+    (:func:`check_plan`), the batch probe on ``rows()`` (:func:`probe_rows`; once per
+    ``compile``), then the warnings of :func:`_weights_changed` and :func:`_random_layers`;
+    at the end, the weights' digest for the next ``fit``."""
 
-    def __init__(self, data):
+    def __init__(self, data, rows=None):
         super().__init__()
         self._data = data
+        self._rows = rows
 
     def on_train_begin(self, logs=None):
         private = self.model
         check_plan(private, self._data)
+        batch = self._rows() if self._rows is not None else None
+        if batch is not None:
+            private._dp_probe(*batch)
         recorded = getattr(private, "_dp_weights_after", None)
         continued = recorded is not None and recorded[0] == _step(private.optimizer)  # no restore since
         _weights_changed(private)

@@ -309,7 +309,7 @@ class TrainStepBackend:
         _compat.loss_tracker(self).update_state(losses, sample_weight=weights)
         metric_weight = _times_rows(positions, sample_weight)
         if keep is not None:
-            # Padding rows of the batch sampler (weight 0) are copies of real examples:
+            # Padding rows of the batch sampler (weight 0) are blanked examples:
             # leave them out of every metric, also the unweighted `metrics=[...]`.
             y, y_pred = _compat.map_keeping_masks(lambda t: tf.boolean_mask(t, keep), (y, y_pred))
             if metric_weight is not None:

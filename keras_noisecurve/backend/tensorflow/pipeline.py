@@ -25,7 +25,7 @@ import numpy as np
 import tensorflow as tf
 
 
-__all__ = ["gather", "materialize", "plan_dataset", "plan_steps_dataset", "replicas_in_sync", "tensor_spec"]
+__all__ = ["blank_rows", "gather", "materialize", "plan_dataset", "plan_steps_dataset", "replicas_in_sync", "tensor_spec"]
 
 
 def replicas_in_sync() -> int:
@@ -74,7 +74,7 @@ def plan_dataset(run, source, *, batch_of, position, input_context=None):
         idx.set_shape([rows])
         mask.set_shape([rows])
         xb, yb = gather(source, idx)
-        return xb, yb, mask, tf.fill([rows], t)
+        return blank_rows(xb, mask), blank_rows(yb, mask), mask, tf.fill([rows], t)
 
     ds = tf.data.Dataset.from_tensors(np.int64(0)).flat_map(steps_from_position)
     ds = ds.map(gather_step, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
@@ -93,6 +93,23 @@ def plan_dataset(run, source, *, batch_of, position, input_context=None):
 
         ds = ds.flat_map(split)
     return ds.prefetch(tf.data.AUTOTUNE)
+
+
+def blank_rows(tree, mask):
+    """``tree`` (tensors with leading dimension P, or ``None``) with the rows of ``mask`` (P,)
+    0 set to zero (``""`` for text): the padding rows of a batch are gathered as example 0
+    under mask 0 and must carry no example's data, whatever a model does with them."""
+    if tree is None:
+        return None
+    keep = tf.reshape(mask, [-1]) != 0
+
+    def blank(leaf):
+        cond = tf.reshape(keep, [-1] + [1] * (leaf.shape.rank - 1))  # the leaves' ranks are static
+        out = tf.where(cond, leaf, tf.zeros_like(leaf))
+        out.set_shape(leaf.shape)
+        return out
+
+    return tf.nest.map_structure(blank, tree)
 
 
 # ------------------------------------------------------------ the example sources in tf.data
@@ -189,8 +206,9 @@ def plan_steps_dataset(plan, optimizer=None, *, with_step=False):
         steps = tf.data.Dataset.from_tensors(np.int64(0)).flat_map(first)
 
     def gather_step(t):
-        xb, yb = gather(plan.source, tf.gather(indices, t))
         m = tf.gather(mask, t)
+        xb, yb = gather(plan.source, tf.gather(indices, t))
+        xb, yb = blank_rows(xb, m), blank_rows(yb, m)
         return (xb, yb, m, tf.fill([rows], t)) if with_step else (xb, yb, m)
 
     ds = steps.map(gather_step, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
