@@ -28,7 +28,8 @@ from keras_noisecurve import _compat
 from keras_noisecurve import backend as _backend
 from keras_noisecurve._losses import per_example_loss_fn
 from keras_noisecurve._validation import check_choice, check_float, check_int
-from keras_noisecurve.training import batch_probe, log_guard, lora_state, plan_guard
+from keras_noisecurve.backend import batch_probe
+from keras_noisecurve.training import log_guard, lora_state, plan_guard
 from keras_noisecurve.backend.class_weight import check_class_weight
 from keras_noisecurve.backend.model_checks import ENGINES, check_model_is_clippable
 from keras_noisecurve.training.optimizer import NoiseCurveOptimizer

@@ -122,9 +122,10 @@ def _per_row(outputs, losses, k):
     return blocks
 
 
-def _moved(base, other):
-    """(k,) the largest relative change of each row between two lists of blocks."""
-    change = np.zeros(base[0].shape[0]) if base else np.zeros(0)
+def _moved(base, other, k):
+    """(k,) the largest relative change of each row between two lists of (k, d) blocks
+    (zeros when the model has no output with k rows to compare)."""
+    change = np.zeros(k)
     for a, b in zip(base, other):
         scale = max(float(np.max(np.abs(a[np.isfinite(a)]), initial=0.0)), 1e-30)
         with np.errstate(invalid="ignore"):
@@ -178,11 +179,11 @@ def probe_examples(model, x, y=None, *, loss_fn=None, rows=PROBE_ROWS) -> ProbeR
     try:
         base, base_state = call(x)
         again, again_state = call(x)
-        reproducible = bool(np.all(_moved(base, again) <= TOLERANCE))
+        reproducible = bool(np.all(_moved(base, again, k) <= TOLERANCE))
         worst, written = None, set()
         for j in range(k):
             blocks, state = call(_replace_row(x, j, (j + 1) % k))
-            moved = _moved(base, blocks)
+            moved = _moved(base, blocks, k)
             moved[j] = 0.0
             i = int(np.argmax(moved))
             if moved[i] > TOLERANCE and (worst is None or moved[i] > worst[2]):
