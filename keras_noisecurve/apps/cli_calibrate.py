@@ -42,8 +42,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mixing", default=None,
                         help="optional mixing file written by `noisecurve solve` (banded, toeplitz, blt or bisr): "
                              "its bands and column norms set b and the sensitivity")
-    parser.add_argument("--overflow-probability", type=float, default=accounting.DEFAULT_OVERFLOW_PROBABILITY,
-                        help="target probability that any step's Poisson draw exceeds the padded batch size")
+    parser.add_argument("--overflow-probability", type=float, default=None,
+                        help="target probability that any step's Poisson draw exceeds the padded batch size "
+                             f"(default {accounting.DEFAULT_OVERFLOW_PROBABILITY:g}, smaller where the overflow rule "
+                             "needs it: (1+e^eps)*p <= delta/10, as PrivateRun)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 

@@ -13,7 +13,8 @@ modules, each with one job:
 - :mod:`keras_noisecurve.privacy.calibration`: σ from (ε, δ)
   (:func:`calibrate_noise_multiplier`, :func:`calibrate`);
 - :mod:`keras_noisecurve.privacy.overflow`: the sampler's padded batch size
-  (:func:`padding`) and the δ its truncation adds (:func:`overflow_delta`).
+  (:func:`padding`), the δ its truncation adds (:func:`overflow_delta`) and the overflow
+  rule ``(1 + e^ε)·p ≤ δ/10`` (:func:`smallest_allowed_padded_size`).
 """
 
 from keras_noisecurve.privacy.calibration import (
@@ -33,10 +34,13 @@ from keras_noisecurve.privacy.events import (
 from keras_noisecurve.privacy.spec import RUN_ARGUMENTS, SAMPLINGS, RunSpec, steps_for_epochs
 from keras_noisecurve.privacy.overflow import (
     DEFAULT_OVERFLOW_PROBABILITY,
+    OVERFLOW_DELTA_SHARE,
+    allowed_overflow_probability,
     overflow_delta,
     overflow_probability,
     padded_batch_size,
     padding,
+    smallest_allowed_padded_size,
 )
 
 __all__ = [
@@ -44,12 +48,14 @@ __all__ = [
     "CALIBRATION_EPSILON_RTOL",
     "CALIBRATION_RTOL",
     "DEFAULT_OVERFLOW_PROBABILITY",
+    "OVERFLOW_DELTA_SHARE",
     "PLD_VALUE_DISCRETIZATION",
     "RDP_ORDERS",
     "RUN_ARGUMENTS",
     "SAMPLINGS",
     "Calibration",
     "RunSpec",
+    "allowed_overflow_probability",
     "calibrate",
     "calibrate_noise_multiplier",
     "compute_epsilon",
@@ -58,5 +64,6 @@ __all__ = [
     "overflow_probability",
     "padded_batch_size",
     "padding",
+    "smallest_allowed_padded_size",
     "steps_for_epochs",
 ]

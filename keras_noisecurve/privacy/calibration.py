@@ -28,7 +28,7 @@ from keras_noisecurve.privacy.events import (
     make_accountant,
 )
 from keras_noisecurve.privacy.spec import RunSpec, as_spec
-from keras_noisecurve.privacy.overflow import DEFAULT_OVERFLOW_PROBABILITY, overflow_delta, padding
+from keras_noisecurve.privacy.overflow import checked_padding, overflow_delta
 
 __all__ = ["CALIBRATION_EPSILON_RTOL", "CALIBRATION_RTOL", "Calibration", "calibrate", "calibrate_noise_multiplier"]
 
@@ -228,12 +228,17 @@ class Calibration:
 
 
 def calibrate(*, epsilon: float, delta: float, accountant: str = "pld",
-              overflow_probability_target: float = DEFAULT_OVERFLOW_PROBABILITY,
+              overflow_probability_target: Optional[float] = None,
               spec: Optional[RunSpec] = None, **run) -> Calibration:
     """Calibrate σ and report q, compositions, re-checked ε, padding and overflow.
 
     Same arguments as :func:`calibrate_noise_multiplier`, plus the overflow target
-    of the sampler's padded batch size (cyclic Poisson; fixed epochs pad to B).
+    of the sampler's padded batch size (cyclic Poisson; fixed epochs pad to B):
+    ``None`` (default) gives the padded size ``PrivateRun`` uses by default
+    (``DEFAULT_OVERFLOW_PROBABILITY``, smaller where the overflow rule needs it); a target
+    whose padded size breaks the overflow rule (``(1 + e^ε)·p ≤ δ/10``,
+    :func:`~keras_noisecurve.privacy.overflow.checked_padding`) is refused, as ``PrivateRun``
+    refuses it.
     """
     epsilon = check_float("epsilon", epsilon, positive=True)
     delta = check_float("delta", delta, open_unit=True)
@@ -242,7 +247,8 @@ def calibrate(*, epsilon: float, delta: float, accountant: str = "pld",
     sigma = noise_multiplier_for(spec, epsilon, delta, accountant)
     eps = epsilon_of_event(event_of(spec, sigma), delta, accountant)
     if spec.sampling == "cyclic_poisson":
-        padded, p_over = padding(spec=spec, overflow_probability=overflow_probability_target)
+        padded, p_over = checked_padding(spec=spec, delta=delta, epsilon=lambda: eps, epsilon_bound=eps,
+                                         overflow_probability=overflow_probability_target)
     else:
         padded, p_over = spec.batch_size, 0.0
     return Calibration(

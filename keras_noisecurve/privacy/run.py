@@ -31,9 +31,9 @@ import numpy as np
 
 from keras_noisecurve._validation import check_choice, check_float, check_int, check_memory
 from keras_noisecurve.privacy.calibration import noise_multiplier_for
-from keras_noisecurve.privacy.events import ACCOUNTANTS
+from keras_noisecurve.privacy.events import ACCOUNTANTS, PLD_VALUE_DISCRETIZATION, RDP_ORDERS, event_of
 from keras_noisecurve.privacy.spec import RunSpec
-from keras_noisecurve.privacy.overflow import overflow_delta, padding
+from keras_noisecurve.privacy.overflow import checked_padding, overflow_delta
 from keras_noisecurve.privacy.sampler import BatchSampler, check_key, key_from_seed
 from keras_noisecurve.privacy.secrets import fixed_seed_warning
 
@@ -70,7 +70,12 @@ class PrivateRun:
         ``"fixed_epochs"`` (one shuffled order repeated, no amplification).
       accountant: ``"pld"`` (default) or ``"rdp"``, for calibration and the ledger.
       max_batch_size / overflow_probability: the padded batch size P of cyclic
-        Poisson sampling (at most one; default: overflow probability 1e-12).
+        Poisson sampling (at most one; default: overflow probability 1e-12, smaller where
+        the overflow rule needs it). The overflow rule: the δ a step's truncation adds,
+        ``(1 + e^ε)·p`` with p the overflow probability of P
+        (:func:`~keras_noisecurve.privacy.overflow.overflow_delta`), must be at most δ/10,
+        so the total δ (:meth:`total_delta`) is at most 1.1·δ; a P that breaks it is
+        refused (``ValueError`` giving p, δ and the smallest ``max_batch_size`` that passes).
       seed: ``None`` (default): a secret sampling key from OS entropy. An int gives a
         reproducible key, for tests only: it makes the batches predictable.
 
@@ -132,14 +137,39 @@ class PrivateRun:
             noise_multiplier = noise_multiplier_for(self._spec, self._target_epsilon, self._delta, self._accountant)
         # sigma = 0 is no privacy: refused (as by compute_epsilon and calibration)
         self._sigma = check_float("noise_multiplier", noise_multiplier, positive=True)
-        self._padded, self._overflow = padding(spec=self._spec, max_batch_size=max_batch_size,
-                                               overflow_probability=overflow_probability)
+        self._ledger = None
+        self._padded, self._overflow = checked_padding(
+            spec=self._spec, delta=self._delta, epsilon=self.epsilon, epsilon_bound=self._epsilon_bound(),
+            max_batch_size=max_batch_size, overflow_probability=overflow_probability)
         self._max_batch_size = None if max_batch_size is None else self._padded
         self._overflow_target = None if overflow_probability is None else float(overflow_probability)
         if seed is not None:
             fixed_seed_warning("PrivateRun", "batches")
         self._key = key_from_seed(seed)
-        self._ledger = None
+
+    def _epsilon_bound(self) -> Optional[float]:
+        """A cheap upper bound on :meth:`epsilon` for the overflow rule, or ``None`` (then the
+        rule asks for ε itself, only if the overflow probability is not 0).
+
+        Calibrated: the target (calibration keeps ε ≤ target; 1e-6 relative covers the
+        ledger's round-off). Given σ and the PLD accountant: the RDP ε on the integer orders
+        (milliseconds, no warning at small σ; an upper bound on the exact ε, as calibration
+        uses it) plus a margin for the PLD's pessimistic discretisation, at most one grid step
+        per composition, and one more nat. With RDP, ε itself is as cheap."""
+        if self._spec.sampling != "cyclic_poisson":
+            return None  # fixed epochs never overflow: no ε needed
+        if self._target_epsilon is not None:
+            return self._target_epsilon * (1.0 + 1e-6)
+        if self._accountant != "pld":
+            return None
+        from dp_accounting import rdp
+
+        orders = [order for order in RDP_ORDERS if float(order).is_integer()]
+        try:
+            bound = rdp.RdpAccountant(orders).compose(event_of(self._spec, self._sigma)).get_epsilon(self._delta)
+        except (ArithmeticError, ValueError):  # an extreme run: ask for ε itself
+            return None
+        return float(bound) + 1.0 + self._spec.compositions * PLD_VALUE_DISCRETIZATION
 
     # ------------------------------------------------------------------ plan
     @property
@@ -237,7 +267,9 @@ class PrivateRun:
         return float(self.ledger.epsilon(step))
 
     def total_delta(self) -> float:
-        """δ of the whole run: the accounting δ plus the sampler's overflow term."""
+        """δ of the whole run: the accounting δ plus the sampler's overflow term
+        ``(1 + e^ε)·p`` at ε = :meth:`epsilon` (at most 1.1·δ: the overflow rule, see
+        ``max_batch_size``; δ itself for fixed epochs)."""
         return self._delta + overflow_delta(epsilon=self.epsilon(), overflow_probability=self._overflow)
 
     # --------------------------------------------------------- config / hash
@@ -288,11 +320,18 @@ class PrivateRun:
         return isinstance(other, PrivateRun) and other.fingerprint() == self.fingerprint()
 
     def __repr__(self) -> str:
+        """The plan; a calibrated run shows its target ε, and beside it the total δ at that ε
+        (the accounting δ plus the overflow term, :meth:`total_delta`'s bound) where the
+        overflow term shows in its digits."""
         eps = f", epsilon={self._target_epsilon:g}" if self._target_epsilon is not None else ""
+        total = ""
+        if self._target_epsilon is not None and self._overflow > 0:
+            value = self._delta + overflow_delta(epsilon=self._target_epsilon, overflow_probability=self._overflow)
+            total = f", total_delta={value:g}" if f"{value:g}" != f"{self._delta:g}" else ""
         return (
             f"PrivateRun(num_examples={self.num_examples}, batch_size={self.batch_size}, steps={self.steps}, "
             f"bands={self.bands}, sampling={self._spec.sampling!r}, noise_multiplier={self._sigma:.6g}{eps}, "
-            f"delta={self._delta:g})"
+            f"delta={self._delta:g}{total})"
         )
 
     # ------------------------------------------------------------ the key

@@ -238,6 +238,14 @@ def test_the_low_level_path_on_arrays_warns_that_epsilon_is_not_tracked(data):
         model.fit(*data, batch_size=100, epochs=1, verbose=0)
 
 
+def test_a_padded_batch_size_that_overflows_is_refused():
+    """max_batch_size = B overflows with probability ~1: ε at δ would be no guarantee (total δ 1)."""
+    with pytest.raises(ValueError, match=r"max_batch_size=20 has an overflow probability p = 1 .*delta = 1e-05.*"
+                                         r"at most delta/10.*Use max_batch_size >= \d+ "):
+        PrivateRun(num_examples=N, batch_size=B, steps=T, mixing=_banded(), noise_multiplier=1.0, delta=1e-5,
+                   max_batch_size=B)
+
+
 def test_the_hazard_table_names_every_path():
     """docs/privacy.md's table lists each path these tests cover."""
     import pathlib
@@ -246,7 +254,7 @@ def test_the_hazard_table_names_every_path():
     table = text.split("What can make ε wrong")[-1]
     for path in ("edited", "load_weights", "PrivacyBudget(run=", "other data", "another order", "loss",
                  "clip", ".keras", "seed", "from_config", "pickle", "non-private", "low-level", "sampler(key)",
-                 "BackupAndRestore"):
+                 "BackupAndRestore", "max_batch_size", "BandedMatrixFactorizationQuery.from_run"):
         assert path in table, path
 
 

@@ -17,15 +17,35 @@ b − 1 past z̃ of a banded or Toeplitz C, the p − 1 past draws of BISR, the 
 accumulators of BLT; an empty tensor without state); it is a plain nest of tensors,
 so it can be checkpointed and carried through ``tf.function``.
 
-Privacy accounting: each call returns ``GaussianDpEvent(σ)``. Composing it once per
-step is a valid (conservative) account when every example participates at most
-once in any b consecutive steps, b the band width of C, and no amplification is
-claimed: row t of C has entries of magnitude ≤ 1 (unit columns) and then touches at
-most one participation, so it moves row t of CG by at most ζ. BLT and BISR C's are
-full lower-triangular (b = T): for them the condition is one participation in the
-whole run. The tight account (cyclic Poisson with b partitions, or several epochs
-with the sensitivity of all participations) is ``keras_noisecurve.privacy``
-(``PrivateRun``).
+Privacy accounting, two kinds of query:
+
+- **made from a run** (:meth:`BandedMatrixFactorizationQuery.from_run`): the query stops at
+  the run's T steps (``run.steps``; a step past it fails with ``InvalidArgumentError``, in
+  a ``tf.function`` too, and nothing of that step is released; under XLA, which drops
+  assertions, its result is NaN) and its events are the run's own: step t returns the
+  part of the run's dominating event (:func:`keras_noisecurve.privacy.events.event_of`)
+  that step t adds, so the events of steps 0 … t−1 compose to the run's event after t
+  steps and their ε is ``run.epsilon(t)``. Cyclic Poisson: ``PoissonSampledDpEvent(q, GaussianDpEvent(σ/s))``
+  at the first step of each participation (t mod b = 0), ``NoOpDpEvent()`` at the others.
+  Fixed epochs: ``GaussianDpEvent(σ / √(Δ_k² − Δ_{k−1}²))`` at the first step of epoch k
+  (Δ_k the sensitivity of k participations, s·√k for a banded C; Gaussians compose by
+  adding 1/σ², so these compose to ``GaussianDpEvent(σ/Δ_k)``), ``NoOpDpEvent()`` at the
+  others. The events include the run's sampling: do not wrap them in another
+  ``PoissonSampledDpEvent``. Inside a ``tf.function`` the step is a symbolic tensor when
+  the Python code runs, so where the event depends on the step (b > 1, or more than one
+  step per epoch) it cannot be chosen there: the event is then ``UnsupportedDpEvent()``
+  (an accountant refuses to compose it, as TF Privacy's own tree-aggregation queries do):
+  account with :meth:`~BandedMatrixFactorizationQuery.step_event` or ``run.epsilon(t)``.
+- **made without a run** (the constructor, from a ``MixingMatrix`` or another strategy):
+  each call returns ``GaussianDpEvent(σ)``, and the query runs to C's T steps.
+  Composing that event once per step is a valid (conservative) account only when every
+  example participates at most once in any b consecutive steps, b the band width of C,
+  with no amplification by sampling claimed: row t of C has entries of magnitude ≤ 1
+  (unit columns) and then touches at most one participation, so it moves row t of CG
+  by at most ζ. BLT and BISR C's are full lower-triangular (b = T): for them the
+  condition is one participation in the whole run. The tight account (cyclic Poisson
+  with b partitions, or several epochs with the sensitivity of all participations) is
+  ``PrivateRun``'s: make the query with ``from_run``.
 
 Needs TensorFlow Privacy, an optional extra (Python <= 3.11 only):
 ``pip install "keras-noisecurve[tf-privacy]"``. Without it, importing this module
@@ -89,7 +109,10 @@ class BandedMatrixFactorizationQuery(_dp_query.SumAggregationDPQuery):
       seed: ``None`` (secret key from OS entropy, the default) or an int (tests and
         reproducibility only; weakens DP if known).
 
-    ``get_noised_result`` fails once the T steps of the mixing matrix are used.
+    ``get_noised_result`` fails once the T steps of the mixing matrix are used. A query
+    made this way reports ``GaussianDpEvent(σ)`` at every step, which assumes what the
+    module docstring says (at most one participation in any b consecutive steps, no
+    amplification); :meth:`from_run` makes the query of a ``PrivateRun``, with its events.
     """
 
     _GlobalState = collections.namedtuple("_GlobalState", ["step", "key", "rings", "l2_norm_clip", "stddev"])
@@ -101,11 +124,19 @@ class BandedMatrixFactorizationQuery(_dp_query.SumAggregationDPQuery):
         self._noise = StreamNoise.from_mixing(self._mixing)
         self._structure, self._specs = _template_specs(template)
         self._key = key_from_seed(seed)
+        self._run_spec = None  # set by from_run: the plan's T and participation pattern
 
     @classmethod
     def from_run(cls, run, *, l2_norm_clip, template, seed=None) -> "BandedMatrixFactorizationQuery":
-        """The query of a ``keras_noisecurve.PrivateRun``: its C and σ (the run's ledger
-        then accounts for the query's T noisy sums, drawn with ``run.dataset`` batches).
+        """The query of a ``keras_noisecurve.PrivateRun``: its C and σ, its T steps and its events.
+
+        Step t < ``run.steps`` adds the noise of step t; step ``run.steps`` (the first past the
+        plan, whose ε covers ``run.steps`` noisy sums) fails with ``InvalidArgumentError``
+        before anything is released, eagerly and in a ``tf.function`` (under XLA, which drops
+        assertions, its result is NaN instead of the noisy sum). The event of step t
+        is :meth:`step_event` (t): the events of steps 0 … t−1 compose to the run's event
+        after t steps, whose ε is ``run.epsilon(t)`` (module docstring). Feed it the batches
+        of ``run.dataset(...)``: the events describe that sampling, nothing else.
 
         Args:
           run: the ``PrivateRun``.
@@ -115,7 +146,53 @@ class BandedMatrixFactorizationQuery(_dp_query.SumAggregationDPQuery):
 
         if not isinstance(run, PrivateRun):
             raise ValueError(f"run must be a keras_noisecurve.PrivateRun, got {type(run).__name__}.")
-        return cls(l2_norm_clip, run.noise_multiplier, run.mixing, template, seed=seed)
+        query = cls(l2_norm_clip, run.noise_multiplier, run.mixing, template, seed=seed)
+        query._run_spec = run.spec
+        return query
+
+    @property
+    def steps(self):
+        """The number of steps the query releases: the run's T (:meth:`from_run`), else C's
+        (``None`` for an unlimited C = I, ``"dpsgd"``)."""
+        return self._noise.steps if self._run_spec is None else self._run_spec.steps
+
+    def step_event(self, step: int) -> dp_accounting.DpEvent:
+        """The ``DpEvent`` step ``step`` (0-based) reports: for a query made from a run, the
+        part of the run's event that the step adds (the events of steps 0 … t−1 compose to
+        the run's event after t steps, ε = ``run.epsilon(t)``); otherwise ``GaussianDpEvent(σ)``.
+
+        Raises ``ValueError`` for a step outside 0 … :attr:`steps` − 1.
+        """
+        limit = self.steps
+        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0 or (
+                limit is not None and step >= limit):
+            allowed = "an int >= 0" if limit is None else f"an int in 0 ... {limit - 1} (the plan has {limit} steps)"
+            raise ValueError(f"step must be {allowed}; got {step!r}.")
+        spec = self._run_spec
+        if spec is None:
+            return dp_accounting.GaussianDpEvent(self._noise_multiplier)
+        if int(step) % spec.separation:
+            return dp_accounting.NoOpDpEvent()  # no example's participation count grows
+        if spec.sampling == "cyclic_poisson":
+            return dp_accounting.PoissonSampledDpEvent(
+                spec.sampling_probability, dp_accounting.GaussianDpEvent(self._noise_multiplier / spec.sensitivity))
+        k = int(step) // spec.separation + 1  # the k-th participation of the fixed order's examples
+        previous = spec.fixed_epoch_sensitivity(k - 1) if k > 1 else 0.0
+        added = spec.fixed_epoch_sensitivity(k) ** 2 - previous**2
+        if added <= 0.0:
+            return dp_accounting.NoOpDpEvent()
+        return dp_accounting.GaussianDpEvent(self._noise_multiplier / np.sqrt(added))
+
+    def _event(self, step) -> dp_accounting.DpEvent:
+        """The event of ``step`` (a tensor): known eagerly; in a graph only if every step's is equal."""
+        if self._run_spec is None:
+            return dp_accounting.GaussianDpEvent(self._noise_multiplier)
+        value = tf.get_static_value(step)
+        if value is not None:
+            return self.step_event(int(value))
+        if self._run_spec.separation == 1 and self._run_spec.participation_sensitivities is None:
+            return self.step_event(0)  # every step adds the same event
+        return dp_accounting.UnsupportedDpEvent()
 
     @property
     def noise(self) -> StreamNoise:
@@ -156,7 +233,8 @@ class BandedMatrixFactorizationQuery(_dp_query.SumAggregationDPQuery):
         if len(flat) != len(self._specs):
             raise ValueError(f"sample_state has {len(flat)} tensors, the template {len(self._specs)}.")
         step = global_state.step
-        checks = [op for op in [self._noise.assert_in_plan(step)] if op is not None]
+        checks = [self._assert_in_run(step), self._noise.assert_in_plan(step)]
+        checks = [op for op in checks if op is not None]
         results, rings = [], []
         with tf.control_dependencies(checks):
             for k, (value, ring) in enumerate(zip(flat, global_state.rings)):
@@ -166,9 +244,24 @@ class BandedMatrixFactorizationQuery(_dp_query.SumAggregationDPQuery):
                 )
                 results.append(value + tf.cast(global_state.stddev, value.dtype) * z_tilde)
                 rings.append(new_state if has_state else ring)
-        new_state = global_state._replace(step=step + 1, rings=tuple(rings))
-        event = dp_accounting.GaussianDpEvent(self._noise_multiplier)
-        return tf.nest.pack_sequence_as(sample_state, results), new_state, event
+            next_step = step + 1
+            if self.steps is not None:  # XLA drops assertions: past the plan the result is NaN, not the sum
+                in_plan = step < tf.constant(self.steps, step.dtype)
+                results = [tf.where(in_plan, r, tf.constant(float("nan"), r.dtype)) if r.dtype.is_floating else r
+                           for r in results]
+        new_state = global_state._replace(step=next_step, rings=tuple(rings))
+        return tf.nest.pack_sequence_as(sample_state, results), new_state, self._event(step)
+
+    def _assert_in_run(self, step):
+        """An op that fails when ``step >= run.steps`` (query made from a run; ``None`` otherwise)."""
+        if self._run_spec is None:
+            return None
+        steps = self._run_spec.steps
+        return tf.debugging.assert_less(
+            step, tf.constant(steps, step.dtype),
+            message=(f"the PrivateRun of this query plans T = {steps} steps and its epsilon covers {steps} noisy sums: "
+                     "refusing to release a sum past the plan (the step counter of the global state is at T). "
+                     "Make a PrivateRun with more steps (and a mixing matrix of at least as many) for a longer run."))
 
     def derive_metrics(self, global_state):
         return collections.OrderedDict(
