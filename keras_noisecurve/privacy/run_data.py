@@ -98,14 +98,15 @@ class RunData:
         if optimizer is None:
             key = run.initial_key()
 
-            def position():
+            def position(check=True):
                 return 0, key
         else:
             check_optimizer(run, optimizer)
             data = self._source.fingerprint()
 
-            def position():  # read when the batches start: after any restore
-                optimizer.check_plan(data=data)
+            def position(check=True):  # read when the batches start: after any restore
+                if check:
+                    optimizer.check_plan(data=data)
                 return optimizer.sampling_position()
         if _backend.name() == "jax":
             if input_context is not None:
@@ -116,7 +117,11 @@ class RunData:
 
             def agreed():  # read now and again before fit's first step (a restore), or a loop's iteration
                 built = optimizer is not None and optimizer.built and optimizer.sampling_key is not None
-                return pipeline.agreed_position((*position(), built))  # the same in every JAX process
+                # the same in every JAX process, on the same examples in the same order, else refused in all;
+                # compared before this process's own check_plan, whose refusal alone would leave the others waiting
+                step_key = pipeline.agreed_position((*position(check=False), built), self._source.fingerprint())
+                position()
+                return step_key
 
             parts, part, multiple = pipeline.input_parts()
             return pipeline.run_batches(StepBatches(run, self._source, agreed(), parts=parts, part=part,

@@ -48,8 +48,10 @@ def _check_model(model):
 
 
 def _run_dataset_fn(model, run, x, y, sample_weight, example_fn, skip_done_steps, fingerprint):
-    """``dataset_fn`` of a ``PrivateRun``: ``input_context ->
-    run.dataset(...).batches(model.optimizer, input_context=input_context)``."""
+    """``(dataset_fn, data fingerprint)`` of a ``PrivateRun``: ``input_context ->
+    run.dataset(...).batches(model.optimizer, input_context=input_context)``, and the
+    fingerprint of the examples in their order (``RunData.source.fingerprint()``), which
+    the workers compare."""
     from keras_noisecurve.privacy.run import PrivateRun
     from keras_noisecurve.privacy.run_data import check_optimizer
 
@@ -68,7 +70,7 @@ def _run_dataset_fn(model, run, x, y, sample_weight, example_fn, skip_done_steps
     def dataset_fn(input_context):
         return data.batches(model.optimizer, input_context=input_context)
 
-    return dataset_fn
+    return dataset_fn, data.source.fingerprint()
 
 
 def fit_distributed(
@@ -102,14 +104,22 @@ def fit_distributed(
       input_context=ctx)`` on every worker (its share of each global batch). The model's optimizer must be
       the run's (``NoiseCurveOptimizer(run=run, ...)``); the dataset starts at the
       optimizer's step by itself, ``steps`` defaults to the plan's remaining steps
-      T − ``iterations``, and ``run.fingerprint()`` is compared across workers.
+      T − ``iterations``, and ``run.fingerprint()`` and a fingerprint of the examples in
+      their order (``run.dataset(x, y).source.fingerprint()``: x, y and the sample weights)
+      are compared across workers: every worker must hold the same arrays in the same order
+      (load them deterministically, shuffle with a fixed seed or not at all; the run's
+      sampling does the shuffling).
     - ``fit_distributed(model, dataset_fn)``: ``dataset_fn(input_context) ->
       tf.data.Dataset``, as ``strategy.distribute_datasets_from_function`` expects:
       this worker's share of every global batch, as per-replica batches, one per
       local replica and step (``input_context.input_pipeline_id`` is the worker,
       ``input_context.get_per_replica_batch_size(P)`` the per-replica size of a
       global batch of P rows). Element t is the batch of step t of the plan (counted
-      from 0), e.g. ``(x, y, mask)`` rows of ``banded_poisson_dataset``.
+      from 0), e.g. ``(x, y, mask)`` rows of ``banded_poisson_dataset``. Here the
+      workers' data are NOT compared (each worker's dataset is its own, with no source
+      to fingerprint): only the optimizer's configuration, the variables' shapes, the
+      start step, ``steps`` and the optional ``fingerprint``. Every worker's
+      ``dataset_fn`` must cut its rows from the same global batches.
 
     Args:
       model: a private model (``make_private(...)``) created and compiled
@@ -151,8 +161,8 @@ def fit_distributed(
       RuntimeError: on a backend other than TensorFlow.
       ValueError: on every worker, before the first step, when the workers' plans
         differ (optimizer configuration, variable shapes, start step, ``steps``, run
-        plan fingerprint); ``steps`` beyond the run's plan; when the dataset runs out
-        before ``steps`` steps.
+        plan fingerprint) or, with ``run``, their examples or the examples' order;
+        ``steps`` beyond the run's plan; when the dataset runs out before ``steps`` steps.
     """
     if _backend.name() != "tensorflow":
         raise RuntimeError(
@@ -161,7 +171,8 @@ def fit_distributed(
         )
     _check_model(model)
     if run is not None:
-        dataset_fn = _run_dataset_fn(model, run, data, y, sample_weight, example_fn, skip_done_steps, fingerprint)
+        dataset_fn, data_fingerprint = _run_dataset_fn(model, run, data, y, sample_weight, example_fn,
+                                                       skip_done_steps, fingerprint)
         fingerprint, skip_done_steps = run.fingerprint(), False  # run.dataset starts at the optimizer's step
     else:
         for name, value in (("y", y), ("sample_weight", sample_weight), ("example_fn", example_fn)):
@@ -170,7 +181,7 @@ def fit_distributed(
                     f"{name}= is for fit_distributed(model, x, y, run=run); without run= the second argument is "
                     f"dataset_fn(input_context) and its dataset carries the labels and weights (got {name}={value!r})."
                 )
-        dataset_fn = data
+        dataset_fn, data_fingerprint = data, None  # the workers' datasets are theirs: nothing to fingerprint
         skip_done_steps = True if skip_done_steps is None else skip_done_steps
     plan_steps = run.steps if run is not None else model.optimizer.noise.steps
     if steps is not None:
@@ -183,5 +194,5 @@ def fit_distributed(
     return _backend.module("distributed").train(
         model, dataset_fn, run_steps=None if run is None else run.steps, plan_steps=plan_steps, steps=steps,
         strategy=strategy, callbacks=callbacks, verbose=verbose, skip_done_steps=skip_done_steps,
-        fingerprint=fingerprint,
+        fingerprint=fingerprint, data_fingerprint=data_fingerprint,
     )

@@ -15,6 +15,9 @@ batch from the processes' parts). Prints one JSON line, a result per scenario:
   in every process); the final weights;
 - ``host_refused`` (N = 2): process 1 claims to stand at step 1: the error ``fit`` raises;
 - ``step_refused`` (N = 2): process 1 feeds the rows of step t + 1 at step t: the error;
+- ``data_refused`` (N = 2): process 1 holds the examples in another order (x, y permuted, as
+  an unseeded shuffle would): the error, the optimizer's step then, and this process's
+  fingerprint of its examples;
 - ``model_parallel`` (N = 2): ``run`` under ``ModelParallel`` on a 1 × 2 mesh, the kernels
   and their noise states split across the two processes (each feeds the whole batch);
 - ``orbax`` (N = 2, orbax-checkpoint installed): the same, checkpointed after 2 steps with
@@ -85,8 +88,9 @@ def _model_parallel():
     return keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="data")
 
 
-def _private_run(seed):
-    """``(model, private model, run, its data)``: a DP-BandMF run (b = 2) of 3 steps."""
+def _private_run(seed, permuted=False):
+    """``(model, private model, run, its data)``: a DP-BandMF run (b = 2) of 3 steps;
+    ``permuted``: process 1's examples in another order."""
     model = _model()
     mixing = random_banded_c(3, 2, rng=np.random.default_rng(0), diag_scale=2.0)
     run = knc.PrivateRun(num_examples=30, batch_size=6, steps=3, mixing=mixing, noise_multiplier=1.0, delta=1e-5,
@@ -95,13 +99,15 @@ def _private_run(seed):
     private.compile(optimizer=knc.NoiseCurveOptimizer(run=run, learning_rate=0.1, l2_norm_clip=0.5, seed=seed),
                     loss="mse")
     x = np.random.default_rng(1).normal(size=(30, 4)).astype("float32")  # P = 15: padded to 16, 8 rows per process
+    if permuted and rank == 1:
+        x = x[np.random.default_rng(11).permutation(len(x))]
     return model, private, run, run.dataset(x, x[:, :1].copy())
 
 
-def _fit(seed, patch=None, distribution=None):
+def _fit(seed, patch=None, distribution=None, permuted=False):
     if distribution is not None:
         keras.distribution.set_distribution(distribution)
-    model, private, run, data = _private_run(seed)
+    model, private, run, data = _private_run(seed, permuted)
     optimizer = private.optimizer
     original = step_batches.StepBatches.__getitem__
     if patch is not None and rank == 1:
@@ -109,7 +115,8 @@ def _fit(seed, patch=None, distribution=None):
     try:
         private.fit(data, verbose=0)
     except (ValueError, RuntimeError) as error:
-        return {"error": f"{type(error).__name__}: {error}"}
+        return {"error": f"{type(error).__name__}: {error}", "step": int(np.asarray(optimizer.iterations.value)),
+                "fingerprint": data.source.fingerprint()}
     finally:
         step_batches.StepBatches.__getitem__ = original
     kernel, state = model.layers[0].kernel, optimizer.variables[-2]  # the hidden kernel's noise state (1, 4, 4)
@@ -150,6 +157,7 @@ results = {"train_on_batch": train_on_batch(), "run": _fit(7), "secret": _fit(No
 if nproc > 1:
     results["host_refused"] = _fit(7, _claims_step_one)
     results["step_refused"] = _fit(7, _feeds_the_next_step)
+    results["data_refused"] = _fit(7, permuted=True)
     results["model_parallel"] = _fit(7, distribution=_model_parallel())
     if importlib.util.find_spec("orbax") is not None:
         results["orbax"] = _orbax(sys.argv[4])

@@ -4,8 +4,9 @@ part of the batch (its half through ``train_on_batch``, its block of each step o
 ``PrivateRun`` through ``fit(run.dataset(...))``), the clipped sums are added across the
 processes and one noise draw, the same in both, is added; the weights equal the 1-process
 run's. A secret run (``seed=None``) takes process 0's keys in both; a process at another
-step, or feeding another step's rows, is refused. Under ``ModelParallel`` on a 1 × 2 mesh
-(the kernels split across the processes, each feeding the whole batch) each process holds
+step, feeding another step's rows, or holding the examples in another order, is refused in
+every process (the comparison itself is tested without a second process too). Under
+``ModelParallel`` on a 1 × 2 mesh (the kernels split across the processes, each feeding the whole batch) each process holds
 half of a split kernel and half of its noise state, and the run ends with the same weights. Every process is bounded in time and
 killed if it has not finished (no test hangs)."""
 
@@ -81,6 +82,14 @@ def test_two_processes_equal_one_process_and_refuse_a_process_out_of_step(tmp_pa
         # a process feeding the rows of another step: every step refused, fit raises
         assert "its batch holds rows of step" in result["step_refused"]["error"]
         assert "under several JAX processes: a process fed the rows of another step" in result["step_refused"]["error"]
+        # a process holding the examples in another order (an unseeded shuffle): refused in every
+        # process before the first step, naming each process's fingerprint of its examples
+        refused = result["data_refused"]
+        assert refused["step"] == 0, refused
+        assert "hold other examples, or the same ones in another order" in refused["error"]
+        assert f"one per process: [{two[0]['data_refused']['fingerprint']}, {two[1]['data_refused']['fingerprint']}]" \
+            in refused["error"]
+        assert "shuffle with a fixed seed or not at all (the run's sampling does the shuffling)" in refused["error"]
         # ModelParallel with the kernels split across the processes: each process holds half of
         # the hidden kernel and half of its noise state, and the run ends with the same weights
         _close(one["run"]["final"], result["model_parallel"]["final"])
@@ -93,3 +102,28 @@ def test_two_processes_equal_one_process_and_refuse_a_process_out_of_step(tmp_pa
         else:
             assert "orbax" not in result
     assert max(abs(a - b) for a, b in zip(np.ravel(one["secret"]["final"][0]), np.ravel(two[0]["secret"]["final"][0]))) > 0
+    assert two[0]["data_refused"]["fingerprint"] != two[1]["data_refused"]["fingerprint"]
+
+
+def _position(step=0, built=0, data=17, key=(5, 6, 7, 8)):
+    """One process's row of the table ``agreed_position`` gathers."""
+    return [step, built, data, *key]
+
+
+def test_the_processes_agreement_refuses_another_step_other_data_or_another_key():
+    """The decision every process takes on the same gathered table (one row per process),
+    without a second process: equal rows pass; a step, the examples' fingerprint (their
+    order) or, once built, the sampling key that differs is refused with its message."""
+    from keras_noisecurve.backend.jax.pipeline import _check_agreement
+
+    _check_agreement([_position(), _position()], 0)
+    _check_agreement([_position(key=(1, 2, 3, 4)), _position()], 1)  # fresh keys: process 0's is taken
+    with pytest.raises(ValueError, match=r"stand at different steps of its plan \(\[0, 1\], one per process; "
+                                         r"this is process 1\)"):
+        _check_agreement([_position(data=3), _position(step=1)], 1)  # the step is named first
+    with pytest.raises(ValueError, match=r"hold other examples, or the same ones in another order \(.* one per "
+                                         r"process: \[17, 99\]; this is process 0; all must be equal\).*load them "
+                                         r"deterministically, and shuffle with a fixed seed or not at all"):
+        _check_agreement([_position(), _position(data=99)], 0)
+    with pytest.raises(ValueError, match="hold different sampling keys"):
+        _check_agreement([_position(built=1), _position(built=1, key=(5, 6, 7, 9))], 0)

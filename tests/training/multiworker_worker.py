@@ -12,11 +12,14 @@ the logs (``loss``, ``accuracy``). With ``--secret`` it then trains a second mod
 WITHOUT a seed, checkpointing after 2 steps (``DIR/ckpt``, the chief's), and writes
 ``DIR/secret<I>.npz``. With ``--run`` it then trains with a ``PrivateRun`` (:func:`private_run`,
 :func:`examples`) and no seed at all, and writes ``DIR/run<I>.npz`` (with the sampling
-key). With ``--refuse`` it then builds a ``PrivateRun`` whose noise multiplier differs
+key); with ``--shuffled`` as well, that model is first given worker 1's examples
+permuted (x and y, one fixed permutation): ``fit_distributed`` must refuse it on both
+workers before the first step; the worker prints the message with its step and trains the
+run as above. With ``--refuse`` it then builds a ``PrivateRun`` whose noise multiplier differs
 between the workers: the ``ValueError`` of ``fit_distributed`` that refuses it ends
 the worker (exit code 1).
 
-One launch runs all three parts: starting a worker (importing TensorFlow) is what
+One launch runs all the parts: starting a worker (importing TensorFlow) is what
 costs time on a small machine.
 
 The test process imports this module for the same data, model and sharding (the
@@ -142,6 +145,9 @@ def main(argv=None):
                              "2 steps (the chief's in OUT/ckpt)")
     parser.add_argument("--run", action="store_true",
                         help="then train with a PrivateRun and no seed at all (secret sampling and noise keys)")
+    parser.add_argument("--shuffled", action="store_true",
+                        help="with --run: first give the run's model worker 1's examples in another order: both "
+                             "workers must refuse it before the first step (printed), then train the run")
     parser.add_argument("--refuse", action="store_true",
                         help="last, train with a PrivateRun whose noise multiplier is 1 + task: fit_distributed "
                              "must refuse it (the worker exits with the ValueError)")
@@ -184,6 +190,17 @@ def main(argv=None):
         run = private_run()  # each process draws a sampling key; the chief's is broadcast
         with strategy.scope():
             model = build_model(seed=None, run=run)
+        if args.shuffled:  # first the same examples in another order on worker 1 (as an unseeded shuffle)
+            x, y = examples()
+            if args.task == 1:
+                order = np.random.default_rng(11).permutation(N)
+                x, y = x[order], y[order]
+            try:
+                fit_distributed(model, x, y, run=run, strategy=strategy, verbose=0)
+                print(f"worker {args.task}: shuffled data NOT refused", flush=True)
+            except ValueError as error:
+                step = int(model.optimizer.iterations.numpy())
+                print(f"worker {args.task}: refused the shuffled data at step {step}: {error}", flush=True)
         history = fit_distributed(model, *examples(), run=run, strategy=strategy, verbose=0)
         _save(os.path.join(args.out, f"run{args.task}.npz"), model, history,
               sampling_key=model.optimizer.sampling_key.numpy(), run_key=run.initial_key())

@@ -1,6 +1,6 @@
 """fit_distributed: two MultiWorkerMirroredStrategy worker processes on 127.0.0.1 equal
-the single-process run, refuse different plans on both workers, agree on a secret key
-without a seed; in process: fit_distributed equals fit, resumes from a checkpoint,
+the single-process run, refuse different plans and the examples in another order on both
+workers, agree on a secret key without a seed; in process: fit_distributed equals fit, resumes from a checkpoint,
 honours stop_training, PrivacyBudget and BackupAndRestore.
 
 The worker program is tests/training/multiworker_worker.py. The one 2-process launch
@@ -52,7 +52,7 @@ class _Workers:
     output goes to OUT/worker<i>.log. :meth:`wait` waits until ``TIMEOUT`` s after the
     start, :meth:`close` kills whatever still runs."""
 
-    ARGS = ("--secret", "--run", "--refuse")
+    ARGS = ("--secret", "--run", "--shuffled", "--refuse")
 
     def __init__(self, out, args=ARGS):
         self.out = out
@@ -241,6 +241,51 @@ def test_arguments_are_checked():
     assert_same_on_all_workers(tf.distribute.get_strategy(), 7, "the plan")  # one replica: nothing to compare
 
 
+def test_the_comparison_names_what_differs_and_what_to_do_about_the_data():
+    """The decision every worker takes on the gathered table (one row per replica), without
+    a second process: nothing when every column agrees; else the entries that differ, each
+    replica's fingerprint, and, for the examples, what to do."""
+    from keras_noisecurve.backend.tensorflow.distributed import _DATA, _DATA_ADVICE, _disagreement
+
+    names, advice = ["the start step (optimizer.iterations)", _DATA], {_DATA: _DATA_ADVICE}
+    assert _disagreement(names, np.array([[0, 17], [0, 17]]), chief=True, advice=advice) is None
+    message = _disagreement(names, np.array([[0, 17], [0, 99]]), chief=False, advice=advice)
+    assert message.startswith(f"the workers do not run the same plan: {_DATA} differs between the 2 replicas")
+    assert f"{_DATA}: [17, 99]" in message and "this worker (not the chief) stops before the first step" in message
+    assert message.endswith(_DATA_ADVICE) and "shuffle with a fixed seed or not at all" in message
+    message = _disagreement(names, np.array([[0, 17], [2, 17]]), chief=True, advice=advice)
+    assert "the start step (optimizer.iterations): [0, 2]" in message and _DATA_ADVICE not in message
+
+
+def test_fit_distributed_compares_the_examples_in_order_with_a_run(monkeypatch):
+    """With run=, the plan the workers compare holds the fingerprint of the examples in
+    their order (another order: another fingerprint); with a dataset_fn, none."""
+    from keras_noisecurve.backend.tensorflow import distributed as backend
+
+    class Compared(Exception):
+        pass
+
+    compared = []
+
+    def record(strategy, plan, advice=None):
+        compared.append(dict(plan))
+        raise Compared  # before the first step
+
+    monkeypatch.setattr(backend, "_assert_same", record)
+    run = mw.private_run(seed=0)
+    x, y = mw.examples()
+    order = np.random.default_rng(11).permutation(mw.N)
+    for xs, ys in ((x, y), (x[order], y[order])):
+        with pytest.raises(Compared):
+            fit_distributed(mw.build_model(run=run), xs, ys, run=run, verbose=0)
+    with pytest.raises(Compared):
+        fit_distributed(mw.build_model(), mw.shard_fn(*mw.global_batches()), steps=1, verbose=0)
+    fingerprints = [plan.get(backend._DATA) for plan in compared]
+    assert fingerprints[0] == run.dataset(x, y).source.fingerprint() != fingerprints[1]
+    assert fingerprints[1] == run.dataset(x[order], y[order]).source.fingerprint()
+    assert fingerprints[2] is None
+
+
 def test_the_optimizer_fingerprint_ignores_seeds_and_names():
     """Workers compare the optimizer's public configuration: the seed (the chief's key is
     used) and Keras's per-process numbered names (sgd, sgd_1, …) are left out."""
@@ -281,8 +326,9 @@ def _started_workers(request, tmp_path_factory):
 @pytest.fixture(scope="module")
 def two_workers(_started_workers, tmp_path_factory):
     """One launch of the two workers: the seeded run, the secret-key run with a
-    checkpoint, a PrivateRun without any seed, then a PrivateRun that differs between
-    them (noise multipliers 1 and 2), which must be refused."""
+    checkpoint, a PrivateRun without any seed (first given worker 1's examples permuted,
+    which must be refused, then trained), then a PrivateRun that differs between them
+    (noise multipliers 1 and 2), which must be refused."""
     workers = _started_workers or _Workers(tmp_path_factory.mktemp("two_workers"))
     out = workers.out
     codes, texts = workers.wait()
@@ -317,6 +363,23 @@ def test_a_worker_with_another_plan_is_refused_on_both_workers(two_workers):
         assert "ValueError: the workers do not run the same plan" in text, text
         assert "the optimizer (its public configuration)" in text and "the run plan (fingerprint)" in text
         assert "NOT refused" not in text
+
+
+def test_a_worker_with_the_examples_in_another_order_is_refused_on_both_workers(two_workers):
+    """Worker 1 holds the examples permuted (as an unseeded shuffle would): both workers
+    refuse before the first step, naming the examples and each worker's fingerprint; the
+    same model then trains on the same order everywhere (the next test checks its weights)."""
+    _, _, texts = two_workers
+    run = mw.private_run(seed=0)
+    x, y = mw.examples()
+    order = np.random.default_rng(11).permutation(mw.N)
+    ours, theirs = (run.dataset(*d).source.fingerprint() for d in ((x, y), (x[order], y[order])))
+    for task, text in enumerate(texts):
+        assert (f"worker {task}: refused the shuffled data at step 0: the workers do not run the same plan: "
+                "the examples, in order (fingerprint) differs between the 2 replicas") in text, text
+        assert f"the examples, in order (fingerprint): [{ours}, {theirs}]" in text
+        assert "shuffle with a fixed seed or not at all (the run's sampling does the shuffling)" in text
+        assert "shuffled data NOT refused" not in text
 
 
 def test_without_a_seed_workers_agree_and_the_checkpoint_resumes(two_workers):

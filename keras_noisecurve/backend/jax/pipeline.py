@@ -19,8 +19,9 @@ Under several JAX processes (``jax.distributed.initialize``) every process itera
 same plan and serves ITS rows of each step (``StepBatches(parts=, part=)`` with
 :func:`input_parts`, the split Keras makes of a dataset); Keras assembles the global batch
 from the processes' rows. The processes must stand at the same step with the same sampling
-key: before the first batch they compare them (one ``process_allgather``) and a process at
-another step is refused; a fresh run's key is process 0's (:func:`agreed_position`; the
+key, on the same examples in the same order: before the first batch they compare them (one
+``process_allgather`` of the step, the key and the data's fingerprint) and every process
+refuses when one differs; a fresh run's key is process 0's (:func:`agreed_position`; the
 optimizer's ``build`` broadcasts its keys the same way, :func:`shared_key`).
 """
 
@@ -162,29 +163,53 @@ def input_parts():
     return replicas, jax.process_index() // (processes // replicas), replicas
 
 
-def agreed_position(position):
+def agreed_position(position, data=None):
     """``(step, key)`` of ``position`` = ``(step, key, built)`` (the optimizer's step and
     sampling key; ``built`` False while the key is still the run's fresh one), checked
-    against every process's: ``ValueError`` when the processes stand at different steps,
-    or hold different sampling keys in built optimizers (the key is not printed); before
-    ``build`` each process holds its own fresh key and process 0's is taken."""
+    against every process's, with ``data``, the fingerprint of the examples in their order
+    (``RunData.source.fingerprint()``, a nonzero 31-bit int; ``None``: not compared): one
+    ``process_allgather``, then :func:`_check_agreement` on the gathered table, the same in
+    every process, so every process refuses together (``ValueError``) when they stand at
+    different steps, hold other examples or another order of them, or hold different
+    sampling keys in built optimizers (the key is not printed); before ``build`` each
+    process holds its own fresh key and process 0's is taken."""
     step, key, built = position
     if jax.process_count() == 1:
         return int(step), np.asarray(key, np.int64)
-    mine = np.concatenate([[np.uint32(step), np.uint32(built)], np.asarray(key, np.int64).view(np.uint32)])
-    every = np.asarray(multihost_utils.process_allgather(mine.astype(np.uint32)), np.uint32).reshape(-1, 6)
+    mine = np.concatenate([[np.uint32(step), np.uint32(built), np.uint32(0 if data is None else data)],
+                           np.asarray(key, np.int64).view(np.uint32)])
+    every = np.asarray(multihost_utils.process_allgather(mine.astype(np.uint32)), np.uint32).reshape(-1, 7)
+    _check_agreement(every, jax.process_index())
+    return int(every[0, 0]), shared_key(key)
+
+
+def _check_agreement(every, process) -> None:
+    """Refuse (``ValueError``) the gathered positions ``every`` (N, 7) uint32, one row per
+    process: step, built, data fingerprint (0: not given), the sampling key's four words;
+    ``process``: this process's index, for the message. The steps must be equal, the data
+    fingerprints too, and a built optimizer's key must be every process's."""
+    every = np.asarray(every, np.uint32)
     steps = every[:, 0].astype(np.int64)
     if np.any(steps != steps[0]):
         raise ValueError(
             f"the JAX processes of this run stand at different steps of its plan ({steps.tolist()}, one per "
-            f"process; this is process {jax.process_index()}): each process would feed its rows of another "
+            f"process; this is process {process}): each process would feed its rows of another "
             "step's batch. Every process must start fit(run.dataset(...)) from the same optimizer state (the "
             "same checkpoint, or none).")
-    if np.any(every[:, 1] == 1) and np.any(np.any(every[:, 2:] != every[0, 2:], axis=1)):
+    data = every[:, 2].astype(np.int64)
+    if np.any(data != data[0]):
+        raise ValueError(
+            f"the JAX processes of this run hold other examples, or the same ones in another order (the "
+            f"fingerprint of x, y and the sample weights in order, one per process: {data.tolist()}; this is "
+            f"process {process}; all must be equal): each process serves its rows of every step from its own "
+            "copy, so another order puts some examples in several batches of an epoch and breaks the sampling "
+            "the privacy accounting assumes. Every process refuses before the first step. Give every process "
+            "the same arrays in the same order: load them deterministically, and shuffle with a fixed seed or "
+            "not at all (the run's sampling does the shuffling).")
+    if np.any(every[:, 1] == 1) and np.any(np.any(every[:, 3:] != every[0, 3:], axis=1)):
         raise ValueError(
             "the JAX processes of this run hold different sampling keys (not printed: they are secret): "
             "each process would sample other examples. Every process must restore the same checkpoint.")
-    return int(steps[0]), shared_key(key)
 
 
 def run_batches(batches, position=None) -> RunBatches:

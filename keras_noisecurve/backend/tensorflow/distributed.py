@@ -25,8 +25,11 @@ What every worker must agree on, and how it does:
   the noise once, from (key, step, variable index); every replica computes the same
   update, so the replicas stay identical;
 - the plan (the optimizer's public configuration, the variables' shapes, the start
-  step, the number of steps, a run plan's fingerprint): :func:`fit_distributed`
-  compares fingerprints of it across workers with :func:`assert_same_on_all_workers`
+  step, the number of steps, a run plan's fingerprint) and, with ``run=``, the examples
+  in their order (``RunData.source.fingerprint()``: each worker gathers its rows of every
+  global batch from its own copy, so a worker holding them in another order would put
+  some examples in several batches of an epoch): :func:`fit_distributed` compares
+  fingerprints of them across workers (as :func:`assert_same_on_all_workers` does)
   before the first step, and every worker raises the same ``ValueError`` when they
   differ (no worker is left waiting in a collective);
 - ``model.stop_training``: OR-ed across workers after every execution, so a callback
@@ -128,9 +131,22 @@ def assert_same_on_all_workers(strategy, fingerprint: int, what: str) -> None:
     _assert_same(strategy, {what: fingerprint})
 
 
-def _assert_same(strategy, fingerprints: dict) -> None:
+#: the entry of the examples' fingerprint in the plan the workers compare (``run=``)
+_DATA = "the examples, in order (fingerprint)"
+#: what a worker whose examples differ must do, added to the message when _DATA differs
+_DATA_ADVICE = (
+    "The examples differ between the workers, or are in another order: each worker gathers its rows of every "
+    "global batch from its own copy of them, so another order puts some examples in several batches of an "
+    "epoch and breaks the sampling the privacy accounting assumes. Give every worker the same arrays in the "
+    "same order: load them deterministically, and shuffle with a fixed seed or not at all (the run's sampling "
+    "does the shuffling)."
+)
+
+
+def _assert_same(strategy, fingerprints: dict, advice=None) -> None:
     """All-gather the (k,) int64 vector of ``fingerprints`` (name -> int) of every
-    replica and raise ``ValueError`` on every worker naming the entries that differ."""
+    replica and raise ``ValueError`` on every worker naming the entries that differ
+    (:func:`_disagreement`; ``advice``: name -> what to do when that entry differs)."""
     if strategy.num_replicas_in_sync == 1:
         return
     names = list(fingerprints)
@@ -140,18 +156,30 @@ def _assert_same(strategy, fingerprints: dict) -> None:
         return tf.distribute.get_replica_context().all_gather(local, axis=0)  # (R, k)
 
     gathered = strategy.experimental_local_results(tf.function(lambda: strategy.run(gather))())[0]
-    table = np.asarray(gathered.numpy())
+    message = _disagreement(names, np.asarray(gathered.numpy()), chief=is_chief(strategy), advice=advice)
+    if message is not None:
+        raise ValueError(message)
+
+
+def _disagreement(names, table, *, chief, advice=None):
+    """The message refusing the plan when a column of ``table`` (R, k) (the fingerprints
+    named ``names``, one row per replica) differs between the replicas, else ``None``.
+    Every worker holds the same gathered table, so all take the same decision.
+    ``advice`` (name -> sentence) adds what to do for each entry that differs."""
+    table = np.asarray(table)
     differ = [i for i in range(len(names)) if table[:, i].min() != table[:, i].max()]
-    if differ:
-        details = "; ".join(f"{names[i]}: {table[:, i].tolist()}" for i in differ)
-        verb = "differs" if len(differ) == 1 else "differ"
-        worker = "the chief" if is_chief(strategy) else "not the chief"
-        raise ValueError(
-            f"the workers do not run the same plan: {', '.join(names[i] for i in differ)} {verb} between the "
-            f"{table.shape[0]} replicas (fingerprint of each replica, in replica order — {details}). Every worker "
-            f"must run the same program with the same plan; this worker ({worker}) stops before the first step, "
-            "and so do the others."
-        )
+    if not differ:
+        return None
+    details = "; ".join(f"{names[i]}: {table[:, i].tolist()}" for i in differ)
+    verb = "differs" if len(differ) == 1 else "differ"
+    worker = "the chief" if chief else "not the chief"
+    hints = "".join(f" {(advice or {})[names[i]]}" for i in differ if names[i] in (advice or {}))
+    return (
+        f"the workers do not run the same plan: {', '.join(names[i] for i in differ)} {verb} between the "
+        f"{table.shape[0]} replicas (fingerprint of each replica, in replica order — {details}). Every worker "
+        f"must run the same program with the same plan and data; this worker ({worker}) stops before the first "
+        f"step, and so do the others.{hints}"
+    )
 
 
 def _stable(obj):
@@ -300,11 +328,13 @@ def _floats(logs):
 
 
 def train(model, dataset_fn, *, run_steps, plan_steps, steps, strategy, callbacks, verbose, skip_done_steps,
-          fingerprint) -> keras.callbacks.History:
+          fingerprint, data_fingerprint=None) -> keras.callbacks.History:
     """The loop of :func:`keras_noisecurve.training.fit_distributed`, whose docstring says what
     it does; the model and its ``NoiseCurveOptimizer`` are checked there. ``dataset_fn``:
     ``input_context -> tf.data.Dataset``; ``run_steps``: T of the run (``None`` without one);
-    ``plan_steps``: the steps ``steps=None`` runs to; ``fingerprint``: an int64 or ``None``."""
+    ``plan_steps``: the steps ``steps=None`` runs to; ``fingerprint``: an int64 or ``None``;
+    ``data_fingerprint``: the run's examples in order (``RunData.source.fingerprint()``), or
+    ``None`` (a ``dataset_fn``: nothing to fingerprint), compared as :data:`_DATA`."""
     strategy = _check_strategy(model, strategy)
     if run_steps is None:
         if not callable(dataset_fn):
@@ -368,7 +398,9 @@ def train(model, dataset_fn, *, run_steps, plan_steps, steps, strategy, callback
     }
     if fingerprint is not None:
         plan["the run plan (fingerprint)"] = fingerprint
-    _assert_same(strategy, plan)
+    if data_fingerprint is not None:
+        plan[_DATA] = _check_int64("data_fingerprint", data_fingerprint)
+    _assert_same(strategy, plan, advice={_DATA: _DATA_ADVICE})
 
     iterator = iter(strategy.distribute_datasets_from_function(per_worker))
     any_worker = _any_worker(strategy) if strategy.num_replicas_in_sync > 1 else bool
