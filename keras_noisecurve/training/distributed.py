@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from keras_noisecurve import backend as _backend
 from keras_noisecurve._validation import check_int
+from keras_noisecurve.training import log_guard, plan_guard
 from keras_noisecurve.training.dp_model import PrivateModel
 from keras_noisecurve.training.optimizer import NoiseCurveOptimizer
 
@@ -48,10 +49,10 @@ def _check_model(model):
 
 
 def _run_dataset_fn(model, run, x, y, sample_weight, example_fn, skip_done_steps, fingerprint):
-    """``(dataset_fn, data fingerprint)`` of a ``PrivateRun``: ``input_context ->
+    """``(dataset_fn, data)`` of a ``PrivateRun``: ``input_context ->
     run.dataset(...).batches(model.optimizer, input_context=input_context)``, and the
-    fingerprint of the examples in their order (``RunData.source.fingerprint()``), which
-    the workers compare."""
+    ``RunData``, whose examples' fingerprint in their order (``data.source.fingerprint()``)
+    the workers compare and whose first examples the batch probe runs on."""
     from keras_noisecurve.privacy.run import PrivateRun
     from keras_noisecurve.privacy.run_data import check_optimizer
 
@@ -70,7 +71,7 @@ def _run_dataset_fn(model, run, x, y, sample_weight, example_fn, skip_done_steps
     def dataset_fn(input_context):
         return data.batches(model.optimizer, input_context=input_context)
 
-    return dataset_fn, data.source.fingerprint()
+    return dataset_fn, data
 
 
 def fit_distributed(
@@ -170,9 +171,14 @@ def fit_distributed(
             f"{_backend.name()!r} call model.fit, which runs over several processes itself (docs/distributed.md)."
         )
     _check_model(model)
+    if isinstance(callbacks, (list, tuple)):
+        log_guard.check_callbacks(callbacks)  # none may steer the run by a training log
+    log_guard.say_private_logs(model)
+    rows = None  # the batch probe's examples (the workers' own datasets: none, nothing probed)
     if run is not None:
-        dataset_fn, data_fingerprint = _run_dataset_fn(model, run, data, y, sample_weight, example_fn,
-                                                       skip_done_steps, fingerprint)
+        dataset_fn, examples = _run_dataset_fn(model, run, data, y, sample_weight, example_fn,
+                                               skip_done_steps, fingerprint)
+        data_fingerprint, rows = examples.source.fingerprint(), plan_guard.probe_rows(source=examples.source)
         fingerprint, skip_done_steps = run.fingerprint(), False  # run.dataset starts at the optimizer's step
     else:
         for name, value in (("y", y), ("sample_weight", sample_weight), ("example_fn", example_fn)):
@@ -194,5 +200,5 @@ def fit_distributed(
     return _backend.module("distributed").train(
         model, dataset_fn, run_steps=None if run is None else run.steps, plan_steps=plan_steps, steps=steps,
         strategy=strategy, callbacks=callbacks, verbose=verbose, skip_done_steps=skip_done_steps,
-        fingerprint=fingerprint, data_fingerprint=data_fingerprint,
+        fingerprint=fingerprint, data_fingerprint=data_fingerprint, probe_rows=rows,
     )

@@ -259,3 +259,16 @@ def test_callbacks_on_validation_logs_are_accepted_and_the_training_logs_said_on
     with warnings.catch_warnings():
         warnings.simplefilter("error", PrivateLogsWarning)
         say_private_logs(private)  # once per model
+
+
+def test_the_hazard_table_names_every_leak():
+    """docs/privacy.md's table lists each path these tests cover."""
+    import pathlib
+
+    import keras_noisecurve
+
+    text = (pathlib.Path(keras_noisecurve.__file__).parents[1] / "docs" / "privacy.md").read_text()
+    table = text.split("What can make ε wrong")[-1]
+    for path in ("MixUp", "CutMix", "padding rows", "non-trainable variable", "add_loss", "ReduceLROnPlateau",
+                 "EarlyStopping", "save_best_only", "PrivateLogsWarning"):
+        assert path in table, path

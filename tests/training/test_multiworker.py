@@ -433,3 +433,24 @@ def test_a_private_run_without_seeds_agrees_and_equals_fit(two_workers):
     for a, ref in zip(_weights(r0), model.get_weights()):
         np.testing.assert_allclose(a, ref, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(r0["loss"], history.history["loss"][-1:], rtol=1e-5)
+
+
+def test_fit_distributed_probes_the_model_and_refuses_callbacks_on_training_logs():
+    # the same refusals as fit: a layer that centres the batch (found by the batch probe, after
+    # the workers agreed on plan and data), and a callback steered by the training loss
+    run = mw.private_run(seed=1)
+    with pytest.raises(ValueError, match="acts on a training log"):
+        fit_distributed(mw.build_model(run=run), *mw.examples(), run=run, verbose=0,
+                        callbacks=[keras.callbacks.EarlyStopping(monitor="loss")])
+
+    class Centre(keras.layers.Layer):
+        def call(self, x, training=None):
+            return x - keras.ops.mean(x, axis=0, keepdims=True) if training else x
+
+    model = mw.build_model(run=run)
+    mixing = knc.make_private(keras.Sequential([keras.Input((mw.FEATURES,)), Centre(), *model.inner.layers]),
+                              clipping="vectorized")
+    mixing.compile(optimizer=model.optimizer, loss=model.loss)
+    with pytest.raises(ValueError, match="mixes the examples of a batch"):
+        fit_distributed(mixing, *mw.examples(), run=run, verbose=0)
+    assert int(mixing.optimizer.iterations.numpy()) == 0

@@ -328,13 +328,15 @@ def _floats(logs):
 
 
 def train(model, dataset_fn, *, run_steps, plan_steps, steps, strategy, callbacks, verbose, skip_done_steps,
-          fingerprint, data_fingerprint=None) -> keras.callbacks.History:
+          fingerprint, data_fingerprint=None, probe_rows=None) -> keras.callbacks.History:
     """The loop of :func:`keras_noisecurve.training.fit_distributed`, whose docstring says what
     it does; the model and its ``NoiseCurveOptimizer`` are checked there. ``dataset_fn``:
     ``input_context -> tf.data.Dataset``; ``run_steps``: T of the run (``None`` without one);
     ``plan_steps``: the steps ``steps=None`` runs to; ``fingerprint``: an int64 or ``None``;
     ``data_fingerprint``: the run's examples in order (``RunData.source.fingerprint()``), or
-    ``None`` (a ``dataset_fn``: nothing to fingerprint), compared as :data:`_DATA`."""
+    ``None`` (a ``dataset_fn``: nothing to fingerprint), compared as :data:`_DATA`;
+    ``probe_rows``: ``() -> (x, y)``, the examples of the batch probe (``plan_guard.probe_rows``),
+    run after the workers agreed on the plan and data (so all take the same decision), or ``None``."""
     strategy = _check_strategy(model, strategy)
     if run_steps is None:
         if not callable(dataset_fn):
@@ -401,6 +403,9 @@ def train(model, dataset_fn, *, run_steps, plan_steps, steps, strategy, callback
     if data_fingerprint is not None:
         plan[_DATA] = _check_int64("data_fingerprint", data_fingerprint)
     _assert_same(strategy, plan, advice={_DATA: _DATA_ADVICE})
+    batch = probe_rows() if probe_rows is not None else None
+    if batch is not None:  # examples apart in training mode, no state from the data (before any step)
+        model._dp_probe(*batch)
 
     iterator = iter(strategy.distribute_datasets_from_function(per_worker))
     any_worker = _any_worker(strategy) if strategy.num_replicas_in_sync > 1 else bool
