@@ -163,7 +163,11 @@ def fit_distributed(
       ValueError: on every worker, before the first step, when the workers' plans
         differ (optimizer configuration, variable shapes, start step, ``steps``, run
         plan fingerprint) or, with ``run``, their examples or the examples' order;
-        ``steps`` beyond the run's plan; when the dataset runs out before ``steps`` steps.
+        ``steps`` beyond the run's plan; when the dataset runs out before ``steps`` steps;
+        a callback steered by a training log (``ReduceLROnPlateau(monitor="loss")``, ...);
+        after the workers agreed, a model whose examples reach one another in training
+        mode or that writes state from the data (the batch probe, on the run's first
+        examples or the first batch of ``dataset_fn``, as ``fit`` does).
     """
     if _backend.name() != "tensorflow":
         raise RuntimeError(
@@ -174,7 +178,7 @@ def fit_distributed(
     if isinstance(callbacks, (list, tuple)):
         log_guard.check_callbacks(callbacks)  # none may steer the run by a training log
     log_guard.say_private_logs(model)
-    rows = None  # the batch probe's examples (the workers' own datasets: none, nothing probed)
+    rows = None  # the batch probe's examples (None: the first batch of dataset_fn)
     if run is not None:
         dataset_fn, examples = _run_dataset_fn(model, run, data, y, sample_weight, example_fn,
                                                skip_done_steps, fingerprint)

@@ -274,14 +274,42 @@ class PrivateModel(_impl.TrainStepBackend, keras.Model):
         """``optimizer.check_plan`` with this model's words (``plan_guard.check_plan``)."""
         plan_guard.check_plan(self, data)
 
-    def _dp_probe(self, x, y=None):
-        """Once per ``compile``, on a batch ``x, y`` (its first examples): refuse a model whose
-        examples reach one another in training mode, or that writes state from the data
-        (``batch_probe.check_examples_apart``)."""
-        if getattr(self, "_dp_probed", False) or x is None:
-            return
+    def check_examples_apart(self, x, y=None):
+        """Run the batch probe on the batch ``x, y`` now: refuse a model whose examples reach
+        one another in training mode (MixUp, CutMix, batch statistics, a loss that mixes), or
+        that writes non-trainable state from the data
+        (:func:`keras_noisecurve.backend.batch_probe.check_examples_apart`; docs/training.md,
+        "Examples apart, and no state from the data").
+
+        ``fit``, ``train_on_batch`` and ``fit_distributed`` run it themselves once per
+        ``compile``, before the first private step; a custom loop that calls ``train_step``
+        itself calls this first (its step warns otherwise).
+
+        Returns:
+          the ``ProbeResult``. Raises ``ValueError`` with what it found.
+        """
         result = batch_probe.check_examples_apart(self, x, y, loss_fn=self._dp_loss_fn)  # builds an unbuilt model
         object.__setattr__(self, "_dp_probed", result.rows >= 2)
+        return result
+
+    def _dp_probe(self, x, y=None):
+        """:meth:`check_examples_apart` once per ``compile``."""
+        if not getattr(self, "_dp_probed", False) and x is not None:
+            self.check_examples_apart(x, y)
+
+    def _dp_warn_unprobed(self):
+        """Where the private step is traced (or run eagerly): warn when the batch probe has
+        not run since ``compile`` (data it could not read: a Python generator, a custom loop,
+        batches of one example)."""
+        if not getattr(self, "_dp_probed", False):
+            import warnings
+
+            warnings.warn(
+                "the batch probe did not run on this model before its private step (its data could not be read "
+                "twice, e.g. a Python generator; a custom loop; or fewer than 2 different examples): nothing checked "
+                "that no layer or loss mixes the examples of a batch and that no state is written from the data. "
+                "Call private.check_examples_apart(x, y) on a batch first, or give fit arrays or run.dataset(x, y).",
+                RuntimeWarning, stacklevel=2)
 
     def load_weights(self, filepath, *args, **kwargs):
         """Keras's, with the optimizer built first when the model is compiled and built: Keras
@@ -398,7 +426,7 @@ class PrivateModel(_impl.TrainStepBackend, keras.Model):
 
         run = x.run if isinstance(x, RunData) else None
         _check_run_data(getattr(self.optimizer, "run", None), run, x)
-        log_guard.check_callbacks(kwargs.get("callbacks"))
+        log_guard.check_callbacks(kwargs.get("callbacks"), validation_split=kwargs.get("validation_split", 0.0))
         log_guard.say_private_logs(self)
         if run is not None:
             if y is not None:
@@ -420,17 +448,18 @@ class PrivateModel(_impl.TrainStepBackend, keras.Model):
         if run is None and low is not None:  # banded_poisson_dataset: start at the optimizer's step
             x = low.dataset(self.optimizer, with_step=True)
             kwargs.setdefault("shuffle", False)  # the plan decides the order
-            kwargs["callbacks"] = list(kwargs.pop("callbacks", None) or []) + [_LowLevelStart(low)]
+            kwargs["callbacks"] = plan_guard.callback_list(kwargs.pop("callbacks", None)) + [_LowLevelStart(low)]
         elif run is None and isinstance(self.optimizer, NoiseCurveOptimizer):
             import warnings
 
             batch_size = kwargs.get("batch_size", 32 if plan_guard.is_arrays(x) else None)
             warnings.warn(plan_guard.low_level_warning(self.optimizer, batch_size), RuntimeWarning, stacklevel=3)
         if run is None:
-            kwargs["callbacks"] = list(kwargs.pop("callbacks", None) or []) + [plan_guard.PlanStart(None, rows)]
+            kwargs["callbacks"] = plan_guard.callback_list(kwargs.pop("callbacks", None)) + [
+                plan_guard.PlanStart(None, rows)]
         extra = self._dp_step_callbacks()
         if extra:
-            kwargs["callbacks"] = list(kwargs.pop("callbacks", None) or []) + extra
+            kwargs["callbacks"] = plan_guard.callback_list(kwargs.pop("callbacks", None)) + extra
         return self._dp_fit(x, y, kwargs)
 
     #: ``{class: weight}`` validated as a dense float32 table (``None`` stays ``None``)

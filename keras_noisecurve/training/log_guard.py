@@ -23,6 +23,8 @@ import warnings
 
 import keras
 
+from keras_noisecurve.training.plan_guard import callback_list
+
 __all__ = ["PrivateLogsWarning", "check_callbacks", "say_private_logs"]
 
 #: the Keras callbacks that act on the log they monitor (``ModelCheckpoint`` only with ``save_best_only``)
@@ -33,27 +35,41 @@ class PrivateLogsWarning(UserWarning):
     """The training logs of a private ``fit`` are computed without noise (not covered by ε)."""
 
 
-def _steers(callback) -> bool:
+def _steers(callback, *, validation=False) -> bool:
+    """Whether ``callback`` acts on a training log (``validation``: on any log)."""
     if not isinstance(callback, STEERING):
         return False
     if isinstance(callback, keras.callbacks.ModelCheckpoint) and not getattr(callback, "save_best_only", False):
         return False
     monitor = getattr(callback, "monitor", None)
-    return isinstance(monitor, str) and not monitor.startswith("val_")
+    return isinstance(monitor, str) and (validation or not monitor.startswith("val_"))
 
 
-def check_callbacks(callbacks) -> None:
+def check_callbacks(callbacks, *, validation_split=0.0) -> None:
     """Refuse, before a private ``fit``'s first step, callbacks that act on a training log.
 
     Args:
-      callbacks: the list given to ``fit`` (``None``: nothing to check).
+      callbacks: the list (or ``keras.callbacks.CallbackList``) given to ``fit``; ``None``:
+        nothing to check.
+      validation_split: ``fit``'s: with a split, the ``val_*`` logs are computed on examples
+        cut from the private ``x``, so they are training-set logs too.
 
     Raises:
       ValueError: naming each ``ReduceLROnPlateau``, ``EarlyStopping`` or
         ``ModelCheckpoint(save_best_only=True)`` whose ``monitor`` is not a validation log
-        (``val_*``).
+        (``val_*``), or that monitors any log when ``validation_split`` is set.
     """
-    steering = [c for c in (callbacks or []) if _steers(c)]
+    callbacks = callback_list(callbacks)
+    if validation_split:
+        split = [c for c in callbacks if _steers(c, validation=True)]
+        if split:
+            named = ", ".join(f"{type(c).__name__}(monitor={c.monitor!r})" for c in split)
+            raise ValueError(
+                f"{named} with validation_split={validation_split!r}: the validation rows are cut from the private "
+                "x, so the val_ logs are computed on private examples without noise and the run's decisions would "
+                "carry them outside epsilon. Pass validation_data= with examples that are not the run's (public, or "
+                "held out: decisions on them are not private for those examples).")
+    steering = [c for c in callbacks if _steers(c)]
     if steering:
         named = ", ".join(f"{type(c).__name__}(monitor={c.monitor!r})" for c in steering)
         raise ValueError(

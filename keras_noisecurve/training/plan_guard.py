@@ -26,10 +26,10 @@ import numpy as np
 
 from keras_noisecurve import _compat
 from keras_noisecurve.privacy import plan_state
-from keras_noisecurve.backend.batch_probe import PROBE_ROWS
+from keras_noisecurve.backend.batch_probe import PROBE_SCAN
 from keras_noisecurve.training.optimizer import NoiseCurveOptimizer
 
-__all__ = ["PlanStart", "budgets_apart", "check_plan", "is_arrays", "low_level_warning", "probe_rows"]
+__all__ = ["PlanStart", "budgets_apart", "check_plan", "callback_list", "first_of", "is_arrays", "low_level_warning", "probe_rows"]
 
 
 def _step(optimizer) -> int:
@@ -57,32 +57,37 @@ def check_plan(private, data=None) -> None:
 
 
 def probe_rows(x=None, y=None, *, source=None):
-    """``() -> (x, y) or None``: the first examples the batch probe
-    (:mod:`~keras_noisecurve.backend.batch_probe`) runs on, read when called.
+    """``() -> (x, y) or None``: the first examples (up to ``PROBE_SCAN``) the batch probe
+    (:mod:`~keras_noisecurve.backend.batch_probe`) chooses its rows among, read when called.
 
     ``source``: an ``ExampleSource`` (a run's, a ``banded_poisson_dataset`` plan's); else
     ``x, y`` as ``fit`` got them: arrays (or dicts/lists of arrays), a ``tf.data.Dataset``
     of batches (its first), a ``keras.utils.PyDataset`` (its batch 0). Anything else (a
-    Python generator, which cannot be read twice): ``None``, nothing probed."""
-    rows = PROBE_ROWS
+    Python generator, which cannot be read twice): ``None``; the private step then warns
+    that the probe did not run (``PrivateModel.check_examples_apart`` runs it by hand)."""
 
     def read():
         if source is not None:
-            return source.gather(np.arange(min(rows, source.num_examples), dtype=np.int64))
+            return source.gather(np.arange(min(PROBE_SCAN, source.num_examples), dtype=np.int64))
         if is_arrays(x):
             return x, y
         if isinstance(x, keras.utils.PyDataset):
-            first = x[0]
-        elif hasattr(x, "element_spec") and hasattr(x, "take"):  # a tf.data.Dataset
-            first = next(iter(x.take(1)), None)
-        else:
-            return None
-        if first is None:
-            return None
-        bx, by, _ = keras.utils.unpack_x_y_sample_weight(first if isinstance(first, tuple) else (first,))
-        return bx, by
+            return first_of(x[0])
+        if hasattr(x, "element_spec") and hasattr(x, "take"):  # a tf.data.Dataset
+            return first_of(next(iter(x.take(1)), None))
+        return None
 
     return read
+
+
+def first_of(element):
+    """``(x, y)`` of a batch as datasets yield it: ``x``, ``(x,)``, ``(x, y)``, ``(x, y, w)`` or
+    a run's ``(x, y, mask, step)``; ``None`` stays ``None``."""
+    if element is None:
+        return None
+    if isinstance(element, tuple) and not hasattr(element, "_fields"):
+        return element[0], (element[1] if len(element) > 1 else None)
+    return element, None
 
 
 def is_arrays(x) -> bool:
@@ -122,13 +127,21 @@ class PlanStart(keras.callbacks.Callback):
         object.__setattr__(self.model, "_dp_weights_after", _weights_digest(self.model))
 
 
+def callback_list(callbacks) -> list:
+    """``fit``'s ``callbacks`` as a list (``None``: empty; a ``keras.callbacks.CallbackList``:
+    its callbacks)."""
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        callbacks = callbacks.callbacks
+    return list(callbacks or [])
+
+
 def budgets_apart(callbacks):
     """``(others, budgets)``: the user's callbacks, the ``PrivacyBudget`` ones apart (each list
     in the user's order). A budget reads the step count in ``on_train_begin``, which must come
     after a restore (``BackupAndRestore``) whatever order the user listed them in."""
     from keras_noisecurve.privacy.budget import PrivacyBudget
 
-    callbacks = list(callbacks or [])
+    callbacks = callback_list(callbacks)
     return ([c for c in callbacks if not isinstance(c, PrivacyBudget)],
             [c for c in callbacks if isinstance(c, PrivacyBudget)])
 

@@ -135,6 +135,43 @@ def test_a_loss_that_mixes_the_batch_is_refused(data):
         _private(_model(), run, loss=_centred_loss).fit(run.dataset(*data), verbose=0)
 
 
+def test_identical_first_examples_do_not_hide_a_mixing_layer(data):
+    # sorted or duplicated data: the probe takes examples with different inputs
+    x, y = data
+    x = np.concatenate([np.repeat(x[:1], 12, axis=0), x[12:]])
+    run = _run()
+    with pytest.raises(ValueError, match="mixes the examples of a batch"):
+        _private(_model(Centre()), run).fit(run.dataset(x, y), verbose=0)
+
+
+def _batch_balanced_loss(y_true, y_pred):
+    """Cross-entropy weighted by the inverse frequency of each label IN THE BATCH: the
+    labels of the others weigh each example's loss."""
+    labels = keras.ops.cast(keras.ops.reshape(y_true, (-1,)), "float32")
+    share = keras.ops.mean(labels)
+    weight = keras.ops.where(labels > 0.5, 0.5 / (share + 1e-3), 0.5 / (1.0 - share + 1e-3))
+    return weight * keras.losses.sparse_categorical_crossentropy(y_true, y_pred, from_logits=True)
+
+
+def test_a_loss_that_mixes_through_the_labels_is_refused(data):
+    run = _run()
+    with pytest.raises(ValueError, match="mixes the examples of a batch"):
+        _private(_model(), run, loss=_batch_balanced_loss).fit(run.dataset(*data), verbose=0)
+
+
+def test_data_the_probe_cannot_read_warns_at_the_private_step(data):
+    x, y = data
+
+    def batches():
+        for start in range(0, N, B):
+            yield x[start:start + B], y[start:start + B]
+
+    private = _private(_model(), noise_multiplier=1.0, expected_batch_size=B)
+    with pytest.warns(RuntimeWarning, match="batch probe did not run"):
+        private.fit(batches(), steps_per_epoch=2, epochs=1, verbose=0)
+    private.check_examples_apart(x[:B], y[:B])  # by hand: nothing found
+
+
 def test_the_low_level_paths_probe_too(data):
     x, y = data
     with pytest.raises(ValueError, match="mixes the examples of a batch"):
@@ -198,10 +235,21 @@ def test_the_probe_leaves_every_variable_and_random_generator_as_it_found_them(d
         np.testing.assert_array_equal(old, keras.ops.convert_to_numpy(variable.value))
 
 
-def test_randomness_outside_seed_generators_warns_that_nothing_could_be_checked(data):
+def test_randomness_outside_seed_generators_is_refused_as_unchecked(data):
     run = _run()
-    with pytest.warns(RuntimeWarning, match="could not be checked"):
+    with pytest.raises(ValueError, match="cannot be checked"):
         _private(_model(Unreproducible()), run).fit(run.dataset(*data), verbose=0)
+
+
+def test_an_unbuilt_model_is_built_before_the_snapshot(data):
+    # a Sequential without an Input is built by its first call: its running mean must be in
+    # the snapshot (watched and restored), not created by the probe's first call
+    x, y = data
+    model = keras.Sequential([RunningMean(name="running"), keras.layers.Flatten(), keras.layers.Dense(2)])
+    private = _private(model, noise_multiplier=1.0, expected_batch_size=B)
+    with pytest.raises(ValueError, match=r"writes .*running.* from the batch"):
+        private.train_on_batch(x[:B], y[:B])
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(model.get_layer("running").mean.value), 0.0)
 
 
 # ----------------------------------------------------------------- the audit
@@ -247,6 +295,21 @@ def test_a_callback_steered_by_a_training_log_is_refused(callback, data):
     with pytest.raises(ValueError, match="acts on a training log"):
         private.fit(run.dataset(*data), verbose=0, callbacks=[callback()])
     assert _step(private) == 0
+
+
+def test_validation_rows_cut_from_the_private_data_steer_nothing(data):
+    x, y = data
+    private = _private(_model(), noise_multiplier=1.0, expected_batch_size=B)
+    with pytest.raises(ValueError, match="validation rows are cut from the private"):
+        private.fit(x, y, batch_size=B, validation_split=0.25, verbose=0,
+                    callbacks=[keras.callbacks.EarlyStopping(monitor="val_loss")])
+
+
+def test_a_callback_list_is_checked_as_a_list(data):
+    run = _run()
+    callbacks = keras.callbacks.CallbackList([keras.callbacks.EarlyStopping(monitor="loss")])
+    with pytest.raises(ValueError, match="acts on a training log"):
+        _private(_model(), run).fit(run.dataset(*data), verbose=0, callbacks=callbacks)
 
 
 def test_callbacks_on_validation_logs_are_accepted_and_the_training_logs_said_once(data):

@@ -273,6 +273,7 @@ class TrainStepBackend:
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         optimizer = self.optimizer
         self._dp_check_optimizer(optimizer)
+        self._dp_warn_unprobed()  # at trace time (Python): the batch probe ran before, or a warning
         if step is None and getattr(optimizer, "run", None) is not None:
             raise ValueError(self._dp_not_the_plan(optimizer.run) + " Got a batch without the run's step index.")
         position = [id(v) for v in optimizer.variables].index(id(optimizer.iterations))

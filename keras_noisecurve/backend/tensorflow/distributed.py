@@ -43,6 +43,7 @@ create the variables before the loop, from the batch spec) and
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -327,6 +328,15 @@ def _floats(logs):
     return out
 
 
+def _first_batch(dataset_fn):
+    """``(x, y)`` of the first element of ``dataset_fn``'s pipeline 0 (``x``, ``(x, y)``,
+    ``(x, y, mask)`` or ``(x, y, mask, step)``), or ``None`` when it is empty."""
+    element = next(iter(dataset_fn(tf.distribute.InputContext()).take(1)), None)
+    if isinstance(element, tuple):
+        return element[0], (element[1] if len(element) > 1 else None)
+    return None if element is None else (element, None)
+
+
 def train(model, dataset_fn, *, run_steps, plan_steps, steps, strategy, callbacks, verbose, skip_done_steps,
           fingerprint, data_fingerprint=None, probe_rows=None) -> keras.callbacks.History:
     """The loop of :func:`keras_noisecurve.training.fit_distributed`, whose docstring says what
@@ -336,7 +346,8 @@ def train(model, dataset_fn, *, run_steps, plan_steps, steps, strategy, callback
     ``data_fingerprint``: the run's examples in order (``RunData.source.fingerprint()``), or
     ``None`` (a ``dataset_fn``: nothing to fingerprint), compared as :data:`_DATA`;
     ``probe_rows``: ``() -> (x, y)``, the examples of the batch probe (``plan_guard.probe_rows``),
-    run after the workers agreed on the plan and data (so all take the same decision), or ``None``."""
+    run after the workers agreed on the plan and data (so all take the same decision); ``None``:
+    the first batch of ``dataset_fn``'s pipeline 0."""
     strategy = _check_strategy(model, strategy)
     if run_steps is None:
         if not callable(dataset_fn):
@@ -403,7 +414,9 @@ def train(model, dataset_fn, *, run_steps, plan_steps, steps, strategy, callback
     if data_fingerprint is not None:
         plan[_DATA] = _check_int64("data_fingerprint", data_fingerprint)
     _assert_same(strategy, plan, advice={_DATA: _DATA_ADVICE})
-    batch = probe_rows() if probe_rows is not None else None
+    if probe_rows is None:  # a dataset_fn: the first batch of its pipeline 0
+        probe_rows = functools.partial(_first_batch, dataset_fn)
+    batch = probe_rows()
     if batch is not None:  # examples apart in training mode, no state from the data (before any step)
         model._dp_probe(*batch)
 

@@ -247,6 +247,7 @@ class TrainStepBackend:
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         optimizer = self.optimizer
         self._dp_check_optimizer(optimizer)  # e.g. optimizer swapped after compile
+        self._dp_warn_unprobed()  # at trace time (Python): the batch probe ran before, or a warning
         iteration = tf.cast(tf.identity(optimizer.iterations), tf.int64)  # before this step's update
         checks = []  # assertions every update of the step depends on (graph mode; eager: raised already)
         if step is not None:
