@@ -30,6 +30,7 @@ __all__ = [
     "dense_pmf_fields",
     "distribution_strategy",
     "flatten_layers",
+    "float64_promotion",
     "iterations_variable",
     "keras_tf_nn_module",
     "learning_rate_value",
@@ -310,6 +311,31 @@ def without_compiled_loss(model):
             yield
         finally:
             model._compile_loss = saved
+
+    return scope()
+
+
+def float64_promotion():
+    """A context in which Keras's dtype promotion keeps float64: ``keras.backend.result_type``
+    maps float64 to float32 on every backend but TensorFlow (``BIT64_TO_BIT32_DTYPE`` of
+    ``keras.src.backend.common.dtypes``, "aligned with JAX's default"), even with JAX's
+    ``jax_enable_x64`` on, and the layers that choose their compute dtype with it
+    (``GroupNormalization``, ``LayerNormalization``: ``result_type(inputs.dtype, "float32")``)
+    then compute a float64 model in float32. The entry is lifted on entry and restored on
+    exit; on TensorFlow (no entry) the context changes nothing."""
+    import contextlib
+
+    from keras.src.backend.common import dtypes
+
+    @contextlib.contextmanager
+    def scope():
+        table = dtypes.BIT64_TO_BIT32_DTYPE
+        saved = table.pop("float64", None)
+        try:
+            yield
+        finally:
+            if saved is not None:
+                table["float64"] = saved
 
     return scope()
 

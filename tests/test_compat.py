@@ -257,6 +257,17 @@ def test_keras_moments_can_be_swapped_and_restored():
     assert calls and float(mean) == 3.0 and float(var) == pytest.approx(3.5)
 
 
+def test_float64_promotion_keeps_float64_and_restores_keras_s_promotion():
+    # Keras promotes float64 to float32 on every backend but TensorFlow; the JAX side (where
+    # the scope matters: a float64 GroupNormalization) is tests/jax/test_jax_depthwise.py
+    before = keras.backend.result_type("float64", "float32")
+    assert before == ("float64" if keras.backend.backend() == "tensorflow" else "float32")
+    with _compat.float64_promotion():
+        assert keras.backend.result_type("float64", "float32") == "float64"
+        assert keras.backend.result_type("float64", "float16") == "float64"
+    assert keras.backend.result_type("float64", "float32") == before
+
+
 # ----------------------------------------------------------------------- dp-accounting
 def test_pld_pmfs_and_dense_fields_give_dp_accounting_s_delta():
     from dp_accounting.pld import privacy_loss_distribution as pld_module

@@ -6,6 +6,8 @@ which a float64 clone computes in float64. (The engine's side is the private mod
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,14 +17,27 @@ __all__ = ["float64_scope", "loss_jacobian", "reference_grads"]
 
 def float64_scope():
     """Where a float64 clone is built and differentiated: JAX computes in float64 only with
-    ``jax_enable_x64`` on, so the clone lives inside this scope (``jax.enable_x64(True)``; on
-    older JAX ``jax.experimental.enable_x64()``)."""
+    ``jax_enable_x64`` on (``jax.enable_x64(True)``; on older JAX
+    ``jax.experimental.enable_x64()``), and Keras's dtype promotion on JAX maps float64 to
+    float32 whatever that flag says, so that a ``GroupNormalization`` or ``LayerNormalization``
+    of the clone would normalise in float32 (a reference no more exact than the float32 model
+    it checks): the scope also keeps Keras's float64 (``_compat.float64_promotion``)."""
+    from keras_noisecurve import _compat
+
     enable = getattr(jax, "enable_x64", None)
     if enable is not None:
-        return enable(True)
-    from jax.experimental import enable_x64  # JAX < 0.6
+        x64 = enable(True)
+    else:
+        from jax.experimental import enable_x64  # JAX < 0.6
 
-    return enable_x64()
+        x64 = enable_x64()
+
+    @contextlib.contextmanager
+    def scope():
+        with x64, _compat.float64_promotion():
+            yield
+
+    return scope()
 
 
 def _values(model):
