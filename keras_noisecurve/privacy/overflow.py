@@ -230,7 +230,10 @@ def checked_padding(*, spec: RunSpec, delta: float, epsilon: Callable[[], float]
         return padded, p
     if epsilon_bound is not None and p <= _allowed(epsilon_bound, delta):
         return padded, p
-    eps = float(epsilon())
+    try:
+        eps = float(epsilon())
+    except (ArithmeticError, ValueError):  # an accountant that cannot represent the loss (σ ≈ 0): no bound
+        eps = math.inf
     allowed = _allowed(eps, delta)
     if p <= allowed:
         return padded, p
@@ -239,7 +242,7 @@ def checked_padding(*, spec: RunSpec, delta: float, epsilon: Callable[[], float]
         return smallest, _overflow_probability(spec, smallest)
     given = (f"max_batch_size={max_batch_size}" if max_batch_size is not None
              else f"overflow_probability={overflow_probability:g} (padded batch size P = {padded})")
-    total = delta + overflow_delta(epsilon=eps, overflow_probability=p)
+    total = delta + overflow_delta(epsilon=eps, overflow_probability=p) if math.isfinite(eps) else math.inf
     raise ValueError(
         f"{given} has an overflow probability p = {p:.3g} (union bound over the T = {spec.steps} steps): the run "
         f"would be (epsilon = {eps:.4g}, delta + (1 + e^epsilon)*p = {total:.3g})-DP, not (epsilon, delta = "

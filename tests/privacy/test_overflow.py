@@ -118,3 +118,11 @@ def test_the_rule_helpers_validate():
         overflow.allowed_overflow_probability(epsilon=1.0, delta=0.0)
     with pytest.raises(ValueError, match="cyclic_poisson' only"):
         overflow.smallest_allowed_padded_size(spec=_run(sampling="fixed_epochs").spec, epsilon=1.0, delta=1e-5)
+
+
+def test_a_run_whose_epsilon_the_accountant_cannot_represent_pads_so_that_nothing_overflows():
+    # sigma ~ 0 (a near noise-free test run): PLD cannot build its loss distribution, epsilon is
+    # unbounded and any overflow breaks the rule: the padding never overflows (ceil(n/b) + 1)
+    run = PrivateRun(num_examples=24, batch_size=12, steps=2, noise_multiplier=1e-9, delta=1e-5, seed=0)
+    assert run.overflow_probability == 0.0
+    assert run.padded_batch_size == 24 + 1
