@@ -46,7 +46,8 @@ import numpy as np
 
 from keras_noisecurve import _compat
 
-__all__ = ["PROBE_ROWS", "PROBE_SCAN", "TOLERANCE", "ProbeResult", "check_examples_apart", "probe_examples"]
+__all__ = ["PROBE_ROWS", "PROBE_SCAN", "TOLERANCE", "ProbeResult", "check_examples_apart", "first_of",
+           "probe_examples"]
 
 #: the examples the probe uses (with pairwise different inputs, the first of the batch or the data)
 PROBE_ROWS = 8
@@ -111,6 +112,16 @@ class ProbeResult:
                 "noise. Freeze the layer (layer.trainable = False runs it in inference mode), make it stateless "
                 "(stateful=False), or remove it.")
         return out
+
+
+def first_of(element):
+    """``(x, y)`` of a batch as datasets yield it: ``x``, ``(x,)``, ``(x, y)``, ``(x, y, w)`` or
+    a run's ``(x, y, mask, step)``; ``None`` stays ``None``."""
+    if element is None:
+        return None
+    if isinstance(element, tuple) and not hasattr(element, "_fields"):
+        return element[0], (element[1] if len(element) > 1 else None)
+    return element, None
 
 
 def _take(tree, index):

@@ -26,10 +26,10 @@ import numpy as np
 
 from keras_noisecurve import _compat
 from keras_noisecurve.privacy import plan_state
-from keras_noisecurve.backend.batch_probe import PROBE_SCAN
+from keras_noisecurve.backend.batch_probe import PROBE_SCAN, first_of
 from keras_noisecurve.training.optimizer import NoiseCurveOptimizer
 
-__all__ = ["PlanStart", "budgets_apart", "check_plan", "callback_list", "first_of", "is_arrays", "low_level_warning", "probe_rows"]
+__all__ = ["PlanStart", "budgets_apart", "check_plan", "callback_list", "is_arrays", "low_level_warning", "probe_rows"]
 
 
 def _step(optimizer) -> int:
@@ -78,16 +78,6 @@ def probe_rows(x=None, y=None, *, source=None):
         return None
 
     return read
-
-
-def first_of(element):
-    """``(x, y)`` of a batch as datasets yield it: ``x``, ``(x,)``, ``(x, y)``, ``(x, y, w)`` or
-    a run's ``(x, y, mask, step)``; ``None`` stays ``None``."""
-    if element is None:
-        return None
-    if isinstance(element, tuple) and not hasattr(element, "_fields"):
-        return element[0], (element[1] if len(element) > 1 else None)
-    return element, None
 
 
 def is_arrays(x) -> bool:

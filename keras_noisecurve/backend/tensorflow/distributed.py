@@ -54,6 +54,7 @@ import tensorflow as tf
 
 from keras_noisecurve import _compat
 from keras_noisecurve._validation import check_int
+from keras_noisecurve.backend import batch_probe
 from keras_noisecurve.backend.tensorflow import features
 
 __all__ = ["assert_same_on_all_workers", "fit_distributed", "is_chief", "worker_checkpoint_dir"]
@@ -331,10 +332,7 @@ def _floats(logs):
 def _first_batch(dataset_fn):
     """``(x, y)`` of the first element of ``dataset_fn``'s pipeline 0 (``x``, ``(x, y)``,
     ``(x, y, mask)`` or ``(x, y, mask, step)``), or ``None`` when it is empty."""
-    element = next(iter(dataset_fn(tf.distribute.InputContext()).take(1)), None)
-    if isinstance(element, tuple):
-        return element[0], (element[1] if len(element) > 1 else None)
-    return None if element is None else (element, None)
+    return batch_probe.first_of(next(iter(dataset_fn(tf.distribute.InputContext()).take(1)), None))
 
 
 def train(model, dataset_fn, *, run_steps, plan_steps, steps, strategy, callbacks, verbose, skip_done_steps,
