@@ -18,9 +18,13 @@ float64 numpy.
   show the engine's own error. On the float64 model the rules compute in float32 from float64
   activations and output gradients: measured ≤ 5e-7 per layer.
 - DeepLabV3 (keras-hub, the catalogue's tiny config: a ResNet encoder with frozen batch norms,
-  dilated spatial pyramid pooling): well-conditioned, so the float32 model's engine is compared
-  with the loop on a float64 build of it (the same weights): measured 1.1e-7 (norms), 5.5e-7
-  (clipped sum).
+  dilated spatial pyramid pooling), built in float32 and copied to a float64 build (the same
+  weights); the engine runs on the float64 build, like MobileNetV2's: measured 1.2e-6 (Conv2D,
+  the rules computing in float32 from float64 activations), 1.7e-7 (Dense). Run on the float32 model the
+  engine measured 1.1e-7 (norms) here, but 4.9e-5 on one example of five on another CPU (CI's):
+  that is the float32 forward pass's own rounding, which depends on the CPU's kernels, not the
+  engine's error (the float32 model's engine is held to the catalogue's 1e-4 in the training
+  tests).
 
 The float64 loop runs inside the audit's ``float64_scope`` (JAX's x64, and Keras's dtype
 promotion keeping float64: without it Keras normalises a float64 GroupNormalization in float32,
@@ -178,8 +182,9 @@ def test_deeplab_v3_matches_a_float64_loop():
             for target, source in zip(twin.weights, case.model.weights):
                 assert tuple(target.shape) == tuple(source.shape)
                 target.assign(np.asarray(source.value, np.float64))
-        reference = _float64_loop(twin, loss_fn, case.x, case.y)
-        errors = _check(case.model, loss_fn, case.x, case.y, reference)
+            x = np.asarray(case.x, np.float64)
+            reference = _float64_loop(twin, loss_fn, x, case.y)
+            errors = _check(twin, loss_fn, x, case.y, reference)
     finally:
         keras.backend.clear_session()
     assert "Conv2D" in errors, errors
