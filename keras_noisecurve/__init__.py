@@ -39,6 +39,8 @@ _EXPORTS = {
     "compute_epsilon": "keras_noisecurve.privacy",
     "calibrate_noise_multiplier": "keras_noisecurve.privacy",
     "PrivateRun": "keras_noisecurve.privacy.run",
+    "choose_mixing": "keras_noisecurve.privacy.choice",
+    "MixingChoice": "keras_noisecurve.privacy.choice",
     "RunData": "keras_noisecurve.privacy.run_data",
     # TensorFlow / Keras parts
     "banded_poisson_dataset": "keras_noisecurve.privacy.sampler",

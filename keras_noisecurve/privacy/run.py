@@ -48,6 +48,39 @@ def _resolve_mixing(mixing):
     return mixing if mixing.has_plan else None
 
 
+def _is_auto(mixing) -> bool:
+    return isinstance(mixing, str) and mixing == "auto"
+
+
+def _choose(mixing, *, plan, update_rule):
+    """``(C, its MixingChoice)`` for ``mixing="auto"`` or a ``MixingChoice``; ``(mixing, None)``
+    otherwise (``update_rule`` only applies to a choice)."""
+    from keras_noisecurve.privacy.choice import MixingChoice, choose_mixing
+
+    if _is_auto(mixing):
+        if plan["epsilon"] is None:
+            raise ValueError(
+                "mixing='auto' chooses the mechanism with the least noise at a target epsilon: give epsilon= "
+                "(sigma is then calibrated for each candidate), not noise_multiplier=.")
+        choice = choose_mixing(update_rule=update_rule, **plan)
+    elif isinstance(mixing, MixingChoice):
+        if update_rule is not None:
+            raise ValueError("update_rule= is the choice's own (choose_mixing(update_rule=...)); leave it unset "
+                             "when mixing is a MixingChoice.")
+        if plan["epsilon"] is None:
+            raise ValueError("a MixingChoice is calibrated for a target epsilon: give the run the same epsilon= "
+                             f"({mixing.plan['epsilon']:g}), not noise_multiplier=.")
+        choice = mixing
+        choice.check_plan({k: v for k, v in plan.items() if k in choice.plan})
+    else:
+        if update_rule is not None:
+            raise ValueError(
+                "update_rule= is for mixing='auto' (the rule the chosen C is solved for); a given C carries the "
+                "rule it was solved for in its metadata (solve_mixing_matrix(update_rule=...)).")
+        return mixing, None
+    return choice.mixing, choice
+
+
 class PrivateRun:
     """One private training run: plan, noise, accounting and secret sampling key.
 
@@ -62,6 +95,14 @@ class PrivateRun:
         dict) with at least T steps; ``None`` (or ``"dpsgd"``): C = I for T steps, i.e.
         DP-SGD. b is C's number of bands. BLT and BISR (not banded) need
         ``sampling="fixed_epochs"``: their sensitivity over all epochs is computed from C.
+        ``"auto"``: the mechanism with the least expected noise in the model's updates at
+        the target ``epsilon``, each candidate at the σ this run's accountant calibrates for
+        it (:func:`keras_noisecurve.choose_mixing`; DP-SGD is a candidate, so the choice is
+        never predicted worse); ``run.mixing_choice`` holds the comparison and
+        :meth:`summary` prints it. A :class:`~keras_noisecurve.MixingChoice` made for this
+        plan and (ε, δ) is taken as it is.
+      update_rule: ``mixing="auto"`` only: the ``UpdateRule`` training runs (momentum,
+        learning-rate schedule), which the chosen C is solved for; default plain SGD.
       noise_multiplier: σ > 0. Give ``noise_multiplier`` or ``epsilon``.
       epsilon: a target ε > 0: σ is calibrated (the smallest σ whose run is
         (ε, δ)-DP, :func:`keras_noisecurve.calibrate_noise_multiplier`).
@@ -102,12 +143,16 @@ class PrivateRun:
         max_batch_size: Optional[int] = None,
         overflow_probability: Optional[float] = None,
         seed=None,
+        update_rule=None,
     ):
         if (steps is None) == (epochs is None):
             raise ValueError(
                 f"give exactly one of steps (the number of optimizer steps T) and epochs (passes over the "
                 f"data, T = epochs * ceil(n/B)); got steps={steps!r}, epochs={epochs!r}."
             )
+        mixing, self._choice = _choose(mixing, update_rule=update_rule, plan={
+            "num_examples": num_examples, "batch_size": batch_size, "steps": steps, "epochs": epochs,
+            "sampling": sampling, "epsilon": epsilon, "delta": delta, "accountant": accountant})
         loaded = _resolve_mixing(mixing)
         self._spec = RunSpec(num_examples=num_examples, batch_size=batch_size, steps=steps, epochs=epochs,
                              sampling=sampling, mixing=loaded)
@@ -134,7 +179,11 @@ class PrivateRun:
         self._target_epsilon = None
         if epsilon is not None:
             self._target_epsilon = check_float("epsilon", epsilon, positive=True)
-            noise_multiplier = noise_multiplier_for(self._spec, self._target_epsilon, self._delta, self._accountant)
+            if self._choice is not None:  # calibrated for this plan while choosing
+                noise_multiplier = self._choice.noise_multiplier
+            else:
+                noise_multiplier = noise_multiplier_for(self._spec, self._target_epsilon, self._delta,
+                                                        self._accountant)
         # sigma = 0 is no privacy: refused (as by compute_epsilon and calibration)
         self._sigma = check_float("noise_multiplier", noise_multiplier, positive=True)
         self._ledger = None
@@ -199,6 +248,12 @@ class PrivateRun:
     def mixing(self):
         """The mixing matrix C (a ``MixingMatrix``; ``MixingMatrix.identity(T)`` for DP-SGD)."""
         return self._mixing
+
+    @property
+    def mixing_choice(self):
+        """The :class:`~keras_noisecurve.MixingChoice` of ``mixing="auto"`` (every candidate's
+        σ, predicted error relative to DP-SGD and solve time), or ``None``."""
+        return self._choice
 
     @property
     def noise_multiplier(self) -> float:
@@ -333,6 +388,14 @@ class PrivateRun:
             f"bands={self.bands}, sampling={self._spec.sampling!r}, noise_multiplier={self._sigma:.6g}{eps}, "
             f"delta={self._delta:g}{total})"
         )
+
+    def summary(self) -> str:
+        """The plan, ε and δ in a few lines, and with ``mixing="auto"`` the comparison the
+        mechanism was chosen from and the gain predicted over DP-SGD."""
+        lines = [repr(self), f"epsilon after the {self.steps} steps: {self.epsilon():.4g} at delta={self._delta:g}"]
+        if self._choice is not None:
+            lines.append(self._choice.summary())
+        return "\n".join(lines)
 
     # ------------------------------------------------------------ the key
     def __getstate__(self):
