@@ -73,12 +73,24 @@ RUNNING_SUMS = "bandmf"
 #: (relative) of the best one's.
 TOLERANCE = 0.01
 
-#: The summed T·b² of the exact banded solves (about 40 s at T = 10⁴ on one core).
-EXACT_SOLVE_BUDGET = 1.2e7
+#: The summed cost T·b² of the exact banded solves (×``_RULE_SOLVE_COST`` under momentum or a
+#: schedule): the whole grid at the demo's size (T = 140, b ≤ 13), b ≤ 17 at T = 10⁴ (about
+#: 10 s on one core; plain SGD's exact C is within 1 % of its screen there).
+EXACT_SOLVE_BUDGET = 3e6
+#: How much slower the banded solver is for a momentum or schedule workload (measured ×13 at
+#: T = 10⁴, b = 10).
+_RULE_SOLVE_COST = 13
 
-#: The grid of sizes screened: every size to 8, then about ×1.25 apart, and the largest.
+#: The grid of sizes screened: every size to 8, then about ×1.5 apart, and the largest (near
+#: its best b the error is flat: within 1 % from b = 28 to 55 at T = 10⁴).
 _DENSE_UP_TO = 8
-_GRID_RATIO = 1.25
+_GRID_RATIO = 1.5
+#: σ per accounting event (its sampling, q, participations, sensitivity) and target
+#: (ε, δ, accountant): calibration is deterministic, and a process that chooses twice (the
+#: demo, a sweep) calibrates each event once.
+_SIGMAS: dict = {}
+_SIGMA_CACHE_SIZE = 4096
+
 #: BLT buffers tried under fixed epochs.
 _BLT_BUFFERS = (1, 2, 3, 4, 6, 8)
 
@@ -237,7 +249,7 @@ def rule_text(rule: dict) -> str:
 
 
 def _grid(largest: int) -> list:
-    """1, 2, …, 8, then about ×1.25 apart, and ``largest``."""
+    """1, 2, …, 8, then about ×1.5 apart, and ``largest``."""
     sizes, b = [], 1
     while b < largest:
         sizes.append(b)
@@ -261,21 +273,28 @@ class _Chooser:
     def __init__(self, *, plan, spec, rule, objective, spectrum, learning_rate, verbose):
         self.plan, self.spec, self.rule = plan, spec, rule
         self.objective, self.spectrum, self.learning_rate, self.verbose = objective, spectrum, learning_rate, verbose
-        self.sigmas: dict = {}
         self.candidates: list = []
         self.mixings: list = []
+        from tqdm.auto import tqdm
+
+        # a progress bar on stderr once the choice has taken 2 s (a long plan: T = 10⁴)
+        self.progress = tqdm(desc="mixing='auto' candidates", unit="candidate", delay=2.0, leave=False,
+                             disable=True if verbose else None)
 
     def sigma(self, mixing) -> float:
         """σ of the run with ``mixing`` at the target (ε, δ): one calibration per accounting event."""
         spec = RunSpec(mixing=mixing, num_examples=self.spec.num_examples, batch_size=self.spec.batch_size,
                        steps=self.spec.steps, sampling=self.spec.sampling)
         k = spec.participations()
-        key = (spec.sampling_probability, k, round(spec.sensitivity, 12),
-               round(spec.fixed_epoch_sensitivity(k), 12) if spec.steps_per_epoch else None, spec.separation)
-        if key not in self.sigmas:
-            self.sigmas[key] = noise_multiplier_for(spec, self.plan["epsilon"], self.plan["delta"],
-                                                    self.plan["accountant"])
-        return self.sigmas[key]
+        key = (spec.sampling, spec.sampling_probability, k, spec.sensitivity,
+               spec.fixed_epoch_sensitivity(k) if spec.steps_per_epoch else None,
+               self.plan["epsilon"], self.plan["delta"], self.plan["accountant"])
+        if key not in _SIGMAS:
+            if len(_SIGMAS) >= _SIGMA_CACHE_SIZE:
+                _SIGMAS.clear()
+            _SIGMAS[key] = noise_multiplier_for(spec, self.plan["epsilon"], self.plan["delta"],
+                                                self.plan["accountant"])
+        return _SIGMAS[key]
 
     def score(self, mixing) -> float:
         """Tr(W X⁻¹) of ``mixing`` under the scored objective and the run's update rule."""
@@ -294,10 +313,17 @@ class _Chooser:
                               relative_error=float(relative), seconds=time.perf_counter() - started)
         self.candidates.append(candidate)
         self.mixings.append(mixing)
+        self.progress.update()
         if self.verbose:
             print(f"mixing='auto': {label:<32} sigma {sigma:.4g}, error/DP-SGD {relative:.3f} "
                   f"({solved}, {candidate.seconds:.2f} s)", file=sys.stderr, flush=True)
         return candidate
+
+    def curvature_inputs(self) -> dict:
+        """The spectrum and learning rate of a curvature objective ({} for the running sums)."""
+        if self.objective in CURVATURE_OBJECTIVES:
+            return {"spectrum": self.spectrum, "learning_rate": self.learning_rate}
+        return {}
 
     # ------------------------------------------------------------ candidates
     def dpsgd(self):
@@ -323,15 +349,14 @@ class _Chooser:
         objectives = [RUNNING_SUMS] + ([self.objective] if self.objective in CURVATURE_OBJECTIVES else [])
         spent = 0.0
         for candidate in sorted(screened, key=lambda c: c.relative_error):
-            cost = len(objectives) * steps * candidate.size ** 2
+            cost = len(objectives) * steps * candidate.size ** 2 * (1 if self.rule.is_plain else _RULE_SOLVE_COST)
             if spent + cost > EXACT_SOLVE_BUDGET:
                 continue
             spent += cost
             for i, objective in enumerate(objectives):
                 started = time.perf_counter()
                 mixing = solve_mixing_matrix(steps=steps, bands=candidate.size, objective=objective,
-                                             spectrum=self.spectrum, learning_rate=self.learning_rate,
-                                             update_rule=self.rule)
+                                             update_rule=self.rule, **(self.curvature_inputs() if i else {}))
                 suffix = f" ({objective})" if i else ""
                 self.add(mixing, label=f"banded b={candidate.size}{suffix}", kind="banded", size=candidate.size,
                          buffers=candidate.size - 1, objective=objective, solved="exact", started=started)
@@ -345,13 +370,13 @@ class _Chooser:
             started = time.perf_counter()
             kwargs = {"participations": epochs, "separation": separation} if epochs > 1 else {}
             mixing = solve_mixing_matrix(steps=steps, strategy="blt", buffers=d, objective=self.objective,
-                                         spectrum=self.spectrum, learning_rate=self.learning_rate, **kwargs)
+                                         **self.curvature_inputs(), **kwargs)
             self.add(mixing, label=f"blt d={d}", kind="blt", size=d, buffers=d, objective=self.objective,
                      solved="exact", started=started)
         for p in _grid(min(steps, 32))[1:]:
             started = time.perf_counter()
             mixing = solve_mixing_matrix(steps=steps, strategy="bisr", bands=p, objective=self.objective,
-                                         spectrum=self.spectrum, learning_rate=self.learning_rate)
+                                         **self.curvature_inputs())
             self.add(mixing, label=f"bisr p={p}", kind="bisr", size=p, buffers=p, objective=self.objective,
                      solved="closed form", started=started)
 
@@ -419,6 +444,7 @@ def choose_mixing(*, num_examples: int, batch_size: int, epsilon: float, delta: 
     chooser.banded(largest)
     if spec.sampling == "fixed_epochs" and rule.is_plain and spec.steps >= 2:
         chooser.toeplitz_family()
+    chooser.progress.close()
     index = chooser.chosen(tolerance)
     chosen, mixing = chooser.candidates[index], chooser.mixings[index]
     choice = MixingChoice(mixing=mixing, chosen=chosen, candidates=tuple(chooser.candidates), plan=plan,

@@ -71,7 +71,9 @@ def _choose(mixing, *, plan, update_rule):
             raise ValueError("a MixingChoice is calibrated for a target epsilon: give the run the same epsilon= "
                              f"({mixing.plan['epsilon']:g}), not noise_multiplier=.")
         choice = mixing
-        choice.check_plan({k: v for k, v in plan.items() if k in choice.plan})
+        steps = RunSpec(num_examples=plan["num_examples"], batch_size=plan["batch_size"], steps=plan["steps"],
+                        epochs=plan["epochs"], sampling=plan["sampling"]).steps
+        choice.check_plan({**{k: v for k, v in plan.items() if k in choice.plan}, "steps": steps})
     else:
         if update_rule is not None:
             raise ValueError(
