@@ -10,6 +10,13 @@ Examples::
         --batch-size 256 --epochs 10 --bands 8
     noisecurve calibrate --epsilon 8 --delta 1e-5 --num-examples 50000 \\
         --batch-size 500 --steps 2000 --bands 4 --sampling fixed_epochs --json
+    noisecurve calibrate --epsilon 8 --delta 1e-5 --num-examples 3500 \\
+        --batch-size 250 --steps 140 --mixing auto --momentum 0.9
+
+``--mixing auto`` chooses the mechanism for the budget (``keras_noisecurve.choose_mixing``)
+and prints the comparison and the predicted gain over DP-SGD; with a ``--mixing FILE`` of
+the run's T steps the predicted gain of that C is printed too
+(``keras_noisecurve.apps.cli_predict``).
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import json
 import math
 import sys
 
+from keras_noisecurve.apps import cli_predict
 from keras_noisecurve.privacy import accounting
 
 
@@ -41,7 +49,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--accountant", choices=accounting.ACCOUNTANTS, default="pld")
     parser.add_argument("--mixing", default=None,
                         help="optional mixing file written by `noisecurve solve` (banded, toeplitz, blt or bisr): "
-                             "its bands and column norms set b and the sensitivity")
+                             "its bands and column norms set b and the sensitivity; 'auto': choose the mechanism "
+                             "with the least noise for this budget (every b the sampling allows, DP-SGD included) "
+                             "and print the comparison")
+    cli_predict.add_rule_arguments(parser)
     parser.add_argument("--overflow-probability", type=float, default=None,
                         help="target probability that any step's Poisson draw exceeds the padded batch size "
                              f"(default {accounting.DEFAULT_OVERFLOW_PROBABILITY:g}, smaller where the overflow rule "
@@ -75,12 +86,20 @@ def _resolve_steps(args) -> tuple[int, int | None]:
 def run(args) -> int:
     """Run ``noisecurve calibrate``; returns the exit status (2 on bad input)."""
     try:
-        mixing = None
-        if args.mixing is not None:
+        mixing = choice = None
+        auto = args.mixing == cli_predict.AUTO
+        if not auto and (args.momentum is not None or args.max_bands is not None):
+            raise ValueError("--momentum and --max-bands are for --mixing auto (a solved C records its own rule).")
+        if auto and args.bands is not None:
+            raise ValueError("--bands and --mixing auto exclude each other: auto chooses b.")
+        if args.mixing is not None and not auto:
             from keras_noisecurve.mixing.strategies import load_mixing
 
             mixing = load_mixing(args.mixing)  # any strategy file `noisecurve solve` writes
         steps, epochs = _resolve_steps(args)
+        if auto:
+            choice, auto_text = cli_predict.auto_lines(args, steps=steps)
+            mixing = choice.mixing
         result = accounting.calibrate(
             epsilon=args.epsilon, delta=args.delta, num_examples=args.num_examples,
             batch_size=args.batch_size, steps=steps, bands=args.bands, sampling=args.sampling,
@@ -102,7 +121,10 @@ def run(args) -> int:
               "an example outright, so this epsilon means little; use a delta much smaller than 1/n.",
               file=sys.stderr)
     if args.json:
-        print(json.dumps(result.to_dict(), sort_keys=True))
+        record = result.to_dict()
+        if choice is not None:
+            record["choice"] = choice.to_metadata()
+        print(json.dumps(record, sort_keys=True))
         return 0
     q = "n/a (fixed_epochs: no amplification)" if result.sampling_probability is None else f"{result.sampling_probability:.6g}"
     lines = [
@@ -122,5 +144,12 @@ def run(args) -> int:
         f"overflow probability   : {result.overflow_probability:.3g}",
         f"total delta            : {result.total_delta:.6g} (delta + (1+e^eps)*overflow)",
     ]
+    if choice is not None:
+        lines = auto_text + [""] + lines
+    elif mixing is not None and mixing.steps == result.steps:
+        lines += cli_predict.prediction_lines(mixing, args)
+    elif result.bands > 1:
+        lines.append("predicted vs DP-SGD   : depends on C: --mixing auto compares DP-SGD and every b at this "
+                     "budget (or give a solved C with --mixing FILE)")
     print("\n".join(lines))
     return 0

@@ -53,6 +53,7 @@ import sys
 import time
 import warnings
 
+from keras_noisecurve.apps import cli_predict
 from keras_noisecurve.apps.strategy_table import KINDS, SOLVE_KINDS, kind_of, options_for
 from keras_noisecurve.mixing.api import TOEPLITZ_OBJECTIVES
 from keras_noisecurve.mixing.objectives import get_objective
@@ -187,6 +188,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--out", default="mixing.npz", metavar="FILE", help="output .npz file (default mixing.npz)")
     parser.add_argument("--quiet", action="store_true", help="print nothing but warnings and errors")
+    cli_predict.add_budget_arguments(parser)
 
 
 #: Options that only some strategies take (``StrategyOptions.options``): option -> attribute.
@@ -539,6 +541,10 @@ def run(args) -> int:
     """Solve, save, print the summary. Returns 0, or 2 on a user error."""
     try:
         _check_args(args)
+        try:
+            budget = cli_predict.budget_given(args)
+        except ValueError as exc:
+            raise CommandError(str(exc)) from None
         spectrum = load_spectrum(args.spectrum) if args.spectrum is not None else None
         rule = None
         if options_for(args.strategy).update_rule:
@@ -575,7 +581,7 @@ def run(args) -> int:
         else:
             print(f"saved {args.out}: strategy {mixing.kind!r}, steps T = {mixing.steps}, {size_text(mixing)}")
             lines = strategy_summary_lines(mixing, seconds=seconds)
-        for line in lines:
+        for line in lines + (cli_predict.prediction_lines(mixing, args) if budget else [cli_predict.HINT]):
             print(line)
         if seen:
             print(f"{len(seen)} warning(s) on stderr")
