@@ -213,3 +213,22 @@ def dataclass_without_time(a, b):
     import dataclasses
 
     return dataclasses.replace(a, seconds=b.seconds)
+
+
+@pytest.mark.slow
+def test_the_docs_figures_show_what_auto_chooses_for_the_demo_run():
+    """docs/hooks/figures.py draws the choice for the demo's run at ε = 2 and 8 with fixed b
+    (running the chooser at every docs build would cost 20 calibrations): they must be its."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "docs" / "hooks" / "figures.py"
+    spec = importlib.util.spec_from_file_location("docs_figures", path)
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    for epsilon, bands in hook.CHOSEN.items():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            choice = choose_mixing(num_examples=hook.N, batch_size=hook.B, steps=hook.T, epsilon=epsilon,
+                                   delta=hook.DELTA, update_rule=UpdateRule(momentum=hook.MOMENTUM))
+        assert choice.chosen.size == bands, (epsilon, choice.table())
