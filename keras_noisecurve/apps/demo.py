@@ -8,23 +8,29 @@
    (``keras_noisecurve.apps.models.small_groupnorm_cnn``).
 3. Spectrum: random-label pre-training on the public images, then Lanczos top-k +
    SLQ count + power-law tail (paper §4), scaled by the public clipping factor.
-4. Mixing matrices: NoiseCurve (its objective, default ``NOISECURVE_OBJECTIVE``) and
-   DP-BandMF, each for its own b and the update rule (momentum, learning-rate schedule)
-   it is trained with; DP-SGD is C = I.
+4. Mixing matrices: DP-BandMF's b and C are ``choose_mixing``'s choice for the run and
+   its update rule (``PrivateRun(mixing="auto")``; ``--bands`` overrides it); NoiseCurve
+   (its objective, default ``NOISECURVE_OBJECTIVE``) is solved at the same b for its update
+   rule; DP-SGD is C = I.
 5. Accounting: σ calibrated for (ε, δ) under cyclic Poisson sampling (b bands for
-   the matrix-factorisation methods, b = 1 for DP-SGD).
+   the matrix-factorisation methods, b = 1 for DP-SGD; the chooser's calibrations).
 6. Training: DP-SGD, DP-BandMF and NoiseCurve side by side, each with its training
    configuration from ``keras_noisecurve.apps.demo_configs`` (learning rate, clip norm,
    momentum, schedule, b; flags override every method), the same batch size and
    steps, ``--seeds N`` times with paired seeds (seed s: the same initial weights for
    every method and, with ``--deterministic``, the same batches and raw noise). The
    spectrum and the mixing matrices are computed once. One table (mean ± std test
-   accuracy over the N seeds) and plots (spectrum, band values C[t, t − j] of each
-   correlated C, per-step and running-sum noise std, test accuracy per epoch) in
+   accuracy over the N seeds), one of predicted against measured (each method's predicted
+   noise of the updates against DP-SGD beside its paired accuracy difference,
+   ``demo_predict``) and plots (spectrum, band values C[t, t − j] of each correlated C,
+   per-step and running-sum noise std in model units, test accuracy per epoch) in
    ``--out``; results.json keeps every run.
 
-``--quick`` runs fewer public images, steps and Lanczos iterations: a smoke test, not a
-meaningful comparison. Run times: docs/performance.md.
+The default (ε = 8, B = 250, 5 epochs: T = 70, 3 seeds) is a setting where the chooser
+predicts a clear gain (DP-BandMF b = 12, noise std −42 %); at ε = 2 it predicts −6 %.
+``--quick`` runs one seed, fewer public images, steps and Lanczos iterations and caps the
+auto choice at b ≤ 4: a smoke test, not a meaningful comparison. Run times:
+docs/performance.md.
 """
 
 from __future__ import annotations
@@ -36,9 +42,10 @@ import sys
 import time
 
 from keras_noisecurve.apps import demo_configs
+from keras_noisecurve.apps import demo_predict
 from keras_noisecurve.apps import demo_report
 from keras_noisecurve.apps.demo_report import PLOT_FILES
-from keras_noisecurve.apps.demo_configs import CONFIGS, CURVATURE_OBJECTIVES, METHODS, PROVENANCE
+from keras_noisecurve.apps.demo_configs import CONFIGS, CURVATURE_OBJECTIVES, METHODS, PROVENANCE, is_auto
 from keras_noisecurve.mixing.objectives import get_objective
 from keras_noisecurve.mixing.rule_workloads import check_rule_objective
 
@@ -53,6 +60,9 @@ _OBJECTIVE_SOURCE = (
     else "keras_noisecurve.apps.demo_configs.CONFIGS"
 )
 
+#: The band width the step check runs for a method whose b is chosen later (``AUTO``).
+_CHECK_BANDS = 2
+
 #: Command-line flags that override a field of every method's configuration.
 _OVERRIDES = {"learning_rate": "--learning-rate", "clip": "--clip", "momentum": "--momentum", "bands": "--bands"}
 
@@ -65,25 +75,33 @@ def _per_method(field: str) -> str:
     values = {m: CONFIGS[m][field] for m in METHODS if not (field == "bands" and m == "DP-SGD")}
     if len(set(values.values())) == 1:
         who = "DP-BandMF and NoiseCurve" if field == "bands" else "every method"
-        return f"{next(iter(values.values()))} for {who}"
+        value = next(iter(values.values()))
+        if field == "bands" and is_auto(value):
+            return ("'auto' (DP-BandMF's b and C chosen by choose_mixing for the run and its update rule, "
+                    "NoiseCurve at the same b)")
+        return f"{value} for {who}"
     return ", ".join(f"{m} {v}" for m, v in values.items())
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``noisecurve demo``."""
     parser.add_argument("--quick", action="store_true",
-                        help="smoke run (about 1-2 min): 128 public images, 2 epochs, a rough top-8 spectrum")
+                        help="smoke run (about 2 min): one seed, 128 public images, 2 epochs, a rough top-8 "
+                             f"spectrum, the auto choice capped at b <= {demo_predict.QUICK_MAX_BANDS}")
     parser.add_argument("--out", default="noisecurve_out", help="output folder for plots and results (default ./noisecurve_out)")
-    parser.add_argument("--epsilon", type=float, default=2.0, help="target epsilon (default 2)")
+    parser.add_argument("--epsilon", type=float, default=8.0,
+                        help="target epsilon (default 8: the chooser predicts a clear gain of correlated noise "
+                             "there; at 2 it predicts about 6 %% lower noise std, no visible gain)")
     parser.add_argument("--delta", type=float, default=1e-5, help="target delta (default 1e-5)")
-    parser.add_argument("--epochs", type=int, default=None, help="training epochs (default 10; --quick 2)")
-    parser.add_argument("--seeds", type=int, default=1,
+    parser.add_argument("--epochs", type=int, default=None, help="training epochs (default 5; --quick 2)")
+    parser.add_argument("--seeds", type=int, default=None,
                         help="train each method N times, with paired seeds --seed, --seed+1, ...; the table shows "
                              "mean ± std test accuracy over the N runs, results.json keeps every run; the spectrum "
-                             "and the mixing matrices are computed once (default 1)")
+                             "and the mixing matrices are computed once (default 3; --quick 1)")
     parser.add_argument("--bands", type=int, default=None,
                         help="band width b of DP-BandMF and NoiseCurve, overriding both methods' configuration "
-                             f"(DP-SGD is b=1; B*b must not exceed the 3,500 training images). Default from "
+                             "and the auto choice (choose_mixing is then not run; DP-BandMF's C is solved for b; "
+                             "DP-SGD is b=1; B*b must not exceed the 3,500 training images). Default from "
                              f"keras_noisecurve.apps.demo_configs: {_per_method('bands')}")
     parser.add_argument("--batch-size", type=int, default=250, help="expected batch size B (default 250)")
     parser.add_argument("--learning-rate", type=float, default=None,
@@ -103,8 +121,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--public", default="digits", choices=("digits", "mnist-heldout"),
                         help="public (unlabeled) data: scikit-learn digits (default) or a held-out MNIST slice")
     parser.add_argument("--public-size", type=int, default=None,
-                        help="number of public images for the spectrum (default 512; --quick 128)")
-    parser.add_argument("--top-k", type=int, default=None, help="Lanczos eigenvalues (default 32; --quick 8)")
+                        help="number of public images for the spectrum (default 128)")
+    parser.add_argument("--top-k", type=int, default=None, help="Lanczos eigenvalues (default 12; --quick 8)")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the public subset and the spectrum, and the first training seed "
                              "(run r of --seeds uses seed S+r for the initial weights) (default 0)")
@@ -117,19 +135,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _defaults(args) -> dict:
     quick = args.quick
     cfg = {
-        "epochs": args.epochs if args.epochs is not None else (2 if quick else 10),
-        "top_k": args.top_k if args.top_k is not None else (8 if quick else 32),
+        "epochs": args.epochs if args.epochs is not None else (2 if quick else 5),
+        "top_k": args.top_k if args.top_k is not None else (8 if quick else 12),
         "public_size": args.public_size,
-        "pretrain_epochs": 1 if quick else 4,
-        "slq_probes": 2 if quick else 4,
-        "slq_steps": 12 if quick else 24,
+        # what the NoiseCurve objective needs: the top of the spectrum to ~1e-4 and a rough tail
+        "pretrain_epochs": 1 if quick else 2,
+        "slq_probes": 2,
+        "slq_steps": 12,
+        "lanczos_tol": 1e-4,
         "val_size": 500,
         "test_size": 1000,
         "eval_size": 500 if quick else 1000,
-        "seeds": args.seeds,
+        "seeds": args.seeds if args.seeds is not None else (1 if quick else 3),
     }
     if cfg["public_size"] is None:
-        cfg["public_size"] = 128 if quick else 512
+        cfg["public_size"] = 128
     methods, overridden = {}, {}
     objective = args.objective if args.objective is not None else CONFIGS["NoiseCurve"]["objective"]
     for name in METHODS:
@@ -158,7 +178,7 @@ def _validate(args, cfg) -> None:
     need(args.epsilon > 0, f"--epsilon must be > 0, got {args.epsilon}")
     need(0 < args.delta < 1, f"--delta must lie in (0, 1), got {args.delta}")
     need(cfg["epochs"] >= 1, f"--epochs must be >= 1, got {cfg['epochs']}")
-    need(args.seeds >= 1, f"--seeds must be >= 1 (the number of training runs per method), got {args.seeds}")
+    need(cfg["seeds"] >= 1, f"--seeds must be >= 1 (the number of training runs per method), got {cfg['seeds']}")
     if args.bands is not None:
         need(args.bands >= 2, f"--bands must be >= 2 (b = 1 is DP-SGD, which the demo always runs), got {args.bands}")
     need(args.batch_size >= 1, f"--batch-size must be >= 1, got {args.batch_size}")
@@ -270,6 +290,10 @@ def _run(args, cfg) -> int:
     steps = cfg["epochs"] * steps_per_epoch
     for name, m in methods.items():
         b = m["bands"]
+        if is_auto(b):  # the chooser considers the b the sampling allows: B*b < n
+            if (n - 1) // batch < 2:
+                raise _Fail(f"--batch-size {batch}: no b >= 2 has B*b < {n} for the auto choice; give a smaller one")
+            continue
         if batch * b > n:
             where = "--bands" if _source(name, "bands", cfg) == "--bands" else f"{name}'s bands"
             raise _Fail(f"--batch-size {batch} x {where} {b} = {batch * b} exceeds the {n} training images "
@@ -298,13 +322,18 @@ def _run(args, cfg) -> int:
     _log(f"model: small GroupNorm CNN, {base.count_params():,} parameters")
     _check_training_steps(x_train, y_train, batch=batch, configs=methods, seed=args.seed)
 
+    # ----------------------------------------------------- the auto choice of b and C
+    choice, picked = demo_predict.auto_bands(methods, num_examples=n, batch_size=batch, steps=steps,
+                                             epsilon=args.epsilon, delta=args.delta, quick=args.quick, log=_log)
+
     # ---------------------------------------------------------------- spectrum
     t0 = time.perf_counter()
     _log(f"spectrum: random-label pre-training ({cfg['pretrain_epochs']} epochs) on public data, "
          f"then Lanczos top-{cfg['top_k']} + SLQ + tail fit ...")
     spectrum = knc.estimate_spectrum(
         base, x_public, pretrain_epochs=cfg["pretrain_epochs"], method="lanczos", top_k=cfg["top_k"],
-        slq_probes=cfg["slq_probes"], slq_steps=cfg["slq_steps"], seed=args.seed, verbose=True,
+        slq_probes=cfg["slq_probes"], slq_steps=cfg["slq_steps"], lanczos_tol=cfg["lanczos_tol"], seed=args.seed,
+        verbose=True,
     )
     scales = {}
     for m in methods.values():
@@ -329,9 +358,11 @@ def _run(args, cfg) -> int:
     t0 = time.perf_counter()
     bm = methods["DP-BandMF"]
     _log(f"solving C: DP-BandMF (b={bm['bands']}) and {objective} (b={nc['bands']}), T={steps} ...")
+    from_choice = choice is not None and picked is choice.chosen and bm["bands"] == picked.size
     mixings = {
         "DP-SGD": knc.MixingMatrix.identity(steps),
-        "DP-BandMF": _solve(steps=steps, bands=bm["bands"], objective="bandmf", m=bm),
+        "DP-BandMF": choice.mixing if from_choice else _solve(steps=steps, bands=bm["bands"],
+                                                              objective=demo_predict.BANDMF, m=bm),
     }
     kwargs = {"blend_weight": "auto"} if get_objective(objective).blend else {}
     import warnings
@@ -346,12 +377,13 @@ def _run(args, cfg) -> int:
         if name != "DP-SGD":
             mixing.save(os.path.join(args.out, f"mixing_{name.lower().replace('-', '')}.npz"))
     diagnostics = {name: noise_diagnostics(m) for name, m in mixings.items()}
-    _log(f"solved ({time.perf_counter() - t0:.0f}s); peak running-noise-sum std: "
+    _log(f"solved ({time.perf_counter() - t0:.0f}s); peak plain running-noise-sum std per unit sigma: "
          + ", ".join(f"{k} {d['prefix_std_max']:.2f}" for k, d in diagnostics.items()))
 
     # --------------------------------------------------------------- accounting
     t0 = time.perf_counter()
-    sigmas = {}
+    # the chooser's calibrations (the same accountant and target) where it made them
+    sigmas = {} if choice is None else {1: choice.dpsgd.noise_multiplier, picked.size: picked.noise_multiplier}
     for name in METHODS:
         b = methods[name]["bands"]
         if b not in sigmas:
@@ -410,6 +442,9 @@ def _run(args, cfg) -> int:
             "runs": runs[name],
         }
     paired = demo_report.paired_differences(runs) if len(seeds) > 1 else {}
+    method_sigmas = {k: sigmas[methods[k]["bands"]] for k in METHODS}
+    rows = demo_predict.attach(results, paired, demo_predict.predictions(mixings, method_sigmas, methods))
+    comparison = demo_predict.comparison_lines(rows, rule=methods["DP-BandMF"], choice=choice)
 
     # ------------------------------------------------------------------ output
     table = demo_report.table(results)
@@ -421,6 +456,9 @@ def _run(args, cfg) -> int:
     print(table)
     for line in demo_report.paired_lines(paired):
         print(line)
+    print()
+    for line in comparison:
+        print(line)
     print(f"Training configuration: {PROVENANCE}.")
     summary = {
         "objective": objective, "epsilon": args.epsilon, "delta": args.delta, "steps": steps,
@@ -429,13 +467,20 @@ def _run(args, cfg) -> int:
         "clipping_scale": scale, "clipping_scales": {str(k): v for k, v in scales.items()},
         "training_seconds": train_seconds, "results": results, "paired_differences": paired,
         "noise": {k: {kk: v for kk, v in d.items() if not isinstance(v, list)} for k, d in diagnostics.items()},
+        "bands_from": "--bands" if args.bands is not None else ("auto" if choice is not None
+                                                                else "keras_noisecurve.apps.demo_configs"),
+        "mixing_choice": None if choice is None else dict(
+            choice.to_metadata(), trained=picked.label, expectation=choice.expectation(), summary=choice.summary()),
+        "comparison": rows,
     }
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(summary, f, indent=1)
     with open(os.path.join(args.out, "results.md"), "w") as f:
-        f.write(table + "\n" + "".join(line + "\n" for line in demo_report.paired_lines(paired)))
+        f.write(table + "\n" + "".join(line + "\n" for line in demo_report.paired_lines(paired))
+                + "\n" + "".join(line + "\n" for line in comparison))
     if not args.no_plots:
-        demo_report.write_plots(args.out, spectrum, mixings, diagnostics, results, steps_per_epoch)
+        curves = demo_predict.noise_curves(mixings, method_sigmas, methods)
+        demo_report.write_plots(args.out, spectrum, mixings, curves, results, steps_per_epoch)
         _log(f"plots: {', '.join(PLOT_FILES)} in {args.out}/")
     _log(f"done in {time.perf_counter() - started:.0f}s; results in {args.out}/results.json")
     return 0
@@ -482,6 +527,8 @@ def _check_training_steps(x, y, *, batch, configs, seed) -> None:
     # configuration that differs from a checked one only in those is not checked again
     distinct = {}
     for m in configs.values():
+        if is_auto(m["bands"]):  # b is chosen later; the step's code is the same for every b >= 2
+            m = dict(m, bands=_CHECK_BANDS)
         key = tuple(m[f] for f in demo_configs.FIELDS if f not in ("learning_rate", "clip"))
         distinct.setdefault(key, m)
     t0 = time.perf_counter()
@@ -491,7 +538,7 @@ def _check_training_steps(x, y, *, batch, configs, seed) -> None:
     for m in distinct.values():
         b = m["bands"]
         mixing = (knc.MixingMatrix.identity(2) if b == 1
-                  else _solve(steps=2 * b, bands=b, objective="bandmf", m=m))
+                  else _solve(steps=2 * b, bands=b, objective=demo_predict.BANDMF, m=m))
         run = knc.PrivateRun(num_examples=len(y), batch_size=batch, steps=mixing.steps, mixing=mixing,
                              noise_multiplier=1.0, delta=1e-5, seed=0)
         _, private = _private_cnn(run=run, config=m, seed=seed, noise_seed=0)

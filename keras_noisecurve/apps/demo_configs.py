@@ -18,14 +18,18 @@ Fields (every method has all of them; ``objective`` only NoiseCurve):
     learning-rate schedule: one of ``"constant"``, ``"cosine"``, ``"linear-cooldown"``
     (``keras_noisecurve.mixing.SCHEDULES``; multipliers as ``UpdateRule`` defines them).
 ``bands``
-    b, the band width of C: 1 for DP-SGD (C = I), ≥ 2 for DP-BandMF and NoiseCurve.
+    b, the band width of C: 1 for DP-SGD (C = I), ≥ 2 for DP-BandMF and NoiseCurve, or
+    ``AUTO`` (``"auto"``): DP-BandMF's b and C are ``choose_mixing``'s choice for the demo's
+    run and update rule (what ``PrivateRun(mixing="auto")`` trains), and NoiseCurve's b is
+    DP-BandMF's (its C solved for its curvature objective at that b, at the same σ(b)).
 ``objective``
     NoiseCurve only: the curvature objective its C is solved for (one of
     ``keras_noisecurve.mixing.CURVATURE_OBJECTIVES``).
 
 The demo's ``--learning-rate``, ``--clip``, ``--momentum`` and ``--bands`` flags, when
-given, override the value of every method (``--bands`` every correlated method; DP-SGD
-is b = 1 by definition), and ``--objective`` NoiseCurve's objective.
+given, override the value of every method (``--bands`` every correlated method, in place
+of the auto choice; DP-SGD is b = 1 by definition), and ``--objective`` NoiseCurve's
+objective.
 
 numpy/scipy only: importing this module never starts TensorFlow.
 """
@@ -38,8 +42,8 @@ from keras_noisecurve.mixing import DEFAULT_OBJECTIVE as _LIBRARY_DEFAULT
 from keras_noisecurve.mixing import workloads as _workloads
 
 __all__ = [
-    "CONFIGS", "CURVATURE_OBJECTIVES", "FIELDS", "METHODS", "NOISECURVE_OBJECTIVE", "OBJECTIVE_SOURCE",
-    "PROVENANCE", "SCHEDULES", "validate_configs",
+    "AUTO", "CONFIGS", "CURVATURE_OBJECTIVES", "FIELDS", "METHODS", "NOISECURVE_OBJECTIVE", "OBJECTIVE_SOURCE",
+    "PROVENANCE", "SCHEDULES", "is_auto", "validate_configs",
 ]
 
 #: The methods the demo trains, in table order.
@@ -52,6 +56,9 @@ SCHEDULES = ("constant", "cosine", "linear-cooldown")
 FIELDS = ("learning_rate", "clip", "momentum", "schedule", "bands")
 
 CURVATURE_OBJECTIVES = tuple(_workloads.CURVATURE_OBJECTIVES)
+
+#: ``bands`` of a correlated method: b from ``choose_mixing`` for the demo's run.
+AUTO = "auto"
 
 #: The curvature objective of the NoiseCurve row: ``keras_noisecurve.mixing.DEFAULT_OBJECTIVE``
 #: when that is a curvature objective, else the one with the best VALIDATION accuracy for
@@ -72,11 +79,13 @@ OBJECTIVE_SOURCE = (
 
 #: Where the numbers in ``CONFIGS`` come from. Printed by the demo and stored in results.json.
 PROVENANCE = (
-    "validation-tuned for this CNN by benchmarks/accuracy_cnn.py (eps = 2, T = 140, B = 250, b = 4, "
-    "clip 1; momentum 0 or 0.9 x effective learning rate eta/(1 - momentum) in {1, 2, 4, 8}, one "
-    "tuning seed): momentum 0.9 won for every method, eta = 0.4 (DP-SGD, DP-BandMF) and 0.2 "
-    "(NoiseCurve, eq. 1, chosen over noisecurve-blend on validation over five seeds); "
-    "docs/results.md has the table"
+    "learning rates, clip and momentum validation-tuned for this CNN by benchmarks/accuracy_cnn.py at "
+    "eps = 2, T = 140, B = 250, b = 4, clip 1 (momentum 0 or 0.9 x effective learning rate "
+    "eta/(1 - momentum) in {1, 2, 4, 8}, one tuning seed): momentum 0.9 won for every method, eta = 0.4 "
+    "(DP-SGD, DP-BandMF) and 0.2 (NoiseCurve, eq. 1, chosen over noisecurve-blend on validation over five "
+    "seeds); docs/results.md has the table. The demo runs eps = 8, B = 250, 5 epochs (T = 70; DP-SGD's sigma "
+    "0.747 against 1.941 at the tuning point) with b chosen by choose_mixing: the learning rates were not "
+    "re-tuned there"
 )
 
 CONFIGS = {
@@ -92,17 +101,22 @@ CONFIGS = {
         "clip": 1.0,
         "momentum": 0.9,
         "schedule": "constant",
-        "bands": 4,
+        "bands": AUTO,
     },
     "NoiseCurve": {
         "learning_rate": 0.2,
         "clip": 1.0,
         "momentum": 0.9,
         "schedule": "constant",
-        "bands": 4,
+        "bands": AUTO,
         "objective": NOISECURVE_OBJECTIVE,
     },
 }
+
+
+def is_auto(bands) -> bool:
+    """``bands`` is ``AUTO`` (b from ``choose_mixing``)."""
+    return isinstance(bands, str) and bands == AUTO
 
 
 def _positive_number(value) -> bool:
@@ -143,12 +157,14 @@ def validate_configs(configs, provenance=None) -> None:
         if cfg["schedule"] not in SCHEDULES:
             raise ValueError(f"{where}: schedule must be one of {SCHEDULES}, got {cfg['schedule']!r}.")
         bands = cfg["bands"]
-        if isinstance(bands, bool) or not isinstance(bands, int):
-            raise ValueError(f"{where}: bands must be an integer, got {bands!r}.")
+        auto = method != "DP-SGD" and is_auto(bands)
+        if not auto and (isinstance(bands, bool) or not isinstance(bands, int)):
+            raise ValueError(f"{where}: bands must be an integer" + ("" if method == "DP-SGD" else f" or {AUTO!r}")
+                             + f", got {bands!r}.")
         if method == "DP-SGD" and bands != 1:
             raise ValueError(f"{where}: bands must be 1 (DP-SGD is C = I), got {bands}.")
-        if method != "DP-SGD" and bands < 2:
-            raise ValueError(f"{where}: bands must be >= 2 (b = 1 is DP-SGD), got {bands}.")
+        if method != "DP-SGD" and not auto and bands < 2:
+            raise ValueError(f"{where}: bands must be >= 2 (b = 1 is DP-SGD) or {AUTO!r}, got {bands}.")
         if method == "NoiseCurve" and cfg["objective"] not in CURVATURE_OBJECTIVES:
             raise ValueError(f"{where}: objective must be one of {CURVATURE_OBJECTIVES}, got {cfg['objective']!r}.")
 

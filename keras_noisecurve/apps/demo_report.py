@@ -12,7 +12,8 @@ import os
 
 from keras_noisecurve.apps.demo_configs import METHODS
 
-__all__ = ["PLOT_FILES", "mean", "paired_differences", "paired_lines", "plot_bands", "std", "table", "write_plots"]
+__all__ = ["PLOT_FILES", "mean", "paired_differences", "paired_lines", "plot_bands", "plot_noise", "std", "table",
+           "write_plots"]
 
 #: Correlated methods (b >= 2, a solved C).
 CORRELATED = tuple(m for m in METHODS if m != "DP-SGD")
@@ -66,7 +67,9 @@ def table(results) -> str:
 PLOT_FILES = ("spectrum.png", "mixing_bands.png", "noise.png", "accuracy.png")
 
 
-def write_plots(out, spectrum, mixings, diagnostics, results, steps_per_epoch) -> None:
+def write_plots(out, spectrum, mixings, curves, results, steps_per_epoch) -> None:
+    """The plots of ``PLOT_FILES``; ``curves``: per method the noise in model units
+    (``demo_predict.noise_curves``: ``step_std``, ``sum_std``)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -97,19 +100,7 @@ def write_plots(out, spectrum, mixings, diagnostics, results, steps_per_epoch) -
 
     plot_bands(plt, np, os.path.join(out, "mixing_bands.png"), {k: v for k, v in mixings.items() if k != "DP-SGD"})
 
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
-    for name, d in diagnostics.items():
-        a1.plot(d["step_std"], label=name)
-        a2.plot(d["prefix_std"], label=name)
-    a1.set_title("per-step noise std ||C^-1[t,:]||")
-    a2.set_title("running-sum noise std ||(A C^-1)[t,:]||")
-    for ax in (a1, a2):
-        ax.set_xlabel("step t")
-        ax.legend()
-    a1.set_yscale("log")
-    fig.tight_layout()
-    fig.savefig(os.path.join(out, "noise.png"), dpi=110)
-    plt.close(fig)
+    plot_noise(plt, os.path.join(out, "noise.png"), curves, results)
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, r in results.items():
@@ -128,6 +119,30 @@ def write_plots(out, spectrum, mixings, diagnostics, results, steps_per_epoch) -
     ax.legend()
     fig.tight_layout()
     fig.savefig(os.path.join(out, "accuracy.png"), dpi=110)
+    plt.close(fig)
+
+
+def plot_noise(plt, path, curves, results) -> None:
+    """Each method's noise in the units the model sees, with its own σ and clip ζ: per-step
+    std ζσ‖C⁻¹[t, :]‖ of the summed clipped gradients' noise, and the std of the noise in the
+    weights after step t, ζσ‖(A_rule C⁻¹)[t, :]‖ (A_rule: the prefix map of the method's update
+    rule, momentum included), in units of η/B (η the method's own learning rate)."""
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.4))
+    for name, d in curves.items():
+        label = f"{name} (b={results[name]['bands']}, sigma={results[name]['sigma']:.3g})"
+        a1.plot(d["step_std"], label=label)
+        a2.plot(d["sum_std"], label=label)
+    a1.set_title("per-step noise: clip * sigma * ||C^-1[t,:]||")
+    a1.set_ylabel("noise std of the step's summed gradient\n(per coordinate; divide by B for the mean)")
+    a2.set_title("noise in the weights: clip * sigma * ||(A_rule C^-1)[t,:]||")
+    a2.set_ylabel("noise std of the summed update after step t\n(units of eta / B, eta the method's learning rate)")
+    for ax in (a1, a2):
+        ax.set_xlabel("step t")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    a1.set_yscale("log")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 

@@ -64,6 +64,13 @@ def test_the_check_runs_each_band_configuration_once(tmp_path, monkeypatch):
     configs["NoiseCurve"] = dict(configs["NoiseCurve"], momentum=0.5 if configs["NoiseCurve"]["momentum"] != 0.5 else 0.0)
     demo._check_training_steps(x, y, batch=8, configs=configs, seed=0)
     assert sorted(calls) == [1, 3, 3]
+    # b chosen later (the shipped 'auto'): the step is checked at b = 2 before the choice,
+    # once for DP-BandMF and NoiseCurve, and the configurations are left as they were
+    calls.clear()
+    shipped = {name: dict(cfg, learning_rate=0.5) for name, cfg in demo.CONFIGS.items()}
+    demo._check_training_steps(x, y, batch=8, configs=shipped, seed=0)
+    assert sorted(calls) == [1, demo._CHECK_BANDS] and demo._CHECK_BANDS == 2
+    assert all(demo.is_auto(shipped[name]["bands"]) for name in ("DP-BandMF", "NoiseCurve"))
 
 
 def _spy_private_cnn(monkeypatch):
