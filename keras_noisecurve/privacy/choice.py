@@ -253,6 +253,20 @@ def rule_text(rule: dict) -> str:
     return ", ".join(([f"momentum {momentum:g}"] if momentum else []) + [f"{schedule} learning rate"])
 
 
+def sigma_for(spec: RunSpec, *, epsilon: float, delta: float, accountant: str) -> float:
+    """The calibrated σ of ``spec`` at (ε, δ) (``noise_multiplier_for``), once per accounting
+    event and target in a process: ``PrivateRun(mixing="auto")`` calibrates its own C through
+    here, so it reuses the choice's calibration and never takes a σ it was handed."""
+    k = spec.participations()
+    key = (spec.sampling, spec.sampling_probability, k, spec.sensitivity,
+           spec.fixed_epoch_sensitivity(k) if spec.steps_per_epoch else None, epsilon, delta, accountant)
+    if key not in _SIGMAS:
+        if len(_SIGMAS) >= _SIGMA_CACHE_SIZE:
+            _SIGMAS.clear()
+        _SIGMAS[key] = noise_multiplier_for(spec, epsilon, delta, accountant)
+    return _SIGMAS[key]
+
+
 def _grid(largest: int) -> list:
     """1, 2, …, 8, then about ×1.5 apart, and ``largest``."""
     sizes, b = [], 1
@@ -287,19 +301,11 @@ class _Chooser:
                              disable=True if verbose else None)
 
     def sigma(self, mixing) -> float:
-        """σ of the run with ``mixing`` at the target (ε, δ): one calibration per accounting event."""
+        """σ of the run with ``mixing`` at the target (ε, δ)."""
         spec = RunSpec(mixing=mixing, num_examples=self.spec.num_examples, batch_size=self.spec.batch_size,
                        steps=self.spec.steps, sampling=self.spec.sampling)
-        k = spec.participations()
-        key = (spec.sampling, spec.sampling_probability, k, spec.sensitivity,
-               spec.fixed_epoch_sensitivity(k) if spec.steps_per_epoch else None,
-               self.plan["epsilon"], self.plan["delta"], self.plan["accountant"])
-        if key not in _SIGMAS:
-            if len(_SIGMAS) >= _SIGMA_CACHE_SIZE:
-                _SIGMAS.clear()
-            _SIGMAS[key] = noise_multiplier_for(spec, self.plan["epsilon"], self.plan["delta"],
-                                                self.plan["accountant"])
-        return _SIGMAS[key]
+        return sigma_for(spec, epsilon=self.plan["epsilon"], delta=self.plan["delta"],
+                         accountant=self.plan["accountant"])
 
     def score(self, mixing) -> float:
         """Tr(W X⁻¹) of ``mixing`` under the scored objective and the run's update rule."""

@@ -181,8 +181,11 @@ class PrivateRun:
         self._target_epsilon = None
         if epsilon is not None:
             self._target_epsilon = check_float("epsilon", epsilon, positive=True)
-            if self._choice is not None:  # calibrated for this plan while choosing
-                noise_multiplier = self._choice.noise_multiplier
+            if self._choice is not None:  # this C's own calibration (the choice's, kept in-process)
+                from keras_noisecurve.privacy.choice import sigma_for
+
+                noise_multiplier = sigma_for(self._spec, epsilon=self._target_epsilon, delta=self._delta,
+                                             accountant=self._accountant)
             else:
                 noise_multiplier = noise_multiplier_for(self._spec, self._target_epsilon, self._delta,
                                                         self._accountant)

@@ -232,3 +232,16 @@ def test_the_docs_figures_show_what_auto_chooses_for_the_demo_run():
             choice = choose_mixing(num_examples=hook.N, batch_size=hook.B, steps=hook.T, epsilon=epsilon,
                                    delta=hook.DELTA, update_rule=UpdateRule(momentum=hook.MOMENTUM))
         assert choice.chosen.size == bands, (epsilon, choice.table())
+
+
+def test_the_run_calibrates_its_own_c_never_a_sigma_it_was_handed(large_eps):
+    """A MixingChoice whose C was swapped keeps the old σ in its record; the run calibrates the C
+    it runs (σ(2) here, not the chosen b = 5's)."""
+    import dataclasses
+
+    other = knc.solve_mixing_matrix(steps=T, bands=2)
+    swapped = dataclasses.replace(large_eps, mixing=other)
+    run = knc.PrivateRun(num_examples=N, batch_size=B, steps=T, epsilon=8.0, delta=DELTA, mixing=swapped, seed=0)
+    want = knc.calibrate_noise_multiplier(epsilon=8.0, delta=DELTA, num_examples=N, batch_size=B, steps=T, bands=2)
+    assert run.bands == 2 and run.noise_multiplier == pytest.approx(want, rel=1e-9)
+    assert run.noise_multiplier < large_eps.noise_multiplier
