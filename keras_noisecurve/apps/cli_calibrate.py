@@ -50,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mixing", default=None,
                         help="optional mixing file written by `noisecurve solve` (banded, toeplitz, blt or bisr): "
                              "its bands and column norms set b and the sensitivity; 'auto': choose the mechanism "
-                             "with the least noise for this budget (every b the sampling allows, DP-SGD included) "
+                             "with the least noise for this budget (DP-SGD and a grid of b up to the most the sampling allows) "
                              "and print the comparison")
     cli_predict.add_rule_arguments(parser)
     parser.add_argument("--overflow-probability", type=float, default=None,
@@ -148,8 +148,10 @@ def run(args) -> int:
         lines = auto_text + [""] + lines
     elif mixing is not None and mixing.steps == result.steps:
         lines += cli_predict.prediction_lines(mixing, args)
+    elif mixing is not None:
+        lines.append(f"predicted vs DP-SGD   : for a C of the run's T steps (this file's C has {mixing.steps})")
     elif result.bands > 1:
-        lines.append("predicted vs DP-SGD   : depends on C: --mixing auto compares DP-SGD and every b at this "
+        lines.append("predicted vs DP-SGD   : depends on C: --mixing auto compares DP-SGD and a grid of b at this "
                      "budget (or give a solved C with --mixing FILE)")
     print("\n".join(lines))
     return 0

@@ -27,7 +27,7 @@
    ``--out``; results.json keeps every run.
 
 The default (ε = 8, B = 250, 5 epochs: T = 70, 3 seeds) is a setting where the chooser
-predicts a clear gain (DP-BandMF b = 12, noise std −42 %); at ε = 2 it predicts −6 %.
+predicts a clear gain (DP-BandMF b = 12, noise std −42 %); at ε = 2 it predicts −10 % (b = 7).
 ``--quick`` runs one seed, fewer public images, steps and Lanczos iterations and caps the
 auto choice at b ≤ 4: a smoke test, not a meaningful comparison. Run times:
 docs/performance.md.
@@ -91,7 +91,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="noisecurve_out", help="output folder for plots and results (default ./noisecurve_out)")
     parser.add_argument("--epsilon", type=float, default=8.0,
                         help="target epsilon (default 8: the chooser predicts a clear gain of correlated noise "
-                             "there; at 2 it predicts about 6 %% lower noise std, no visible gain)")
+                             "there; at 2 it predicts about 10 %% lower noise std, a gain too small to see over 3 seeds)")
     parser.add_argument("--delta", type=float, default=1e-5, help="target delta (default 1e-5)")
     parser.add_argument("--epochs", type=int, default=None, help="training epochs (default 5; --quick 2)")
     parser.add_argument("--seeds", type=int, default=None,

@@ -165,7 +165,8 @@ def comparison_lines(rows, *, rule, choice=None) -> list:
 
     n = rows[0]["n"]
     lines = [f"Predicted against measured, vs DP-SGD at the same (eps, delta). Predicted: noise of the updates "
-             f"({rule_text(_rule(rule).to_metadata())}; running sums, (clip*sigma)^2 Tr(W X^-1)); measured: test "
+             f"({rule_text(_rule(rule).to_metadata())}; running sums, (clip*sigma)^2 Tr(W X^-1), per unit of each "
+             "method's own learning rate); measured: test "
              "accuracy, paired by seed"
              + (f", mean ± sd over N = {n}" if n > 1 else " (one seed: no sd; use --seeds 3)") + ":",
              "| method | b | sigma | predicted noise std | predicted variance | measured accuracy "

@@ -28,7 +28,8 @@ Candidates (cyclic Poisson):
    update_rule=...)``) while their summed cost T·b² (×13 under momentum or a schedule)
    stays within ``EXACT_SOLVE_BUDGET``: every competitive b at the demo's size (T = 140),
    none or few at T = 10⁴, where the screen stands (plain SGD's exact C is within 1 % of
-   its screen there; under momentum 0.9, 3 %).
+   its screen there; under momentum 0.9 within 3 % at T = 10⁴, but up to 18 % at T = 140,
+   where every competitive b is solved exactly).
 
 Under fixed epochs (no amplification, σ set by the run's sensitivity): DP-SGD, banded C of
 b ≤ the epoch length, and, for plain SGD, BLT (d buffers, optimised for the run's
@@ -232,6 +233,8 @@ def expectation(candidate: Candidate, *, epsilon: float, curvature: bool = False
     """One sentence: the predicted lowering of the noise std against DP-SGD, and what to expect."""
     what = "the predicted loss increase" if curvature else "the noise of the updates"
     reduction = candidate.noise_reduction
+    if candidate.buffers == 0 and candidate.solved == "given":
+        return "This C = I is DP-SGD itself: no correlation, no gain or loss against DP-SGD."
     if candidate.buffers == 0:
         return (f"At eps = {epsilon:g} amplification by sampling outweighs correlation: DP-SGD has the least "
                 "noise of the candidates; correlated noise is predicted to gain nothing here.")
@@ -314,12 +317,13 @@ class _Chooser:
         return objective_value(mixing, objective=self.objective, spectrum=self.spectrum,
                                learning_rate=self.learning_rate, update_rule=None if self.rule.is_plain else self.rule)
 
-    def add(self, mixing, *, label, kind, size, buffers, objective, solved, started) -> Candidate:
+    def add(self, mixing, *, label, kind, size, objective, solved, started) -> Candidate:
         sigma = self.sigma(mixing)
         error = self.score(mixing)
         base = self.candidates[0] if self.candidates else None
         relative = 1.0 if base is None else sigma ** 2 * error / (base.noise_multiplier ** 2 * base.error)
-        candidate = Candidate(label=label, kind=kind, size=int(size), buffers=int(buffers), objective=objective,
+        candidate = Candidate(label=label, kind=kind, size=int(size), buffers=int(mixing.buffers),
+                              objective=objective,
                               solved=solved, noise_multiplier=float(sigma), error=float(error),
                               relative_error=float(relative), seconds=time.perf_counter() - started)
         self.candidates.append(candidate)
@@ -341,7 +345,7 @@ class _Chooser:
         from keras_noisecurve.mixing.matrix import MixingMatrix
 
         started = time.perf_counter()
-        self.add(MixingMatrix.identity(self.spec.steps), label="DP-SGD", kind="banded", size=1, buffers=0,
+        self.add(MixingMatrix.identity(self.spec.steps), label="DP-SGD", kind="banded", size=1,
                  objective=RUNNING_SUMS, solved="exact", started=started)
 
     def banded(self, largest: int) -> None:
@@ -355,7 +359,7 @@ class _Chooser:
             toeplitz = solve_mixing_matrix(steps=steps, bands=b, strategy="toeplitz")
             mixing = _normalised(toeplitz.band_values, {"objective": RUNNING_SUMS, "strategy": "banded",
                                                         "update_rule": rule_record, "from": "toeplitz"})
-            screened.append(self.add(mixing, label=f"banded b={b} (screen)", kind="banded", size=b, buffers=b - 1,
+            screened.append(self.add(mixing, label=f"banded b={b} (screen)", kind="banded", size=b,
                                      objective=RUNNING_SUMS, solved="screen", started=started))
         objectives = [RUNNING_SUMS] + ([self.objective] if self.objective in CURVATURE_OBJECTIVES else [])
         spent = 0.0
@@ -373,25 +377,25 @@ class _Chooser:
                                              update_rule=self.rule, **(self.curvature_inputs() if i else {}))
                 suffix = f" ({objective})" if i else ""
                 self.add(mixing, label=f"banded b={candidate.size}{suffix}", kind="banded", size=candidate.size,
-                         buffers=candidate.size - 1, objective=objective, solved="exact", started=started)
+                         objective=objective, solved="exact", started=started)
 
-    def toeplitz_family(self) -> None:
+    def toeplitz_family(self, largest: int) -> None:
         """BLT (d buffers, optimised for the run's participations) and BISR, fixed epochs only."""
         from keras_noisecurve.mixing.api import solve_mixing_matrix
 
         steps, epochs, separation = self.spec.steps, self.spec.participations(), self.spec.steps_per_epoch
-        for d in _BLT_BUFFERS:
+        for d in [d for d in _BLT_BUFFERS if d <= largest]:
             started = time.perf_counter()
             kwargs = {"participations": epochs, "separation": separation} if epochs > 1 else {}
             mixing = solve_mixing_matrix(steps=steps, strategy="blt", buffers=d, objective=self.objective,
                                          **self.curvature_inputs(), **kwargs)
-            self.add(mixing, label=f"blt d={d}", kind="blt", size=d, buffers=d, objective=self.objective,
+            self.add(mixing, label=f"blt d={d}", kind="blt", size=d, objective=self.objective,
                      solved="exact", started=started)
-        for p in _grid(min(steps, 32))[1:]:
+        for p in _grid(min(steps, 32, largest + 1))[1:]:  # p - 1 buffers
             started = time.perf_counter()
             mixing = solve_mixing_matrix(steps=steps, strategy="bisr", bands=p, objective=self.objective,
                                          **self.curvature_inputs())
-            self.add(mixing, label=f"bisr p={p}", kind="bisr", size=p, buffers=p, objective=self.objective,
+            self.add(mixing, label=f"bisr p={p}", kind="bisr", size=p, objective=self.objective,
                      solved="closed form", started=started)
 
     def chosen(self, tolerance: float) -> int:
@@ -416,9 +420,11 @@ def choose_mixing(*, num_examples: int, batch_size: int, epsilon: float, delta: 
         run, as ``PrivateRun`` takes them.
       update_rule: the ``UpdateRule`` training runs (momentum, learning-rate schedule);
         ``None``: plain SGD with a constant learning rate.
-      max_bands: the most bands (b; BLT buffers) to consider; default: all the sampling
-        allows (b < n/B for cyclic Poisson, the epoch length for fixed epochs). The optimizer
-        keeps b − 1 noise vectors per trainable variable: cap b where that memory matters.
+      max_bands: the most bands b to consider (under fixed epochs also the most BLT buffers d
+        and BISR's p − 1); default: all the sampling allows (b < n/B for cyclic Poisson, the
+        epoch length for fixed epochs). The optimizer keeps b − 1 noise vectors per trainable
+        variable (d for BLT): cap b where that memory matters. The sizes are a grid: every b
+        to 8, then about ×1.5 apart, and the largest.
       objective: ``"bandmf"`` (default): the expected squared noise of the weights' updates,
         Tr(W X⁻¹) with W of the update rule's running sums; a curvature objective (with
         ``spectrum`` and ``learning_rate``): the predicted final-loss increase of paper
@@ -430,10 +436,12 @@ def choose_mixing(*, num_examples: int, batch_size: int, epsilon: float, delta: 
       A :class:`MixingChoice`: the chosen C, its σ, and every candidate's σ, error relative
       to DP-SGD and solve time (``choice.summary()`` prints them with the expected gain).
 
-    Cost: one σ calibration per distinct accounting event (about 1 s each; the grid has
-    about 8 + 4.5·log₂(b_max/8) sizes), an O(T log T) Toeplitz solve per size, and exact
-    banded solves within ``EXACT_SOLVE_BUDGET``: about 40 s at T = 10⁴, b_max = 234 on one
-    core; 2 s for the demo's run.
+    Cost: one σ calibration per distinct accounting event (about 1 s each, more for small b on
+    long plans; the grid has about 8 + 1.7·log₂(b_max/8) sizes), an O(T log T) Toeplitz solve
+    and an O(T·b) score per size, and exact banded solves within ``EXACT_SOLVE_BUDGET``.
+    Measured on 2 cores shared with other work (load about 3): 60 s at T = 10⁴, b_max = 234
+    (17 sizes; 17 s more for a second choice of the same budget, its σ kept in-process),
+    18–24 s for the demo's run (T = 70, b_max = 13).
     """
     from keras_noisecurve.mixing.rule_workloads import resolve_update_rule
     started = time.perf_counter()
@@ -457,7 +465,7 @@ def choose_mixing(*, num_examples: int, batch_size: int, epsilon: float, delta: 
     chooser.dpsgd()
     chooser.banded(largest)
     if spec.sampling == "fixed_epochs" and rule.is_plain and spec.steps >= 2:
-        chooser.toeplitz_family()
+        chooser.toeplitz_family(largest if max_bands is None else check_int("max_bands", max_bands, minimum=1))
     chooser.progress.close()
     index = chooser.chosen(tolerance)
     chosen, mixing = chooser.candidates[index], chooser.mixings[index]
@@ -493,8 +501,9 @@ def predicted_gain(mixing, *, num_examples: int, batch_size: int, epsilon: float
                        spectrum=None, learning_rate=None, verbose=False)
     chooser.dpsgd()
     started = time.perf_counter()
-    size = int(mixing.bands)
-    chooser.add(mixing, label=f"the given {mixing.kind} C (b={size})" if size > 1 else "DP-SGD", kind=mixing.kind,
-                size=size, buffers=size - 1, objective=RUNNING_SUMS, solved="given", started=started)
+    size = int(mixing.bands) if mixing.banded else int(mixing.buffers)
+    label = f"the given {mixing.kind} C ({mixing.buffers} noise buffers)" if mixing.buffers else "this C = I (DP-SGD)"
+    chooser.add(mixing, label=label, kind=mixing.kind, size=size, objective=RUNNING_SUMS, solved="given",
+                started=started)
     chooser.progress.close()
     return chooser.candidates[-1]

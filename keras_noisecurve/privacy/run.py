@@ -152,6 +152,11 @@ class PrivateRun:
                 f"give exactly one of steps (the number of optimizer steps T) and epochs (passes over the "
                 f"data, T = epochs * ceil(n/B)); got steps={steps!r}, epochs={epochs!r}."
             )
+        if (noise_multiplier is None) == (epsilon is None):
+            raise ValueError(
+                "give exactly one of noise_multiplier (sigma) and epsilon (a target, sigma is then "
+                f"calibrated); got noise_multiplier={noise_multiplier!r}, epsilon={epsilon!r}."
+            )
         mixing, self._choice = _choose(mixing, update_rule=update_rule, plan={
             "num_examples": num_examples, "batch_size": batch_size, "steps": steps, "epochs": epochs,
             "sampling": sampling, "epsilon": epsilon, "delta": delta, "accountant": accountant})

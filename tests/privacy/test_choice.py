@@ -177,6 +177,10 @@ def test_fixed_epochs_compares_blt_and_bisr_at_their_own_sigma():
     kinds = {c.kind for c in choice.candidates}
     assert {"banded", "blt", "bisr"} <= kinds
     assert max(c.size for c in choice.candidates if c.kind == "banded") <= 4  # b <= the epoch length
+    # the memory each keeps: b - 1 (banded), d (BLT), p - 1 (BISR) noise vectors per variable
+    assert all(c.buffers == {"banded": c.size - 1, "blt": c.size, "bisr": c.size - 1}[c.kind]
+               for c in choice.candidates)
+    assert max(c.buffers for c in choice.candidates) <= 4  # max_bands defaults to the epoch length
     blt = next(c for c in choice.candidates if c.kind == "blt" and c.size == 2)
     mixing = knc.solve_mixing_matrix(steps=12, strategy="blt", buffers=2, participations=3, separation=4)
     sigma = knc.calibrate_noise_multiplier(epsilon=4.0, delta=DELTA, num_examples=400, batch_size=100, steps=12,
