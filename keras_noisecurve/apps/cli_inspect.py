@@ -58,7 +58,7 @@ import warnings
 
 import numpy as np
 
-from keras_noisecurve.apps import cli_inspect_plot
+from keras_noisecurve.apps import cli_inspect_plot, cli_predict
 from keras_noisecurve.apps.cli_inspect_strategy import (
     BLEND_OBJECTIVES,
     PROG,
@@ -120,6 +120,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--separation", type=int, metavar="s", help="with --participations k >= 2: steps between two participations"
     )
+    cli_predict.add_budget_arguments(parser)
 
 
 # ---------------------------------------------------------------------------- pieces
@@ -311,6 +312,7 @@ def run(args) -> int:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
+            budget = cli_predict.budget_given(args)
             if args.learning_rate is not None and not (math.isfinite(args.learning_rate) and args.learning_rate > 0):
                 raise CommandError(f"--learning-rate must be a finite number > 0, got {args.learning_rate}.")
             if args.plot is not None:
@@ -335,10 +337,11 @@ def run(args) -> int:
     if ref_diag is not None:
         diag["excursion_vs_bandmf"] = diag["prefix_std_max"] / ref_diag["prefix_std_max"]
 
+    scales = cli_predict.sigmas(args, mixing, reference) if budget else None
     if args.plot is not None:
         title = f"{os.path.basename(args.file)}: objective {mixing.metadata.get('objective', '?')!r}"
         try:
-            cli_inspect_plot.write_plot(args.plot, mixing, diag, ref_diag, title)
+            cli_inspect_plot.write_plot(args.plot, mixing, diag, ref_diag, title, sigmas=scales)
         except OSError as exc:
             return fail(PROG, f"cannot write --plot {args.plot!r}: {exc}")
 
@@ -360,6 +363,8 @@ def run(args) -> int:
         }
         if sens is not None:
             document["sensitivity"] = sens
+        if scales is not None:
+            document["noise_multipliers"] = scales
         print(json.dumps(document, indent=2, sort_keys=True))
     else:
         for line in _text_report(args.file, mixing, norms, expected, diag, ref_diag, reference_how):
@@ -367,6 +372,8 @@ def run(args) -> int:
         if sens is not None:
             for line in sensitivity_lines(sens):
                 print(line)
+        for line in cli_predict.prediction_lines(mixing, args) if budget else [cli_predict.HINT]:
+            print(line)
         if args.plot is not None:
             print(f"plot written to {args.plot}")
     return 0

@@ -32,8 +32,14 @@ def abs_image(mixing, max_pixels: int = MAX_IMAGE_PIXELS) -> tuple[np.ndarray, i
     return image, k
 
 
-def write_plot(path: str, mixing, diag: dict, reference_diag: dict | None, title: str) -> None:
-    """Figure: |C| (log colour scale), per-step noise std, running-sum noise std."""
+def write_plot(path: str, mixing, diag: dict, reference_diag: dict | None, title: str, *,
+               sigmas: dict | None = None) -> None:
+    """Figure: |C| (log colour scale), per-step noise std, running-sum noise std.
+
+    ``sigmas`` (``{"this C": σ, "DP-SGD": σ₁, "DP-BandMF": σ_ref}``, each calibrated for the
+    same (ε, δ)): the curves in the units the model sees, each times its own σ (units of ζ/B
+    per coordinate of the noisy mean gradient, and of its running sum). Without it, per unit
+    of each C's own σ, which hides that a correlated C needs a larger σ."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -58,17 +64,21 @@ def write_plot(path: str, mixing, diag: dict, reference_diag: dict | None, title
     ax.set_title(f"|C|, T = {mixing.steps}, b = {mixing.bands}")
 
     t = np.arange(mixing.steps)
+    scale = (lambda name: sigmas[name]) if sigmas else (lambda name: 1.0)  # noqa: E731
+    unit = ("x its own sigma at the same eps, delta (units of clip/B)" if sigmas
+            else "per unit of its own sigma (give --epsilon ... for model units)")
     for ax, key, label, sgd in (
         (axes[1], "step_std", "per-step noise std ||C^-1[t,:]||", np.ones(mixing.steps)),
         (axes[2], "prefix_std", "running-sum noise std ||(A C^-1)[t,:]||", np.sqrt(t + 1.0)),
     ):
-        ax.plot(t, diag[key], label="this C", color="C0")
+        ax.plot(t, scale("this C") * np.asarray(diag[key]), label="this C", color="C0")
         if reference_diag is not None:
-            ax.plot(t, reference_diag[key], label="DP-BandMF", color="C1", linestyle="--")
-        ax.plot(t, sgd, label="DP-SGD", color="0.5", linestyle=":")
+            ax.plot(t, scale("DP-BandMF") * np.asarray(reference_diag[key]), label="DP-BandMF", color="C1",
+                    linestyle="--")
+        ax.plot(t, scale("DP-SGD") * sgd, label="DP-SGD", color="0.5", linestyle=":")
         ax.set_yscale("log")
         ax.set_xlabel("step t")
-        ax.set_title(label)
+        ax.set_title(f"{label}\n{unit}", fontsize=9)
         ax.legend()
     fig.suptitle(title)
     fig.tight_layout()

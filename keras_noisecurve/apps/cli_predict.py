@@ -14,7 +14,7 @@ import argparse
 
 from keras_noisecurve.privacy import accounting
 
-__all__ = ["AUTO", "HINT", "add_budget_arguments", "add_rule_arguments", "auto_lines", "budget_given", "prediction_lines",
+__all__ = ["AUTO", "HINT", "sigmas", "add_budget_arguments", "add_rule_arguments", "auto_lines", "budget_given", "prediction_lines",
            "rule_of"]
 
 #: ``--mixing auto``: choose the mechanism for the budget.
@@ -91,3 +91,19 @@ def auto_lines(args, *, steps: int) -> tuple:
                            epsilon=args.epsilon, delta=args.delta, sampling=args.sampling,
                            accountant=args.accountant, update_rule=rule_of(args), max_bands=args.max_bands)
     return choice, choice.summary().splitlines()
+
+
+def sigmas(args, mixing, reference=None) -> dict:
+    """σ at the budget of ``args`` for ``"this C"``, ``"DP-SGD"`` (C = I of the same T) and,
+    when given, the ``"DP-BandMF"`` reference: what ``inspect --plot`` scales each curve by."""
+    from keras_noisecurve.mixing.matrix import MixingMatrix
+    from keras_noisecurve.privacy.choice import sigma_for
+    from keras_noisecurve.privacy.spec import RunSpec
+
+    out = {}
+    for name, c in (("this C", mixing), ("DP-SGD", MixingMatrix.identity(mixing.steps)), ("DP-BandMF", reference)):
+        if c is not None:
+            spec = RunSpec(num_examples=args.num_examples, batch_size=args.batch_size, steps=c.steps,
+                           sampling=args.sampling, mixing=c)
+            out[name] = sigma_for(spec, epsilon=args.epsilon, delta=args.delta, accountant=args.accountant)
+    return out

@@ -72,3 +72,23 @@ def test_a_budget_the_c_cannot_run_is_said_not_crashed(tmp_path, capsys):
     assert main(["solve", "--steps", "30", "--bands", "7", "--objective", "bandmf", "--out", path, "--epsilon", "2",
                  "--delta", "1e-5", "--num-examples", "600", "--batch-size", "100"]) == 0
     assert "predicted vs DP-SGD   : not available for this budget" in capsys.readouterr().out
+
+
+def test_inspect_draws_and_reports_the_noise_at_each_c_s_own_sigma(tmp_path, capsys):
+    import keras_noisecurve as knc
+
+    path, png = str(tmp_path / "c.npz"), str(tmp_path / "c.png")
+    assert main(["solve", "--steps", "30", "--bands", "3", "--objective", "bandmf", "--out", path, "--quiet"]) == 0
+    capsys.readouterr()
+    budget = ["--epsilon", "4", "--delta", "1e-5", "--num-examples", "600", "--batch-size", "100"]
+    assert main(["inspect", path, "--json", "--no-reference", *budget]) == 0
+    document = json.loads(capsys.readouterr().out)
+    for name, bands in (("this C", 3), ("DP-SGD", 1)):
+        want = knc.calibrate_noise_multiplier(epsilon=4, delta=1e-5, num_examples=600, batch_size=100, steps=30,
+                                              bands=bands)
+        assert document["noise_multipliers"][name] == pytest.approx(want, rel=1e-9)
+    assert main(["inspect", path, "--no-reference", "--plot", png, *budget]) == 0
+    out = capsys.readouterr().out
+    assert "predicted vs DP-SGD   : sigma" in out and (tmp_path / "c.png").stat().st_size > 0
+    assert main(["inspect", path, "--no-reference"]) == 0
+    assert "give --epsilon, --delta, --num-examples and --batch-size" in capsys.readouterr().out
