@@ -341,6 +341,19 @@ class _LowLevelPlan:
         self.source, self.indices, self.mask = source, indices, mask
         self.steps, self.reseedable = int(indices.shape[0]), reseedable
         self.started = weakref.WeakSet()
+        self._begun = weakref.WeakKeyDictionary()  # optimizer -> the step fit began at
+
+    def begin(self, optimizer) -> int:
+        """:meth:`position`, read when ``fit`` begins (after restores, before the first step) and
+        kept for the dataset, which reads it when it is first iterated: on JAX that is after
+        Keras moved the optimizer's variables into the training state, when they cannot be read."""
+        self._begun[optimizer] = t = self.position(optimizer)
+        return t
+
+    def start(self, optimizer) -> int:
+        """The step the dataset starts at: the one ``fit`` began at, else :meth:`position`."""
+        begun = self._begun.get(optimizer)
+        return self.position(optimizer) if begun is None else begun
 
     def position(self, optimizer) -> int:
         """The first step to take for ``optimizer`` (its ``iterations``); refuses what cannot continue."""

@@ -134,7 +134,7 @@ class _LowLevelStart(keras.callbacks.Callback):
         self._plan = plan
 
     def on_train_begin(self, logs=None):
-        done, steps = self._plan.position(self.model.optimizer), self._plan.steps
+        done, steps = self._plan.begin(self.model.optimizer), self._plan.steps
         if done >= steps:
             raise RuntimeError(f"the plan of {steps} steps is complete (the optimizer has taken {done} steps): "
                                "no further private step is possible with this banded_poisson_dataset.")

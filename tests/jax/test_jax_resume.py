@@ -257,3 +257,24 @@ def test_the_low_level_path_resumes_exactly_through_backup_and_restore(tmp_path)
     assert int(np.asarray(resumed.optimizer.iterations.value)) == 6
     for a, b in zip(resumed.get_weights(), whole):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_banded_poisson_dataset_fit_starts_and_continues_at_the_optimizer_s_step():
+    """The low-level plan (``banded_poisson_dataset``) on JAX: its dataset reads the start step
+    when first iterated, after Keras moved the optimizer's variables into the JAX training state
+    (unreadable then: this was a TypeError). ``fit`` records the step it begins at; a second
+    ``fit`` continues the plan where the first stopped (the private step checks each batch's
+    step), and a third, past the plan's end, is refused."""
+    x, y = _data()
+    keras.utils.set_random_seed(0)
+    private = knc.make_private(keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)]))
+    optimizer = knc.NoiseCurveOptimizer(learning_rate=0.1, l2_norm_clip=1.0, noise_multiplier=1.0,
+                                        expected_batch_size=B, seed=1)
+    private.compile(optimizer=optimizer, loss="mse")
+    with pytest.warns(Warning):
+        dataset = knc.banded_poisson_dataset(x, y, batch_size=B, bands=1, steps=2 * T, seed=5)
+    for done in (T, 2 * T):
+        private.fit(dataset, epochs=1, steps_per_epoch=T, verbose=0)
+        assert int(np.asarray(optimizer.iterations.value)) == done
+    with pytest.raises(RuntimeError, match="the plan of 16 steps is complete"):
+        private.fit(dataset, epochs=1, steps_per_epoch=T, verbose=0)

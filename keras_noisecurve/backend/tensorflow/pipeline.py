@@ -192,14 +192,15 @@ def materialize(dataset, *, max_bytes: int):
 def plan_steps_dataset(plan, optimizer=None, *, with_step=False):
     """The batches ``(x, y, mask)`` (``+ (step,)`` with ``with_step``) of a low-level plan of
     ``banded_poisson_dataset`` (``plan.source``, ``plan.indices`` (T, P), ``plan.mask`` (T, P)),
-    from ``plan.position(optimizer)`` (read when the dataset is iterated; step 0 without)."""
+    from ``plan.start(optimizer)`` (read when the dataset is iterated: the step ``fit`` began at,
+    else the optimizer's; step 0 without)."""
     indices, mask = tf.constant(plan.indices), tf.constant(plan.mask)
     rows = int(plan.indices.shape[1])
     if optimizer is None:
         steps = tf.data.Dataset.range(plan.steps)
     else:
         def first(_):
-            start = tf.py_function(lambda: np.int64(plan.position(optimizer)), [], tf.int64)
+            start = tf.py_function(lambda: np.int64(plan.start(optimizer)), [], tf.int64)
             start.set_shape([])
             return tf.data.Dataset.range(start, plan.steps)
 
