@@ -41,6 +41,7 @@ _EXPORTS = {
     "PrivateRun": "keras_noisecurve.privacy.run",
     "choose_mixing": "keras_noisecurve.privacy.choice",
     "MixingChoice": "keras_noisecurve.privacy.choice",
+    "AdaptiveClip": "keras_noisecurve.privacy.adaptive_clip",
     "RunData": "keras_noisecurve.privacy.run_data",
     # TensorFlow / Keras parts
     "banded_poisson_dataset": "keras_noisecurve.privacy.sampler",

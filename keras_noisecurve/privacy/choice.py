@@ -262,7 +262,8 @@ def sigma_for(spec: RunSpec, *, epsilon: float, delta: float, accountant: str) -
     here, so it reuses the choice's calibration and never takes a σ it was handed."""
     k = spec.participations()
     key = (spec.sampling, spec.sampling_probability, k, spec.sensitivity,
-           spec.fixed_epoch_sensitivity(k) if spec.steps_per_epoch else None, epsilon, delta, accountant)
+           spec.fixed_epoch_sensitivity(k) if spec.steps_per_epoch else None, spec.count_noise_multiplier,
+           epsilon, delta, accountant)
     if key not in _SIGMAS:
         if len(_SIGMAS) >= _SIGMA_CACHE_SIZE:
             _SIGMAS.clear()

@@ -45,6 +45,7 @@ padded batch size and the overflow δ in :mod:`keras_noisecurve.privacy.overflow
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import dp_accounting
@@ -52,10 +53,12 @@ from dp_accounting import pld as _pld
 from dp_accounting import rdp as _rdp
 
 from keras_noisecurve._validation import check_choice, check_float
+from keras_noisecurve.privacy.adaptive_clip import combined_noise_multiplier
 from keras_noisecurve.privacy.spec import RunSpec, as_spec
 
 __all__ = [
     "ACCOUNTANTS",
+    "gaussian_noise_multiplier",
     "PLD_VALUE_DISCRETIZATION",
     "RDP_ORDERS",
     "compute_epsilon",
@@ -80,12 +83,29 @@ def event_of(spec: RunSpec, noise_multiplier: float, participations: Optional[in
     """The dominating DpEvent of ``spec`` at noise multiplier σ, after ``participations``
     participations (default: all of the run's). Internal: arguments already validated."""
     k = spec.participations() if participations is None else participations
+    sigma = gaussian_noise_multiplier(spec, noise_multiplier, k)
     if spec.sampling == "cyclic_poisson":
-        inner = dp_accounting.PoissonSampledDpEvent(
-            spec.sampling_probability, dp_accounting.GaussianDpEvent(noise_multiplier / spec.sensitivity)
-        )
+        inner = dp_accounting.PoissonSampledDpEvent(spec.sampling_probability, dp_accounting.GaussianDpEvent(sigma))
         return dp_accounting.SelfComposedDpEvent(inner, k)
-    return dp_accounting.GaussianDpEvent(noise_multiplier / spec.fixed_epoch_sensitivity(k))
+    return dp_accounting.GaussianDpEvent(sigma)
+
+
+def gaussian_noise_multiplier(spec: RunSpec, noise_multiplier: float, participations: int) -> float:
+    """The noise multiplier of the Gaussian mechanism in ``spec``'s dominating event (the
+    ledger's too).
+
+    - ``cyclic_poisson``: one participation, ``σ/s``; with an adaptive clip's count query
+      beside it (``spec.count_noise_multiplier`` = σ_c), ``(s²/σ² + 1/σ_c²)^(−1/2)``.
+    - ``fixed_epochs``: all ``participations`` = k at once, ``σ/Δ_k``; with count queries
+      ``(Δ_k²/σ² + k/σ_c²)^(−1/2)``.
+    """
+    counts = spec.count_noise_multiplier
+    if spec.sampling == "cyclic_poisson":
+        return combined_noise_multiplier(noise_multiplier, spec.sensitivity, counts)
+    sensitivity = spec.fixed_epoch_sensitivity(participations)
+    if counts is None:
+        return noise_multiplier / sensitivity
+    return 1.0 / math.sqrt((sensitivity / noise_multiplier) ** 2 + participations / counts**2)
 
 
 def make_accountant(accountant: str):

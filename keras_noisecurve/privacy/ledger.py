@@ -155,7 +155,7 @@ class EpsilonLedger:
     def _get_core(self):
         if self._core is None:
             s = self.spec
-            sigma = self.noise_multiplier / s.sensitivity  # as events.event_of
+            sigma = events.gaussian_noise_multiplier(s, self.noise_multiplier, 1)  # as events.event_of
             if s.sampling == "cyclic_poisson" and self.accountant == "pld":
                 self._core = _PoissonPld(sigma, s.sampling_probability, self.delta, self.num_participations)
             elif s.sampling == "cyclic_poisson":
@@ -357,7 +357,7 @@ class _FixedEpochs:
         self.sigma, self.spec, self.delta, self.accountant = noise_multiplier, spec, delta, accountant
 
     def epsilon(self, k: int) -> float:
-        sigma_k = self.sigma / self.spec.fixed_epoch_sensitivity(k)  # as events.event_of
+        sigma_k = events.gaussian_noise_multiplier(self.spec, self.sigma, k)  # as events.event_of
         if self.accountant == "rdp":
             return events.epsilon_of_event(dp_accounting.GaussianDpEvent(sigma_k), self.delta, "rdp")
         return _gaussian_epsilon(1.0 / sigma_k, self.delta)

@@ -83,6 +83,19 @@ def _choose(mixing, *, plan, update_rule):
     return choice.mixing, choice
 
 
+def _check_adaptive_clip(value):
+    """``adaptive_clip=``: ``None``, an ``AdaptiveClip`` or its ``to_config()`` dict."""
+    from keras_noisecurve.privacy.adaptive_clip import AdaptiveClip
+
+    if value is None:
+        return None
+    clip = AdaptiveClip.coerce(value)
+    if clip is None:
+        raise TypeError(f"adaptive_clip must be a keras_noisecurve.AdaptiveClip or None, got {value!r} "
+                        f"({type(value).__name__}); a fixed clip norm is the optimizer's l2_norm_clip.")
+    return clip
+
+
 class PrivateRun:
     """One private training run: plan, noise, accounting and secret sampling key.
 
@@ -121,6 +134,11 @@ class PrivateRun:
         refused (``ValueError`` giving p, δ and the smallest ``max_batch_size`` that passes).
       seed: ``None`` (default): a secret sampling key from OS entropy. An int gives a
         reproducible key, for tests only: it makes the batches predictable.
+      adaptive_clip: a :class:`~keras_noisecurve.AdaptiveClip`: the run's optimizer clips at
+        a private estimate of a quantile of the per-example norms, ζ_t, and σ and ε
+        include its count queries (one beside every participation, noise multiplier
+        ``adaptive_clip.count_noise_multiplier(B)``). ``None`` (default): the optimizer's
+        fixed ``l2_norm_clip``.
 
     Raises ``ValueError`` naming the argument for any inconsistent plan (b > T, q ≥ 1,
     a C shorter than T, both or neither of ``steps``/``epochs`` or
@@ -146,6 +164,7 @@ class PrivateRun:
         overflow_probability: Optional[float] = None,
         seed=None,
         update_rule=None,
+        adaptive_clip=None,
     ):
         if (steps is None) == (epochs is None):
             raise ValueError(
@@ -161,8 +180,10 @@ class PrivateRun:
             "num_examples": num_examples, "batch_size": batch_size, "steps": steps, "epochs": epochs,
             "sampling": sampling, "epsilon": epsilon, "delta": delta, "accountant": accountant})
         loaded = _resolve_mixing(mixing)
+        self._adaptive_clip = _check_adaptive_clip(adaptive_clip)
+        counts = None if self._adaptive_clip is None else self._adaptive_clip.count_noise_multiplier(batch_size)
         self._spec = RunSpec(num_examples=num_examples, batch_size=batch_size, steps=steps, epochs=epochs,
-                             sampling=sampling, mixing=loaded)
+                             sampling=sampling, mixing=loaded, count_noise_multiplier=counts)
         if loaded is None:  # C = I: DP-SGD, same facts as no mixing (b = 1, s = 1)
             from keras_noisecurve.mixing.matrix import MixingMatrix
 
@@ -266,6 +287,11 @@ class PrivateRun:
         return self._choice
 
     @property
+    def adaptive_clip(self):
+        """The run's :class:`~keras_noisecurve.AdaptiveClip`, or ``None`` (a fixed clip)."""
+        return self._adaptive_clip
+
+    @property
     def noise_multiplier(self) -> float:
         """σ: the noise standard deviation divided by the clip norm."""
         return self._sigma
@@ -351,7 +377,7 @@ class PrivateRun:
             "accountant": self._accountant,
             "max_batch_size": self._max_batch_size,
             "overflow_probability": self._overflow_target,
-        }
+        } | ({} if self._adaptive_clip is None else {"adaptive_clip": self._adaptive_clip.to_config()})
 
     @classmethod
     def from_config(cls, config: dict) -> "PrivateRun":
@@ -362,14 +388,14 @@ class PrivateRun:
             raise TypeError(f"config must be the dict of PrivateRun.get_config(), got {type(config).__name__}.")
         keys = {"num_examples", "batch_size", "steps", "mixing", "noise_multiplier", "delta", "sampling",
                 "accountant", "max_batch_size", "overflow_probability"}
-        unknown, missing = sorted(set(config) - keys), sorted(keys - set(config))
+        unknown, missing = sorted(set(config) - keys - {"adaptive_clip"}), sorted(keys - set(config))
         if unknown or missing:
             raise ValueError(
                 f"a PrivateRun config holds exactly the keys get_config() writes ({sorted(keys)}); got "
                 f"{'unknown ' + str(unknown) if unknown else ''}{' and ' if unknown and missing else ''}"
                 f"{'missing ' + str(missing) if missing else ''}. A seed is never part of a config: give "
                 "PrivateRun(seed=...) directly, for tests only.")
-        return cls(**config)
+        return cls(**config)  # adaptive_clip: its config dict, read by _check_adaptive_clip
 
     def fingerprint(self) -> int:
         """A 63-bit hash of the public plan (n, B, T, C, σ, δ, sampling, P): equal on every
@@ -396,7 +422,8 @@ class PrivateRun:
         return (
             f"PrivateRun(num_examples={self.num_examples}, batch_size={self.batch_size}, steps={self.steps}, "
             f"bands={self.bands}, sampling={self._spec.sampling!r}, noise_multiplier={self._sigma:.6g}{eps}, "
-            f"delta={self._delta:g}{total})"
+            f"delta={self._delta:g}{total}"
+            f"{'' if self._adaptive_clip is None else ', adaptive_clip=' + repr(self._adaptive_clip)})"
         )
 
     def summary(self) -> str:

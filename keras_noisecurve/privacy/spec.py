@@ -14,14 +14,15 @@ import dataclasses
 import math
 from typing import Optional
 
-from keras_noisecurve._validation import check_choice, check_int
+from keras_noisecurve._validation import check_choice, check_float, check_int
 
 __all__ = ["RUN_ARGUMENTS", "SAMPLINGS", "RunSpec", "as_spec", "steps_for_epochs"]
 
 SAMPLINGS = ("cyclic_poisson", "fixed_epochs")
 
 #: The keyword arguments that describe a run: those of :class:`RunSpec`.
-RUN_ARGUMENTS = ("num_examples", "batch_size", "steps", "epochs", "bands", "sampling", "mixing")
+RUN_ARGUMENTS = ("num_examples", "batch_size", "steps", "epochs", "bands", "sampling", "mixing",
+                 "count_noise_multiplier")
 
 
 @dataclasses.dataclass(frozen=True, init=False)
@@ -48,6 +49,10 @@ class RunSpec:
         ``keras_noisecurve.mixing.strategies``) of at least T steps: sets b (must equal
         ``bands`` if both are given) and the sensitivity s. Only its accounting facts are
         kept, not the matrix.
+      count_noise_multiplier: σ_c > 0, the noise multiplier of an adaptive clip's count
+        query (``AdaptiveClip.count_noise_multiplier(B)``: its noise over its sensitivity
+        ½), which enters at every participation beside the gradient; ``None`` (default):
+        a fixed clip, no count queries.
 
     Attributes (derived):
       sampling, num_examples, batch_size, steps, bands: as validated.
@@ -80,12 +85,16 @@ class RunSpec:
     sensitivity: float
     strategy: str = "banded"
     participation_sensitivities: Optional[tuple] = None
+    count_noise_multiplier: Optional[float] = None
 
     def __init__(self, *, num_examples: int, batch_size: int, steps: Optional[int] = None,
                  epochs: Optional[int] = None, bands: Optional[int] = None, sampling: str = "cyclic_poisson",
-                 mixing=None):
+                 mixing=None, count_noise_multiplier: Optional[float] = None):
         values = _describe_run(num_examples=num_examples, batch_size=batch_size, steps=steps, bands=bands,
                                sampling=sampling, epochs=epochs, mixing=mixing)
+        if count_noise_multiplier is not None:
+            count_noise_multiplier = check_float("count_noise_multiplier", count_noise_multiplier, positive=True)
+        values = values + (count_noise_multiplier,)
         for field, value in zip(dataclasses.fields(self), values):
             object.__setattr__(self, field.name, value)
 

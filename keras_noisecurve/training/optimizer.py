@@ -54,6 +54,7 @@ from keras_noisecurve.training.optimizer_args import (
     check_kwargs,
     check_learning_rate,
     check_noise_arguments,
+    resolve_clip,
     from_run,
 )
 from keras_noisecurve.training.update_rule_check import update_rule_warning
@@ -132,7 +133,11 @@ class NoiseCurveOptimizer(_impl.OptimizerBackend, keras.optimizers.Optimizer):
         of a ``.npz`` file of any of them, the config dict ``get_config`` writes, or
         ``"dpsgd"``/``None`` (default): C = I without a step plan (independent noise,
         no step limit). Training refuses step t ≥ T of a C with a plan.
-      l2_norm_clip: ζ > 0, the per-example L2 clipping norm (used by the private model).
+      l2_norm_clip: ζ > 0, the per-example L2 clipping norm (used by the private model), or
+        a ``keras_noisecurve.AdaptiveClip``: step t clips at ζ_t and adds ζ_t·σ·z̃_t, and
+        ζ follows a private quantile of the norms (``apply_clipped_sum`` then needs the
+        norms). ``None`` (default): the run's adaptive clip if it has one, else 1.0. An
+        adaptive clip with ``run=`` must be the run's (its ε includes the count queries).
       noise_multiplier: σ > 0 (σ = 0 would be no privacy: refused), required (no default; with ``run=`` the run's); the noise
         standard deviation is ζ·σ on the sum.
       expected_batch_size: B ≥ 1, the EXPECTED batch size of the (Poisson) sampler.
@@ -169,7 +174,7 @@ class NoiseCurveOptimizer(_impl.OptimizerBackend, keras.optimizers.Optimizer):
         self,
         learning_rate=None,
         mixing=None,
-        l2_norm_clip=1.0,
+        l2_norm_clip=None,
         noise_multiplier=None,
         expected_batch_size=None,
         seed=None,
@@ -182,6 +187,7 @@ class NoiseCurveOptimizer(_impl.OptimizerBackend, keras.optimizers.Optimizer):
             mixing, noise_multiplier, expected_batch_size = from_run(run, mixing, noise_multiplier,
                                                                      expected_batch_size)
         mixing = load_mixing("dpsgd" if mixing is None else mixing)
+        l2_norm_clip, adaptive_clip = resolve_clip(l2_norm_clip, run)
         check_backend()
         kwargs = check_kwargs(dict(kwargs))
         l2_norm_clip, noise_multiplier, expected_batch_size, seed = check_noise_arguments(
@@ -195,7 +201,9 @@ class NoiseCurveOptimizer(_impl.OptimizerBackend, keras.optimizers.Optimizer):
         if inner is not None:
             self._dp_check_inner_strategy(inner)
         self._inner = inner
-        self.l2_norm_clip = l2_norm_clip
+        self.l2_norm_clip = l2_norm_clip  # ζ, or ζ_0 of an adaptive clip
+        self.adaptive_clip = adaptive_clip
+        self._clip = None  # ζ_t (float32 scalar variable) of an adaptive clip, made by build()
         self.noise_multiplier = noise_multiplier
         self.expected_batch_size = expected_batch_size
         self.seed = seed
@@ -265,8 +273,9 @@ class NoiseCurveOptimizer(_impl.OptimizerBackend, keras.optimizers.Optimizer):
         """The plan words (``plan_state.words``) of this optimizer: the run's plan and ζ, or
         for an optimizer without a run its C, σ, B and ζ; ``data``/``model`` as bound."""
         run = self.run
+        clip = float(self.l2_norm_clip) if self.adaptive_clip is None else self.adaptive_clip.to_config()
         facts = {"mixing": self._mixing.digest(), "noise_multiplier": float(self.noise_multiplier),
-                 "batch_size": int(self.expected_batch_size), "l2_norm_clip": float(self.l2_norm_clip)}
+                 "batch_size": int(self.expected_batch_size), "l2_norm_clip": clip}
         if run is not None:
             facts.update(num_examples=run.num_examples, steps=run.steps, delta=run.delta, sampling=run.sampling,
                          accountant=run.accountant, padded_batch_size=run.padded_batch_size)
@@ -407,6 +416,11 @@ class NoiseCurveOptimizer(_impl.OptimizerBackend, keras.optimizers.Optimizer):
             shape=(len(plan_state.FIELDS),), dtype="int32",
             initializer=lambda shape, dtype=None: keras.ops.convert_to_tensor(self._dp_expected_plan(), "int32"),
             name="plan")
+        if self.adaptive_clip is not None:  # ζ_t, saved and restored with the step
+            self._dp_check_adaptive_replicas()
+            self._clip = self.add_variable(
+                shape=(), dtype="float32", name="l2_norm_clip",
+                initializer=lambda shape, dtype=None: keras.ops.convert_to_tensor(self.adaptive_clip.initial, "float32"))
         if self.run is not None:
             # The run's secret sampling key, saved and restored with the optimizer (and,
             # under MultiWorkerMirroredStrategy, initialised from the chief's value).
@@ -442,8 +456,32 @@ class NoiseCurveOptimizer(_impl.OptimizerBackend, keras.optimizers.Optimizer):
             )
         self._dp_check_inner_steps(inner)
 
+    # ---------------------------------------------------------- the clip norm
+    def current_clip(self):
+        """ζ_t, the clip norm of the next step: ``l2_norm_clip`` (a float), or an adaptive
+        clip's current value (a float32 scalar of the backend; ζ_0 before ``build``)."""
+        if self._clip is None:
+            return self.l2_norm_clip
+        return self._clip.value
+
+    def _dp_clip_update(self, norms, sample_weight):
+        """ζ_{t+1} of an adaptive clip from this step's norms (its count query, drawn at step
+        t = ``iterations``), or ``None`` for a fixed clip; assigned after the step's update."""
+        if self.adaptive_clip is None:
+            return None
+        if norms is None:
+            raise ValueError(
+                "this optimizer has an adaptive clip: apply_clipped_sum needs the step's per-example norms "
+                "(norms=, and sample_weight= with the padding rows at weight 0) for its count query.")
+        from keras_noisecurve.privacy.adaptive_clip import clip_count
+
+        clip = self._clip.value
+        below, real = clip_count(norms, sample_weight, clip)
+        return self.adaptive_clip.next_clip(clip, below, real, self._dp_count_normal(),
+                                            int(self.expected_batch_size))
+
     # ------------------------------------------------------------ entry points
-    def apply_clipped_sum(self, grads, trainable_variables=None):
+    def apply_clipped_sum(self, grads, trainable_variables=None, *, norms=None, sample_weight=None):
         """Apply one noisy step from a CLIPPED SUM of per-example gradients.
 
         Args:
@@ -453,27 +491,37 @@ class NoiseCurveOptimizer(_impl.OptimizerBackend, keras.optimizers.Optimizer):
             sums are added across replicas before the noise is added once.
           trainable_variables: the model's trainable variables (needed on the first
             call to build the optimizer).
+          norms: with an adaptive clip (required there), the per-example norms (P,) the sum
+            was clipped with, for the step's count query; ignored otherwise.
+          sample_weight: the rows' weights (P,); rows of weight 0 (the sampler's padding)
+            are not examples and are left out of the count. ``None``: every row is one.
 
         Every variable gets ``ĝ_t = (sum + ζ·σ·z̃_t)/B``: ``w ← w − η·ĝ_t`` without an
         inner optimizer, else the inner optimizer's ``update_step(ĝ_t, w, η_t)``.
         """
         self._private_apply = True
+        self._dp_counted = (norms, sample_weight)
         try:
             return self.apply(grads, trainable_variables)
         finally:
             self._private_apply = False
+            self._dp_counted = (None, None)
 
-    def stateless_apply_clipped_sum(self, optimizer_variables, grads, trainable_variables):
+    def stateless_apply_clipped_sum(self, optimizer_variables, grads, trainable_variables, *, norms=None,
+                                    sample_weight=None):
         """:meth:`apply_clipped_sum` as a pure function, for a functional train step (the
         JAX backend's): ``optimizer_variables`` and ``trainable_variables`` are the current
         values (aligned with ``self.variables`` and the variables this optimizer was built
         on), ``grads`` the clipped sums. Returns ``(trainable_variables,
-        optimizer_variables)``, the values after the step (Keras's ``stateless_apply``)."""
+        optimizer_variables)``, the values after the step (Keras's ``stateless_apply``).
+        ``norms``/``sample_weight``: as :meth:`apply_clipped_sum`'s."""
         self._private_apply = True
+        self._dp_counted = (norms, sample_weight)
         try:
             return self.stateless_apply(optimizer_variables, grads, trainable_variables)
         finally:
             self._private_apply = False
+            self._dp_counted = (None, None)
 
     def apply(self, grads, trainable_variables=None):
         if not self._private_apply:
@@ -484,13 +532,17 @@ class NoiseCurveOptimizer(_impl.OptimizerBackend, keras.optimizers.Optimizer):
                 "keras_noisecurve.make_private(model) before "
                 "compile(), or call a clipping engine and optimizer.apply_clipped_sum() yourself."
             )
+        if not self.built and trainable_variables is not None:  # ζ_t below reads the clip's variable
+            self.build(trainable_variables)
+        next_clip = self._dp_clip_update(*getattr(self, "_dp_counted", (None, None)))  # before the step counts
         inner = self.inner
-        if inner is None or len(grads) == 0:
-            return super().apply(grads, trainable_variables)
         result = super().apply(grads, trainable_variables)
-        # the inner optimizer's step counter (its schedule, Adam's bias correction)
-        # advances with ours, as Keras's own apply() advances it
-        _compat.iterations_variable(inner).assign_add(1)
+        if inner is not None and len(grads) > 0:
+            # the inner optimizer's step counter (its schedule, Adam's bias correction)
+            # advances with ours, as Keras's own apply() advances it
+            _compat.iterations_variable(inner).assign_add(1)
+        if next_clip is not None:
+            self._clip.assign(next_clip)
         return result
 
     def apply_gradients(self, grads_and_vars):
@@ -504,7 +556,7 @@ class NoiseCurveOptimizer(_impl.OptimizerBackend, keras.optimizers.Optimizer):
             config.pop(name, None)
         config.update(
             {
-                "l2_norm_clip": self.l2_norm_clip,
+                "l2_norm_clip": self.l2_norm_clip if self.adaptive_clip is None else self.adaptive_clip.to_config(),
                 "noise_multiplier": self.noise_multiplier,
                 "expected_batch_size": self.expected_batch_size,
             }

@@ -204,3 +204,31 @@ def from_run(run, mixing, noise_multiplier, expected_batch_size):
                 "(the run's is used)."
             )
     return planned["mixing"], planned["noise_multiplier"], planned["expected_batch_size"]
+
+
+def resolve_clip(l2_norm_clip, run):
+    """``(ζ_0, AdaptiveClip or None)`` of ``NoiseCurveOptimizer(l2_norm_clip=..., run=...)``.
+
+    ``l2_norm_clip``: a number, an ``AdaptiveClip`` (or its config dict) or ``None``
+    (the run's adaptive clip, else 1.0). An adaptive clip must be the run's own: the run's
+    σ and ε include its count queries, and a run without one would report an ε that leaves
+    them out. A run with an adaptive clip refuses a fixed number (its σ was calibrated for
+    the count queries it would then not make)."""
+    from keras_noisecurve.privacy.adaptive_clip import AdaptiveClip
+
+    adaptive = AdaptiveClip.coerce(l2_norm_clip)
+    planned = None if run is None else run.adaptive_clip
+    if run is not None and planned is None and adaptive is not None:
+        raise ValueError(
+            f"l2_norm_clip={adaptive!r} but the run has no adaptive clip: its sigma and epsilon leave out the count "
+            "queries an adaptive clip releases. Give it to the run, PrivateRun(..., adaptive_clip=...), and leave "
+            "l2_norm_clip out here.")
+    if planned is not None:
+        if l2_norm_clip is not None and adaptive != planned:
+            raise ValueError(
+                f"l2_norm_clip={l2_norm_clip!r} differs from the run's adaptive clip ({planned!r}): with a run that "
+                "has one, leave l2_norm_clip out (the run's is used).")
+        adaptive = planned
+    if adaptive is not None:
+        return adaptive.initial, adaptive
+    return (1.0 if l2_norm_clip is None else l2_norm_clip), None

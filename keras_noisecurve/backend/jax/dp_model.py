@@ -278,13 +278,16 @@ class TrainStepBackend:
             raise ValueError(self._dp_not_the_plan(optimizer.run) + " Got a batch without the run's step index.")
         position = [id(v) for v in optimizer.variables].index(id(optimizer.iterations))
         iteration = optimizer_values[position]
+        clip = optimizer.l2_norm_clip  # ζ_t: the fixed clip, or the adaptive clip's value before this step
+        if optimizer.adaptive_clip is not None:
+            clip = optimizer_values[[id(v) for v in optimizer.variables].index(id(optimizer._clip))]
         weights, loss_fn, y_loss, positions = self._dp_weights(x, y, sample_weight)
         if class_weight is not None:  # fit(class_weight=...): w_i·cw[y_i], before clipping
             weights = weights * features.class_weights(class_weight, y)
         penalty = features.weight_penalty(self, trainable, non_trainable, x)  # add_loss: weights only, else refused
         sums, norms, losses, y_pred, non_trainable = self._dp_clipped_sum()(
             self, loss_fn, trainable, non_trainable, x, y_loss, weights,
-            l2_norm_clip=optimizer.l2_norm_clip, microbatch_size=self._dp_microbatch_size, training=True,
+            l2_norm_clip=clip, microbatch_size=self._dp_microbatch_size, training=True,
         )
         nonfinite = features.nonfinite_mask(losses, norms)  # dropped by the engine (contributed 0)
         dropped, real = features.count_dropped(nonfinite, weights)
@@ -302,7 +305,8 @@ class TrainStepBackend:
         if optimizer.noise.steps is not None:
             ok = ok & (iteration < optimizer.noise.steps)
         sums = [jnp.where(ok, s, jnp.zeros_like(s)) for s in sums]
-        trainable, optimizer_values = optimizer.stateless_apply_clipped_sum(optimizer_values, sums, trainable)
+        trainable, optimizer_values = optimizer.stateless_apply_clipped_sum(optimizer_values, sums, trainable,
+                                                                            norms=norms, sample_weight=weights)
 
         # padding rows (weight 0) and dropped examples count in no metric: weight 0 for the
         # loss and the weighted metrics, 0/1 row weight for the unweighted ones (static shapes)
@@ -320,6 +324,8 @@ class TrainStepBackend:
             _compat.update_compile_metrics(self, y_kept, y_pred_kept,
                                            sample_weight=_times_rows(positions, weights * rows), row_weight=rows)
             logs = self.get_metrics_result()
+        if optimizer.adaptive_clip is not None:
+            logs["l2_norm_clip"] = clip  # ζ_t of this step
         metrics_values = [
             scope.get_current_value(v) if scope.get_current_value(v) is not None else v.value
             for v in self.metrics_variables

@@ -135,14 +135,14 @@ class OptimizerBackend:
             raise RuntimeError(messages.plan_spent(noise.steps))
         if not variables:
             return []
-        std = self.l2_norm_clip * self.noise_multiplier
         words = jax.lax.bitcast_convert_type(self._noise_key.value, jnp.uint32)
         seed = jax_noise.step_seed(words, step)
         indices = [self._dp_variable_index(variable) for variable in variables]
         dtypes = [variable.dtype for variable in variables]
         coefficients = {dtype: noise.step_coefficients(step, dtype) for dtype in dict.fromkeys(dtypes)}
+        stds = {dtype: self._dp_noise_std(dtype) for dtype in coefficients}
         states = [self._rings[index] for index in indices]
-        scales = [noise.folded_scale(std, coefficients[dtype]) if state is None else None
+        scales = [noise.folded_scale(stds[dtype], coefficients[dtype]) if state is None else None
                   for dtype, state in zip(dtypes, states)]
         # the unsharded variables in one pass; a variable sharded over a mesh shard by shard
         # (the same values: variable k's z_t depends on (key, t, k) only)
@@ -166,8 +166,27 @@ class OptimizerBackend:
                 continue
             z_tilde, write = noise.advance(z, step, state.value, coefficients[dtype])
             self.assign(state, noise.apply_write(state.value, write))
-            terms.append(jnp.asarray(std, dtype) * z_tilde)
+            terms.append(jnp.asarray(stds[dtype], dtype) * z_tilde)
         return terms
+
+    def _dp_noise_std(self, dtype):
+        """ζ_t·σ: a Python float for a fixed clip (as always), ``dtype`` scalars multiplied for
+        an adaptive clip (ζ_t its variable's value)."""
+        if self._clip is None:
+            return self.l2_norm_clip * self.noise_multiplier
+        return jnp.asarray(self._clip.value, dtype) * jnp.asarray(self.noise_multiplier, dtype)
+
+    def _dp_count_normal(self):
+        """The N(0, 1) draw of step t's count query (an adaptive clip's), float32 scalar:
+        ``normal_from_seed(variable_seed(step_seed(key, t), COUNT_STREAM))``, as on TensorFlow."""
+        from keras_noisecurve.privacy.adaptive_clip import COUNT_STREAM
+
+        words = jax.lax.bitcast_convert_type(self._noise_key.value, jnp.uint32)
+        seed = jax_noise.variable_seed(jax_noise.step_seed(words, self.iterations.value), COUNT_STREAM)
+        return jax_noise.normal_from_seed(seed, (1,), jnp.float32)[0]
+
+    def _dp_check_adaptive_replicas(self):
+        return None  # one program over all devices: the count is summed over the global batch
 
     def _dp_apply_update(self, gradient, variable, learning_rate, noise_term):
         """``ĝ = (gradient + noise_term)/B``, then ``variable ← variable − η·ĝ`` or

@@ -262,13 +262,18 @@ class TrainStepBackend:
             self(x, training=False)
         scale = self._dp_loss_scale
         loss_fn = _train_loss(loss_fn, scale)
+        if optimizer.adaptive_clip is not None and not optimizer.built:  # ζ_t is its variable, read below
+            self._dp_build_optimizer(optimizer)
+        clip = optimizer.current_clip()  # ζ_t (a fixed float, or the adaptive clip's value before this step)
+        if optimizer.adaptive_clip is not None:
+            clip = tf.identity(clip)
         clipped = self._engine()(
             self,
             loss_fn,
             x,
             y_loss,
             sample_weight,
-            l2_norm_clip=optimizer.l2_norm_clip * scale,  # Σ clip(S·g_i, S·ζ) = S·Σ clip(g_i, ζ)
+            l2_norm_clip=clip * scale,  # Σ clip(S·g_i, S·ζ) = S·Σ clip(g_i, ζ)
             microbatch_size=self._dp_microbatch_size,
             training=True,
         )
@@ -295,7 +300,8 @@ class TrainStepBackend:
             self._dp_build_optimizer(optimizer)
         with tf.control_dependencies([c for c in checks if c is not None]):  # no update before the check
             grads = self._refuse(clipped.grads, step, iteration, optimizer, dropped, real)
-            optimizer.apply_clipped_sum(grads, self.trainable_variables)
+            optimizer.apply_clipped_sum(grads, self.trainable_variables, norms=clipped.norms,
+                                        sample_weight=sample_weight)
         epoch_dropped = features.record(self._dp_nonfinite, dropped, iteration)
 
         losses = tf.cast(clipped.per_example_loss, tf.float32)
@@ -317,6 +323,8 @@ class TrainStepBackend:
                 metric_weight = tf.boolean_mask(metric_weight, keep)
         logs = dict(self.compute_metrics(x, y, y_pred, sample_weight=metric_weight))
         logs[features.METRIC] = epoch_dropped
+        if optimizer.adaptive_clip is not None:
+            logs["l2_norm_clip"] = clip  # ζ_t of this step
         return logs
 
     def test_step(self, data):

@@ -92,7 +92,7 @@ class OptimizerBackend:
         index = self._dp_variable_index(variable)
         noise = self._step_noise or _StepNoise(self)
         dtype = variable.dtype
-        std = self.l2_norm_clip * self.noise_multiplier
+        std = self._dp_noise_std(dtype)
         seed = variable_seed(noise.seed, index)
         coefficients = noise.coefficients(dtype)
         state = self._rings[index]
@@ -119,6 +119,32 @@ class OptimizerBackend:
         else:
             privatized = (tf.cast(gradient, dtype) + noise_term) / tf.cast(self.expected_batch_size, dtype)
             inner.update_step(privatized, variable, learning_rate)
+
+
+    def _dp_noise_std(self, dtype):
+        """ζ_t·σ: a Python float for a fixed clip (as always), ``dtype`` scalars multiplied for
+        an adaptive clip (ζ_t its variable's value)."""
+        if self._clip is None:
+            return self.l2_norm_clip * self.noise_multiplier
+        return tf.cast(self._clip, dtype) * tf.cast(self.noise_multiplier, dtype)
+
+    def _dp_count_normal(self):
+        """The N(0, 1) draw of step t's count query (an adaptive clip's), float32 scalar:
+        ``normal_from_seed(variable_seed(step_seed(key, t), COUNT_STREAM))``, as on JAX."""
+        from keras_noisecurve.privacy.adaptive_clip import COUNT_STREAM
+
+        seed = variable_seed(step_seed(self._noise_key, self.iterations), COUNT_STREAM)
+        return normal_from_seed(seed, [1], tf.float32)[0]
+
+    def _dp_check_adaptive_replicas(self):
+        """An adaptive clip under ``tf.distribute`` with several replicas is refused: each
+        replica would count only its own examples."""
+        replicas = _compat.distribution_strategy(self).num_replicas_in_sync
+        if replicas > 1:
+            raise ValueError(
+                f"an adaptive clip (AdaptiveClip) is not supported under tf.distribute with {replicas} replicas: the "
+                "count query would see one replica's examples. Train on one replica, use a fixed l2_norm_clip, or "
+                "use the JAX backend (keras.distribution), where the count covers the global batch.")
 
 
 class _StepNoise:

@@ -146,6 +146,11 @@ class BandedMatrixFactorizationQuery(_dp_query.SumAggregationDPQuery):
 
         if not isinstance(run, PrivateRun):
             raise ValueError(f"run must be a keras_noisecurve.PrivateRun, got {type(run).__name__}.")
+        if run.adaptive_clip is not None:
+            raise ValueError(
+                f"the run has an adaptive clip ({run.adaptive_clip!r}); this query clips at a fixed l2_norm_clip and "
+                "has no count query, so its epsilon would not be the run's. Train it with NoiseCurveOptimizer(run=run) "
+                "and a private model (keras_noisecurve.make_private), or give the run no adaptive_clip.")
         query = cls(l2_norm_clip, run.noise_multiplier, run.mixing, template, seed=seed)
         query._run_spec = run.spec
         return query
