@@ -19,6 +19,10 @@ without one (plain SGD), −Δw/η_t. Two tests of the whitened (T', N) matrix:
   0.1 % of the time).
 
 The claim is the run's σ and B when the optimizer has a run (else its own), and its ζ.
+With an adaptive clip each step's ĝ_t is divided by that step's ζ_t (read before the
+step): the claim is then that the noise is ζ_t·σ·z̃_t, whatever ζ_t, which the privacy
+argument needs (docs/privacy.md, "Adaptive clipping"). Its count query sees a fixed,
+public set of norms (log-spaced over four decades), so ζ_t moves during the check.
 """
 
 from __future__ import annotations
@@ -110,7 +114,8 @@ def check_noise(*, optimizer, steps=32, probes=None) -> NoiseCheck:
     probes = max(2000, 40 * steps) if probes is None else int(probes)
     sigma = run.noise_multiplier if run is not None else float(optimizer.noise_multiplier)
     batch = run.batch_size if run is not None else int(optimizer.expected_batch_size)
-    clip = float(optimizer.l2_norm_clip)
+    adaptive = twin.adaptive_clip is not None
+    norms = keras.ops.convert_to_tensor(np.geomspace(0.01, 100.0, batch), "float32") if adaptive else None
     variable = keras.Variable(np.zeros(probes, np.float32), name="noise_probe")
     seen = keras.Variable(np.zeros(probes, np.float32), trainable=False, name="noise_seen")
     inner = twin.inner
@@ -127,7 +132,8 @@ def check_noise(*, optimizer, steps=32, probes=None) -> NoiseCheck:
     for _ in range(steps):
         rate = float(np.asarray(keras.ops.convert_to_numpy(twin.learning_rate)))
         before = np.asarray(keras.ops.convert_to_numpy(variable.value), np.float64)
-        twin.apply_clipped_sum([zero], [variable])
+        clip = float(np.asarray(keras.ops.convert_to_numpy(twin.current_clip())))  # ζ_t, before step t
+        twin.apply_clipped_sum([zero], [variable], norms=norms)
         if inner is not None:
             g_hat = np.asarray(keras.ops.convert_to_numpy(seen.value), np.float64)
         else:

@@ -97,7 +97,9 @@ def calibrate_noise_multiplier(*, epsilon: float, delta: float, accountant: str 
       accountant: ``"pld"`` (default) or ``"rdp"``.
       spec: the :class:`~keras_noisecurve.privacy.spec.RunSpec`, or instead its keyword
         arguments (``num_examples=``, ``batch_size=``, ``steps=``/``epochs=``, ``bands=``,
-        ``sampling=``, ``mixing=``).
+        ``sampling=``, ``mixing=``, ``count_noise_multiplier=``). With an adaptive clip's
+        ``count_noise_multiplier=`` σ_c (``AdaptiveClip.count_noise_multiplier(B)``), σ is the
+        one whose run, count queries included, is (ε, δ)-DP; σ_c itself is not calibrated.
 
     Returns:
       σ > 0 (float).
@@ -133,7 +135,11 @@ def noise_multiplier_for(spec: RunSpec, epsilon: float, delta: float, accountant
             raise ValueError(
                 f"epsilon={epsilon:g} at delta={delta:g} is out of reach: even sigma={hi:.4g} gives epsilon="
                 f"{g + epsilon:.4g} for this run. Possible: a larger epsilon or delta, fewer steps or a smaller "
-                "batch_size."
+                "batch_size." + ("" if spec.count_noise_multiplier is None else
+                                 f" The adaptive clip's count queries alone (noise multiplier "
+                                 f"{spec.count_noise_multiplier:g} = 2 x count_stddev) spend that much: give "
+                                 "AdaptiveClip(count_stddev=...) a larger value (the default B/20 suits B in the "
+                                 "hundreds), or use a fixed clip.")
             )
         if lo == hi:
             for _ in range(200):
@@ -204,6 +210,8 @@ class Calibration:
       padded_batch_size: P the sampler uses by default.
       overflow_probability: union bound on any step overflowing P.
       total_delta: delta + overflow_delta(ε, overflow_probability).
+      count_noise_multiplier: σ_c of an adaptive clip's count queries, included in σ
+        (``RunSpec(count_noise_multiplier=)``); ``None``: a fixed clip, no counts.
     """
 
     noise_multiplier: float
@@ -222,6 +230,7 @@ class Calibration:
     padded_batch_size: int
     overflow_probability: float
     total_delta: float
+    count_noise_multiplier: Optional[float] = None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -258,4 +267,5 @@ def calibrate(*, epsilon: float, delta: float, accountant: str = "pld",
         sampling=spec.sampling, accountant=accountant, sensitivity=spec.sensitivity,
         padded_batch_size=padded, overflow_probability=p_over,
         total_delta=delta + overflow_delta(epsilon=eps, overflow_probability=p_over),
+        count_noise_multiplier=spec.count_noise_multiplier,
     )

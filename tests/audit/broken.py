@@ -163,3 +163,11 @@ def poisson_from_every_partition(monkeypatch):
         return indices, mask, 0
 
     monkeypatch.setattr(BatchSampler, "batch", batch)
+
+
+class FrozenClipNoiseOptimizer(knc.NoiseCurveOptimizer):
+    """An adaptive clip whose noise stays at ζ_0·σ while the clip ζ_t moves: the noise of the
+    sum S_t/ζ_t is then σ·ζ_0/ζ_t, not the σ the run's ε assumes."""
+
+    def _dp_noise_std(self, dtype):
+        return self.l2_norm_clip * self.noise_multiplier

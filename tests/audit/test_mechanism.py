@@ -269,3 +269,29 @@ def test_a_plain_model_needs_the_loss_the_clip_and_for_sampling_the_run():
         check_mechanism(model=model, x=x, y=y, loss=LOSS, checks=("clipping",))
     with pytest.raises(ValueError, match="the sampling check needs the run"):
         check_mechanism(model=model, x=x, y=y, loss=LOSS, l2_norm_clip=1.0, checks=("sampling",))
+
+
+def _adaptive_private(factory=knc.NoiseCurveOptimizer):
+    run = knc.PrivateRun(num_examples=120, batch_size=12, steps=30, mixing=build_mixing(strategy="banded", steps=30,
+                         bands=3), epsilon=4.0, delta=1e-5, seed=0,
+                         adaptive_clip=knc.AdaptiveClip(initial=0.2, learning_rate=0.5, count_stddev=5.0))
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(run.num_examples, 6)).astype("float32")
+    y = rng.integers(0, 3, run.num_examples)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(3)])
+    private = knc.make_private(model)
+    private.compile(optimizer=factory(run=run, learning_rate=0.1, seed=2), loss=LOSS)
+    return private, x, y
+
+
+def test_an_adaptive_clip_passes_every_check_and_noise_frozen_at_the_first_clip_is_caught():
+    """The noise check divides each step's noise by that step's ζ_t (the privacy argument:
+    noise ζ_t·σ·z̃_t on a sum clipped at ζ_t). Its count sees norms 0.01 … 100 (median 1), so ζ
+    moves from 0.2 toward 1; noise left at ζ_0·σ is then measurably too small."""
+    private, x, y = _adaptive_private()
+    report = check_mechanism(model=private, x=x, y=y, batches=1, batch_size=8, noise_steps=24)
+    assert report.passed, report.lines()
+    assert abs(report.checks["noise"].scale - 1) < 0.03
+    private, x, y = _adaptive_private(broken.FrozenClipNoiseOptimizer)
+    frozen = check_mechanism(model=private, x=x, y=y, checks=("noise",), noise_steps=24).checks["noise"]
+    assert not frozen.passed and frozen.scale < 0.8, frozen.line
