@@ -12,11 +12,19 @@ Examples::
         --batch-size 500 --steps 2000 --bands 4 --sampling fixed_epochs --json
     noisecurve calibrate --epsilon 8 --delta 1e-5 --num-examples 3500 \\
         --batch-size 250 --steps 140 --mixing auto --momentum 0.9
+    noisecurve calibrate --epsilon 2 --delta 1e-5 --num-examples 3500 \\
+        --batch-size 250 --steps 140 --bands 4 --adaptive-clip --target-quantile 0.7
 
 ``--mixing auto`` chooses the mechanism for the budget (``keras_noisecurve.choose_mixing``)
 and prints the comparison and the predicted gain over DP-SGD; with a ``--mixing FILE`` of
 the run's T steps the predicted gain of that C is printed too
 (``keras_noisecurve.apps.cli_predict``).
+
+``--adaptive-clip`` calibrates σ for a run with ``keras_noisecurve.AdaptiveClip``
+(``PrivateRun(adaptive_clip=...)``): its count query, noise multiplier σ_c = 2·s_b, enters
+every participation beside the gradient (``RunSpec(count_noise_multiplier=σ_c)``), and the
+report names σ_c. ``--target-quantile``, ``--clip-learning-rate`` and ``--count-stddev`` set
+the clip (defaults: ``AdaptiveClip``'s) and are refused without ``--adaptive-clip``.
 """
 
 from __future__ import annotations
@@ -28,6 +36,11 @@ import sys
 
 from keras_noisecurve.apps import cli_predict
 from keras_noisecurve.privacy import accounting
+from keras_noisecurve.privacy.adaptive_clip import AdaptiveClip
+
+#: the ``AdaptiveClip`` options: (flag, ``AdaptiveClip`` keyword)
+_CLIP_OPTIONS = (("--target-quantile", "target_quantile"), ("--clip-learning-rate", "learning_rate"),
+                 ("--count-stddev", "count_stddev"))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,7 +70,50 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="target probability that any step's Poisson draw exceeds the padded batch size "
                              f"(default {accounting.DEFAULT_OVERFLOW_PROBABILITY:g}, smaller where the overflow rule "
                              "needs it: (1+e^eps)*p <= delta/10, as PrivateRun)")
+    _add_clip_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+
+def _add_clip_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--adaptive-clip`` and the options of its ``AdaptiveClip`` (defaults: the class's)."""
+    default = AdaptiveClip()
+    group = parser.add_argument_group(
+        "adaptive clipping (keras_noisecurve.AdaptiveClip, as PrivateRun(adaptive_clip=...))",
+        "sigma is calibrated with the clip's count queries, one beside every participation")
+    group.add_argument("--adaptive-clip", action="store_true",
+                       help="the run clips at a private quantile of the per-example norms: include its count "
+                            "queries (noise multiplier 2*count stddev) in sigma")
+    group.add_argument("--target-quantile", type=float, default=None,
+                       help=f"with --adaptive-clip: gamma in (0, 1), the share of examples left unclipped "
+                            f"(default {default.target_quantile:g})")
+    group.add_argument("--clip-learning-rate", type=float, default=None,
+                       help=f"with --adaptive-clip: eta >= 0 of the update zeta <- zeta*exp(-eta*(b - gamma)) "
+                            f"(default {default.learning_rate:g})")
+    group.add_argument("--count-stddev", type=float, default=None,
+                       help="with --adaptive-clip: s_b > 0, the standard deviation of the count's noise in examples "
+                            "(default B/20); the count noise multiplier is 2*s_b")
+
+
+def _adaptive_clip(args):
+    """The ``AdaptiveClip`` of ``--adaptive-clip`` and its options, or ``None``; ``ValueError``
+    for a clip option given without ``--adaptive-clip``."""
+    given = {key: getattr(args, flag[2:].replace("-", "_")) for flag, key in _CLIP_OPTIONS}
+    given = {key: value for key, value in given.items() if value is not None}
+    if not args.adaptive_clip:
+        if given:
+            flags = [flag for flag, key in _CLIP_OPTIONS if key in given]
+            one = len(flags) == 1
+            raise ValueError(f"{' and '.join(flags)} {'is' if one else 'are'} for --adaptive-clip (the adaptive clip "
+                             "whose count queries sigma then includes): give --adaptive-clip too, or leave "
+                             f"{'it' if one else 'them'} out for a fixed clip norm, which does not enter sigma.")
+        return None
+    try:
+        return AdaptiveClip(**given)
+    except (ValueError, TypeError) as exc:  # name the flag, not the keyword
+        message = str(exc)
+        for flag, key in _CLIP_OPTIONS:
+            message = message.replace(key, flag)
+        raise ValueError(message) from None
 
 
 def _resolve_steps(args) -> tuple[int, int | None]:
@@ -96,7 +152,9 @@ def run(args) -> int:
             from keras_noisecurve.mixing.strategies import load_mixing
 
             mixing = load_mixing(args.mixing)  # any strategy file `noisecurve solve` writes
+        clip = _adaptive_clip(args)
         steps, epochs = _resolve_steps(args)
+        counts = None if clip is None else clip.count_noise_multiplier(args.batch_size)
         if auto:
             choice, auto_text = cli_predict.auto_lines(args, steps=steps)
             mixing = choice.mixing
@@ -104,7 +162,7 @@ def run(args) -> int:
             epsilon=args.epsilon, delta=args.delta, num_examples=args.num_examples,
             batch_size=args.batch_size, steps=steps, bands=args.bands, sampling=args.sampling,
             epochs=epochs, mixing=mixing, accountant=args.accountant,
-            overflow_probability_target=args.overflow_probability,
+            overflow_probability_target=args.overflow_probability, count_noise_multiplier=counts,
         )
     except (ValueError, TypeError, OSError) as exc:
         print(f"noisecurve calibrate: error: {' '.join(str(exc).split())}", file=sys.stderr)
@@ -122,6 +180,9 @@ def run(args) -> int:
               file=sys.stderr)
     if args.json:
         record = result.to_dict()
+        if clip is not None:
+            record["adaptive_clip"] = {"target_quantile": clip.target_quantile, "learning_rate": clip.learning_rate,
+                                       "count_stddev": clip.stddev(args.batch_size)}
         if choice is not None:
             record["choice"] = choice.to_metadata()
         print(json.dumps(record, sort_keys=True))
@@ -144,10 +205,12 @@ def run(args) -> int:
         f"overflow probability   : {result.overflow_probability:.3g}",
         f"total delta            : {result.total_delta:.6g} (delta + (1+e^eps)*overflow)",
     ]
+    if clip is not None:
+        lines += _clip_lines(clip, result, args.batch_size)
     if choice is not None:
-        lines = auto_text + [""] + lines
+        lines = auto_text + [""] + lines + _clip_note(clip)
     elif mixing is not None and mixing.steps == result.steps:
-        lines += cli_predict.prediction_lines(mixing, args)
+        lines += cli_predict.prediction_lines(mixing, args) + _clip_note(clip)
     elif mixing is not None:
         lines.append(f"predicted vs DP-SGD   : for a C of the run's T steps (this file's C has {mixing.steps})")
     elif result.bands > 1:
@@ -155,3 +218,24 @@ def run(args) -> int:
                      "budget (or give a solved C with --mixing FILE)")
     print("\n".join(lines))
     return 0
+
+
+def _clip_lines(clip, result, batch_size: int) -> list:
+    """The report's lines on the adaptive clip: its count noise multiplier and settings."""
+    stddev = clip.stddev(batch_size)
+    source = "B/20" if clip.count_stddev is None else "--count-stddev"
+    return [
+        f"count noise multiplier : {result.count_noise_multiplier:.6g} (count stddev {stddev:g} examples ({source}), "
+        "sensitivity 1/2; included in sigma)",
+        f"adaptive clip          : AdaptiveClip(target_quantile={clip.target_quantile:g}, "
+        f"learning_rate={clip.learning_rate:g}{'' if clip.count_stddev is None else f', count_stddev={stddev:g}'}), "
+        "as PrivateRun(adaptive_clip=...) takes it",
+    ]
+
+
+def _clip_note(clip) -> list:
+    """With an adaptive clip, a line saying that the comparison with DP-SGD (``choose_mixing``,
+    ``predicted_gain``) was calibrated without the count queries."""
+    if clip is None:
+        return []
+    return ["(the comparison with DP-SGD is calibrated without the count queries; sigma above includes them)"]

@@ -128,12 +128,16 @@ def dp_event(*, noise_multiplier: float, spec: Optional[RunSpec] = None, **run) 
       k participations ``steps_per_epoch`` apart computed from C.
 
     s is the largest column norm of the mixing (1 without one). Neighbouring relation:
-    add-or-remove-one example.
+    add-or-remove-one example. With an adaptive clip's count queries
+    (``count_noise_multiplier=`` σ_c) each Gaussian is that of the pair (gradient, count):
+    noise multiplier ``(s²/σ² + 1/σ_c²)^(−1/2)`` per participation (cyclic Poisson),
+    ``(Δ_k²/σ² + k/σ_c²)^(−1/2)`` for fixed epochs.
 
     Args:
       noise_multiplier: σ > 0, noise standard deviation divided by the clip norm.
       spec: the :class:`RunSpec`, or instead its keyword arguments (``num_examples=``,
-        ``batch_size=``, ``steps=``/``epochs=``, ``bands=``, ``sampling=``, ``mixing=``).
+        ``batch_size=``, ``steps=``/``epochs=``, ``bands=``, ``sampling=``, ``mixing=``,
+        ``count_noise_multiplier=``).
     """
     sigma = check_float("noise_multiplier", noise_multiplier, positive=True)
     spec = as_spec(spec, run, caller="dp_event")
@@ -155,7 +159,10 @@ def compute_epsilon(*, noise_multiplier: float, delta: float, accountant: str = 
         ``"rdp"`` — ``dp_accounting.rdp.RdpAccountant`` with ``RDP_ORDERS`` (looser,
         milliseconds).
       spec: the :class:`RunSpec`, or instead its keyword arguments (``num_examples=``,
-        ``batch_size=``, ``steps=``/``epochs=``, ``bands=``, ``sampling=``, ``mixing=``).
+        ``batch_size=``, ``steps=``/``epochs=``, ``bands=``, ``sampling=``, ``mixing=``,
+        ``count_noise_multiplier=``: σ_c of an adaptive clip's count queries,
+        ``AdaptiveClip.count_noise_multiplier(B)``, composed with the gradient at every
+        participation).
 
     The batches of the sampler are padded to a fixed size and truncated in the
     (tiny-probability) event of overflow; the run is then (ε, δ + overflow_delta)-DP,

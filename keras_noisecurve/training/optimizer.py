@@ -473,11 +473,11 @@ class NoiseCurveOptimizer(_impl.OptimizerBackend, keras.optimizers.Optimizer):
             raise ValueError(
                 "this optimizer has an adaptive clip: apply_clipped_sum needs the step's per-example norms "
                 "(norms=, and sample_weight= with the padding rows at weight 0) for its count query.")
-        from keras_noisecurve.privacy.adaptive_clip import clip_count
+        from keras_noisecurve.privacy.adaptive_clip import COUNT_STREAM, clip_count
 
         clip = self._clip.value
         below, real = clip_count(norms, sample_weight, clip)
-        return self.adaptive_clip.next_clip(clip, below, real, self._dp_count_normal(),
+        return self.adaptive_clip.next_clip(clip, below, real, self._dp_count_normal(COUNT_STREAM),
                                             int(self.expected_batch_size))
 
     # ------------------------------------------------------------ entry points

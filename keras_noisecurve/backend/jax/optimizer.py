@@ -176,13 +176,11 @@ class OptimizerBackend:
             return self.l2_norm_clip * self.noise_multiplier
         return jnp.asarray(self._clip.value, dtype) * jnp.asarray(self.noise_multiplier, dtype)
 
-    def _dp_count_normal(self):
+    def _dp_count_normal(self, stream):
         """The N(0, 1) draw of step t's count query (an adaptive clip's), float32 scalar:
-        ``normal_from_seed(variable_seed(step_seed(key, t), COUNT_STREAM))``, as on TensorFlow."""
-        from keras_noisecurve.privacy.adaptive_clip import COUNT_STREAM
-
+        ``normal_from_seed(variable_seed(step_seed(key, t), stream))``, as on TensorFlow."""
         words = jax.lax.bitcast_convert_type(self._noise_key.value, jnp.uint32)
-        seed = jax_noise.variable_seed(jax_noise.step_seed(words, self.iterations.value), COUNT_STREAM)
+        seed = jax_noise.variable_seed(jax_noise.step_seed(words, self.iterations.value), stream)
         return jax_noise.normal_from_seed(seed, (1,), jnp.float32)[0]
 
     def _dp_check_adaptive_replicas(self):

@@ -128,12 +128,10 @@ class OptimizerBackend:
             return self.l2_norm_clip * self.noise_multiplier
         return tf.cast(self._clip, dtype) * tf.cast(self.noise_multiplier, dtype)
 
-    def _dp_count_normal(self):
+    def _dp_count_normal(self, stream):
         """The N(0, 1) draw of step t's count query (an adaptive clip's), float32 scalar:
-        ``normal_from_seed(variable_seed(step_seed(key, t), COUNT_STREAM))``, as on JAX."""
-        from keras_noisecurve.privacy.adaptive_clip import COUNT_STREAM
-
-        seed = variable_seed(step_seed(self._noise_key, self.iterations), COUNT_STREAM)
+        ``normal_from_seed(variable_seed(step_seed(key, t), stream))``, as on JAX."""
+        seed = variable_seed(step_seed(self._noise_key, self.iterations), stream)
         return normal_from_seed(seed, [1], tf.float32)[0]
 
     def _dp_check_adaptive_replicas(self):
