@@ -106,7 +106,9 @@ def _resolve(model, run, loss, l2_norm_clip, optimizer):
         raise ValueError("loss is needed for the clipping check: pass loss= (e.g. a keras.losses.Loss) or a model "
                          "compiled with one.")
     if l2_norm_clip is None and optimizer is not None:  # an adaptive clip: its current ζ_t
-        l2_norm_clip = float(np.asarray(keras.ops.convert_to_numpy(optimizer.current_clip())))
+        adaptive = optimizer.adaptive_clip is not None and not optimizer.built
+        clip = optimizer.adaptive_clip.initial if adaptive else optimizer.current_clip()
+        l2_norm_clip = float(np.asarray(keras.ops.convert_to_numpy(clip)))
     if l2_norm_clip is None:
         raise ValueError("l2_norm_clip (zeta) is needed: pass l2_norm_clip= or a model compiled with a "
                          "NoiseCurveOptimizer.")

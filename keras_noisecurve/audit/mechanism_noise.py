@@ -132,6 +132,8 @@ def check_noise(*, optimizer, steps=32, probes=None) -> NoiseCheck:
     for _ in range(steps):
         rate = float(np.asarray(keras.ops.convert_to_numpy(twin.learning_rate)))
         before = np.asarray(keras.ops.convert_to_numpy(variable.value), np.float64)
+        if not twin.built:
+            twin.build([variable])
         clip = float(np.asarray(keras.ops.convert_to_numpy(twin.current_clip())))  # ζ_t, before step t
         twin.apply_clipped_sum([zero], [variable], norms=norms)
         if inner is not None:

@@ -459,9 +459,16 @@ class NoiseCurveOptimizer(_impl.OptimizerBackend, keras.optimizers.Optimizer):
     # ---------------------------------------------------------- the clip norm
     def current_clip(self):
         """ζ_t, the clip norm of the next step: ``l2_norm_clip`` (a float), or an adaptive
-        clip's current value (a float32 scalar of the backend; ζ_0 before ``build``)."""
-        if self._clip is None:
+        clip's current value (a float32 scalar variable of the backend). An adaptive clip's
+        optimizer must be built first (``ValueError``): a step traced before would clip at a
+        constant ζ_0 while its noise follows ζ_t."""
+        if self.adaptive_clip is None:
             return self.l2_norm_clip
+        if self._clip is None:
+            raise ValueError(
+                f"optimizer {self.name!r} has an adaptive clip and is not built yet: its clip norm is a variable that "
+                "build() creates. Call optimizer.build(model.trainable_variables) before reading current_clip() or "
+                "tracing a step with it (a step traced with a constant clip would not follow the clip's updates).")
         return self._clip.value
 
     def _dp_clip_update(self, norms, sample_weight):

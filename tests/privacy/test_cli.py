@@ -77,3 +77,60 @@ def test_calibrate_takes_bands_from_mixing_file(tmp_path, capsys):
     assert main(args + ["--bands", "2"]) == 2
     assert "does not match the mixing matrix" in capsys.readouterr().err
     assert main(args[:-1] + [str(tmp_path / "missing.npz")]) == 2
+
+
+# --adaptive-clip: sigma is calibrated with the count queries of keras_noisecurve.AdaptiveClip
+ADAPTIVE_RUN = ["--delta", "1e-5", "--num-examples", "5000", "--batch-size", "50", "--steps", "200", "--bands", "4",
+                "--accountant", "rdp"]
+
+
+@pytest.mark.parametrize("options, stddev", [([], 2.5), (["--count-stddev", "4", "--target-quantile", "0.7"], 4.0)])
+def test_calibrate_adaptive_clip_includes_the_count_queries(options, stddev, capsys):
+    import math
+
+    import keras_noisecurve as knc
+
+    assert main(["calibrate", "--epsilon", "3", *ADAPTIVE_RUN, "--adaptive-clip", *options, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    counts = 2.0 * stddev  # sensitivity 1/2: the noise multiplier is 2*s_b; default s_b = B/20 = 2.5
+    assert out["count_noise_multiplier"] == pytest.approx(counts)
+    assert out["count_noise_multiplier"] == knc.AdaptiveClip(count_stddev=stddev).count_noise_multiplier(50)
+    assert out["adaptive_clip"]["count_stddev"] == stddev
+    plan = dict(epsilon=3.0, delta=1e-5, num_examples=5000, batch_size=50, steps=200, bands=4, accountant="rdp")
+    assert out["noise_multiplier"] == knc.calibrate_noise_multiplier(**plan, count_noise_multiplier=counts)
+    assert out["noise_multiplier"] > knc.calibrate_noise_multiplier(**plan) * 1.005  # the counts cost noise
+    # re-checked independently: 50 Poisson-sampled Gaussians of the pair (gradient, count)
+    pair = 1.0 / math.sqrt(1.0 / out["noise_multiplier"] ** 2 + 1.0 / counts**2)
+    event = dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(0.04, dp_accounting.GaussianDpEvent(pair)), 50)
+    eps = rdp.RdpAccountant().compose(event).get_epsilon(1e-5)
+    assert eps == pytest.approx(out["epsilon"], rel=1e-9) and abs(eps - 3.0) / 3.0 < 1e-3
+
+
+def test_calibrate_adaptive_clip_text_and_fixed_epochs(capsys):
+    import keras_noisecurve as knc
+
+    argv = ["calibrate", "--epsilon", "8", "--delta", "1e-5", "--num-examples", "1000", "--batch-size", "100",
+            "--epochs", "4", "--sampling", "fixed_epochs", "--accountant", "rdp"]
+    assert main([*argv, "--adaptive-clip", "--clip-learning-rate", "0.1"]) == 0
+    text = capsys.readouterr().out
+    sigma = knc.calibrate_noise_multiplier(epsilon=8, delta=1e-5, num_examples=1000, batch_size=100, epochs=4,
+                                           sampling="fixed_epochs", accountant="rdp", count_noise_multiplier=10.0)
+    assert f"noise multiplier sigma : {sigma:.6f}" in text
+    assert "count noise multiplier : 10 (count stddev 5 examples (B/20)" in text
+    assert "AdaptiveClip(target_quantile=0.5, learning_rate=0.1)" in text
+    assert main(argv) == 0
+    assert "count noise multiplier" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--count-stddev", "3"], "--count-stddev is for --adaptive-clip"),
+    (["--target-quantile", "0.7", "--clip-learning-rate", "0.1"],
+     "--target-quantile and --clip-learning-rate are for --adaptive-clip"),
+    (["--adaptive-clip", "--target-quantile", "1.5"], "--target-quantile must lie strictly between 0 and 1"),
+    (["--adaptive-clip", "--clip-learning-rate", "-1"], "--clip-learning-rate must be >= 0"),
+    (["--adaptive-clip", "--count-stddev", "0"], "--count-stddev must be > 0"),
+])
+def test_calibrate_refuses_clip_options_that_do_not_fit(options, message, capsys):
+    assert main(["calibrate", "--epsilon", "3", *ADAPTIVE_RUN, *options]) == 2
+    assert message in capsys.readouterr().err

@@ -48,7 +48,8 @@ def _trainable(model):
 
 
 def _validate(l2_norm_clip, microbatch_size):
-    l2_norm_clip = check_float("l2_norm_clip", l2_norm_clip, positive=True)
+    if not tf.is_tensor(l2_norm_clip):  # a tensor: an adaptive clip's ζ_t
+        l2_norm_clip = check_float("l2_norm_clip", l2_norm_clip, positive=True)
     if microbatch_size is not None:
         microbatch_size = check_int("microbatch_size", microbatch_size, minimum=1)
     return l2_norm_clip, microbatch_size
