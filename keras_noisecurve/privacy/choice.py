@@ -307,7 +307,8 @@ class _Chooser:
     def sigma(self, mixing) -> float:
         """σ of the run with ``mixing`` at the target (ε, δ)."""
         spec = RunSpec(mixing=mixing, num_examples=self.spec.num_examples, batch_size=self.spec.batch_size,
-                       steps=self.spec.steps, sampling=self.spec.sampling)
+                       steps=self.spec.steps, sampling=self.spec.sampling,
+                       count_noise_multiplier=self.spec.count_noise_multiplier)
         return sigma_for(spec, epsilon=self.plan["epsilon"], delta=self.plan["delta"],
                          accountant=self.plan["accountant"])
 
@@ -412,7 +413,7 @@ def choose_mixing(*, num_examples: int, batch_size: int, epsilon: float, delta: 
                   epochs: Optional[int] = None, sampling: str = "cyclic_poisson", accountant: str = "pld",
                   update_rule=None, max_bands: Optional[int] = None, objective: str = RUNNING_SUMS, spectrum=None,
                   learning_rate: Optional[float] = None, tolerance: float = TOLERANCE,
-                  verbose: bool = False) -> MixingChoice:
+                  verbose: bool = False, count_noise_multiplier: Optional[float] = None) -> MixingChoice:
     """The mechanism (DP-SGD, banded C with b bands, or under fixed epochs BLT/BISR) whose
     run at the target (ε, δ) has the least expected noise in the model's updates.
 
@@ -432,6 +433,9 @@ def choose_mixing(*, num_examples: int, batch_size: int, epsilon: float, delta: 
         eq. 1, and the curvature-solved C become candidates too.
       tolerance: prefer fewer bands within this relative error of the best (default 1 %).
       verbose: one line per candidate on stderr, as it is scored.
+      count_noise_multiplier: an adaptive clip's count queries
+        (``AdaptiveClip.count_noise_multiplier(B)``), accounted in every candidate's σ;
+        ``None``: a fixed clip. ``PrivateRun(mixing="auto", adaptive_clip=...)`` passes it.
 
     Returns:
       A :class:`MixingChoice`: the chosen C, its σ, and every candidate's σ, error relative
@@ -446,11 +450,14 @@ def choose_mixing(*, num_examples: int, batch_size: int, epsilon: float, delta: 
     """
     from keras_noisecurve.mixing.rule_workloads import resolve_update_rule
     started = time.perf_counter()
-    spec = RunSpec(num_examples=num_examples, batch_size=batch_size, steps=steps, epochs=epochs, sampling=sampling)
+    spec = RunSpec(num_examples=num_examples, batch_size=batch_size, steps=steps, epochs=epochs, sampling=sampling,
+                   count_noise_multiplier=count_noise_multiplier)
     plan = {"num_examples": spec.num_examples, "batch_size": spec.batch_size, "steps": spec.steps,
             "sampling": spec.sampling, "epsilon": check_float("epsilon", epsilon, positive=True),
             "delta": check_float("delta", delta, open_unit=True),
             "accountant": check_choice("accountant", accountant, ACCOUNTANTS)}
+    if spec.count_noise_multiplier is not None:  # in the plan only when there are counts (older choices compare)
+        plan["count_noise_multiplier"] = spec.count_noise_multiplier
     objective = check_choice("objective", objective, (RUNNING_SUMS,) + tuple(CURVATURE_OBJECTIVES))
     rule = resolve_update_rule(update_rule, spec.steps)
     tolerance = check_float("tolerance", tolerance, nonnegative=True)

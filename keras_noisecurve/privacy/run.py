@@ -176,12 +176,13 @@ class PrivateRun:
                 "give exactly one of noise_multiplier (sigma) and epsilon (a target, sigma is then "
                 f"calibrated); got noise_multiplier={noise_multiplier!r}, epsilon={epsilon!r}."
             )
-        mixing, self._choice = _choose(mixing, update_rule=update_rule, plan={
-            "num_examples": num_examples, "batch_size": batch_size, "steps": steps, "epochs": epochs,
-            "sampling": sampling, "epsilon": epsilon, "delta": delta, "accountant": accountant})
-        loaded = _resolve_mixing(mixing)
         self._adaptive_clip = _check_adaptive_clip(adaptive_clip)
         counts = None if self._adaptive_clip is None else self._adaptive_clip.count_noise_multiplier(batch_size)
+        mixing, self._choice = _choose(mixing, update_rule=update_rule, plan={
+            "num_examples": num_examples, "batch_size": batch_size, "steps": steps, "epochs": epochs,
+            "sampling": sampling, "epsilon": epsilon, "delta": delta, "accountant": accountant,
+            **({} if counts is None else {"count_noise_multiplier": counts})})
+        loaded = _resolve_mixing(mixing)
         self._spec = RunSpec(num_examples=num_examples, batch_size=batch_size, steps=steps, epochs=epochs,
                              sampling=sampling, mixing=loaded, count_noise_multiplier=counts)
         if loaded is None:  # C = I: DP-SGD, same facts as no mixing (b = 1, s = 1)

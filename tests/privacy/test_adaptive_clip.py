@@ -352,3 +352,24 @@ def test_run_spec_validates_count_noise_multiplier():
     with pytest.raises(TypeError, match="count_noise_multiplier must be a real number"):
         RunSpec(num_examples=N, batch_size=BATCH, steps=STEPS, count_noise_multiplier="5")
     assert RunSpec(num_examples=N, batch_size=BATCH, steps=STEPS).count_noise_multiplier is None
+
+
+def test_choose_mixing_scores_every_candidate_with_the_counts_and_a_run_passes_them():
+    """Each candidate's σ includes the count queries (it equals that C's run calibrated with
+    them), and PrivateRun(mixing="auto", adaptive_clip=...) chooses with them; a choice made
+    with counts is refused by a run without them."""
+    plan = dict(num_examples=1000, batch_size=100, steps=20, epsilon=4.0, delta=1e-6)
+    counts = knc.AdaptiveClip(count_stddev=2.0).count_noise_multiplier(100)
+    with_counts = knc.choose_mixing(max_bands=2, count_noise_multiplier=counts, **plan)
+    without = knc.choose_mixing(max_bands=2, **plan)
+    for a, b in zip(with_counts.candidates, without.candidates):
+        assert a.label == b.label and a.noise_multiplier > b.noise_multiplier
+    dpsgd = with_counts.candidates[0]
+    assert dpsgd.noise_multiplier == pytest.approx(knc.calibrate_noise_multiplier(
+        num_examples=1000, batch_size=100, steps=20, epsilon=4.0, delta=1e-6, count_noise_multiplier=counts),
+        rel=1e-9)
+    run = knc.PrivateRun(mixing="auto", adaptive_clip=knc.AdaptiveClip(count_stddev=2.0),
+                         **plan)
+    assert run.mixing_choice.plan["count_noise_multiplier"] == counts
+    with pytest.raises(ValueError, match="count_noise_multiplier=4.0 there, None here"):
+        knc.PrivateRun(mixing=with_counts, **plan)
