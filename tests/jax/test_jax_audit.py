@@ -195,3 +195,31 @@ def test_blackbox_audit_stays_below_the_claim_on_jax():
 
     result = audit_blackbox(strategy="banded", epsilon=4.0, seed=0)
     assert result.verdict == "consistent" and set(result.bounds) == {"loss/one-run"}
+
+
+class _FrozenClipNoise(knc.NoiseCurveOptimizer):
+    """An adaptive clip whose noise stays at ζ_0·σ while ζ_t moves."""
+
+    def _dp_noise_std(self, dtype):
+        return self.l2_norm_clip * self.noise_multiplier
+
+
+def _adaptive_private(factory=knc.NoiseCurveOptimizer):
+    x, y = _data()
+    steps = 30
+    run = knc.PrivateRun(num_examples=len(y), batch_size=8, steps=steps, epsilon=4.0, delta=1e-5, seed=1,
+                         mixing=knc.solve_mixing_matrix(steps=steps, bands=3, objective="bandmf"),
+                         adaptive_clip=knc.AdaptiveClip(initial=0.2, learning_rate=0.5, count_stddev=5.0))
+    private = knc.make_private(_model())
+    private.compile(optimizer=factory(run=run, learning_rate=0.1, seed=2), loss=LOSS)
+    return private, x, y
+
+
+def test_an_adaptive_clip_passes_every_check_and_noise_frozen_at_the_first_clip_is_caught_on_jax():
+    private, x, y = _adaptive_private()
+    report = check_mechanism(model=private, x=x, y=y, batches=1, batch_size=8, noise_steps=24)
+    assert report.passed, report.lines()
+    assert abs(report.checks["noise"].scale - 1) < 0.03
+    private, x, y = _adaptive_private(_FrozenClipNoise)
+    frozen = check_mechanism(model=private, x=x, y=y, checks=("noise",), noise_steps=24).checks["noise"]
+    assert not frozen.passed and abs(frozen.scale - 1) > 0.1, frozen.line
