@@ -11,6 +11,9 @@ update, Alg. 1), made sound under correlated noise (docs/privacy.md, "Adaptive c
 - The count query of step t: ``b̃_t = (Σ_i (1[‖g_i‖ ≤ ζ_t] − ½) + N(0, s_b²)) / B + ½`` over
   the examples of the batch (each moves the sum by ½ when added or removed: sensitivity ½,
   noise multiplier ``2·s_b``). Then ``ζ_{t+1} = ζ_t·exp(−η·(b̃_t − γ))``.
+- ζ stays within public bounds, ``[10⁻⁶·ζ_0, 10⁶·ζ_0]`` (post-processing): without a floor
+  a run whose gradients are mostly exactly 0 would drive ζ to 0 and every factor ζ/max(‖g‖, ζ)
+  to 0/0.
 - Accounting: an example's count enters at the steps where its gradient does, so each
   participation is one Gaussian mechanism of the pair, with noise multiplier
   ``(s²/σ² + 1/σ_c²)^(−1/2)`` (σ_c = 2·s_b; s the column norm of C): the run's event is the
@@ -27,8 +30,12 @@ import math
 from typing import Optional
 
 from keras_noisecurve._validation import check_float
+from keras_noisecurve.backend.clip import clip_count, unit_weights  # noqa: F401 (re-exported)
 
-__all__ = ["AdaptiveClip", "COUNT_STREAM"]
+__all__ = ["AdaptiveClip", "CLIP_RANGE", "COUNT_STREAM", "clip_count", "unit_weights"]
+
+#: ζ_t stays within ``[ζ_0 / CLIP_RANGE, ζ_0·CLIP_RANGE]`` (public bounds).
+CLIP_RANGE = 1e6
 
 #: The noise index of the count query: its N(0, 1) draw of step t is the Philox stream
 #: ``variable_seed(step_seed(noise_key, t), COUNT_STREAM)``, an index no model variable has.
@@ -88,7 +95,8 @@ class AdaptiveClip:
         f32 = "float32"
         below, real, normal, clip = (ops.cast(v, f32) for v in (below, real, normal, clip))
         estimate = (below - 0.5 * real + self.stddev(batch_size) * normal) / float(batch_size) + 0.5
-        return clip * ops.exp(-self.learning_rate * (estimate - self.target_quantile))
+        updated = clip * ops.exp(-self.learning_rate * (estimate - self.target_quantile))
+        return ops.clip(updated, self.initial / CLIP_RANGE, self.initial * CLIP_RANGE)
 
     # ------------------------------------------------------------------ config
     def get_config(self) -> dict:
@@ -136,18 +144,3 @@ def combined_noise_multiplier(noise_multiplier: float, sensitivity: float,
         return noise_multiplier / sensitivity
     return 1.0 / math.sqrt((sensitivity / noise_multiplier) ** 2 + 1.0 / count_noise_multiplier ** 2)
 
-
-def clip_count(norms, sample_weight, clip):
-    """``(below, real)``, float32 scalars of the backend: the batch's examples with norm ≤ ζ_t,
-    and the batch's examples (rows of weight > 0: the sampler's padding rows are not
-    examples). ``norms`` (P,) per-example norms; ``sample_weight`` (P,) or ``None`` (every
-    row an example); ``clip`` ζ_t. An example whose norm is not finite counts as clipped."""
-    from keras import ops
-
-    norms = ops.cast(ops.reshape(norms, (-1,)), "float32")
-    if sample_weight is None:
-        real = ops.ones_like(norms)
-    else:
-        real = ops.cast(ops.reshape(ops.convert_to_tensor(sample_weight), (-1,)) > 0, "float32")
-    below = ops.cast(ops.less_equal(norms, ops.cast(clip, "float32")), "float32") * real
-    return ops.sum(below), ops.sum(real)

@@ -109,13 +109,16 @@ class PrivacyBudget(keras.callbacks.Callback):
             raise ValueError(
                 f"the model's optimizer ({type(optimizer).__name__}) adds no noise: there is no epsilon to report. "
                 "Train with keras_noisecurve.make_private(model) and a NoiseCurveOptimizer.")
-        mine = (self.run.mixing.digest(), float(self.run.noise_multiplier), int(self.run.batch_size))
-        theirs = (optimizer.mixing.digest(), float(optimizer.noise_multiplier), int(optimizer.expected_batch_size))
+        mine = (self.run.mixing.digest(), float(self.run.noise_multiplier), int(self.run.batch_size),
+                self.run.adaptive_clip)
+        theirs = (optimizer.mixing.digest(), float(optimizer.noise_multiplier), int(optimizer.expected_batch_size),
+                  getattr(optimizer, "adaptive_clip", None))
         if mine != theirs:
             raise ValueError(
                 f"PrivacyBudget's run ({self.run!r}) does not describe the model's optimizer: its mixing matrix, "
-                f"noise_multiplier={optimizer.noise_multiplier} or expected_batch_size="
-                f"{optimizer.expected_batch_size} differ, so the epsilon reported would not be the one spent.")
+                f"noise_multiplier={optimizer.noise_multiplier}, expected_batch_size="
+                f"{optimizer.expected_batch_size} or adaptive clip ({getattr(optimizer, 'adaptive_clip', None)!r}: "
+                "its count queries are part of epsilon) differ, so the epsilon reported would not be the one spent.")
 
     # ------------------------------------------------------------- accounting
     def epsilon_at(self, steps_done: int) -> float:

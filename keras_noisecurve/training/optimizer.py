@@ -45,6 +45,7 @@ from keras_noisecurve import backend as _backend
 from keras_noisecurve.mixing.strategies import load_mixing
 from keras_noisecurve.privacy import plan_state
 from keras_noisecurve.privacy.secrets import fixed_seed_warning, warn_keys_written
+from keras_noisecurve.training.clip_norm import ClipNorm
 from keras_noisecurve.training.noise import StreamNoise, key_from_seed
 from keras_noisecurve.training.optimizer_args import (
     IGNORED_DEFAULTS,
@@ -99,7 +100,7 @@ class _Overlay:
 
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)
-class NoiseCurveOptimizer(_impl.OptimizerBackend, keras.optimizers.Optimizer):
+class NoiseCurveOptimizer(ClipNorm, _impl.OptimizerBackend, keras.optimizers.Optimizer):
     """Private SGD with the noise z̃_t = (C⁻¹Z)_t of a mixing strategy C (C = I: DP-SGD).
 
     ``ĝ_t = (Σ_i clip(g_i, ζ) + ζ·σ·z̃_t) / B`` (docs/design.md#update-rule; paper
@@ -416,11 +417,7 @@ class NoiseCurveOptimizer(_impl.OptimizerBackend, keras.optimizers.Optimizer):
             shape=(len(plan_state.FIELDS),), dtype="int32",
             initializer=lambda shape, dtype=None: keras.ops.convert_to_tensor(self._dp_expected_plan(), "int32"),
             name="plan")
-        if self.adaptive_clip is not None:  # ζ_t, saved and restored with the step
-            self._dp_check_adaptive_replicas()
-            self._clip = self.add_variable(
-                shape=(), dtype="float32", name="l2_norm_clip",
-                initializer=lambda shape, dtype=None: keras.ops.convert_to_tensor(self.adaptive_clip.initial, "float32"))
+        self._dp_build_clip()  # an adaptive clip's ζ_t, saved and restored with the step
         if self.run is not None:
             # The run's secret sampling key, saved and restored with the optimizer (and,
             # under MultiWorkerMirroredStrategy, initialised from the chief's value).
@@ -456,39 +453,8 @@ class NoiseCurveOptimizer(_impl.OptimizerBackend, keras.optimizers.Optimizer):
             )
         self._dp_check_inner_steps(inner)
 
-    # ---------------------------------------------------------- the clip norm
-    def current_clip(self):
-        """ζ_t, the clip norm of the next step: ``l2_norm_clip`` (a float), or an adaptive
-        clip's current value (a float32 scalar variable of the backend). An adaptive clip's
-        optimizer must be built first (``ValueError``): a step traced before would clip at a
-        constant ζ_0 while its noise follows ζ_t."""
-        if self.adaptive_clip is None:
-            return self.l2_norm_clip
-        if self._clip is None:
-            raise ValueError(
-                f"optimizer {self.name!r} has an adaptive clip and is not built yet: its clip norm is a variable that "
-                "build() creates. Call optimizer.build(model.trainable_variables) before reading current_clip() or "
-                "tracing a step with it (a step traced with a constant clip would not follow the clip's updates).")
-        return self._clip.value
-
-    def _dp_clip_update(self, norms, sample_weight):
-        """ζ_{t+1} of an adaptive clip from this step's norms (its count query, drawn at step
-        t = ``iterations``), or ``None`` for a fixed clip; assigned after the step's update."""
-        if self.adaptive_clip is None:
-            return None
-        if norms is None:
-            raise ValueError(
-                "this optimizer has an adaptive clip: apply_clipped_sum needs the step's per-example norms "
-                "(norms=, and sample_weight= with the padding rows at weight 0) for its count query.")
-        from keras_noisecurve.privacy.adaptive_clip import COUNT_STREAM, clip_count
-
-        clip = self._clip.value
-        below, real = clip_count(norms, sample_weight, clip)
-        return self.adaptive_clip.next_clip(clip, below, real, self._dp_count_normal(COUNT_STREAM),
-                                            int(self.expected_batch_size))
-
     # ------------------------------------------------------------ entry points
-    def apply_clipped_sum(self, grads, trainable_variables=None, *, norms=None, sample_weight=None):
+    def apply_clipped_sum(self, grads, trainable_variables=None, *, norms=None, sample_weight=None, keep_clip=None):
         """Apply one noisy step from a CLIPPED SUM of per-example gradients.
 
         Args:
@@ -502,33 +468,35 @@ class NoiseCurveOptimizer(_impl.OptimizerBackend, keras.optimizers.Optimizer):
             was clipped with, for the step's count query; ignored otherwise.
           sample_weight: the rows' weights (P,); rows of weight 0 (the sampler's padding)
             are not examples and are left out of the count. ``None``: every row is one.
+          keep_clip: a boolean scalar; where true an adaptive clip keeps ζ (the private
+            models pass it for a step refused whatever its data: out of step, past the plan).
 
         Every variable gets ``ĝ_t = (sum + ζ·σ·z̃_t)/B``: ``w ← w − η·ĝ_t`` without an
         inner optimizer, else the inner optimizer's ``update_step(ĝ_t, w, η_t)``.
         """
         self._private_apply = True
-        self._dp_counted = (norms, sample_weight)
+        self._dp_counted = (norms, sample_weight, keep_clip)
         try:
             return self.apply(grads, trainable_variables)
         finally:
             self._private_apply = False
-            self._dp_counted = (None, None)
+            self._dp_counted = (None, None, None)
 
     def stateless_apply_clipped_sum(self, optimizer_variables, grads, trainable_variables, *, norms=None,
-                                    sample_weight=None):
+                                    sample_weight=None, keep_clip=None):
         """:meth:`apply_clipped_sum` as a pure function, for a functional train step (the
         JAX backend's): ``optimizer_variables`` and ``trainable_variables`` are the current
         values (aligned with ``self.variables`` and the variables this optimizer was built
         on), ``grads`` the clipped sums. Returns ``(trainable_variables,
         optimizer_variables)``, the values after the step (Keras's ``stateless_apply``).
-        ``norms``/``sample_weight``: as :meth:`apply_clipped_sum`'s."""
+        ``norms``/``sample_weight``/``keep_clip``: as :meth:`apply_clipped_sum`'s."""
         self._private_apply = True
-        self._dp_counted = (norms, sample_weight)
+        self._dp_counted = (norms, sample_weight, keep_clip)
         try:
             return self.stateless_apply(optimizer_variables, grads, trainable_variables)
         finally:
             self._private_apply = False
-            self._dp_counted = (None, None)
+            self._dp_counted = (None, None, None)
 
     def apply(self, grads, trainable_variables=None):
         if not self._private_apply:
@@ -541,7 +509,7 @@ class NoiseCurveOptimizer(_impl.OptimizerBackend, keras.optimizers.Optimizer):
             )
         if not self.built and trainable_variables is not None:  # ζ_t below reads the clip's variable
             self.build(trainable_variables)
-        next_clip = self._dp_clip_update(*getattr(self, "_dp_counted", (None, None)))  # before the step counts
+        next_clip = self._dp_clip_update(*getattr(self, "_dp_counted", (None, None, None)))  # before the step counts
         inner = self.inner
         result = super().apply(grads, trainable_variables)
         if inner is not None and len(grads) > 0:

@@ -373,3 +373,25 @@ def test_choose_mixing_scores_every_candidate_with_the_counts_and_a_run_passes_t
     assert run.mixing_choice.plan["count_noise_multiplier"] == counts
     with pytest.raises(ValueError, match="count_noise_multiplier=4.0 there, None here"):
         knc.PrivateRun(mixing=with_counts, **plan)
+
+
+def test_unit_weights_marks_rows_with_some_positive_weight_and_leaves_padding_out():
+    from keras_noisecurve.privacy.adaptive_clip import clip_count, unit_weights
+
+    positions = np.array([[1.0, 0.0], [0.0, 0.0], [0.5, 0.5], [0.0, 0.0]], "float32")  # rows 1, 3: padding
+    rows = np.array([1.0, 1.0, 0.0, 1.0], "float32")  # row 2: weight 0
+    np.testing.assert_array_equal(np.asarray(unit_weights(None, positions)), [1, 0, 1, 0])
+    np.testing.assert_array_equal(np.asarray(unit_weights(rows, None)), [1, 1, 0, 1])
+    np.testing.assert_array_equal(np.asarray(unit_weights(rows, positions)), [1, 0, 0, 0])
+    assert unit_weights(None, None) is None
+    below, real = clip_count(np.zeros(4, "float32"), unit_weights(None, positions), 1.0)
+    assert (float(below), float(real)) == (2.0, 2.0)  # zero-norm padding rows would have added +1/2 each
+
+
+def test_the_clip_stays_within_its_public_bounds():
+    from keras_noisecurve.privacy.adaptive_clip import CLIP_RANGE
+
+    clip = knc.AdaptiveClip(initial=0.5, learning_rate=50.0)
+    low = float(clip.next_clip(0.5, 250.0, 250.0, 0.0, 250))  # everything unclipped: shrink a lot
+    high = float(clip.next_clip(0.5, 0.0, 250.0, 0.0, 250))  # everything clipped: grow a lot
+    assert low == pytest.approx(0.5 / CLIP_RANGE, rel=1e-6) and high == pytest.approx(0.5 * CLIP_RANGE, rel=1e-6)

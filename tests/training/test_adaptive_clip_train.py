@@ -417,3 +417,43 @@ def test_resume_from_a_keras_file_restores_zeta(tmp_path):
             ring.assign(saved)
     _resume_fit(fresh, 2)
     assert fresh.optimizer.current_clip().numpy() != want_clip
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_step_refused_whatever_its_data_leaves_zeta_as_it_was():
+    """Under XLA a step past the plan is refused as a tensor (its sum zeroed); its batch must
+    not move ζ through the count either: ζ after it is the same whatever that batch holds."""
+    from keras_noisecurve.mixing.matrix import MixingMatrix
+
+    batch = 8
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(3 * batch, 3)).astype("float32")
+    y = (x[:, 0] > 0).astype("int32")
+    finals = []
+    for scale in (1e-3, 1e3):  # the refused third batch: all unclipped, or all clipped
+        third = x.copy()
+        third[2 * batch:] *= scale
+        optimizer = NoiseCurveOptimizer(learning_rate=1e-9, noise_multiplier=1.0, expected_batch_size=batch,
+                                        mixing=MixingMatrix.identity(2), seed=1,
+                                        l2_norm_clip=knc.AdaptiveClip(initial=0.5, learning_rate=1.0, count_stddev=0.5))
+        private = make_private(keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, kernel_initializer="ones")]))
+        private.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                        jit_compile=True)
+        with pytest.raises(RuntimeError, match="past the mixing matrix's plan"):
+            private.fit(third, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+        assert int(optimizer.iterations.numpy()) == 3
+        finals.append(float(optimizer.current_clip().numpy()))
+    assert finals[0] == finals[1] and finals[0] != 0.5
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_privacy_budget_refuses_a_run_without_the_optimizers_adaptive_clip():
+    run = knc.PrivateRun(num_examples=200, batch_size=20, steps=10, noise_multiplier=1.0, delta=1e-5, seed=0)
+    optimizer = NoiseCurveOptimizer(learning_rate=0.1, l2_norm_clip=knc.AdaptiveClip(count_stddev=0.25),
+                                    noise_multiplier=1.0, expected_batch_size=20, mixing=run.mixing, seed=1)
+    private = make_private(keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)]))
+    private.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x = np.ones((20, 3), "float32")
+    with pytest.raises(ValueError, match="its count queries are part of epsilon"):
+        private.fit(x, np.zeros(20, "int32"), batch_size=20, epochs=1, verbose=0,
+                    callbacks=[knc.callbacks.PrivacyBudget(run=run, verbose=0)])

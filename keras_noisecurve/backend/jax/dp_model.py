@@ -43,6 +43,7 @@ import numpy as np
 from keras_noisecurve import _compat
 from keras_noisecurve._losses import float32_outputs, split_sample_weight, weigh_positions
 from keras_noisecurve.backend import messages
+from keras_noisecurve.backend.clip import unit_weights
 from keras_noisecurve.backend.run_batch import split_step as _split_step
 from keras_noisecurve.backend.jax import features
 from keras_noisecurve.backend.jax.clipping import clipped_sum
@@ -278,9 +279,7 @@ class TrainStepBackend:
             raise ValueError(self._dp_not_the_plan(optimizer.run) + " Got a batch without the run's step index.")
         position = [id(v) for v in optimizer.variables].index(id(optimizer.iterations))
         iteration = optimizer_values[position]
-        clip = optimizer.l2_norm_clip  # ζ_t: the fixed clip, or the adaptive clip's value before this step
-        if optimizer.adaptive_clip is not None:
-            clip = optimizer_values[[id(v) for v in optimizer.variables].index(id(optimizer._clip))]
+        clip = optimizer.clip_value(optimizer_values)  # ζ_t: fixed, or the adaptive clip's before this step
         weights, loss_fn, y_loss, positions = self._dp_weights(x, y, sample_weight)
         if class_weight is not None:  # fit(class_weight=...): w_i·cw[y_i], before clipping
             weights = weights * features.class_weights(class_weight, y)
@@ -305,8 +304,11 @@ class TrainStepBackend:
         if optimizer.noise.steps is not None:
             ok = ok & (iteration < optimizer.noise.steps)
         sums = [jnp.where(ok, s, jnp.zeros_like(s)) for s in sums]
-        trainable, optimizer_values = optimizer.stateless_apply_clipped_sum(optimizer_values, sums, trainable,
-                                                                            norms=norms, sample_weight=weights)
+        # a step refused whatever its data (out of step, past the plan) leaves an adaptive clip as it was
+        keep_clip = jnp.logical_not(ok | (why == features.ALL_DROPPED))
+        trainable, optimizer_values = optimizer.stateless_apply_clipped_sum(
+            optimizer_values, sums, trainable, norms=norms, sample_weight=unit_weights(weights, positions),
+            keep_clip=keep_clip)
 
         # padding rows (weight 0) and dropped examples count in no metric: weight 0 for the
         # loss and the weighted metrics, 0/1 row weight for the unweighted ones (static shapes)

@@ -17,6 +17,7 @@ import tensorflow as tf
 from keras_noisecurve import _compat
 from keras_noisecurve._losses import float32_outputs, split_sample_weight, weigh_positions
 from keras_noisecurve.backend import messages
+from keras_noisecurve.backend.clip import unit_weights
 from keras_noisecurve.backend.run_batch import split_step as _split_step
 from keras_noisecurve.backend.tensorflow import features
 from keras_noisecurve.backend.tensorflow.clipping import add_regularization, get_engine
@@ -301,7 +302,8 @@ class TrainStepBackend:
         with tf.control_dependencies([c for c in checks if c is not None]):  # no update before the check
             grads = self._refuse(clipped.grads, step, iteration, optimizer, dropped, real)
             optimizer.apply_clipped_sum(grads, self.trainable_variables, norms=clipped.norms,
-                                        sample_weight=sample_weight)
+                                        sample_weight=unit_weights(sample_weight, positions),
+                                        keep_clip=_refused_whatever_the_data(step, iteration, optimizer))
         epoch_dropped = features.record(self._dp_nonfinite, dropped, iteration)
 
         losses = tf.cast(clipped.per_example_loss, tf.float32)
@@ -371,6 +373,20 @@ class TrainStepBackend:
         refused = tf.stack([state[0] + 1, reasons, batch_step, iteration])
         state.assign(tf.where(ok, tf.identity(state), refused))
         return [tf.where(ok, g, tf.zeros_like(g)) for g in grads]
+
+
+def _refused_whatever_the_data(step, iteration, optimizer):
+    """True when the step is refused for a reason that does not depend on its batch (rows of
+    another step, past the plan): an adaptive clip then keeps ζ (without XLA the assertions
+    stopped such a step already); ``None`` for a fixed clip or nothing to check."""
+    if optimizer.adaptive_clip is None:
+        return None
+    refused = []
+    if step is not None:
+        refused.append(tf.logical_not(tf.reduce_all(tf.equal(tf.cast(step, tf.int64), iteration))))
+    if optimizer.noise.steps is not None:
+        refused.append(iteration >= optimizer.noise.steps)
+    return tf.reduce_any(tf.stack(refused)) if refused else None
 
 
 def _check_xla(model):
