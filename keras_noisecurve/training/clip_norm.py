@@ -50,6 +50,13 @@ class ClipNorm:
             self.current_clip()  # refuses an unbuilt optimizer
         return optimizer_variables[[id(v) for v in self.variables].index(id(self._clip))]
 
+    def _dp_noise_std(self, dtype):
+        """ζ_t·σ, the noise's standard deviation: a Python float for a fixed clip, the clip
+        variable's value times σ in ``dtype`` for an adaptive clip."""
+        if self._clip is None:
+            return self.l2_norm_clip * self.noise_multiplier
+        return keras.ops.cast(self._clip.value, dtype) * keras.ops.cast(self.noise_multiplier, dtype)
+
     def _dp_clip_update(self, norms, sample_weight, keep_clip=None):
         """ζ_{t+1} of an adaptive clip from this step's norms (its count query, drawn at step
         t = ``iterations``), or ``None`` for a fixed clip; assigned after the step's update.

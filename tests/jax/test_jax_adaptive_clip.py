@@ -22,24 +22,13 @@ import numpy as np
 import pytest
 
 import keras_noisecurve as knc
-from keras_noisecurve.privacy.adaptive_clip import COUNT_STREAM
-from keras_noisecurve.training.noise import key_from_seed, standard_normal
+from tests.training.adaptive_reference import (adaptive_dp_sgd, count_normal, dp_sgd_case, linear_model,
+                                               reference_next)
 from tests.training.helpers import CrashAt, noiseless, random_banded_c
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 pytestmark = pytest.mark.filterwarnings("ignore:this optimizer has no PrivateRun")
-
-
-def count_normal(seed, step):
-    """n_t: the N(0, 1) of stream COUNT_STREAM at step t of the noise key of ``seed``."""
-    return float(np.asarray(standard_normal(key_from_seed(seed), step, COUNT_STREAM, (1,)))[0])
-
-
-def reference_next(clip, below, real, normal, B, rule):
-    stddev = B / 20 if rule.count_stddev is None else rule.count_stddev
-    estimate = (below - 0.5 * real + stddev * normal) / B + 0.5
-    return clip * np.exp(-rule.learning_rate * (estimate - rule.target_quantile))
 
 
 class _Clips(keras.callbacks.Callback):
@@ -113,53 +102,28 @@ def test_learning_rate_zero_trains_exactly_like_a_fixed_clip(kind):
 
 
 # ----------------------------------------- a private model: norms known in numpy
-def _linear():
-    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
-    model.set_weights([np.array([[0.5], [-1.0], [0.25]], np.float32), np.array([0.1], np.float32)])
-    return model
-
-
 @pytest.mark.parametrize("clipping", ["auto", "vectorized"])
 def test_fit_equals_adaptive_dp_sgd_written_in_numpy(clipping):
     """The whole algorithm in float64 numpy: per-example gradients w_i·2r·[x, 1] clipped at
     ζ_t, plus ζ_t·σ·z_t (z_t the Philox draw of each variable), over B; ζ_{t+1} from the count
     of norms ≤ ζ_t among the rows of weight > 0, and n_t. The same numbers as the TensorFlow
     test of the same name."""
-    n, batch, eta, sigma, seed = 48, 8, 0.2, 0.7, 21
-    rng = np.random.default_rng(8)
-    x = rng.normal(size=(n, 3)).astype("float32")
-    y = (x @ np.array([[1.0], [-1.0], [2.0]]) + 0.5 * rng.normal(size=(n, 1))).astype("float32")
-    rule = knc.AdaptiveClip(initial=0.5, learning_rate=0.4)
-    model = _linear()
+    case = dp_sgd_case()
+    model = linear_model()
     private = knc.make_private(model, clipping=clipping)
-    private.compile(optimizer=knc.NoiseCurveOptimizer(learning_rate=eta, l2_norm_clip=rule, noise_multiplier=sigma,
-                                                      expected_batch_size=batch, seed=seed), loss="mse")
+    private.compile(optimizer=knc.NoiseCurveOptimizer(learning_rate=case["eta"], l2_norm_clip=case["rule"],
+                                                      noise_multiplier=case["sigma"],
+                                                      expected_batch_size=case["batch"], seed=case["seed"]),
+                    loss="mse")
     clips = _Clips()
-    weights = rng.uniform(0.5, 2.0, n)
-    weights[::5] = 0.0  # padding rows: not examples (no gradient, left out of the count)
-    private.fit(x, y, sample_weight=weights.astype("float32"), batch_size=batch, epochs=1, shuffle=False, verbose=0,
-                callbacks=[clips])
+    private.fit(case["x"], case["y"], sample_weight=case["weights"].astype("float32"), batch_size=case["batch"],
+                epochs=1, shuffle=False, verbose=0, callbacks=[clips])
 
-    kernel, bias = (np.asarray(w, np.float64) for w in _linear().get_weights())
-    zeta, key = 0.5, key_from_seed(seed)
-    for t in range(n // batch):
-        xb, yb = x[t * batch:(t + 1) * batch].astype(np.float64), y[t * batch:(t + 1) * batch].astype(np.float64)
-        r = xb @ kernel[:, 0] + bias[0] - yb[:, 0]
-        wb = weights[t * batch:(t + 1) * batch]
-        grads = wb[:, None] * 2 * r[:, None] * np.concatenate([xb, np.ones((batch, 1))], axis=1)  # (B, 4)
-        norms = np.linalg.norm(grads, axis=1)
-        total = np.sum(grads * np.minimum(1.0, zeta / np.maximum(norms, 1e-300))[:, None], axis=0)
-        z_kernel = np.asarray(standard_normal(key, t, 0, (3, 1)), np.float64)
-        z_bias = np.asarray(standard_normal(key, t, 1, (1,)), np.float64)
-        np.testing.assert_allclose(clips.logged[t], zeta, rtol=1e-5, err_msg=f"step {t}")
-        kernel = kernel - eta * (total[:3, None] + zeta * sigma * z_kernel) / batch
-        bias = bias - eta * (total[3:] + zeta * sigma * z_bias) / batch
-        real = wb > 0
-        below = int(np.sum((norms <= zeta) & real))
-        zeta = reference_next(zeta, below, int(np.sum(real)), count_normal(seed, t), batch, rule)
-    assert abs(np.log(zeta / 0.5)) > 0.1  # ζ moved
-    np.testing.assert_allclose(float(_clip_value(private)), zeta, rtol=1e-5)
-    got_kernel, got_bias = (np.asarray(w) for w in model.get_weights())
+    zetas, kernel, bias = adaptive_dp_sgd(**case)
+    np.testing.assert_allclose(clips.logged, zetas[:-1], rtol=1e-5)
+    assert abs(np.log(zetas[-1] / 0.5)) > 0.1  # ζ moved
+    np.testing.assert_allclose(float(_clip_value(private)), zetas[-1], rtol=1e-5)
+    got_kernel, got_bias = model.get_weights()
     np.testing.assert_allclose(got_kernel, kernel, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(got_bias, bias, rtol=1e-5, atol=1e-6)
 
@@ -171,7 +135,7 @@ def test_fit_logs_zeta_and_it_moves_to_the_median_norm():
     rng = np.random.default_rng(4)
     x = rng.normal(size=(n, 3)).astype("float32")
     y = (x @ np.array([[1.0], [0.5], [-0.5]]) + rng.normal(size=(n, 1))).astype("float32")
-    model = _linear()
+    model = linear_model()
     kernel, bias = (np.asarray(w, np.float64) for w in model.get_weights())
     r = x.astype(np.float64) @ kernel[:, 0] + bias[0] - y[:, 0]
     median = float(np.median(2 * np.abs(r) * np.sqrt(np.sum(x.astype(np.float64) ** 2, axis=1) + 1)))

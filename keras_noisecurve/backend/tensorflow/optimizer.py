@@ -121,13 +121,6 @@ class OptimizerBackend:
             inner.update_step(privatized, variable, learning_rate)
 
 
-    def _dp_noise_std(self, dtype):
-        """ζ_t·σ: a Python float for a fixed clip (as always), ``dtype`` scalars multiplied for
-        an adaptive clip (ζ_t its variable's value)."""
-        if self._clip is None:
-            return self.l2_norm_clip * self.noise_multiplier
-        return tf.cast(self._clip, dtype) * tf.cast(self.noise_multiplier, dtype)
-
     def _dp_count_normal(self, stream):
         """The N(0, 1) draw of step t's count query (an adaptive clip's), float32 scalar:
         ``normal_from_seed(variable_seed(step_seed(key, t), stream))``, as on JAX."""
