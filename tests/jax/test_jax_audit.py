@@ -207,9 +207,9 @@ class _FrozenClipNoise(knc.NoiseCurveOptimizer):
 def _adaptive_private(factory=knc.NoiseCurveOptimizer):
     x, y = _data()
     steps = 30
-    run = knc.PrivateRun(num_examples=len(y), batch_size=8, steps=steps, epsilon=4.0, delta=1e-5, seed=1,
+    run = knc.PrivateRun(num_examples=len(y), batch_size=8, steps=steps, noise_multiplier=1.0, delta=1e-5, seed=1,
                          mixing=knc.solve_mixing_matrix(steps=steps, bands=3, objective="bandmf"),
-                         adaptive_clip=knc.AdaptiveClip(initial=0.2, learning_rate=0.5, count_stddev=5.0))
+                         adaptive_clip=knc.AdaptiveClip(initial=0.2, learning_rate=0.5, count_stddev=0.5))
     private = knc.make_private(_model())
     private.compile(optimizer=factory(run=run, learning_rate=0.1, seed=2), loss=LOSS)
     return private, x, y
