@@ -493,6 +493,13 @@ class PrivateModel(_impl.TrainStepBackend, keras.Model):
     def _dp_not_the_plan(planned):
         return _not_the_plan(planned)
 
+    @staticmethod
+    def _dp_unit_rows(optimizer) -> int:
+        """k, the rows of one privacy unit that the engines clip as one: a user-level run's
+        ``examples_per_user`` (its batches put each user's rows together), else 1."""
+        run = getattr(optimizer, "run", None)
+        return 1 if run is None else int(getattr(run, "examples_per_user", 1))
+
 
 #: how many class-weight tables keep their traced train function (``_dp_use_class_weight``)
 _MAX_TABLES = 8

@@ -44,6 +44,7 @@ from keras_noisecurve import _compat
 from keras_noisecurve._losses import float32_outputs, split_sample_weight, weigh_positions
 from keras_noisecurve.backend import messages
 from keras_noisecurve.backend.clip import unit_weights
+from keras_noisecurve.backend.units import unit_view
 from keras_noisecurve.backend.run_batch import split_step as _split_step
 from keras_noisecurve.backend.jax import features
 from keras_noisecurve.backend.jax.clipping import clipped_sum
@@ -284,9 +285,10 @@ class TrainStepBackend:
         if class_weight is not None:  # fit(class_weight=...): w_i·cw[y_i], before clipping
             weights = weights * features.class_weights(class_weight, y)
         penalty = features.weight_penalty(self, trainable, non_trainable, x)  # add_loss: weights only, else refused
+        unit_rows = self._dp_unit_rows(optimizer)  # user-level: k rows per user, clipped as one
         sums, norms, losses, y_pred, non_trainable = self._dp_clipped_sum()(
             self, loss_fn, trainable, non_trainable, x, y_loss, weights,
-            l2_norm_clip=clip, microbatch_size=self._dp_microbatch_size, training=True,
+            l2_norm_clip=clip, microbatch_size=self._dp_microbatch_size, training=True, unit_rows=unit_rows,
         )
         nonfinite = features.nonfinite_mask(losses, norms)  # dropped by the engine (contributed 0)
         dropped, real = features.count_dropped(nonfinite, weights)
@@ -306,9 +308,9 @@ class TrainStepBackend:
         sums = [jnp.where(ok, s, jnp.zeros_like(s)) for s in sums]
         # a step refused whatever its data (out of step, past the plan) leaves an adaptive clip as it was
         keep_clip = jnp.logical_not(ok | (why == features.ALL_DROPPED))
+        count_norms, count_weights = unit_view(norms, unit_weights(weights, positions), unit_rows)
         trainable, optimizer_values = optimizer.stateless_apply_clipped_sum(
-            optimizer_values, sums, trainable, norms=norms, sample_weight=unit_weights(weights, positions),
-            keep_clip=keep_clip)
+            optimizer_values, sums, trainable, norms=count_norms, sample_weight=count_weights, keep_clip=keep_clip)
 
         # padding rows (weight 0) and dropped examples count in no metric: weight 0 for the
         # loss and the weighted metrics, 0/1 row weight for the unweighted ones (static shapes)

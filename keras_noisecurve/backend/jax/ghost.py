@@ -59,7 +59,7 @@ import keras
 
 from keras_noisecurve import _compat
 from keras_noisecurve._losses import float32_outputs
-from keras_noisecurve.backend import layer_rules, norm_observer
+from keras_noisecurve.backend import layer_rules, norm_observer, units
 from keras_noisecurve.backend.calls import training_kwargs, wrapped_calls
 from keras_noisecurve.backend.clip import clip_factors
 from keras_noisecurve.backend.jax import ghost_rows
@@ -352,7 +352,8 @@ def _fallback(model, layer, owned, calls, grads, trainable, non_trainable, recor
     return [t.astype(_F32) for t in total]
 
 
-def ghost_norms(model, loss_fn, trainable, non_trainable, x, y, weights, *, training=True, strict=True):
+def ghost_norms(model, loss_fn, trainable, non_trainable, x, y, weights, *, training=True, strict=True,
+                unit_rows=1):
     """Per-layer ghost analysis of one batch (see the module docstring).
 
     Args:
@@ -362,6 +363,10 @@ def ghost_norms(model, loss_fn, trainable, non_trainable, x, y, weights, *, trai
       x, y: the batch (P examples); weights: (P,) float32 (sample weight × mask).
       strict: raise ValueError on rows that are not examples and have no caller but the model
         (else return ``None``).
+      unit_rows: k, the rows of one privacy unit (user-level; 1: every row is a unit). With
+        k > 1 ``sq`` and ``c`` are per unit (U = P/k): a layer that :func:`units.merges` gets its
+        rule on rows merged per unit (:func:`units.merge_rows`), any other the fallback's
+        per-row gradients summed per unit.
 
     Returns:
       ``(sq, sums_fn, losses, y_pred, non_trainable)``: ``sq`` (P,) float32 squared norms
@@ -371,6 +376,8 @@ def ghost_norms(model, loss_fn, trainable, non_trainable, x, y, weights, *, trai
       is false and a layer's rows are not the examples, with no caller but the model.
     """
     size = int(weights.shape[0])
+    k = int(unit_rows)
+    count = units.check_rows(size, k)
 
     def forward(perturbations, recorder):
         with _recording(recorder):
@@ -401,7 +408,7 @@ def ghost_norms(model, loss_fn, trainable, non_trainable, x, y, weights, *, trai
     by_layer = {}
     for call, arrays in zip(recorder.calls, recorded):
         by_layer.setdefault(call["layer"], []).append((call, arrays))
-    sq = jnp.zeros((size,), _F32)
+    sq = jnp.zeros((count,), _F32)
     parts = []  # (owned variables, sums_fn)
     values = list(zip(model.trainable_variables, trainable)) + list(zip(model.non_trainable_variables, non_trainable))
     for index, (layer, owned) in enumerate(found):
@@ -416,17 +423,24 @@ def ghost_norms(model, loss_fn, trainable, non_trainable, x, y, weights, *, trai
             # products of (a, g), so they run at full float32 precision (_EXACT)
             with keras.StatelessScope(state_mapping=values), _EXACT:
                 rule = find_rule(layer, ruled)
+                if rule is not None and k > 1:  # per unit: the same rule on merged rows, or the fallback
+                    merged = [{"a": units.merge_rows(c["a"], k), "g": units.merge_rows(c["g"], k), "args": None}
+                              for c in ruled]
+                    again = find_rule(layer, merged) if units.merges(rule[0], layer) else None
+                    rule = again if again is not None and again[0] == rule[0] else None
         observer = norm_observer.observer()
         if rule is not None:
             layer_sq, sums_fn = rule[1]
-            if _keys(owned, sums_fn, size):
+            if _keys(owned, sums_fn, count):
                 sq = sq + layer_sq
                 parts.append((owned, sums_fn))
                 if observer is not None:
                     observer.append((layer, rule[0], list(owned), layer_sq))
                 continue
         per = _fallback(model, layer, owned, calls, grads, trainable, non_trainable, recorder, size)
-        layer_sq = sum(jnp.sum(jnp.reshape(p * p, (size, -1)), axis=1) for p in per)
+        if k > 1:  # a unit's gradient: the sum of its rows'
+            per = [units.unit_sum(p, k) for p in per]
+        layer_sq = sum(jnp.sum(jnp.reshape(p * p, (count, -1)), axis=1) for p in per)
         sq = sq + layer_sq
         if observer is not None:
             observer.append((layer, "caller" if id(layer) in grouped else layer_rules.GENERIC, list(owned), layer_sq))
@@ -464,7 +478,7 @@ def _reset(recorder, perturbations):
 
 
 def ghost_clipped_sum(model, loss_fn, trainable, non_trainable, x, y, weights, *, l2_norm_clip,
-                      microbatch_size=None, training=True, clipping="ghost", vectorized=None):
+                      microbatch_size=None, training=True, clipping="ghost", vectorized=None, unit_rows=1):
     """``Σ_i clip(w_i·∇loss_i, ζ)`` by ghost norms (see the module docstring); the same contract
     as ``keras_noisecurve.backend.jax.clipping.clipped_sum``.
 
@@ -480,7 +494,7 @@ def ghost_clipped_sum(model, loss_fn, trainable, non_trainable, x, y, weights, *
     clip = jnp.asarray(l2_norm_clip, _F32)
     if microbatch_size is not None and microbatch_size < size and clipping == "auto" and vectorized is not None:
         return vectorized(model, loss_fn, trainable, non_trainable, x, y, weights, l2_norm_clip=l2_norm_clip,
-                          microbatch_size=microbatch_size, training=training)
+                          microbatch_size=microbatch_size, training=training, unit_rows=unit_rows)
     if microbatch_size is not None and microbatch_size < size:
         raise ValueError(
             f"microbatch_size={microbatch_size} with the ghost engine on JAX: the ghost engine needs no "
@@ -488,15 +502,17 @@ def ghost_clipped_sum(model, loss_fn, trainable, non_trainable, x, y, weights, *
             "or clipping='vectorized' to bound the memory of per-example gradients."
         )
     result = ghost_norms(model, loss_fn, trainable, non_trainable, x, y, weights, training=training,
-                         strict=clipping != "auto" or vectorized is None)
+                         strict=clipping != "auto" or vectorized is None, unit_rows=unit_rows)
     if result is None:
         return vectorized(model, loss_fn, trainable, non_trainable, x, y, weights, l2_norm_clip=l2_norm_clip,
-                          microbatch_size=microbatch_size, training=training)
+                          microbatch_size=microbatch_size, training=training, unit_rows=unit_rows)
     sq, sums_fn, losses, y_pred, ntv = result
     norms = jnp.sqrt(sq)
-    factor, keep = clip_factors(norms, losses, clip)  # min(1, ζ/‖g_i‖); a non-finite example: 0, dropped
+    k = int(unit_rows)
+    unit_loss = losses if k == 1 else units.unit_losses(losses, k)
+    factor, keep = clip_factors(norms, unit_loss, clip)  # min(1, ζ/‖g_u‖); a non-finite unit: 0, dropped
     sums = jax.lax.cond(jnp.all(keep), sums_fn, lambda f: sums_fn(f, keep), factor)  # masking only if needed
-    return sums, norms, losses, y_pred, ntv
+    return sums, (norms if k == 1 else units.per_row(norms, k)), losses, y_pred, ntv
 
 
 def describe(model, x, *, inside: bool = False) -> list:

@@ -24,6 +24,7 @@ import tensorflow as tf
 from keras_noisecurve import _compat
 from keras_noisecurve._losses import per_example_loss_fn
 from keras_noisecurve._validation import check_choice, check_float, check_int
+from keras_noisecurve.backend import units
 from keras_noisecurve.backend.clip import clip_factors
 from keras_noisecurve.backend.tensorflow import ghost
 from keras_noisecurve.backend.tensorflow.clipped_sum import ClippedSum, chunked_clipped_sum
@@ -55,8 +56,21 @@ def _validate(l2_norm_clip, microbatch_size):
     return l2_norm_clip, microbatch_size
 
 
+def check_unit_rows(weights, unit_rows):
+    """Refuse a batch whose rows are not whole units of ``unit_rows`` (a ``ValueError`` from the static
+    shape, else a run-time assertion)."""
+    if unit_rows == 1:
+        return
+    rows = weights.shape[0]
+    if rows is not None:
+        units.check_rows(int(rows), unit_rows)
+    else:
+        tf.debugging.assert_equal(tf.shape(weights)[0] % unit_rows, 0, message=(
+            f"a user-level batch has examples_per_user={unit_rows} rows per user: its rows must be a multiple"))
+
+
 # ------------------------------------------------------------- vectorized engine
-def _chunk_stats(model, loss_fn, variables, x, y, w, training, l2_norm_clip):
+def _chunk_stats(model, loss_fn, variables, x, y, w, training, l2_norm_clip, unit_rows=1):
     """Per-example grads of a chunk, one example at a time, clipped and summed; an example
     with a non-finite loss or gradient norm is dropped (it contributes 0 and is marked).
 
@@ -64,17 +78,28 @@ def _chunk_stats(model, loss_fn, variables, x, y, w, training, l2_norm_clip):
     1 … P − 1, each a plain ``GradientTape`` on a batch of one (no ``tf.vectorized_map``
     / pfor, whose batched kernels differ from the per-example ones and which crashes
     on some layers). The clipped gradients are accumulated in the loop, so memory is
-    O(parameters) plus the per-example norms, losses and predictions.
+    O(parameters) plus the per-example norms, losses and predictions. With ``unit_rows`` k > 1
+    (user-level) the loop runs over units of k consecutive rows, each one batch of k whose loss is
+    ``Σ_j w_j·loss_j``, clipped as one; norms and drops are per row (a unit's on each of its rows).
     """
+    k = int(unit_rows)
     wide = tf.float64 if any(v.dtype == tf.float64 for v in variables) else tf.float32
     clip = tf.cast(l2_norm_clip, wide)
 
     def single(i):
-        xi, yi = tf.nest.map_structure(lambda t: t[i : i + 1], (x, y))
+        if k == 1:
+            xi, yi = tf.nest.map_structure(lambda t: t[i : i + 1], (x, y))
+        else:
+            xi, yi = tf.nest.map_structure(lambda t: t[i * k : (i + 1) * k], (x, y))
         with tf.GradientTape() as tape:
             pred = model(xi, training=training)
-            loss = loss_fn(yi, pred)[0]
-            weighted = loss * tf.cast(w[i], loss.dtype)
+            if k == 1:
+                loss = loss_fn(yi, pred)[0]
+                weighted = loss * tf.cast(w[i], loss.dtype)
+            else:  # the unit's rows: their losses (k,), the unit's weighted sum
+                losses = tf.reshape(loss_fn(yi, pred), [k])
+                weighted = tf.reduce_sum(losses * tf.cast(w[i * k : (i + 1) * k], losses.dtype))
+                loss = tf.reduce_sum(losses)  # finite iff every row's is
         grads = tape.gradient(weighted, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO)
         # IndexedSlices (embeddings) to dense, with the variable's static shape: TensorFlow's
         # gradient of a kernel with a dimension of 1 (Dense(1) → Dense on sequences, Gemma3n's
@@ -87,9 +112,11 @@ def _chunk_stats(model, loss_fn, variables, x, y, w, training, l2_norm_clip):
         factor, keep = clip_factors(norm, tf.cast(loss, norm.dtype), clip)
         dropped = tf.logical_not(keep)
         clipped = [tf.where(dropped, tf.zeros_like(g), tf.cast(factor, g.dtype) * g) for g in grads]
+        if k > 1:
+            return clipped, norm, losses, pred, dropped
         return clipped, norm, loss, tf.nest.map_structure(lambda t: t[0], pred), dropped
 
-    n = tf.shape(w)[0]
+    n = tf.shape(w)[0] // k
     sums, norm0, loss0, pred0, dropped0 = single(0)
     leaves0 = tf.nest.flatten(pred0)
 
@@ -107,6 +134,10 @@ def _chunk_stats(model, loss_fn, variables, x, y, w, training, l2_norm_clip):
 
     _, sums, (norms, losses, preds, drops) = tf.while_loop(lambda i, *_: i < n, body, (tf.constant(1), sums, arrays))
     preds = tf.nest.pack_sequence_as(pred0, [a.stack() for a in preds])
+    if k > 1:  # (U, k, ...) -> (P, ...); a unit's norm and drop on each of its rows
+        rows = lambda t: tf.reshape(t, tf.concat([[-1], tf.shape(t)[2:]], 0))  # noqa: E731
+        return (sums, units.per_row(norms.stack(), k), rows(losses.stack()), tf.nest.map_structure(rows, preds),
+                units.per_row(drops.stack(), k))
     return sums, norms.stack(), losses.stack(), preds, drops.stack()
 
 
@@ -120,6 +151,7 @@ def vectorized_clipped_sum(
     l2_norm_clip,
     microbatch_size=None,
     training=True,
+    unit_rows=1,
 ) -> ClippedSum:
     """Σ_i clip(w_i·∇loss_i, ζ) by a per-example loop: the reference engine.
 
@@ -140,6 +172,9 @@ def vectorized_clipped_sum(
         runs per chunk; memory is O(parameters) per chunk either way); None: the whole
         batch in one loop.
       training: passed to ``model(..., training=training)``.
+      unit_rows: k, the rows of one privacy unit (a user-level run's examples per user; 1: every
+        row is a unit): units of k consecutive rows are clipped as one
+        (:mod:`keras_noisecurve.backend.units`); a ``microbatch_size`` is rounded down to whole units.
 
     Returns:
       :class:`ClippedSum`; an example whose loss or gradient norm is not finite contributes
@@ -155,13 +190,16 @@ def vectorized_clipped_sum(
     else:
         w = tf.reshape(tf.cast(sample_weight, tf.float32), [-1])
 
+    unit_rows = check_int("unit_rows", unit_rows, minimum=1)
+    check_unit_rows(w, unit_rows)
     if microbatch_size is None:
-        return ClippedSum(*_chunk_stats(model, loss_fn, variables, x, y, w, training, l2_norm_clip))
+        return ClippedSum(*_chunk_stats(model, loss_fn, variables, x, y, w, training, l2_norm_clip, unit_rows))
 
     def step(x_chunk, y_chunk, w_chunk):
-        return ClippedSum(*_chunk_stats(model, loss_fn, variables, x_chunk, y_chunk, w_chunk, training, l2_norm_clip))
+        return ClippedSum(*_chunk_stats(model, loss_fn, variables, x_chunk, y_chunk, w_chunk, training, l2_norm_clip,
+                                        unit_rows))
 
-    return chunked_clipped_sum(step, x, y, w, microbatch_size)
+    return chunked_clipped_sum(step, x, y, w, max(1, microbatch_size // unit_rows) * unit_rows)
 
 
 def add_regularization(model, clipped: ClippedSum, *, expected_batch_size: int, num_replicas: int = 1) -> ClippedSum:

@@ -18,6 +18,7 @@ from keras_noisecurve import _compat
 from keras_noisecurve._losses import float32_outputs, split_sample_weight, weigh_positions
 from keras_noisecurve.backend import messages
 from keras_noisecurve.backend.clip import unit_weights
+from keras_noisecurve.backend.units import unit_view
 from keras_noisecurve.backend.run_batch import split_step as _split_step
 from keras_noisecurve.backend.tensorflow import features
 from keras_noisecurve.backend.tensorflow.clipping import add_regularization, get_engine
@@ -268,6 +269,12 @@ class TrainStepBackend:
         clip = optimizer.current_clip()  # ζ_t (a fixed float, or the adaptive clip's value before this step)
         if optimizer.adaptive_clip is not None:
             clip = tf.identity(clip)
+        unit_rows = self._dp_unit_rows(optimizer)  # user-level: k rows per user, clipped as one
+        if unit_rows > 1 and _num_replicas() > 1:
+            raise ValueError(
+                f"a user-level run (examples_per_user={unit_rows}) trains on one replica on TensorFlow: "
+                f"tf.distribute splits a batch's rows over its {_num_replicas()} replicas, which would split "
+                "users. Train without a distribution strategy, or on the JAX backend.")
         clipped = self._engine()(
             self,
             loss_fn,
@@ -277,6 +284,7 @@ class TrainStepBackend:
             l2_norm_clip=clip * scale,  # Σ clip(S·g_i, S·ζ) = S·Σ clip(g_i, ζ)
             microbatch_size=self._dp_microbatch_size,
             training=True,
+            unit_rows=unit_rows,
         )
         if scale != 1.0:  # undo the loss scale (exact: S is a power of two), in float32
             clipped = clipped._replace(
@@ -301,8 +309,9 @@ class TrainStepBackend:
             self._dp_build_optimizer(optimizer)
         with tf.control_dependencies([c for c in checks if c is not None]):  # no update before the check
             grads = self._refuse(clipped.grads, step, iteration, optimizer, dropped, real)
-            optimizer.apply_clipped_sum(grads, self.trainable_variables, norms=clipped.norms,
-                                        sample_weight=unit_weights(sample_weight, positions),
+            count_norms, count_weights = unit_view(clipped.norms, unit_weights(sample_weight, positions), unit_rows)
+            optimizer.apply_clipped_sum(grads, self.trainable_variables, norms=count_norms,
+                                        sample_weight=count_weights,
                                         keep_clip=_refused_whatever_the_data(step, iteration, optimizer))
         epoch_dropped = features.record(self._dp_nonfinite, dropped, iteration)
 

@@ -59,17 +59,18 @@ import inspect
 import threading
 import weakref
 
+import keras
 import tensorflow as tf
 
 from keras_noisecurve import _compat
 from keras_noisecurve._validation import check_int
-from keras_noisecurve.backend import norm_observer
+from keras_noisecurve.backend import norm_observer, units
 from keras_noisecurve.backend.calls import wrapped_calls
 from keras_noisecurve.backend.clip import clip_factors
 from keras_noisecurve.backend.norm_observer import observe_layer_norms  # noqa: F401 - re-exported
 from keras_noisecurve.backend.tensorflow.clipped_sum import ClippedSum, chunked_clipped_sum
 from keras_noisecurve.backend.tensorflow import ghost_rows
-from keras_noisecurve.backend.tensorflow.ghost_generic import CallerRule, GenericRule, owned_trainable
+from keras_noisecurve.backend.tensorflow.ghost_generic import CallerRule, GenericRule, RNNFallbackRule, owned_trainable
 from keras_noisecurve.backend.tensorflow.ghost_rules import find_rule
 from keras_noisecurve.backend.tensorflow.ghost_reads import callers as callers_of_reads, check_reads
 
@@ -356,7 +357,28 @@ def _differentiable(t) -> bool:
     return isinstance(t, (tf.Tensor, tf.Variable)) and (t.dtype.is_floating or t.dtype.is_complex)
 
 
-def _ghost_step(model, loss_fn, x, y, sample_weight, clip, training, entries):
+def _per_unit(entries, unit_rows):
+    """The plan of a user-level step (``unit_rows`` k > 1): a rule that gives per-unit norms on merged
+    rows (:func:`units.merges`) is kept, and so is every per-layer fallback (its per-example gradients
+    are summed per unit); any other layer is clipped by the fallback, through its own call (with its
+    sublayers' weights where its rule covered them)."""
+    if unit_rows == 1:
+        return entries
+    out = []
+    for layer, rule, variables in entries:
+        if not isinstance(rule, GenericRule) and not units.merges(rule.kind, layer):
+            if rule.covers_sublayers:
+                rule = RNNFallbackRule() if isinstance(layer, keras.layers.RNN) else CallerRule()
+            else:
+                rule = _GENERIC
+        out.append((layer, rule, variables))
+    return out
+
+
+_MERGED = ("a", "g", "ids", "xhat")  # what the rules of units.MERGED_KINDS read of a call
+
+
+def _ghost_step(model, loss_fn, x, y, sample_weight, clip, training, entries, unit_rows=1):
     variables = model.trainable_variables
     layers_and_rules = [(layer, rule) for layer, rule, _ in entries]
     graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
@@ -404,15 +426,18 @@ def _ghost_step(model, loss_fn, x, y, sample_weight, clip, training, entries):
             if gk is not None:
                 _check_rows(layer, gk, per_example_loss, groups=isinstance(rule, CallerRule))
         c = {**c, "g": g if isinstance(rule, GenericRule) else g[0]}
+        if unit_rows > 1 and not isinstance(rule, GenericRule):  # a unit's rows become its positions
+            c = {key: units.merge_rows(v, unit_rows) if key in _MERGED else v for key, v in c.items()}
         by_layer.setdefault(id(layer), (layer, rule, own, []))[3].append(c)
 
     norm_dtype = tf.float64 if dtype == tf.float64 else tf.float32
-    sq = tf.zeros_like(per_example_loss, dtype=norm_dtype)
+    unit_loss = per_example_loss if unit_rows == 1 else units.unit_losses(per_example_loss, unit_rows)
+    sq = tf.zeros_like(unit_loss, dtype=norm_dtype)
     grad_fns = []
     observer = norm_observer.observer()
     for layer, rule, own, layer_calls in by_layer.values():
         if isinstance(rule, GenericRule):
-            layer_sq, grad_fn = rule.analyse(layer, layer_calls, own)
+            layer_sq, grad_fn = rule.analyse(layer, layer_calls, own, unit_rows=unit_rows)
         else:
             layer_sq, grad_fn = rule.analyse(layer, layer_calls)
         sq += tf.cast(layer_sq, norm_dtype)
@@ -425,8 +450,10 @@ def _ghost_step(model, loss_fn, x, y, sample_weight, clip, training, entries):
     # An example whose loss or gradient norm is not finite is dropped: c_i = 0 exactly, and
     # every rule's sum over the batch replaces the rows with c_i = 0 by zeros (tf.where in
     # ghost_forms.keep_rows), so its inf/nan rows of (a, g) reach no other example's sum.
-    factors, keep = clip_factors(norms, tf.cast(per_example_loss, norm_dtype), clip)
+    factors, keep = clip_factors(norms, tf.cast(unit_loss, norm_dtype), clip)
     nonfinite = tf.logical_not(keep)
+    if unit_rows > 1:  # a unit's norm and drop on each of its rows
+        norms, nonfinite = units.per_row(norms, unit_rows), units.per_row(nonfinite, unit_rows)
     factors = tf.stop_gradient(factors)
     # g already carries w_i, so scaling by c_i gives Σ_i c_i·w_i·∇loss_i per variable.
     by_variable = {}
@@ -478,6 +505,7 @@ def ghost_clipped_sum(
     l2_norm_clip,
     microbatch_size=None,
     training=True,
+    unit_rows=1,
 ):
     """Clipped sum of per-example gradients via ghost norms (no per-example gradients).
 
@@ -500,6 +528,10 @@ def ghost_clipped_sum(
             the last chunk may be shorter) to bound peak memory; the result is the
             same (per-example clipping does not depend on the chunking).
         training: passed to the model call (dropout etc.).
+        unit_rows: k, the rows of one privacy unit (a user-level run's examples per user; 1:
+            every row is a unit): ``Σ_u clip(Σ_{i ∈ u} w_i·∇loss_i, ζ)`` over units of k
+            consecutive rows (:mod:`keras_noisecurve.backend.units`); a ``microbatch_size`` is
+            rounded down to whole units.
 
     Returns:
         ``ClippedSum(grads, norms, per_example_loss, y_pred, nonfinite)``: ``grads``
@@ -520,13 +552,19 @@ def ghost_clipped_sum(
         microbatch_size = check_int("microbatch_size", microbatch_size, minimum=1)
     if training is not None and not isinstance(training, bool):
         raise TypeError(f"training must be True, False or None, got {training!r}.")
+    unit_rows = check_int("unit_rows", unit_rows, minimum=1)
+    if unit_rows > 1:
+        rows = tf.nest.flatten(x)[0].shape[0]
+        if rows is not None:
+            units.check_rows(int(rows), unit_rows)
     entries = plan(model, like=x)
     if tf.executing_eagerly():
         _check_reads_once(model, x, training, entries)
+    entries = _per_unit(entries, unit_rows)
 
     def step(x_chunk, y_chunk, w_chunk):
-        return _ghost_step(model, loss_fn, x_chunk, y_chunk, w_chunk, clip, training, entries)
+        return _ghost_step(model, loss_fn, x_chunk, y_chunk, w_chunk, clip, training, entries, unit_rows)
 
     if microbatch_size is None:
         return step(x, y, sample_weight)
-    return chunked_clipped_sum(step, x, y, sample_weight, microbatch_size)
+    return chunked_clipped_sum(step, x, y, sample_weight, max(1, microbatch_size // unit_rows) * unit_rows)

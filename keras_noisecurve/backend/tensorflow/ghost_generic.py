@@ -37,6 +37,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_noisecurve import _compat
+from keras_noisecurve.backend.units import unit_sum
 from keras_noisecurve.backend.tensorflow.ghost_forms import Rule, norm_dtype, per_example_sq, weighted_sum
 
 __all__ = ["CallerRule", "GenericRule", "RNNFallbackRule", "TimeDistributedRule", "outside_outputs", "owned_trainable"]
@@ -121,8 +122,9 @@ class GenericRule(Rule):
         record(out=out, call=(original_call, inputs, args, kwargs))
         return out
 
-    def analyse(self, layer, calls, variables):
-        """Per-example squared norms (P,) and ``grads(scale)`` for ``variables``.
+    def analyse(self, layer, calls, variables, unit_rows=1):
+        """Per-example squared norms (P,) and ``grads(scale)`` for ``variables``; with
+        ``unit_rows`` k > 1, per unit of k consecutive rows (U,): the sum of its rows' gradients.
 
         ``calls``: the recorded calls, each with ``"out"`` (any structure), ``"g"``
         (the list of gradients aligned with ``tf.nest.flatten(out)``, ``None`` where an
@@ -130,6 +132,8 @@ class GenericRule(Rule):
         """
         per_call = [self._per_example(c, variables) for c in calls]
         stacked = [tf.add_n(list(parts)) if len(parts) > 1 else parts[0] for parts in zip(*per_call)]
+        if unit_rows > 1:
+            stacked = [unit_sum(s, unit_rows) for s in stacked]
         dtype = norm_dtype(stacked[0].dtype)
         total = tf.add_n([per_example_sq(tf.cast(s, dtype)) for s in stacked])
 
