@@ -37,7 +37,6 @@ import numpy as np
 import tensorflow as tf
 
 from keras_noisecurve import _compat
-from keras_noisecurve.backend.units import unit_sum
 from keras_noisecurve.backend.tensorflow.ghost_forms import Rule, norm_dtype, per_example_sq, weighted_sum
 
 __all__ = ["CallerRule", "GenericRule", "RNNFallbackRule", "TimeDistributedRule", "outside_outputs", "owned_trainable"]
@@ -84,12 +83,16 @@ def outside_outputs(out):
     return tf.nest.map_structure(leaf, out)
 
 
-def _seed(g, i, p, batch, out_i):
+def _seed(g, i, p, batch, out_i, unit_rows=1):
     """Example i's rows of the output gradient ``g``, shaped as the re-run's output ``out_i``.
 
     ``g`` has one row per example (row i) or k·P rows in example-major order (rows
     i·k … i·k + k − 1, as a reshape of (P, k, ...) to rows lays them out); ``p`` is P
-    (a scalar tensor), ``batch`` its static value or ``None``."""
+    (a scalar tensor), ``batch`` its static value or ``None``. With ``unit_rows`` u > 1, i is a
+    unit of u consecutive examples and ``p`` the number of units."""
+    if unit_rows > 1:
+        m = tf.shape(g)[0] // p  # rows of g per unit: u, or u·k of an output with k rows per example
+        return tf.cast(tf.reshape(g[i * m : (i + 1) * m], tf.shape(out_i)), out_i.dtype)
     if batch is not None and g.shape.rank and g.shape[0] == batch:
         return tf.cast(tf.expand_dims(g[i], 0), out_i.dtype)
     k = tf.shape(g)[0] // p
@@ -130,10 +133,8 @@ class GenericRule(Rule):
         (the list of gradients aligned with ``tf.nest.flatten(out)``, ``None`` where an
         output is not differentiable) and ``"call"``.
         """
-        per_call = [self._per_example(c, variables) for c in calls]
+        per_call = [self._per_example(c, variables, unit_rows) for c in calls]
         stacked = [tf.add_n(list(parts)) if len(parts) > 1 else parts[0] for parts in zip(*per_call)]
-        if unit_rows > 1:
-            stacked = [unit_sum(s, unit_rows) for s in stacked]
         dtype = norm_dtype(stacked[0].dtype)
         total = tf.add_n([per_example_sq(tf.cast(s, dtype)) for s in stacked])
 
@@ -142,8 +143,9 @@ class GenericRule(Rule):
 
         return total, grads
 
-    def _per_example(self, call, variables):
-        """``[G_v]`` with ``G_v`` (P, *v.shape): example i's gradient of each variable."""
+    def _per_example(self, call, variables, unit_rows=1):
+        """``[G_v]`` with ``G_v`` (P, *v.shape): example i's gradient of each variable; with
+        ``unit_rows`` u > 1, (P/u, *v.shape): unit i's (its u rows re-run as one batch of u)."""
         original_call, inputs, args, kwargs = call["call"]
         outs = tf.nest.flatten(call["out"])
         gs = call["g"]
@@ -154,7 +156,8 @@ class GenericRule(Rule):
                                           (inputs, args, kwargs))
         first = tf.nest.flatten(arguments[0])[0]
         batch = first.shape[0]
-        p = tf.shape(first)[0]
+        u = int(unit_rows)
+        p = tf.shape(first)[0] // u
         targets = [_tape_variable(v) for v in variables]
 
         def example(i):
@@ -162,7 +165,11 @@ class GenericRule(Rule):
                 # t[i][None], not t[i:i+1]: the row keeps a static leading 1, so the layer's
                 # shape arithmetic sees Python ints as in its recorded call (T5 under a float64
                 # policy mixes int64 aranges of static sizes with int32 dynamic ones otherwise)
-                return tf.expand_dims(t[i], 0) if _batched(t, batch) else t
+                if not _batched(t, batch):
+                    return t
+                if u > 1:  # the unit's u rows, with a static leading u
+                    return tf.ensure_shape(t[i * u : (i + 1) * u], [u, *t.shape[1:]])
+                return tf.expand_dims(t[i], 0)
 
             x_i, args_i, kwargs_i = tf.nest.map_structure(take, arguments)
             with tf.GradientTape(watch_accessed_variables=False) as tape:
@@ -171,7 +178,7 @@ class GenericRule(Rule):
             return tape.gradient(
                 [out_i[k] for k in keep],
                 targets,
-                output_gradients=[_seed(gs[k], i, p, batch, out_i[k]) for k in keep],
+                output_gradients=[_seed(gs[k], i, p, batch, out_i[k], u) for k in keep],
                 unconnected_gradients=tf.UnconnectedGradients.ZERO,
             )
 
