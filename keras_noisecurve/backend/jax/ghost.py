@@ -314,11 +314,14 @@ def _plan(model, forward, size, strict):
     raise AssertionError("the ghost engine's plan did not settle")  # each pass adds a new caller: unreachable
 
 
-def _fallback(model, layer, owned, calls, grads, trainable, non_trainable, recorder, size):
+def _fallback(model, layer, owned, calls, grads, trainable, non_trainable, recorder, size, unit_rows=1):
     """Per-example gradients (P, *shape) of ``layer``'s own weights (every weight under a caller
     clipped whole), summed over its calls: ``jax.vmap`` over examples of the VJP of the layer's call
     at its recorded arguments, seeded with example i's rows of the gradient at each output (rows
-    i·k … i·k + k − 1 of an output with k·P rows)."""
+    i·k … i·k + k − 1 of an output with k·P rows). With ``unit_rows`` u > 1, per unit (P/u, *shape):
+    the vmap runs over units, each the layer's call on its u rows."""
+    u = int(unit_rows)
+    units_of = size // u
     owned_ids = [id(v) for v in owned]
     index = {id(v): j for j, v in enumerate(model.trainable_variables)}
     mapping_rest = list(zip(model.non_trainable_variables, non_trainable))
@@ -326,14 +329,16 @@ def _fallback(model, layer, owned, calls, grads, trainable, non_trainable, recor
     total = None
     for call, arrays in calls:
         batched = [a.ndim >= 1 and a.shape[0] == size for a in arrays]
-        # example i's rows of each output: P rows, or k·P rows of a caller, example-major
-        seeds = [jnp.reshape(grads[k], (size, grads[k].shape[0] // size) + grads[k].shape[1:]) for k in call["slots"]]
+        # example (unit) i's rows of each output: P rows, or k·P rows of a caller, example-major
+        seeds = [jnp.reshape(grads[k], (units_of, grads[k].shape[0] // units_of) + grads[k].shape[1:])
+                 for k in call["slots"]]
+        rows = [jnp.reshape(a, (units_of, u) + a.shape[1:]) if b and u > 1 else a for a, b in zip(arrays, batched)]
 
         def inner(weights, example_arrays, example_seeds, call=call, arrays=arrays, batched=batched):
             values = list(trainable)
             for vid, w in zip(owned_ids, weights):
                 values[index[vid]] = w
-            full = [e[None] if b else a for e, a, b in zip(example_arrays, arrays, batched)]
+            full = [(e if u > 1 else e[None]) if b else a for e, a, b in zip(example_arrays, arrays, batched)]
             args, kwargs = _rebuild(call, full)
             mapping = list(zip(model.trainable_variables, values)) + mapping_rest
             recorder.bare = index_of_layer  # this layer as recorded (pre-activation), the others plain
@@ -347,7 +352,7 @@ def _fallback(model, layer, owned, calls, grads, trainable, non_trainable, recor
 
         owned_values = [trainable[index[vid]] for vid in owned_ids]
         in_axes = (None, [0 if b else None for b in batched], [0] * len(seeds))
-        per = jax.vmap(jax.grad(inner), in_axes=in_axes)(owned_values, arrays, seeds)
+        per = jax.vmap(jax.grad(inner), in_axes=in_axes)(owned_values, rows, seeds)
         total = per if total is None else [t + p for t, p in zip(total, per)]
     return [t.astype(_F32) for t in total]
 
@@ -437,9 +442,7 @@ def ghost_norms(model, loss_fn, trainable, non_trainable, x, y, weights, *, trai
                 if observer is not None:
                     observer.append((layer, rule[0], list(owned), layer_sq))
                 continue
-        per = _fallback(model, layer, owned, calls, grads, trainable, non_trainable, recorder, size)
-        if k > 1:  # a unit's gradient: the sum of its rows'
-            per = [units.unit_sum(p, k) for p in per]
+        per = _fallback(model, layer, owned, calls, grads, trainable, non_trainable, recorder, size, k)
         layer_sq = sum(jnp.sum(jnp.reshape(p * p, (count, -1)), axis=1) for p in per)
         sq = sq + layer_sq
         if observer is not None:
