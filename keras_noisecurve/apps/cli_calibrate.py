@@ -25,6 +25,11 @@ the run's T steps the predicted gain of that C is printed too
 every participation beside the gradient (``RunSpec(count_noise_multiplier=σ_c)``), and the
 report names σ_c. ``--target-quantile``, ``--clip-learning-rate`` and ``--count-stddev`` set
 the clip (defaults: ``AdaptiveClip``'s) and are refused without ``--adaptive-clip``.
+
+``--privacy-unit user --examples-per-user K`` plans a user-level run
+(``PrivateRun(privacy_unit="user", num_users=n, examples_per_user=K)``): σ is the same as for
+examples, with ``--num-examples`` and ``--batch-size`` counting users (n users, B users per
+step); only the wording changes, and the report prints K.
 """
 
 from __future__ import annotations
@@ -48,9 +53,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--epsilon", type=float, required=True, help="target epsilon (> 0)")
     parser.add_argument("--delta", type=float, required=True,
                         help="accounting delta in (0, 1), much smaller than 1/n (e.g. 1e-5 for n = 1000)")
-    parser.add_argument("--num-examples", type=int, required=True, help="n, size of the private training set")
+    parser.add_argument("--num-examples", type=int, required=True, help="n, size of the private training set (the number of users with --privacy-unit user)")
     parser.add_argument("--batch-size", type=int, required=True,
-                        help="B: expected batch size (cyclic_poisson) or fixed batch size (fixed_epochs)")
+                        help="B: expected batch size (cyclic_poisson) or fixed batch size (fixed_epochs); "
+                             "users per step with --privacy-unit user")
     length = parser.add_mutually_exclusive_group(required=True)
     length.add_argument("--epochs", type=float,
                         help="passes over the data, a positive integer E: T = E*ceil(n/B) steps "
@@ -71,6 +77,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"(default {accounting.DEFAULT_OVERFLOW_PROBABILITY:g}, smaller where the overflow rule "
                              "needs it: (1+e^eps)*p <= delta/10, as PrivateRun)")
     _add_clip_arguments(parser)
+    parser.add_argument("--privacy-unit", choices=("example", "user"), default="example",
+                        help="the privacy unit: 'user' is user-level DP (PrivateRun(privacy_unit='user')): "
+                             "--num-examples and --batch-size then count users (n users, B users per step)")
+    parser.add_argument("--examples-per-user", type=int, default=None,
+                        help="with --privacy-unit user (required there): K, the most examples of one user a step "
+                             "uses (PrivateRun(examples_per_user=K)); it does not change sigma")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
@@ -116,6 +128,21 @@ def _adaptive_clip(args):
         raise ValueError(message) from None
 
 
+def _examples_per_user(args):
+    """K of ``--privacy-unit user`` (``None`` for examples); ``ValueError`` when it is missing,
+    below 1, or given for examples."""
+    if args.privacy_unit == "example":
+        if args.examples_per_user is not None:
+            raise ValueError(f"--examples-per-user is for --privacy-unit user (user-level DP); got --examples-per-user "
+                             f"{args.examples_per_user} with --privacy-unit example: leave it out, or give "
+                             "--privacy-unit user.")
+        return None
+    if args.examples_per_user is None or args.examples_per_user < 1:
+        raise ValueError(f"--privacy-unit user needs --examples-per-user K >= 1 (the most examples of one user a "
+                         f"step uses); got {args.examples_per_user}.")
+    return args.examples_per_user
+
+
 def _resolve_steps(args) -> tuple[int, int | None]:
     """(T, epochs) from --steps / --epochs and the sampling scheme; --epochs E gives
     T = E·ceil(n/B) (``accounting.steps_for_epochs``, as ``PrivateRun(epochs=E)``)."""
@@ -153,6 +180,7 @@ def run(args) -> int:
 
             mixing = load_mixing(args.mixing)  # any strategy file `noisecurve solve` writes
         clip = _adaptive_clip(args)
+        per_user = _examples_per_user(args)
         steps, epochs = _resolve_steps(args)
         counts = None if clip is None else clip.count_noise_multiplier(args.batch_size)
         if auto:
@@ -173,11 +201,12 @@ def run(args) -> int:
               file=sys.stderr)
         return 2
 
+    users = per_user is not None
     if args.delta >= 1.0 / args.num_examples:
         print(f"noisecurve calibrate: warning: --delta {args.delta:g} is not much smaller than 1/n = "
-              f"{1.0 / args.num_examples:.3g} (n = {args.num_examples}): a delta of 1/n or more allows releasing "
-              "an example outright, so this epsilon means little; use a delta much smaller than 1/n.",
-              file=sys.stderr)
+              f"{1.0 / args.num_examples:.3g} (n = {args.num_examples}{' users' if users else ''}): a delta of 1/n or "
+              f"more allows releasing {'a user' if users else 'an example'} outright, so this epsilon means little; "
+              "use a delta much smaller than 1/n.", file=sys.stderr)
     if args.json:
         record = result.to_dict()
         if clip is not None:
@@ -185,6 +214,8 @@ def run(args) -> int:
                                        "count_stddev": clip.stddev(args.batch_size)}
         if choice is not None:
             record["choice"] = choice.to_metadata()
+        if users:
+            record.update(privacy_unit="user", examples_per_user=per_user)
         print(json.dumps(record, sort_keys=True))
         return 0
     q = "n/a (fixed_epochs: no amplification)" if result.sampling_probability is None else f"{result.sampling_probability:.6g}"
@@ -201,10 +232,14 @@ def run(args) -> int:
         f"sensitivity (max col)  : {result.sensitivity:.6g}",
         f"epsilon (re-checked)   : {result.epsilon:.6f} (target {result.target_epsilon:g})",
         f"delta                  : {result.delta:g} (accounting)",
-        f"padded batch size P    : {result.padded_batch_size}",
+        f"padded batch size P    : {result.padded_batch_size}"
+        + (f" users ({result.padded_batch_size * per_user} rows per batch, {per_user} per user)" if users else ""),
         f"overflow probability   : {result.overflow_probability:.3g}",
         f"total delta            : {result.total_delta:.6g} (delta + (1+e^eps)*overflow)",
     ]
+    if users:
+        lines.insert(0, f"privacy unit           : user (n = {args.num_examples} users, B = {args.batch_size} users per "
+                        f"step, at most K = {per_user} examples of a user per step)")
     if clip is not None:
         lines += _clip_lines(clip, result, args.batch_size)
     if choice is not None:

@@ -18,6 +18,10 @@ its sensitivity), the noise multiplier σ — given, or calibrated here from a t
 The run flows one way: the optimizer holds the run, the run holds no optimizer.
 - ``run.fingerprint()``: a hash of the public plan, compared across workers.
 
+``privacy_unit="user"`` makes the unit a user (``num_users``, ``examples_per_user``): the plan
+and ε are those of ``num_examples=num_users``, the sampler draws users and
+``run.dataset(x, y, users=ids)`` expands them into rows (``keras_noisecurve.privacy.users``).
+
 This module imports TensorFlow only inside the methods that build TensorFlow objects.
 """
 
@@ -36,6 +40,7 @@ from keras_noisecurve.privacy.spec import RunSpec
 from keras_noisecurve.privacy.overflow import checked_padding, overflow_delta
 from keras_noisecurve.privacy.sampler import BatchSampler, check_key, key_from_seed
 from keras_noisecurve.privacy.secrets import fixed_seed_warning
+from keras_noisecurve.privacy.users import check_unit
 
 __all__ = ["PrivateRun"]
 
@@ -103,6 +108,14 @@ class PrivateRun:
       num_examples: n, the size of the private training set.
       batch_size: B, the expected (cyclic Poisson) or fixed batch size; the optimizer
         divides the noisy sum by B.
+      privacy_unit: ``"example"`` (default) or ``"user"``: the privacy unit is a user, all
+        of its examples (user-level DP). Then give ``num_users`` (n, the number of users)
+        instead of ``num_examples`` and ``examples_per_user`` (k ≥ 1, the most examples of
+        one user a step uses); ``batch_size`` B and the epochs count users, and ε is the
+        example-level accountant's with n users and B users per step.
+        ``run.dataset(x, y, users=ids)`` then takes the user of every example
+        (:class:`~keras_noisecurve.privacy.users.UserTable`: each step's batch holds k rows
+        per sampled user, whose masks average the user's examples).
       steps: T, the number of optimizer steps. Give ``steps`` or ``epochs``:
         ``epochs`` = k sets T = k·⌈n/B⌉ (one pass is ⌈n/B⌉ steps).
       mixing: the mixing matrix C (a ``MixingMatrix`` or another strategy of
@@ -150,7 +163,7 @@ class PrivateRun:
     def __init__(
         self,
         *,
-        num_examples: int,
+        num_examples: Optional[int] = None,
         batch_size: int,
         steps: Optional[int] = None,
         epochs: Optional[int] = None,
@@ -165,7 +178,12 @@ class PrivateRun:
         seed=None,
         update_rule=None,
         adaptive_clip=None,
+        privacy_unit: str = "example",
+        num_users: Optional[int] = None,
+        examples_per_user: Optional[int] = None,
     ):
+        self._unit, num_examples, self._per_user = check_unit(
+            privacy_unit, num_examples=num_examples, num_users=num_users, examples_per_user=examples_per_user)
         if (steps is None) == (epochs is None):
             raise ValueError(
                 f"give exactly one of steps (the number of optimizer steps T) and epochs (passes over the "
@@ -195,10 +213,12 @@ class PrivateRun:
         if self._delta >= 1.0 / self._spec.num_examples:
             import warnings
 
+            unit = "example" if self._unit == "example" else "user's data"
             warnings.warn(
-                f"delta={self._delta:g} is not below 1/n = {1.0 / self._spec.num_examples:g}: an (epsilon, delta) "
-                "guarantee with delta >= 1/n allows releasing one example in the clear. Use delta much smaller "
-                "than 1/n (e.g. 1e-5 for n up to 10^4, or 1/n^1.1).", UserWarning, stacklevel=2)
+                f"delta={self._delta:g} is not below 1/n = {1.0 / self._spec.num_examples:g}"
+                f"{'' if self._unit == 'example' else ' (n = ' + str(self._spec.num_examples) + ' users)'}: an "
+                f"(epsilon, delta) guarantee with delta >= 1/n allows releasing one {unit} in the clear. Use delta "
+                "much smaller than 1/n (e.g. 1e-5 for n up to 10^4, or 1/n^1.1).", UserWarning, stacklevel=2)
         self._accountant = check_choice("accountant", accountant, ACCOUNTANTS)
         if (noise_multiplier is None) == (epsilon is None):
             raise ValueError(
@@ -255,7 +275,24 @@ class PrivateRun:
     # ------------------------------------------------------------------ plan
     @property
     def num_examples(self) -> int:
+        """n, the number of privacy units: examples, or users when ``privacy_unit='user'``."""
         return self._spec.num_examples
+
+    @property
+    def privacy_unit(self) -> str:
+        """``"example"`` or ``"user"`` (user-level DP: a unit is all of one user's examples)."""
+        return self._unit
+
+    @property
+    def num_users(self) -> Optional[int]:
+        """n, the number of users of a user-level run; ``None`` for an example-level one."""
+        return None if self._unit == "example" else self._spec.num_examples
+
+    @property
+    def examples_per_user(self) -> int:
+        """k, the rows of one user's slot in a batch (the most examples of a user a step uses);
+        1 for an example-level run."""
+        return self._per_user
 
     @property
     def batch_size(self) -> int:
@@ -318,8 +355,13 @@ class PrivateRun:
 
     @property
     def padded_batch_size(self) -> int:
-        """P, the fixed number of rows of every batch (real examples + masked padding)."""
+        """P, the fixed number of units (examples, or users) of every batch, real + masked padding."""
         return self._padded
+
+    @property
+    def padded_rows(self) -> int:
+        """P·k, the rows of one step's batch: k rows per user slot (P for an example-level run)."""
+        return self._padded * self._per_user
 
     @property
     def overflow_probability(self) -> float:
@@ -366,9 +408,11 @@ class PrivateRun:
 
     # --------------------------------------------------------- config / hash
     def get_config(self) -> dict:
-        """The public plan as JSON-able data (never the secret key)."""
-        return {
-            "num_examples": self.num_examples,
+        """The public plan as JSON-able data (never the secret key); a user-level run's holds
+        ``privacy_unit``, ``num_users`` and ``examples_per_user`` instead of ``num_examples``."""
+        units = ({"num_examples": self.num_examples} if self._unit == "example" else
+                 {"privacy_unit": self._unit, "num_users": self.num_examples, "examples_per_user": self._per_user})
+        return units | {
             "batch_size": self.batch_size,
             "steps": self.steps,
             "mixing": self._mixing.to_config(),
@@ -389,7 +433,10 @@ class PrivateRun:
             raise TypeError(f"config must be the dict of PrivateRun.get_config(), got {type(config).__name__}.")
         keys = {"num_examples", "batch_size", "steps", "mixing", "noise_multiplier", "delta", "sampling",
                 "accountant", "max_batch_size", "overflow_probability"}
-        unknown, missing = sorted(set(config) - keys - {"adaptive_clip"}), sorted(keys - set(config))
+        optional = {"adaptive_clip", "privacy_unit"}
+        if config.get("privacy_unit") == "user":
+            keys = keys - {"num_examples"} | {"privacy_unit", "num_users", "examples_per_user"}
+        unknown, missing = sorted(set(config) - keys - optional), sorted(keys - set(config))
         if unknown or missing:
             raise ValueError(
                 f"a PrivateRun config holds exactly the keys get_config() writes ({sorted(keys)}); got "
@@ -420,8 +467,10 @@ class PrivateRun:
         if self._target_epsilon is not None and self._overflow > 0:
             value = self._delta + overflow_delta(epsilon=self._target_epsilon, overflow_probability=self._overflow)
             total = f", total_delta={value:g}" if f"{value:g}" != f"{self._delta:g}" else ""
+        units = (f"num_examples={self.num_examples}" if self._unit == "example" else
+                 f"privacy_unit='user', num_users={self.num_examples}, examples_per_user={self._per_user}")
         return (
-            f"PrivateRun(num_examples={self.num_examples}, batch_size={self.batch_size}, steps={self.steps}, "
+            f"PrivateRun({units}, batch_size={self.batch_size}, steps={self.steps}, "
             f"bands={self.bands}, sampling={self._spec.sampling!r}, noise_multiplier={self._sigma:.6g}{eps}, "
             f"delta={self._delta:g}{total}"
             f"{'' if self._adaptive_clip is None else ', adaptive_clip=' + repr(self._adaptive_clip)})"
@@ -431,6 +480,10 @@ class PrivateRun:
         """The plan, ε and δ in a few lines, and with ``mixing="auto"`` the comparison the
         mechanism was chosen from and the gain predicted over DP-SGD."""
         lines = [repr(self), f"epsilon after the {self.steps} steps: {self.epsilon():.4g} at delta={self._delta:g}"]
+        if self._unit == "user":
+            lines.append(f"privacy unit: the user (n = {self.num_examples} users, B = {self.batch_size} users per "
+                         f"step, at most {self._per_user} examples of a user per step; {self.padded_rows} rows per "
+                         "batch); epsilon is the example-level accountant's with n and B in users")
         if self._choice is not None:
             lines.append(self._choice.summary())
         return "\n".join(lines)
@@ -462,7 +515,7 @@ class PrivateRun:
         return BatchSampler(spec=self._spec, padded_size=self._padded, key=key)
 
     # ------------------------------------------------------------ the batches
-    def dataset(self, x, y=None, *, sample_weight=None, example_fn=None):
+    def dataset(self, x, y=None, *, users=None, sample_weight=None, example_fn=None):
         """The private examples of the run, a :class:`~keras_noisecurve.privacy.run_data.RunData`:
         ``fit(run.dataset(x, y))`` trains on the plan's batches from the optimizer's step
         on; a custom loop iterates ``run.dataset(x, y).batches(optimizer)``.
@@ -473,10 +526,15 @@ class PrivateRun:
             (or dicts/tuples of them), a ``tf.data.Dataset`` of examples, a
             memory-mapped array, a random-access sequence (``__len__``/``__getitem__``,
             e.g. ``tfds.data_source(...)``) or a ``keras.utils.PyDataset``; only the
-            examples of each batch are read. Must hold exactly ``num_examples`` examples.
+            examples of each batch are read. Must hold exactly ``num_examples`` examples
+            (user-level: any number, with ``users``).
+          users: a user-level run only (and required there): a 1-D array of user ids (ints
+            or strings), one per example, with exactly ``num_users`` distinct ids; users are
+            numbered in ``np.unique`` order of their ids
+            (:class:`~keras_noisecurve.privacy.users.UserTable`).
 
         :meth:`RunData.batches` describes the batches ``(x, y, mask, step)``.
         """
         from keras_noisecurve.privacy.run_data import RunData
 
-        return RunData(self, x, y, sample_weight=sample_weight, example_fn=example_fn)
+        return RunData(self, x, y, users=users, sample_weight=sample_weight, example_fn=example_fn)

@@ -22,6 +22,12 @@ gathered in numpy (:meth:`ExampleSource.gather`), whose start is read when it is
 before ``fit``'s first step (after the callbacks' ``on_train_begin``: a restore) and when a
 custom loop iterates it.
 
+A user-level run (``PrivateRun(privacy_unit="user")``) takes the user of every example,
+``run.dataset(x, y, users=ids)``: its sampler draws users, and each step's batch holds k rows
+per user slot (:class:`~keras_noisecurve.privacy.users.UserTable`, applied right after the
+sampler by :class:`~keras_noisecurve.privacy.step_batches.Samplers`). The data's fingerprint,
+which the optimizer's state binds, then includes the users of the examples and k.
+
 This module imports TensorFlow only inside :meth:`RunData.batches` on that backend.
 """
 
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 from keras_noisecurve import backend as _backend
 from keras_noisecurve.privacy.sources import as_source
+from keras_noisecurve.privacy.users import UserTable
 
 __all__ = ["RunData"]
 
@@ -40,15 +47,20 @@ class RunData:
       run: the ``PrivateRun``.
       x, y, sample_weight, example_fn: the private examples, anything
         :func:`keras_noisecurve.privacy.sources.as_source` accepts; exactly
-        ``run.num_examples`` of them (``ValueError`` otherwise).
+        ``run.num_examples`` of them (``ValueError`` otherwise) for an example-level run.
+      users: a user-level run's (required there, refused otherwise): one user id (int or
+        string) per example, ``run.num_users`` distinct ids (``ValueError`` otherwise).
 
     A ``RunData`` is not iterable itself: give it to a private model's ``fit``, or take
     its batches for an optimizer with :meth:`batches`.
     """
 
-    def __init__(self, run, x, y=None, *, sample_weight=None, example_fn=None):
+    def __init__(self, run, x, y=None, *, users=None, sample_weight=None, example_fn=None):
         source = as_source(x, y, sample_weight=sample_weight, example_fn=example_fn)
-        if source.num_examples != run.num_examples:
+        self._users = _user_table(run, users, source)
+        if self._users is not None:
+            source.salt_fingerprint(self._users.digest())
+        elif source.num_examples != run.num_examples:
             raise ValueError(
                 f"the data has {source.num_examples} examples but the run was planned for num_examples="
                 f"{run.num_examples}: the sampling probability and the privacy guarantee assume n examples."
@@ -66,6 +78,11 @@ class RunData:
         """The ``ExampleSource`` the batches gather from."""
         return self._source
 
+    @property
+    def users(self):
+        """The :class:`~keras_noisecurve.privacy.users.UserTable` of a user-level run's data, else ``None``."""
+        return self._users
+
     def batches(self, optimizer=None, *, input_context=None):
         """The batches of the plan as a ``tf.data.Dataset``, from ``optimizer``'s step on.
 
@@ -80,6 +97,9 @@ class RunData:
             input pipeline's per-replica shares of every global batch.
 
         Returns:
+          A user-level run's batches hold ``run.padded_rows`` = P·k rows (k per user slot,
+          user-major; padding by whole slots), and refuse ``input_context`` and more than one
+          replica in sync on TensorFlow.
           On TensorFlow, a dataset of ``(x, y, mask, step)``: x, y with leading dimension P' (the padded
           size P, rounded up to a multiple of the replicas in sync, divided by them when
           sharded by ``input_context``), ``mask`` float32 (P',) (1 = real example, times
@@ -125,10 +145,10 @@ class RunData:
 
             parts, part, multiple = pipeline.input_parts()
             return pipeline.run_batches(StepBatches(run, self._source, agreed(), parts=parts, part=part,
-                                                    multiple=multiple), agreed)
+                                                    multiple=multiple, users=self._users), agreed)
         from keras_noisecurve.privacy.step_batches import Samplers
 
-        batch_of = Samplers(run, self._source.sample_weight).batch
+        batch_of = Samplers(run, self._source.sample_weight, users=self._users).batch
         return _backend.module("pipeline").plan_dataset(run, self._source, batch_of=batch_of, position=position,
                                                         input_context=input_context)
 
@@ -140,6 +160,31 @@ class RunData:
 
     def __repr__(self) -> str:
         return f"RunData({self._run!r}, {self._source!r})"
+
+
+def _user_table(run, users, source):
+    """The ``UserTable`` of a user-level run's ``users`` (``None`` for an example-level run),
+    checked against the run and the examples (``ValueError`` naming the fix)."""
+    if run.privacy_unit == "example":
+        if users is not None:
+            raise ValueError(
+                "users= is for a user-level run, whose privacy unit is the user (PrivateRun(privacy_unit='user', "
+                "num_users=..., examples_per_user=...)); this run's unit is the example: leave users= out, or plan "
+                "a user-level run.")
+        return None
+    if users is None:
+        raise ValueError(
+            f"this run's privacy unit is the user (privacy_unit='user', num_users={run.num_users}): give the user "
+            "of every example, run.dataset(x, y, users=ids), ids a 1-D array of ints or strings, one per example.")
+    table = UserTable(users, examples_per_user=run.examples_per_user)
+    if table.num_examples != source.num_examples:
+        raise ValueError(f"users= holds {table.num_examples} ids but the data has {source.num_examples} examples: "
+                         "give one user id per example.")
+    if table.num_users != run.num_users:
+        raise ValueError(
+            f"users= holds {table.num_users} distinct user ids but the run was planned for num_users={run.num_users}: "
+            "the sampling probability and the privacy guarantee assume n users.")
+    return table
 
 
 def check_optimizer(run, optimizer) -> None:

@@ -157,17 +157,28 @@ class ExampleSource:
         ``FINGERPRINT_FULL`` examples; a larger streamed source hashes n, the example specs,
         the sample weights and ``FINGERPRINT_PROBES`` examples at fixed positions spread
         over [0, n) (any reordering moves some of them with overwhelming probability; one
-        replaced example among many is caught only when it is probed: docs/privacy.md)."""
+        replaced example among many is caught only when it is probed: docs/privacy.md). The
+        source of a user-level run hashes its users too (:meth:`salt_fingerprint`)."""
         cached = getattr(self, "_fingerprint", None)
         if cached is None:
             digest = hashlib.blake2b(digest_size=8)
             digest.update(repr((self.num_examples, self.example_spec)).encode())
             if self.sample_weight is not None:
                 digest.update(np.ascontiguousarray(self.sample_weight).tobytes())
+            salt = getattr(self, "_fingerprint_salt", b"")
+            if salt:  # a user-level run's users (UserTable.digest): other users are other data
+                digest.update(salt)
             self._hash_examples(digest)
             cached = int.from_bytes(digest.digest()[:4], "little") % (2**31 - 1) + 1
             self._fingerprint = cached
         return cached
+
+    def salt_fingerprint(self, salt: bytes) -> None:
+        """Make :meth:`fingerprint` also hash ``salt`` (bytes; empty: nothing): what the examples
+        are besides their values, e.g. the users of a user-level run
+        (:meth:`~keras_noisecurve.privacy.users.UserTable.digest`)."""
+        self._fingerprint_salt = bytes(salt)
+        self._fingerprint = None
 
     def _hash_examples(self, digest) -> None:
         n = self.num_examples

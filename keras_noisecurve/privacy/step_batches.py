@@ -10,6 +10,12 @@ key, gathered from the run's example source in numpy, with leading dimension P (
 (every entry t). Split between several input processes (``parts``), each serves its
 consecutive block of the step's rows, the batch first padded (mask 0) to a multiple of
 the processes and of the devices the batch is split over.
+
+A user-level run (``run.privacy_unit == "user"``) samples users: :class:`Samplers` expands the
+sampler's P user slots into P·k rows right after the draw
+(:meth:`~keras_noisecurve.privacy.users.UserTable.rows`: slot j is rows ``[j·k, (j+1)·k)``),
+and every padding is by whole slots: the rows of a batch, and of each process's block, stay a
+multiple of k.
 """
 
 from __future__ import annotations
@@ -57,19 +63,36 @@ def blank_rows(tree, mask):
     return _blank(tree, keep)
 
 
+def _check_users(run, users):
+    """``users`` (a ``UserTable`` or ``None``) as ``run``'s privacy unit needs it, or ``ValueError``."""
+    if (run.privacy_unit == "user") != (users is not None):
+        raise ValueError(
+            f"a run whose privacy unit is the {run.privacy_unit} takes "
+            f"{'users=UserTable(ids, examples_per_user=k)' if users is None else 'no users='}; got "
+            f"users={users!r}. Take the batches from run.dataset(x, y{', users=ids' if users is None else ''}).")
+    if users is not None and (users.num_users != run.num_users or users.examples_per_user != run.examples_per_user):
+        raise ValueError(f"users={users!r} does not fit the run's num_users={run.num_users}, examples_per_user="
+                         f"{run.examples_per_user}.")
+    return users
+
+
 class Samplers:
     """One :class:`BatchSampler` per key (normally one), shared by a pipeline's threads;
-    warns once when a step's draw was truncated to P examples."""
+    warns once when a step's draw was truncated to P examples. ``users``: a user-level run's
+    :class:`~keras_noisecurve.privacy.users.UserTable` (required there), which expands each
+    step's users into their rows."""
 
-    def __init__(self, run, sample_weight):
+    def __init__(self, run, sample_weight, *, users=None):
         self._run = run
+        self._users = _check_users(run, users)
         self._weight = sample_weight
         self._by_key = {}
         self._lock = threading.Lock()
         self._warned = False
 
     def batch(self, step, key):
-        """``(indices int64 (P,), mask float32 (P,))`` of step ``step`` for ``key``."""
+        """``(indices int64 (P,), mask float32 (P,))`` of step ``step`` for ``key``; a user-level
+        run's: its P·k rows, user-major (``sample_weight`` per example row, before the 1/m_u)."""
         key = np.asarray(key, dtype=np.int64)
         with self._lock:
             sampler = self._by_key.get(key.tobytes())
@@ -77,7 +100,9 @@ class Samplers:
                 sampler = self._run.sampler(key)
                 self._by_key = {key.tobytes(): sampler}  # keep only the newest key
         indices, mask, dropped = sampler.batch(int(step))
-        if self._weight is not None:
+        if self._users is not None:
+            indices, mask = self._users.rows(indices, mask, int(step), key, sample_weight=self._weight)
+        elif self._weight is not None:
             mask = mask * self._weight[indices]
         if dropped and not self._warned:
             self._warned = True
@@ -103,6 +128,9 @@ class StepBatches:
         feeds the whole batch); ``part``: which of them this is, in ``[0, parts)``.
       multiple: the global batch is padded to a multiple of ``multiple`` rows too (the
         devices the batch axis is split over; 1: none).
+      users: a user-level run's :class:`~keras_noisecurve.privacy.users.UserTable` (required
+        there): the batch is then ``run.padded_rows`` = P·k rows, padded to a multiple of
+        lcm(``parts``·k, ``multiple``), so that each part's block is whole user slots.
 
     ``len(batches)`` is ``T − start``; each item is ``(x, y, mask, step)`` numpy arrays
     (``y`` left out of the tuple when the source has no labels: ``(x, None, ...)``) of
@@ -111,7 +139,7 @@ class StepBatches:
     ``[k·rows, (k+1)·rows)`` of it (the padding rows, mask 0, are the last).
     """
 
-    def __init__(self, run, source, position, *, parts=1, part=0, multiple=1):
+    def __init__(self, run, source, position, *, parts=1, part=0, multiple=1, users=None):
         step, key = position
         for name, value in (("parts", parts), ("multiple", multiple)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
@@ -122,10 +150,13 @@ class StepBatches:
         self.source = source
         self.start = int(step)
         self.key = np.asarray(key, dtype=np.int64)
-        self._samplers = Samplers(run, source.sample_weight)
-        unit = math.lcm(int(parts), int(multiple))
-        self.padded_size = -(-run.padded_batch_size // unit) * unit
+        self._samplers = Samplers(run, source.sample_weight, users=users)
+        k = run.examples_per_user  # a user slot's rows (1: example-level)
+        unit = math.lcm(int(parts) * k, int(multiple))
+        self.padded_size = -(-run.padded_rows // unit) * unit
         self.rows = self.padded_size // int(parts)
+        if self.rows % k:  # cannot happen (parts·k divides unit): every block is whole user slots
+            raise ValueError(f"{self.rows} rows per part are not whole users of examples_per_user={k}.")
         self._first = int(part) * self.rows
 
     def at(self, position) -> "StepBatches":

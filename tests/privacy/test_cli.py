@@ -134,3 +134,44 @@ def test_calibrate_adaptive_clip_text_and_fixed_epochs(capsys):
 def test_calibrate_refuses_clip_options_that_do_not_fit(options, message, capsys):
     assert main(["calibrate", "--epsilon", "3", *ADAPTIVE_RUN, *options]) == 2
     assert message in capsys.readouterr().err
+
+
+# --privacy-unit user: the same sigma, n and B counted in users, K printed
+USER_RUN = ["calibrate", "--epsilon", "2", "--delta", "1e-5", "--num-examples", "1000", "--batch-size", "50",
+            "--steps", "100", "--accountant", "rdp"]
+
+
+def test_calibrate_user_level_changes_only_the_wording(capsys):
+    import keras_noisecurve as knc
+
+    assert main([*USER_RUN, "--json"]) == 0
+    examples = json.loads(capsys.readouterr().out)
+    assert "privacy_unit" not in examples and "examples_per_user" not in examples
+    assert main([*USER_RUN, "--privacy-unit", "user", "--examples-per-user", "8", "--json"]) == 0
+    users = json.loads(capsys.readouterr().out)
+    assert users.pop("privacy_unit") == "user" and users.pop("examples_per_user") == 8
+    assert users == examples  # sigma, epsilon, P: the example-level numbers with n users
+    run = knc.PrivateRun(privacy_unit="user", num_users=1000, examples_per_user=8, batch_size=50, steps=100,
+                         epsilon=2.0, delta=1e-5, accountant="rdp")
+    assert users["noise_multiplier"] == run.noise_multiplier
+    assert main([*USER_RUN, "--privacy-unit", "user", "--examples-per-user", "8"]) == 0
+    text = capsys.readouterr().out
+    assert "privacy unit           : user (n = 1000 users, B = 50 users per step, at most K = 8 examples" in text
+    assert f"padded batch size P    : {users['padded_batch_size']} users ({users['padded_batch_size'] * 8} rows" in text
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--privacy-unit", "user"], "--privacy-unit user needs --examples-per-user K >= 1"),
+    (["--privacy-unit", "user", "--examples-per-user", "0"], "needs --examples-per-user K >= 1 (the most examples"),
+    (["--examples-per-user", "4"], "--examples-per-user is for --privacy-unit user"),
+])
+def test_calibrate_refuses_user_options_that_do_not_fit(options, message, capsys):
+    assert main([*USER_RUN, *options]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_calibrate_user_level_delta_warning_speaks_of_users(capsys):
+    argv = ["calibrate", "--epsilon", "2", "--delta", "0.01", "--num-examples", "100", "--batch-size", "10",
+            "--steps", "10", "--accountant", "rdp", "--privacy-unit", "user", "--examples-per-user", "2"]
+    assert main(argv) == 0
+    assert "(n = 100 users): a delta of 1/n or more allows releasing a user outright" in capsys.readouterr().err

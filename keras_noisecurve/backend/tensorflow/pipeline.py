@@ -37,7 +37,15 @@ def plan_dataset(run, source, *, batch_of, position, input_context=None):
     """``RunData.batches(...)``; see :meth:`RunData.batches` for the elements. ``source``:
     the run's ``ExampleSource``; ``batch_of(step, key)``: the step's ``(indices, mask)``
     (int64 (≤ P,), float32 (≤ P,)), the run's samplers; ``position()``: ``(step, key)`` where
-    iteration starts."""
+    iteration starts. A user-level run's batches are its ``run.padded_rows`` = P·k rows
+    (k per user slot); it refuses ``input_context`` and more than one replica in sync."""
+    if run.privacy_unit == "user" and (input_context is not None or replicas_in_sync() > 1):
+        raise ValueError(
+            f"a user-level run (privacy_unit='user') trains on one replica: its batches are whole user slots of "
+            f"{run.examples_per_user} rows, not split between replicas or input pipelines; got "
+            + (f"an input_context ({int(input_context.num_replicas_in_sync)} replicas in sync)"
+               if input_context is not None else f"a tf.distribute strategy with {replicas_in_sync()} replicas in sync")
+            + ". Train outside the strategy (or on the JAX backend, which splits by whole users).")
     if input_context is None:
         replicas, pipelines, pipeline_id = replicas_in_sync(), 1, 0
     else:
@@ -45,7 +53,7 @@ def plan_dataset(run, source, *, batch_of, position, input_context=None):
         pipelines, pipeline_id = int(input_context.num_input_pipelines), int(input_context.input_pipeline_id)
         if replicas % pipelines:
             raise ValueError(f"{replicas} replicas cannot be split evenly over {pipelines} input pipelines.")
-    padded = -(-run.padded_batch_size // replicas) * replicas  # extra rows are masked padding
+    padded = -(-run.padded_rows // replicas) * replicas  # extra rows are masked padding
     per_replica = padded // replicas
     local = replicas // pipelines if input_context is not None else 1  # elements per step
     rows = per_replica * local if input_context is not None else padded
