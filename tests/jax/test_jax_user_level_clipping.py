@@ -88,3 +88,11 @@ def test_a_batch_of_partial_units_is_refused():
         _run("vectorized", model, x[:7], y[:7], np.ones(7, np.float32), 1.0, K)
     with pytest.raises(ValueError, match="multiple of 3"):
         _run("ghost", model, x[:7], y[:7], np.ones(7, np.float32), 1.0, K)
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_one_fit_step_of_a_user_level_run_matches_the_per_user_reference(adaptive):
+    from tests.training.user_reference import one_fit_step_matches_reference
+
+    norms = one_fit_step_matches_reference(_grad_of, adaptive=adaptive)
+    assert (norms > 0.05).any()  # some users clipped

@@ -91,3 +91,54 @@ def check(got_sums, got_norms, ref_sums, ref_norms, rtol=2e-5):
     flat = np.concatenate([np.asarray(g, np.float64).ravel() for g in got_sums])
     ref = np.concatenate([r.ravel() for r in ref_sums])
     assert np.linalg.norm(flat - ref) <= rtol * 10 * np.linalg.norm(ref) + 1e-7
+
+
+def one_fit_step_matches_reference(grad_of_model, adaptive=False):
+    """One ``fit`` step of a user-level run (σ ≈ 0) moves the weights by exactly
+    ``−η·Σ_u clip(G_u, ζ)/B`` of the reference on the step's own batch (the pipeline's rows and
+    masks, the engine's per-user clip, the optimizer's division by B users)."""
+    import warnings
+
+    import keras_noisecurve as knc
+
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(120, 6)).astype("float32")
+    y = rng.normal(size=(120, 3)).astype("float32")
+    users = rng.integers(0, 20, size=120)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fixed seeds, δ ≥ 1/n: a test
+        run = knc.PrivateRun(privacy_unit="user", num_users=20, examples_per_user=4, batch_size=5, steps=3,
+                             noise_multiplier=1e-7, delta=1e-2, seed=0, sampling="fixed_epochs",
+                             adaptive_clip=knc.AdaptiveClip(initial=0.05, count_stddev=1e-9) if adaptive else None)
+        model, _, _ = build("dense")
+        private = knc.make_private(model)
+        optimizer = knc.NoiseCurveOptimizer(run=run, learning_rate=0.1, seed=1,
+                                            l2_norm_clip=None if adaptive else 0.05)
+        private.compile(optimizer=optimizer, loss=mse)
+        data = run.dataset(x, y, users=users)
+        private.build((None, 6))
+        optimizer.build(private.trainable_variables)
+        xb, yb, mask, _ = next(iter(data.batches(optimizer)))
+        xb, yb, mask = (np.asarray(t) for t in (xb, yb, mask))
+        assert len(mask) == run.padded_rows and len(mask) % 4 == 0
+        before = [np.asarray(keras.ops.convert_to_numpy(v.value), np.float64) for v in model.trainable_variables]
+        sums, norms = reference_units(grad_of_model(model), xb, yb, mask, 0.05, 4)
+        private.fit(data, epochs=1, steps_per_epoch=1, verbose=0)
+    after = [np.asarray(keras.ops.convert_to_numpy(v.value), np.float64) for v in model.trainable_variables]
+    for b, a, s in zip(before, after, sums):
+        np.testing.assert_allclose(a, b - 0.1 * s / 5, atol=2e-6)
+    return norms
+
+
+def reference_units(grad_of, x, y, w, clip, k):
+    """``reference`` for units of ``k`` rows."""
+    sums = None
+    norms = []
+    for u in range(len(w) // k):
+        rows = slice(u * k, (u + 1) * k)
+        grads = [np.asarray(g, np.float64) for g in grad_of(x[rows], y[rows], w[rows])]
+        norm = np.sqrt(sum(np.sum(g ** 2) for g in grads))
+        norms.append(norm)
+        factor = min(1.0, clip / norm) if norm > 0 else 1.0
+        sums = [factor * g for g in grads] if sums is None else [s + factor * g for s, g in zip(sums, grads)]
+    return sums, np.array(norms)
