@@ -210,11 +210,12 @@ class BatchSampler:
 
 
 def truncation_warning(*, truncated: int, steps: int, padded_size: int, dropped: int,
-                       overflow_probability: float) -> str:
-    """The message of the warning issued when a draw exceeded the padded size."""
+                       overflow_probability: float, unit: str = "example") -> str:
+    """The message of the warning issued when a draw exceeded the padded size (``unit``: what the
+    sampler draws, ``"example"`` or ``"user"``)."""
     return (
         f"cyclic Poisson sampler: {truncated} of {steps} steps drew more than the padded size {padded_size} "
-        f"and were truncated ({dropped} examples dropped). Truncation is accounted for only through "
+        f"and were truncated ({dropped} {unit}s dropped). Truncation is accounted for only through "
         f"the overflow bound {overflow_probability:.3g}: the run's total delta is delta + "
         "keras_noisecurve.privacy.overflow_delta(epsilon=..., overflow_probability="
         f"{overflow_probability:.3g}). Increase max_batch_size or lower overflow_probability."

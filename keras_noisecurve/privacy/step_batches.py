@@ -109,7 +109,8 @@ class Samplers:
             warnings.warn(
                 truncation_warning(truncated=sampler.truncated_steps, steps=int(step) + 1,
                                    padded_size=sampler.padded_size, dropped=sampler.dropped_examples,
-                                   overflow_probability=self._run.overflow_probability),
+                                   overflow_probability=self._run.overflow_probability,
+                                   unit=getattr(self._run, "privacy_unit", "example")),
                 RuntimeWarning,
             )
         return indices, mask.astype(np.float32)

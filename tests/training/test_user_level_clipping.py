@@ -76,3 +76,20 @@ def test_one_fit_step_of_a_user_level_run_matches_the_per_user_reference(adaptiv
 
     norms = one_fit_step_matches_reference(_grad_of, adaptive=adaptive)
     assert (norms > 0.05).any()  # some users clipped
+
+
+def test_tf_privacy_query_refuses_a_user_level_run():
+    import warnings
+
+    import keras_noisecurve as knc
+
+    try:
+        from keras_noisecurve.integrations.tf_privacy import BandedMatrixFactorizationQuery
+    except ImportError:
+        pytest.skip("needs tensorflow-privacy: the tf-privacy extra (Python <= 3.11)")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        run = knc.PrivateRun(privacy_unit="user", num_users=100, examples_per_user=4, batch_size=10, steps=5,
+                             noise_multiplier=1.0, delta=1e-5, seed=0)
+    with pytest.raises(ValueError, match="privacy unit is the user"):
+        BandedMatrixFactorizationQuery.from_run(run, l2_norm_clip=1.0, template=[(3,)], seed=0)

@@ -151,6 +151,12 @@ class BandedMatrixFactorizationQuery(_dp_query.SumAggregationDPQuery):
                 f"the run has an adaptive clip ({run.adaptive_clip!r}); this query clips at a fixed l2_norm_clip and "
                 "has no count query, so its epsilon would not be the run's. Train it with NoiseCurveOptimizer(run=run) "
                 "and a private model (keras_noisecurve.make_private), or give the run no adaptive_clip.")
+        if getattr(run, "privacy_unit", "example") != "example":
+            raise ValueError(
+                f"the run's privacy unit is the {run.privacy_unit} (examples_per_user={run.examples_per_user}); this "
+                "query clips each record TF Privacy's optimizers give it, one example or microbatch, so its epsilon "
+                "would be per example, not per user. Train a user-level run with NoiseCurveOptimizer(run=run) and a "
+                "private model (keras_noisecurve.make_private), which clip each user's rows as one.")
         query = cls(l2_norm_clip, run.noise_multiplier, run.mixing, template, seed=seed)
         query._run_spec = run.spec
         return query
