@@ -96,3 +96,10 @@ def test_one_fit_step_of_a_user_level_run_matches_the_per_user_reference(adaptiv
 
     norms = one_fit_step_matches_reference(_grad_of, adaptive=adaptive)
     assert (norms > 0.05).any()  # some users clipped
+
+
+def test_a_user_level_run_resumes_exactly_and_refuses_other_users(tmp_path):
+    from tests.training.user_reference import resume_matches_uninterrupted
+
+    refused = resume_matches_uninterrupted(tmp_path)
+    assert refused is not None and "data" in refused

@@ -93,3 +93,10 @@ def test_tf_privacy_query_refuses_a_user_level_run():
                              noise_multiplier=1.0, delta=1e-5, seed=0)
     with pytest.raises(ValueError, match="privacy unit is the user"):
         BandedMatrixFactorizationQuery.from_run(run, l2_norm_clip=1.0, template=[(3,)], seed=0)
+
+
+def test_a_user_level_run_resumes_exactly_and_refuses_other_users(tmp_path):
+    from tests.training.user_reference import resume_matches_uninterrupted
+
+    refused = resume_matches_uninterrupted(tmp_path)
+    assert refused is not None and "data" in refused

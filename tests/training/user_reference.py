@@ -142,3 +142,51 @@ def reference_units(grad_of, x, y, w, clip, k):
         factor = min(1.0, clip / norm) if norm > 0 else 1.0
         sums = [factor * g for g in grads] if sums is None else [s + factor * g for s, g in zip(sums, grads)]
     return sums, np.array(norms)
+
+
+def resume_matches_uninterrupted(tmp_path):
+    """A user-level run with an adaptive clip and banded noise, saved after its first epoch
+    (``model.save``), loaded and finished, ends with the weights and ζ of the same run
+    uninterrupted: the loaded optimizer resumes the users' sampling, their rows, the noise and
+    the clip estimate exactly. A resume on other user ids is refused."""
+    import warnings
+
+    import keras_noisecurve as knc
+
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(90, 6)).astype("float32")
+    y = rng.normal(size=(90, 3)).astype("float32")
+    users = rng.integers(0, 15, size=90)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fixed seeds, δ ≥ 1/n: a test
+        run = knc.PrivateRun(privacy_unit="user", num_users=15, examples_per_user=3, batch_size=5, epochs=2,
+                             noise_multiplier=0.3, delta=1e-2, seed=0, mixing=knc.solve_mixing_matrix(
+                                 steps=6, bands=2, objective="bandmf"),
+                             adaptive_clip=knc.AdaptiveClip(initial=0.2))
+
+        def fresh():
+            model, _, _ = build("dense", seed=4)
+            private = knc.make_private(model)
+            private.compile(optimizer=knc.NoiseCurveOptimizer(run=run, learning_rate=0.2, seed=1), loss=mse)
+            return private
+
+        straight = fresh()
+        straight.fit(run.dataset(x, y, users=users), epochs=2, steps_per_epoch=3, verbose=0)
+        first = fresh()
+        first.fit(run.dataset(x, y, users=users), epochs=1, steps_per_epoch=3, verbose=0)
+        first.save(tmp_path / "user.keras")
+        loaded = keras.models.load_model(tmp_path / "user.keras", custom_objects={"mse": mse})
+        other = np.roll(users, 1)
+        try:
+            loaded.fit(run.dataset(x, y, users=other), epochs=1, steps_per_epoch=3, verbose=0)
+        except ValueError as err:
+            refused = str(err)
+        else:
+            refused = None
+        loaded.fit(run.dataset(x, y, users=users), epochs=1, steps_per_epoch=3, verbose=0)
+    assert int(keras.ops.convert_to_numpy(loaded.optimizer.iterations.value)) == 6
+    for a, b in zip(loaded.get_weights(), straight.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    assert float(loaded.optimizer.current_clip()) == float(straight.optimizer.current_clip())
+    assert float(straight.optimizer.current_clip()) != 0.2  # the clip moved
+    return refused
