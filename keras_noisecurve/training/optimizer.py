@@ -453,8 +453,20 @@ class NoiseCurveOptimizer(ClipNorm, _impl.OptimizerBackend, keras.optimizers.Opt
             )
         self._dp_check_inner_steps(inner)
 
+    def _dp_check_unit_rows(self, unit_rows):
+        """Refuse a clipped sum whose privacy unit is not the run's (see ``apply_clipped_sum``)."""
+        run = self.run
+        expected = 1 if run is None else int(getattr(run, "examples_per_user", 1))
+        if isinstance(unit_rows, bool) or not isinstance(unit_rows, int) or unit_rows != expected:
+            unit = "each example" if expected == 1 else f"each user's {expected} rows as one (examples_per_user)"
+            raise ValueError(
+                f"apply_clipped_sum(unit_rows={unit_rows!r}): this optimizer's run clips {unit}, so its epsilon "
+                f"assumes sums clipped with unit_rows={expected}. Clip with the engine's unit_rows={expected} "
+                f"(a private model does) and pass apply_clipped_sum(..., unit_rows={expected}).")
+
     # ------------------------------------------------------------ entry points
-    def apply_clipped_sum(self, grads, trainable_variables=None, *, norms=None, sample_weight=None, keep_clip=None):
+    def apply_clipped_sum(self, grads, trainable_variables=None, *, norms=None, sample_weight=None, keep_clip=None,
+                          unit_rows=1):
         """Apply one noisy step from a CLIPPED SUM of per-example gradients.
 
         Args:
@@ -470,10 +482,16 @@ class NoiseCurveOptimizer(ClipNorm, _impl.OptimizerBackend, keras.optimizers.Opt
             are not examples and are left out of the count. ``None``: every row is one.
           keep_clip: a boolean scalar; where true an adaptive clip keeps ζ (the private
             models pass it for a step refused whatever its data: out of step, past the plan).
+          unit_rows: the rows of one privacy unit the sum was clipped by: 1 (each example), or a
+            user-level run's ``examples_per_user`` k (each user's k rows clipped as one, e.g.
+            ``engine(..., unit_rows=k)``; then ``norms``/``sample_weight`` are per user). It must be
+            the run's k: a sum clipped per example in a user-level run would have k times the
+            sensitivity its ε assumes (``ValueError``).
 
         Every variable gets ``ĝ_t = (sum + ζ·σ·z̃_t)/B``: ``w ← w − η·ĝ_t`` without an
         inner optimizer, else the inner optimizer's ``update_step(ĝ_t, w, η_t)``.
         """
+        self._dp_check_unit_rows(unit_rows)
         self._private_apply = True
         self._dp_counted = (norms, sample_weight, keep_clip)
         try:
@@ -483,13 +501,14 @@ class NoiseCurveOptimizer(ClipNorm, _impl.OptimizerBackend, keras.optimizers.Opt
             self._dp_counted = (None, None, None)
 
     def stateless_apply_clipped_sum(self, optimizer_variables, grads, trainable_variables, *, norms=None,
-                                    sample_weight=None, keep_clip=None):
+                                    sample_weight=None, keep_clip=None, unit_rows=1):
         """:meth:`apply_clipped_sum` as a pure function, for a functional train step (the
         JAX backend's): ``optimizer_variables`` and ``trainable_variables`` are the current
         values (aligned with ``self.variables`` and the variables this optimizer was built
         on), ``grads`` the clipped sums. Returns ``(trainable_variables,
         optimizer_variables)``, the values after the step (Keras's ``stateless_apply``).
-        ``norms``/``sample_weight``/``keep_clip``: as :meth:`apply_clipped_sum`'s."""
+        ``norms``/``sample_weight``/``keep_clip``/``unit_rows``: as :meth:`apply_clipped_sum`'s."""
+        self._dp_check_unit_rows(unit_rows)
         self._private_apply = True
         self._dp_counted = (norms, sample_weight, keep_clip)
         try:

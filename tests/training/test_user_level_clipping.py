@@ -100,3 +100,25 @@ def test_a_user_level_run_resumes_exactly_and_refuses_other_users(tmp_path):
 
     refused = resume_matches_uninterrupted(tmp_path)
     assert refused is not None and "data" in refused
+
+
+def test_a_custom_loop_must_clip_per_user_in_a_user_level_run():
+    import warnings
+
+    import keras_noisecurve as knc
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        run = knc.PrivateRun(privacy_unit="user", num_users=20, examples_per_user=4, batch_size=5, steps=3,
+                             noise_multiplier=1.0, delta=1e-2, seed=0, sampling="fixed_epochs")
+        example_run = knc.PrivateRun(num_examples=20, batch_size=5, steps=3, noise_multiplier=1.0, delta=1e-2,
+                                     seed=0, sampling="fixed_epochs")
+    model, x, y = build("dense")
+    grads = [tf.zeros_like(v) for v in model.trainable_variables]
+    optimizer = knc.NoiseCurveOptimizer(run=run, learning_rate=0.1, l2_norm_clip=1.0, seed=0)
+    with pytest.raises(ValueError, match="unit_rows=4"):
+        optimizer.apply_clipped_sum(grads, model.trainable_variables)  # clipped per example: refused
+    optimizer.apply_clipped_sum(grads, model.trainable_variables, unit_rows=4)
+    plain = knc.NoiseCurveOptimizer(run=example_run, learning_rate=0.1, l2_norm_clip=1.0, seed=0)
+    with pytest.raises(ValueError, match="unit_rows=1"):
+        plain.apply_clipped_sum(grads, model.trainable_variables, unit_rows=4)

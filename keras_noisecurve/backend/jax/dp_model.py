@@ -128,30 +128,35 @@ class TrainStepBackend:
             return clipped_sum
         return functools.partial(ghost_clipped_sum, clipping=self._dp_clipping, vectorized=clipped_sum)
 
-    def _dp_engine_run(self, loss_fn, x, y, w, *, l2_norm_clip, plan=True):
+    def _dp_engine_run(self, loss_fn, x, y, w, *, l2_norm_clip, plan=True, unit_rows=1):
         """This model's clipping engine (:meth:`_dp_clipped_sum`) on one batch, outside ``jax.jit``,
         inside ``norm_observer.observe_layer_norms``, as numbers for the audit's clipping check
         (:mod:`keras_noisecurve.audit.mechanism_clipping`).
 
+        ``unit_rows`` k: the rows of one privacy unit (a user-level run's ``examples_per_user``),
+        clipped as one by the engine (rows ``[u·k, (u+1)·k)`` are unit u; 1: every row a unit).
+
         Returns ``(groups, norms, sums, layer_sq)``: ``groups`` ``[(layer, rule name, [index of
         each of its variables in self.trainable_variables])]`` in the order of those indices
         (``None`` unless ``plan``; the vectorized engine reports no layer: every layer that owns
-        weights with the rule name ``"vectorized"``), ``norms`` (P,) the per-example norms before
-        clipping, ``sums`` the clipped sum (one array per trainable variable), ``layer_sq``
-        ``{id(layer): (P,)}`` the squared norms of each layer's weights as its rule computed
-        them; float64 numpy throughout."""
+        weights with the rule name ``"vectorized"``), ``norms`` (U,) the per-unit norms before
+        clipping (U = P/k: the per-example norms when k = 1), ``sums`` the clipped sum (one array
+        per trainable variable), ``layer_sq`` ``{id(layer): (U,)}`` the per-unit squared norms of
+        each layer's weights as its rule computed them; float64 numpy throughout."""
         from keras_noisecurve.backend import norm_observer
         from keras_noisecurve.backend.jax import ghost
 
+        unit_rows = int(unit_rows)
         trainable = [v.value for v in self.trainable_variables]
         non_trainable = [v.value for v in self.non_trainable_variables]
         with norm_observer.observe_layer_norms() as seen:
             sums, norms, _, _, _ = self._dp_clipped_sum()(
                 self, loss_fn, trainable, non_trainable, x, y, jnp.asarray(w, jnp.float32),
-                l2_norm_clip=l2_norm_clip, microbatch_size=self._dp_microbatch_size, training=False)
+                l2_norm_clip=l2_norm_clip, microbatch_size=self._dp_microbatch_size, training=False,
+                unit_rows=unit_rows)
         index = {id(v): k for k, v in enumerate(self.trainable_variables)}
         layer_sq, groups = {}, []
-        for layer, rule, owned, sq in seen:
+        for layer, rule, owned, sq in seen:  # per unit already when unit_rows > 1
             layer_sq[id(layer)] = layer_sq.get(id(layer), 0.0) + np.asarray(sq, np.float64)
             if all(g[0] is not layer for g in groups):
                 groups.append((layer, rule, [index[id(v)] for v in owned if id(v) in index]))
@@ -159,7 +164,7 @@ class TrainStepBackend:
             groups = [(layer, "vectorized", [index[id(v)] for v in owned if id(v) in index])
                       for layer, owned in ghost.targets(self)]
         groups.sort(key=lambda group: min(group[2], default=len(index)))
-        return (groups if plan else None, np.asarray(norms, np.float64),
+        return (groups if plan else None, np.asarray(norms, np.float64)[::unit_rows],  # a unit's norm on its rows
                 [np.asarray(s, np.float64) for s in sums], layer_sq)
 
     def _dp_compile_defaults(self, kwargs):
@@ -310,7 +315,8 @@ class TrainStepBackend:
         keep_clip = jnp.logical_not(ok | (why == features.ALL_DROPPED))
         count_norms, count_weights = unit_view(norms, unit_weights(weights, positions), unit_rows)
         trainable, optimizer_values = optimizer.stateless_apply_clipped_sum(
-            optimizer_values, sums, trainable, norms=count_norms, sample_weight=count_weights, keep_clip=keep_clip)
+            optimizer_values, sums, trainable, norms=count_norms, sample_weight=count_weights, keep_clip=keep_clip,
+            unit_rows=unit_rows)
 
         # padding rows (weight 0) and dropped examples count in no metric: weight 0 for the
         # loss and the weighted metrics, 0/1 row weight for the unweighted ones (static shapes)

@@ -216,33 +216,39 @@ class TrainStepBackend:
             self._dp_engine = get_engine(self._dp_clipping, self)
         return self._dp_engine
 
-    def _dp_engine_run(self, loss_fn, x, y, w, *, l2_norm_clip, plan=True):
+    def _dp_engine_run(self, loss_fn, x, y, w, *, l2_norm_clip, plan=True, unit_rows=1):
         """The clipping engine (``get_engine(self.clipping, self)``) on one batch, eagerly, inside
         ``ghost.observe_layer_norms``, as numbers for the audit's clipping check
         (:mod:`keras_noisecurve.audit.mechanism_clipping`).
 
+        ``unit_rows`` k: the rows of one privacy unit (a user-level run's ``examples_per_user``),
+        clipped as one by the engine (rows ``[u·k, (u+1)·k)`` are unit u; 1: every row a unit).
+
         Returns ``(groups, norms, sums, layer_sq)``: ``groups`` ``[(layer, rule kind, [index of
-        each of its variables in self.trainable_variables])]`` (``None`` unless ``plan``),
-        ``norms`` (P,) the per-example norms before clipping, ``sums`` the clipped sum (one
-        array per trainable variable), ``layer_sq`` ``{id(layer): (P,)}`` the squared norms of
-        each layer's weights as its rule computed them; float64 numpy throughout."""
+        each of its variables in self.trainable_variables])]`` (``None`` unless ``plan``; with
+        k > 1 the rules of the user-level plan, a layer whose rule cannot merge a unit's rows
+        showing the fallback's), ``norms`` (U,) the per-unit norms before clipping (U = P/k:
+        the per-example norms when k = 1), ``sums`` the clipped sum (one array per trainable
+        variable), ``layer_sq`` ``{id(layer): (U,)}`` the per-unit squared norms of each layer's
+        weights as its rule computed them; float64 numpy throughout."""
         import numpy as np
 
         from keras_noisecurve.backend.tensorflow import ghost
 
+        unit_rows = int(unit_rows)
         engine = get_engine(self._dp_clipping, self)
         groups = None
         if plan:
             index = {id(v): k for k, v in enumerate(self.trainable_variables)}
             groups = [(layer, rule.kind, [index[id(v)] for v in own if id(v) in index])
-                      for layer, rule, own in ghost.plan(self)]
+                      for layer, rule, own in ghost._per_unit(ghost.plan(self), unit_rows)]
         with ghost.observe_layer_norms() as seen:
-            out = engine(self, loss_fn, x, y, w, l2_norm_clip=l2_norm_clip, training=False)
+            out = engine(self, loss_fn, x, y, w, l2_norm_clip=l2_norm_clip, training=False, unit_rows=unit_rows)
         layer_sq = {}
-        for layer, _, _, sq in seen:
+        for layer, _, _, sq in seen:  # per unit already when unit_rows > 1
             layer_sq[id(layer)] = layer_sq.get(id(layer), 0.0) + np.asarray(sq.numpy(), np.float64)
-        return (groups, np.asarray(out.norms.numpy(), np.float64),
-                [np.asarray(g.numpy(), np.float64) for g in out.grads], layer_sq)
+        norms = np.asarray(out.norms.numpy(), np.float64)[::unit_rows]  # a unit's norm is on each of its rows
+        return (groups, norms, [np.asarray(g.numpy(), np.float64) for g in out.grads], layer_sq)
 
     def train_step(self, data):
         data, step = _split_step(data)
@@ -311,7 +317,7 @@ class TrainStepBackend:
             grads = self._refuse(clipped.grads, step, iteration, optimizer, dropped, real)
             count_norms, count_weights = unit_view(clipped.norms, unit_weights(sample_weight, positions), unit_rows)
             optimizer.apply_clipped_sum(grads, self.trainable_variables, norms=count_norms,
-                                        sample_weight=count_weights,
+                                        sample_weight=count_weights, unit_rows=unit_rows,
                                         keep_clip=_refused_whatever_the_data(step, iteration, optimizer))
         epoch_dropped = features.record(self._dp_nonfinite, dropped, iteration)
 
