@@ -6,7 +6,9 @@ The model file is what ``model.save("FILE.keras")`` writes. A ``PrivateModel``
 run, ζ, inner optimizer and loss; a plain model needs ``--run RUN.json`` (the
 ``run.get_config()`` of its ``PrivateRun``), ``--clip`` and, if it was saved without a
 compiled loss, ``--loss``. The data file holds ``x`` (or one ``x_NAME`` array per named
-input) and ``y``, optionally ``sample_weight``.
+input) and ``y``, optionally ``sample_weight`` and, for a user-level run
+(``PrivateRun(privacy_unit="user")``), ``users``: the user id of every example (ints or
+strings), which its clipping check needs (``--batch-size`` then counts users).
 
 One line per check (``PASS``/``FAIL`` with its number), then the time each took. Exit
 status 0 when every check passes, 3 when one fails, 2 for bad arguments or files (one
@@ -31,7 +33,8 @@ def add_arguments(parser) -> None:
                        help="your model (a make_private model compiled with NoiseCurveOptimizer(run=...), or a plain "
                             "model with --run and --clip): run the mechanism checks instead of a canary audit")
     group.add_argument("--data", metavar="FILE.npz", default=None,
-                       help="examples: 'x' (or 'x_NAME' per named input), 'y', optional 'sample_weight'")
+                       help="examples: 'x' (or 'x_NAME' per named input), 'y', optional 'sample_weight' and, for a "
+                            "user-level run, 'users' (the user id of every example)")
     group.add_argument("--run", metavar="RUN.json", default=None,
                        help="the run's PrivateRun.get_config() as JSON (default: the compiled optimizer's run)")
     group.add_argument("--clip", type=float, default=None, help="zeta (default: the compiled optimizer's)")
@@ -41,7 +44,8 @@ def add_arguments(parser) -> None:
     group.add_argument("--learning-rate", type=float, default=0.1,
                        help="eta of the plain-SGD optimizer built from --run when the model file has none")
     group.add_argument("--batches", type=int, default=2, help="batches of the clipping check (default 2)")
-    group.add_argument("--batch-size", type=int, default=16, help="examples per clipping batch (default 16)")
+    group.add_argument("--batch-size", type=int, default=16,
+                       help="examples (users, for a user-level run) per clipping batch (default 16)")
     group.add_argument("--tolerance", type=float, default=1e-3, help="relative tolerance of the clipping check")
     group.add_argument("--noise-steps", type=int, default=32, help="steps T' of the noise check (default 32)")
 
@@ -81,7 +85,8 @@ def _load_data(path):
             if not x:
                 raise ValueError(f"--data {path} has neither 'x' nor 'x_NAME' arrays (found {', '.join(names)})")
         weight = data["sample_weight"] if "sample_weight" in names else None
-        return x, data["y"], weight
+        users = data["users"] if "users" in names else None
+        return x, data["y"], weight, users
 
 
 def _load_model(path):
@@ -98,13 +103,13 @@ def _load_model(path):
 
 
 def _inputs(args):
-    """(model, x, y, sample_weight, run, optimizer, loss)."""
+    """(model, x, y, sample_weight, users, run, optimizer, loss)."""
     import keras
 
     import keras_noisecurve as knc
 
     model = _load_model(args.model)
-    x, y, weight = _load_data(args.data)
+    x, y, weight, users = _load_data(args.data)
     run, optimizer = None, getattr(model, "optimizer", None)
     if not isinstance(optimizer, knc.NoiseCurveOptimizer):
         optimizer = None
@@ -123,7 +128,7 @@ def _inputs(args):
         if args.from_logits:
             loss = (type(loss)(from_logits=True) if isinstance(loss, keras.losses.Loss)
                     else functools.partial(loss, from_logits=True))
-    return model, x, y, weight, run, optimizer, loss
+    return model, x, y, weight, users, run, optimizer, loss
 
 
 def run_checks(args) -> int:
@@ -134,10 +139,10 @@ def run_checks(args) -> int:
 
     start = time.perf_counter()
     try:
-        model, x, y, weight, run, optimizer, loss = _inputs(args)
+        model, x, y, weight, users, run, optimizer, loss = _inputs(args)
         print(f"audit of {args.model} on {args.data}: mechanism checks (clipping, sampling, noise)", flush=True)
         report = check_mechanism(model=model, x=x, y=y, run=run, loss=loss, l2_norm_clip=args.clip,
-                                 optimizer=optimizer, sample_weight=weight, batches=args.batches,
+                                 optimizer=optimizer, sample_weight=weight, users=users, batches=args.batches,
                                  batch_size=args.batch_size, tolerance=args.tolerance, noise_steps=args.noise_steps,
                                  seed=args.seed, verbose=True)
     except (ValueError, TypeError, OSError) as err:

@@ -15,6 +15,14 @@ data, run and optimizer:
 - **noise** (:mod:`~keras_noisecurve.audit.mechanism_noise`): the optimizer's noise on
   zero clipped sums has scale ζσ and, whitened by the claimed C, is white.
 
+A user-level run (``PrivateRun(privacy_unit="user")``) is checked on its unit, the user: the
+clipping check takes ``batch_size`` users per batch, their rows as the run's
+:class:`~keras_noisecurve.privacy.users.UserTable` lays them out (``users=``, the user of every
+example), and compares the engine, clipping with ``unit_rows = run.examples_per_user``, against
+per-user sums of the reference's per-example gradients; the sampling check counts the
+participations of USERS in the run's user-level pipeline; the noise check is the same (B and
+the adaptive clip's count are in users).
+
 ``noisecurve audit --model FILE.keras --data FILE.npz`` runs them (docs/audit.md).
 """
 
@@ -57,28 +65,78 @@ class MechanismReport:
                 "checks": {name: dataclasses.asdict(check) for name, check in self.checks.items()}}
 
 
-def _run_ids(run):
-    """For each step of the plan, the ids of the real examples the run's pipeline yields
-    (``run.dataset(arange(n)).batches()``: the sampler, the gather and the mask of training)."""
+def _run_ids(run, users=None):
+    """``(ids, mixed)``: for each step of the plan, the ids of the privacy units the run's
+    pipeline yields (``run.dataset(arange(n)).batches()``: the sampler, the gather and the mask
+    of training), and the number of user slots holding rows of more than one user.
+
+    Example-level: the real examples of each step (``mixed`` 0). User-level: the users of each
+    step, one per user slot of k rows that holds a real row (its users, should its rows belong to
+    several, each counted); the examples are ``users`` (one id per example, users numbered in
+    ``np.unique`` order), or one example per user (``users = arange(num_users)``)."""
     import keras
 
-    ids = np.arange(run.num_examples, dtype=np.int64)
-    out = []
-    for element in run.dataset(ids).batches():
-        xb, mask = (keras.ops.convert_to_numpy(t) for t in (element[0], element[2]))
-        out.append(np.asarray(xb)[np.asarray(mask) > 0])
-    return out
+    if run.privacy_unit == "example":
+        data, user_of, k = run.dataset(np.arange(run.num_examples, dtype=np.int64)), None, 1
+    else:
+        if users is None:
+            users = np.arange(run.num_users, dtype=np.int64)
+        user_of = np.unique(np.asarray(users), return_inverse=True)[1].reshape(-1).astype(np.int64)
+        data, k = run.dataset(np.arange(user_of.size, dtype=np.int64), users=users), run.examples_per_user
+    out, mixed = [], 0
+    for element in data.batches():
+        xb, mask = (np.asarray(keras.ops.convert_to_numpy(t)) for t in (element[0], element[2]))
+        if user_of is None:
+            out.append(xb[mask > 0])
+            continue
+        step = []
+        for slot_rows, slot_mask in zip(xb.reshape(-1, k), mask.reshape(-1, k)):
+            present = np.unique(user_of[slot_rows[slot_mask > 0]])
+            mixed += int(present.size > 1)
+            step.extend(present.tolist())
+        out.append(np.asarray(step, np.int64))
+    return out, mixed
 
 
-def check_sampling(*, run):
+def check_sampling(*, run, users=None):
     """The sampling check of ``run`` (a ``PrivateRun``): iterate its pipeline over the whole
-    plan and compare every example's participations with the accountant's assumption
+    plan and compare every unit's participations with the accountant's assumption
     (:func:`keras_noisecurve.audit.participation.check_participations`; for cyclic Poisson
-    with the sampler's partitions)."""
+    with the sampler's partitions).
+
+    A user-level run's units are its users (n = ``num_users``): ``users`` the user of every
+    example (the data's own table, as ``run.dataset(x, y, users=users)``; default: one example
+    per user), and it fails too when a user slot of the batches holds rows of more than one user."""
     from keras_noisecurve.audit.participation import check_participations
 
+    if users is not None and run.privacy_unit != "user":
+        raise ValueError("users= is for a user-level run (PrivateRun(privacy_unit='user', ...)); this run's unit is "
+                         "the example: leave users= out.")
     partitions = run.sampler().partitions if run.spec.sampling == "cyclic_poisson" else None
-    return check_participations(batches=_run_ids(run), spec=run.spec, partitions=partitions)
+    ids, mixed = _run_ids(run, users)
+    result = check_participations(batches=ids, spec=run.spec, partitions=partitions, unit=run.privacy_unit)
+    if mixed:
+        result = dataclasses.replace(
+            result, passed=False, line=f"sampling: FAIL - {mixed} user slots hold rows of more than one user; "
+                                       + result.line.split(" - ", 1)[1])
+    return result
+
+
+def _user_batches(table, weights, batches, batch_size, seed):
+    """``[(rows, mask)]``: ``batches`` batches of ``batch_size`` random users each (fewer when the
+    users run out), their rows and masks as a user-level step lays them out
+    (:meth:`~keras_noisecurve.privacy.users.UserTable.rows`; a user with more than k examples
+    contributes k of them, drawn from a key made from ``seed``)."""
+    rng = np.random.default_rng([seed, 1])
+    order = rng.permutation(table.num_users)
+    key = rng.integers(0, np.iinfo(np.int64).max, size=2, dtype=np.int64)
+    out = []
+    for b in range(batches):
+        chosen = order[(b * batch_size) % table.num_users:][:batch_size]
+        if chosen.size == 0:
+            break
+        out.append(table.rows(chosen, np.ones(chosen.size), b, key, sample_weight=weights))
+    return out
 
 
 def _resolve(model, run, loss, l2_norm_clip, optimizer):
@@ -125,6 +183,7 @@ def check_mechanism(
     l2_norm_clip: Optional[float] = None,
     optimizer=None,
     sample_weight=None,
+    users=None,
     batches: int = 2,
     batch_size: int = 16,
     tolerance: float = 1e-3,
@@ -147,7 +206,12 @@ def check_mechanism(
       l2_norm_clip: ζ (default: the optimizer's).
       optimizer: the ``NoiseCurveOptimizer`` (default: the model's); needed by the noise check.
       sample_weight: (n,) weights w_i of the examples (default 1).
-      batches, batch_size: the clipping check's batches (≥ 1 each).
+      users: a user-level run's (``PrivateRun(privacy_unit="user")``): the user id (int or
+        string) of every example of x, as ``run.dataset(x, y, users=users)`` takes them; needed
+        by its clipping check, used by its sampling check (default there: one example per user);
+        refused for an example-level run.
+      batches, batch_size: the clipping check's batches (≥ 1 each); ``batch_size`` counts users
+        for a user-level run (each user's k = ``examples_per_user`` rows laid out as a step's).
       tolerance: relative tolerance of the clipping check, in (0, 1).
       noise_steps: T', steps of the noise check (≥ 2); probes: its N (default max(2000, 40·T')).
       checks: which of ``CHECKS`` to run; a check whose input is missing (no run, no
@@ -181,6 +245,16 @@ def check_mechanism(
     if "sampling" in checks and run is None:
         raise ValueError("the sampling check needs the run: pass run= (a PrivateRun) or a model compiled with "
                          "NoiseCurveOptimizer(run=...), or leave 'sampling' out of checks.")
+    user_level = run is not None and run.privacy_unit == "user"
+    if users is not None and not user_level:
+        raise ValueError("users= is for a user-level run (PrivateRun(privacy_unit='user', ...)), whose privacy unit "
+                         f"is the user; {'no run was given' if run is None else 'this run is example-level'}: leave "
+                         "users= out, or pass the user-level run (run=).")
+    if user_level and "clipping" in checks and users is None:
+        raise ValueError(
+            f"the run is user-level (examples_per_user={run.examples_per_user}): its clipping check clips per user "
+            "and needs users= (the user id of every example of x, as run.dataset(x, y, users=...) takes them); "
+            "pass users=, or leave 'clipping' out of checks.")
     if "noise" in checks and optimizer is None:
         raise ValueError("the noise check needs the optimizer: pass optimizer= (a NoiseCurveOptimizer) or a model "
                          "compiled with one, or leave 'noise' out of checks.")
@@ -191,6 +265,18 @@ def check_mechanism(
     weights = None if sample_weight is None else np.asarray(sample_weight, np.float32).reshape(-1)
     if weights is not None and weights.shape[0] != n:
         raise ValueError(f"sample_weight must have {n} entries (one per example), got {weights.shape[0]}.")
+
+    table = None
+    if user_level and users is not None:
+        from keras_noisecurve.privacy.users import UserTable
+
+        table = UserTable(users, examples_per_user=run.examples_per_user)
+        if table.num_examples != n:
+            raise ValueError(f"users= must have {n} entries (one per example of x), got {table.num_examples}.")
+        if "sampling" in checks and table.num_users != run.num_users:
+            raise ValueError(f"users= holds {table.num_users} distinct users but the run was planned for num_users="
+                             f"{run.num_users}: the sampling check iterates the run's pipeline on them; give the "
+                             "users of the whole training set, or leave 'sampling' out of checks.")
 
     results, seconds = {}, {}
 
@@ -204,27 +290,29 @@ def check_mechanism(
         if not private.built:
             private(keras.tree.map_structure(lambda a: np.asarray(a)[:1], x), training=False)
         loss_fn = per_example_loss_fn(loss)
-        rng = np.random.default_rng(seed)
-        order = rng.permutation(n)
+        if table is None:  # (rows, their weights) of each batch
+            order = np.random.default_rng(seed).permutation(n)
+            chosen = [order[(k * batch_size) % n:][:batch_size] for k in range(batches)]
+            chosen = [(index, None if weights is None else weights[index]) for index in chosen if index.size]
+        else:  # batch_size users each, their k rows as a user-level step lays them out
+            chosen = _user_batches(table, weights, batches, batch_size, seed)
         parts = []
-        for k in range(batches):
-            index = order[(k * batch_size) % n:][:batch_size]
-            if index.size == 0:
-                break
+        for index, mask in chosen:
             parts.append(mechanism_clipping.check_clipping(
                 private=private, loss_fn=loss_fn, l2_norm_clip=clip,
                 x=keras.tree.map_structure(lambda a: np.asarray(a)[index], x),
                 y=keras.tree.map_structure(lambda a: np.asarray(a)[index], y),
-                sample_weight=None if weights is None else weights[index], tolerance=tolerance))
+                sample_weight=mask, tolerance=tolerance, unit_rows=1 if table is None else run.examples_per_user))
         merged = mechanism_clipping.merge(parts, tolerance=tolerance)
-        first = order[:batch_size]  # in training mode: MixUp, batch statistics, state written from the data
+        # in training mode: MixUp, batch statistics, state written from the data (a user-level batch's real rows)
+        first = chosen[0][0] if table is None else np.unique(chosen[0][0][chosen[0][1] > 0])
         probe = batch_probe.probe_examples(private.inner, keras.tree.map_structure(lambda a: np.asarray(a)[first], x),
                                            keras.tree.map_structure(lambda a: np.asarray(a)[first], y),
                                            loss_fn=loss_fn)
         done("clipping", mechanism_clipping.with_probe(merged, probe), start)
     if "sampling" in checks:
         start = time.perf_counter()
-        done("sampling", check_sampling(run=run), start)
+        done("sampling", check_sampling(run=run, users=users), start)
     if "noise" in checks:
         start = time.perf_counter()
         done("noise", mechanism_noise.check_noise(optimizer=optimizer, steps=noise_steps, probes=probes), start)

@@ -34,6 +34,13 @@ every layer's part of the sum, and the part of another layer can be further off 
 faulty layer's own (a SimpleRNN whose rule drops its share, followed by a Dense head: the
 head's part of the sum off by 1.5, the SimpleRNN's by 1.0).
 
+**The user unit** (``unit_rows`` k > 1, a user-level run's ``examples_per_user``): the batch
+is user-major, rows ``[u·k, (u+1)·k)`` user u's (real rows weighted 1/m, padding rows 0), the
+engine clips each user's SUM of weighted row gradients as one, and everything above is per
+user: the reference's per-example gradients g_i summed over the user's k rows,
+G_u = Σ_{i ∈ u} g_i, give n_u = ‖G_u‖, the per-layer n_uL and S = Σ_u G_u·min(1, ζ/n_u); the
+direct contribution is the engine's clipped sum of a batch holding that user's k rows alone.
+
 Dropout and other training-only randomness are off (``training=False``) on both sides,
 so that both differentiate the same function.
 """
@@ -60,7 +67,7 @@ class ClippingCheck:
       tolerance: the relative tolerance used.
       reference_dtype: ``"float64"`` (a float64 clone), ``"float64 (k float32 variables)"`` (a
         clone whose layers kept k weights in float32) or ``"float32"`` (the model itself).
-      examples: number of examples compared.
+      examples: number of privacy units compared: examples, or users (``unit``).
       worst_layer: ``(name, class, rule)`` of the layer with the largest error of its own
         (``own_error``).
       worst_error: that error (relative): the largest of its layer-norm error and the error
@@ -78,6 +85,8 @@ class ClippingCheck:
         (:func:`keras_noisecurve.backend.batch_probe.probe_examples`): ``"PASS"``, or the
         reasons it fails (examples that reach one another, state written from the data);
         ``""`` where it did not run.
+      unit: the privacy unit compared, ``"example"`` or ``"user"``.
+      unit_rows: k, the rows of one unit (a user's slot; 1 for examples).
     """
 
     passed: bool
@@ -92,6 +101,8 @@ class ClippingCheck:
     layers: list
     line: str
     training_mode: str = ""
+    unit: str = "example"
+    unit_rows: int = 1
 
 
 def _retype(config):
@@ -159,8 +170,9 @@ def _take(tree, index):
     return keras.tree.map_structure(lambda a: np.asarray(a)[index], tree)
 
 
-def check_clipping(*, private, loss_fn, l2_norm_clip, x, y, sample_weight=None, tolerance=1e-3, direct=4):
-    """Compare the engine's clipped sum and per-example norms with an independent per-example gradient loop.
+def check_clipping(*, private, loss_fn, l2_norm_clip, x, y, sample_weight=None, tolerance=1e-3, direct=4,
+                   unit_rows=1):
+    """Compare the engine's clipped sum and per-unit norms with an independent per-example gradient loop.
 
     Args:
       private: a ``PrivateModel`` (``make_private(model)``), built.
@@ -169,8 +181,12 @@ def check_clipping(*, private, loss_fn, l2_norm_clip, x, y, sample_weight=None, 
       x, y: one batch of P examples (numpy, nested structures allowed).
       sample_weight: (P,) weights w_i (default 1).
       tolerance: relative tolerance of every comparison.
-      direct: how many examples (those of largest norm) are also clipped ALONE by the engine
+      direct: how many units (those of largest norm) are also clipped ALONE by the engine
         to measure their contribution directly.
+      unit_rows: k, the rows of one privacy unit: 1 (every row an example), or a user-level
+        run's ``examples_per_user``, the batch user-major (rows ``[u·k, (u+1)·k)`` user u's, P a
+        multiple of k); the engine runs with ``unit_rows=k`` and the reference sums each
+        user's k per-example gradients before every comparison.
 
     Returns:
       a :class:`ClippingCheck` (fields for this one batch).
@@ -181,17 +197,25 @@ def check_clipping(*, private, loss_fn, l2_norm_clip, x, y, sample_weight=None, 
 
     audit = backend.module("audit")
     inner = private.inner
-    size = int(np.asarray(keras.tree.flatten(x)[0]).shape[0])
-    w = np.ones(size, np.float32) if sample_weight is None else np.asarray(sample_weight, np.float32).reshape(-1)
+    rows = int(np.asarray(keras.tree.flatten(x)[0]).shape[0])
+    per = int(unit_rows)  # rows of one unit
+    if per < 1 or rows % per:
+        raise ValueError(f"unit_rows must be >= 1 and divide the batch's {rows} rows (whole users of k rows each), "
+                         f"got unit_rows={unit_rows!r}.")
+    size = rows // per  # the units: examples, or users
+    w = np.ones(rows, np.float32) if sample_weight is None else np.asarray(sample_weight, np.float32).reshape(-1)
     variables = private.trainable_variables
     groups, engine_norms, engine_sum, engine_layer_sq = private._dp_engine_run(
-        loss_fn, x, y, w, l2_norm_clip=l2_norm_clip)
+        loss_fn, x, y, w, l2_norm_clip=l2_norm_clip, unit_rows=per)
+    engine_norms = np.asarray(engine_norms, np.float64).reshape(-1)
+    if engine_norms.shape != (size,):
+        raise RuntimeError(f"the engine returned {engine_norms.size} norms for {size} units.")
     paths = [_layer_path(layer, [variables[k] for k in ks]) for layer, _, ks in groups]
     covered = {k for _, _, ks in groups for k in ks}
     loose = [k for k in range(len(variables)) if k not in covered]
     if loose:
         groups.append((None, "unclipped", loose))
-    # the factors the engine clipped with (0 for an example it dropped as non-finite)
+    # the factors the engine clipped with (0 for a unit it dropped as non-finite)
     engine_factors = np.where(np.isfinite(engine_norms),
                               np.minimum(1.0, l2_norm_clip / np.maximum(np.nan_to_num(engine_norms), 1e-300)), 0.0)
 
@@ -206,8 +230,10 @@ def check_clipping(*, private, loss_fn, l2_norm_clip, x, y, sample_weight=None, 
         grads = audit.reference_grads(ref_model, loss_fn, x, y, w, float64=clone is not None)
     if len(ref_model.trainable_variables) != len(variables):
         raise RuntimeError("the reference model's trainable variables do not match the private model's.")
+    if per > 1:  # a user's gradient: the sum of its rows' weighted per-example gradients
+        grads = [[sum(grads[u * per + j][v] for j in range(per)) for v in range(len(variables))] for u in range(size)]
 
-    sq = np.array([[float(np.sum(g[k] ** 2)) for k in range(len(variables))] for g in grads])  # (P, V)
+    sq = np.array([[float(np.sum(g[k] ** 2)) for k in range(len(variables))] for g in grads])  # (U, V), U units
     norms = np.sqrt(sq.sum(axis=1))
     factors = np.minimum(1.0, l2_norm_clip / np.maximum(norms, 1e-300))
     reference_sum = [sum(factors[i] * grads[i][k] for i in range(size)) for k in range(len(variables))]
@@ -221,8 +247,9 @@ def check_clipping(*, private, loss_fn, l2_norm_clip, x, y, sample_weight=None, 
         floor = np.maximum(ref_layer, SHARE_FLOOR * norms)
         norm_error = None
         if layer is not None and id(layer) in engine_layer_sq:
-            eng_layer = np.sqrt(np.maximum(engine_layer_sq[id(layer)], 0.0))
-            norm_error = float(np.max(np.abs(eng_layer - ref_layer) / np.maximum(floor, 1e-300)))
+            eng_layer = np.sqrt(np.maximum(np.asarray(engine_layer_sq[id(layer)], np.float64).reshape(-1), 0.0))
+            norm_error = (float(np.max(np.abs(eng_layer - ref_layer) / np.maximum(floor, 1e-300)))
+                          if eng_layer.shape == ref_layer.shape else float("inf"))  # e.g. per row, not per user
         diff = np.sqrt(sum(float(np.sum((engine_sum[k] - reference_sum[k]) ** 2)) for k in ks))
         scale = np.sqrt(sum(float(np.sum(reference_sum[k] ** 2)) for k in ks))
         sum_error = float(diff / max(scale, SHARE_FLOOR * total_sum, 1e-300))
@@ -240,9 +267,10 @@ def check_clipping(*, private, loss_fn, l2_norm_clip, x, y, sample_weight=None, 
     sum_error = max(entry["sum_error"] for entry in layers)
     contribution = np.minimum(1.0, l2_norm_clip / np.maximum(engine_norms, 1e-300)) * norms / l2_norm_clip
     max_contribution = float(np.max(contribution))
-    for i in np.argsort(-norms)[:direct]:  # the engine's clipped sum of one example, alone
-        _, _, single, _ = private._dp_engine_run(loss_fn, _take(x, slice(i, i + 1)), _take(y, slice(i, i + 1)),
-                                                 w[i:i + 1], l2_norm_clip=l2_norm_clip, plan=False)
+    for i in np.argsort(-norms)[:direct]:  # the engine's clipped sum of one unit (its k rows), alone
+        span = slice(i * per, (i + 1) * per)
+        _, _, single, _ = private._dp_engine_run(loss_fn, _take(x, span), _take(y, span), w[span],
+                                                 l2_norm_clip=l2_norm_clip, plan=False, unit_rows=per)
         alone = np.sqrt(sum(float(np.sum(g ** 2)) for g in single))
         max_contribution = max(max_contribution, alone / l2_norm_clip)
     passed = (worst[1] <= tolerance and norm_error <= tolerance and sum_error <= tolerance
@@ -250,7 +278,7 @@ def check_clipping(*, private, loss_fn, l2_norm_clip, x, y, sample_weight=None, 
     return ClippingCheck(passed=bool(passed), tolerance=float(tolerance), reference_dtype=reference_dtype,
                          examples=size, worst_layer=worst[0], worst_error=float(worst[1]),
                          norm_error=norm_error, sum_error=float(sum_error), max_contribution=max_contribution,
-                         layers=layers, line="")
+                         layers=layers, line="", unit="example" if per == 1 else "user", unit_rows=per)
 
 
 def merge(checks, *, tolerance):
@@ -272,8 +300,13 @@ def merge(checks, *, tolerance):
         max_contribution=max(c.max_contribution for c in checks), layers=list(by_layer.values()))
     name, cls, rule = merged.worst_layer
     verdict = "PASS" if merged.passed else "FAIL"
-    line = (f"clipping: {verdict} - {merged.examples} examples, {len(merged.layers)} layers against per-example "
-            f"gradients ({merged.reference_dtype}): worst layer '{name}' ({cls}, rule {rule}) relative error "
+    if merged.unit == "user":
+        against = (f"{merged.examples} users (k = {merged.unit_rows} rows each), {len(merged.layers)} layers against "
+                   f"per-user gradients (sums of per-example gradients, {merged.reference_dtype})")
+    else:
+        against = (f"{merged.examples} examples, {len(merged.layers)} layers against per-example gradients "
+                   f"({merged.reference_dtype})")
+    line = (f"clipping: {verdict} - {against}: worst layer '{name}' ({cls}, rule {rule}) relative error "
             f"{merged.worst_error:.2e}; norms {merged.norm_error:.2e}; clipped sum {merged.sum_error:.2e}; "
             f"largest contribution "
             f"{merged.max_contribution:.6f} x zeta (tolerance {tolerance:g})")

@@ -23,6 +23,9 @@ With an adaptive clip each step's ĝ_t is divided by that step's ζ_t (read befo
 step): the claim is then that the noise is ζ_t·σ·z̃_t, whatever ζ_t, which the privacy
 argument needs (docs/privacy.md, "Adaptive clipping"). Its count query sees a fixed,
 public set of norms (log-spaced over four decades), so ζ_t moves during the check.
+
+A user-level run's zero sums are handed over as clipped per user (``unit_rows`` its
+``examples_per_user``): B is then users per step and the count's norms are the B users'.
 """
 
 from __future__ import annotations
@@ -114,6 +117,7 @@ def check_noise(*, optimizer, steps=32, probes=None) -> NoiseCheck:
     probes = max(2000, 40 * steps) if probes is None else int(probes)
     sigma = run.noise_multiplier if run is not None else float(optimizer.noise_multiplier)
     batch = run.batch_size if run is not None else int(optimizer.expected_batch_size)
+    unit = {} if run is None or run.examples_per_user == 1 else {"unit_rows": run.examples_per_user}
     adaptive = twin.adaptive_clip is not None
     norms = keras.ops.convert_to_tensor(np.geomspace(0.01, 100.0, batch), "float32") if adaptive else None
     variable = keras.Variable(np.zeros(probes, np.float32), name="noise_probe")
@@ -135,7 +139,7 @@ def check_noise(*, optimizer, steps=32, probes=None) -> NoiseCheck:
         if not twin.built:
             twin.build([variable])
         clip = float(np.asarray(keras.ops.convert_to_numpy(twin.current_clip())))  # ζ_t, before step t
-        twin.apply_clipped_sum([zero], [variable], norms=norms)
+        twin.apply_clipped_sum([zero], [variable], norms=norms, **unit)  # user-level: B users' clipped sums
         if inner is not None:
             g_hat = np.asarray(keras.ops.convert_to_numpy(seen.value), np.float64)
         else:

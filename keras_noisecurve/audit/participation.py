@@ -86,7 +86,8 @@ def participation_counts(batches: Sequence, num_examples: int) -> np.ndarray:
     return np.bincount(ident, minlength=num_examples)
 
 
-def check_participations(*, batches: Sequence, spec, partitions: Optional[Sequence] = None) -> ParticipationCheck:
+def check_participations(*, batches: Sequence, spec, partitions: Optional[Sequence] = None,
+                         unit: str = "example") -> ParticipationCheck:
     """Compare every example's realised participations with what the accountant assumed.
 
     Args:
@@ -99,6 +100,8 @@ def check_participations(*, batches: Sequence, spec, partitions: Optional[Sequen
         sampler uses (``run.sampler().partitions``); when given, each example's steps must
         also be those of ITS partition, and the partitions must split 0 … n−1 into b
         parts whose sizes differ by at most 1.
+      unit: what the ids name, ``"example"`` or ``"user"`` (a user-level run: the ids are user
+        indices 0 … n−1, n = ``num_users``); only the wording of the line changes.
 
     Returns:
       a :class:`ParticipationCheck`.
@@ -115,14 +118,14 @@ def check_participations(*, batches: Sequence, spec, partitions: Optional[Sequen
     rate_z = None
     if spec.sampling == "fixed_epochs":
         allowed, separation = spec.participations(), spec.separation
-        assumption = (f"fixed epochs: at most {allowed} participations per example, consecutive ones at least "
+        assumption = (f"fixed epochs: at most {allowed} participations per {unit}, consecutive ones at least "
                       f"{separation} steps apart")
         bad |= counts > allowed
         np.logical_or.at(bad, ident[1:][same], gaps < separation)
     else:
         b = spec.bands
         allowed, separation = spec.participations(), b
-        assumption = (f"cyclic Poisson, b = {b}: each example only in the steps t = r (mod {b}) of its partition r, "
+        assumption = (f"cyclic Poisson, b = {b}: each {unit} only in the steps t = r (mod {b}) of its partition r, "
                       f"at most once per step, with probability q = {spec.sampling_probability:.4g}")
         residue = step % b
         np.logical_or.at(bad, ident[1:][same], (residue[1:] != residue[:-1])[same] | (gaps == 0))
@@ -131,7 +134,7 @@ def check_participations(*, batches: Sequence, spec, partitions: Optional[Sequen
             home, message = _partition_of(partitions, n, b)
             if message:
                 return _result(False, spec, assumption + f"; {message}", counts, allowed, separation, min_gap,
-                               n, None, None)
+                               n, None, None, unit)
             bad[ident[home[ident] != residue]] = True
         # the rate: each visit of an example's partition includes it with probability q
         q = spec.sampling_probability
@@ -149,7 +152,8 @@ def check_participations(*, batches: Sequence, spec, partitions: Optional[Sequen
         e = int(offenders[0])
         first = (e, step[ident == e].tolist())
     passed = offenders.size == 0 and (rate_z is None or abs(rate_z) <= RATE_Z_LIMIT)
-    return _result(passed, spec, assumption, counts, allowed, separation, min_gap, int(offenders.size), first, rate_z)
+    return _result(passed, spec, assumption, counts, allowed, separation, min_gap, int(offenders.size), first, rate_z,
+                   unit)
 
 
 def _partition_of(partitions, n, b):
@@ -173,17 +177,17 @@ def _partition_of(partitions, n, b):
     return home, ""
 
 
-def _result(passed, spec, assumption, counts, allowed, separation, min_gap, offenders, first, rate_z):
+def _result(passed, spec, assumption, counts, allowed, separation, min_gap, offenders, first, rate_z, unit="example"):
     values, freq = np.unique(counts, return_counts=True)
     histogram = {int(v): int(f) for v, f in zip(values, freq)}
     shown = ", ".join(f"{f} x {v}" for v, f in list(histogram.items())[:6])
     if passed:
-        line = (f"sampling: PASS - participations per example {{{shown}}} (allowed <= {allowed}), smallest gap "
+        line = (f"sampling: PASS - participations per {unit} {{{shown}}} (allowed <= {allowed}), smallest gap "
                 f"{min_gap if min_gap is not None else '-'} (allowed >= {separation})")
     elif offenders:
-        line = f"sampling: FAIL - {offenders} examples break the assumption ({assumption}); counts {{{shown}}}"
+        line = f"sampling: FAIL - {offenders} {unit}s break the assumption ({assumption}); counts {{{shown}}}"
         if first is not None:
-            line += f"; e.g. example {first[0]} at steps {first[1][:8]}"
+            line += f"; e.g. {unit} {first[0]} at steps {first[1][:8]}"
     else:
         line = f"sampling: FAIL - the realised rate is not q ({assumption}); counts {{{shown}}}"
     if rate_z is not None:
