@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import os as _os
 
 __version__ = "0.1.0"
 
@@ -72,16 +71,15 @@ def _installed(package: str) -> bool:
         return False
 
 
-#: exports of the TensorFlow backend only: left out of ``__all__`` when ``KERAS_BACKEND``
-#: names another backend (read from the environment: importing keras here would import
-#: TensorFlow under its backend)
-_TENSORFLOW_ONLY = {"fit_distributed", "BandedMatrixFactorizationQuery"}
-
-
 def _exported(name: str) -> bool:
+    """Whether ``name`` is in ``__all__``: not where its optional extra is missing, nor where the
+    backend ``KERAS_BACKEND`` names has not it (``fit_distributed``, ``BandedMatrixFactorizationQuery``
+    on JAX; read from the environment: importing keras here would import TensorFlow under its backend)."""
+    from keras_noisecurve import backend
+
     if name in _OPTIONAL and not _installed(_OPTIONAL[name]):
         return False
-    return name not in _TENSORFLOW_ONLY or _os.environ.get("KERAS_BACKEND", "tensorflow") == "tensorflow"
+    return not backend.refuses(name, configured=True)
 
 
 __all__ = sorted(name for name in _EXPORTS if _exported(name)) + sorted(_SUBMODULES) + ["__version__"]

@@ -111,19 +111,6 @@ def flatten_layers(model, *, include_self: bool = True, recursive: bool = True):
     return model._flatten_layers(include_self=include_self, recursive=recursive)
 
 
-def executing_eagerly() -> bool:
-    """Whether values can be read now: always on JAX outside a trace (Keras builds outside
-    ``jit``); TensorFlow's ``tf.executing_eagerly()`` (False inside a ``tf.function``)."""
-    import sys
-
-    import keras
-
-    tf = sys.modules.get("tensorflow")
-    if keras.backend.backend() == "tensorflow" and tf is not None:
-        return bool(tf.executing_eagerly())
-    return True
-
-
 def loss_kwargs(loss) -> dict:
     """The keyword arguments a Keras loss object passes its function (``from_logits``, ...):
     ``LossFunctionWrapper._fn_kwargs``; empty for other losses."""

@@ -8,6 +8,10 @@ Measures:
 
 - ``framework_imports``: imports of TensorFlow (TF Privacy, tf_keras) or JAX outside that
   framework's backend package ``backend/<framework>/``.
+- ``backend_name_branches``: neutral code (outside ``backend/``) asking which backend is in
+  use (``backend.name()``, ``keras.backend.backend()``) outside a message, or comparing with a
+  backend's name.
+- ``neutral_backend_imports``: neutral code importing a backend package ``backend/<name>/``.
 - ``long_modules``: modules over ``MAX_LINES`` lines.
 - ``kind_comparisons``: comparisons (``==``, ``!=``, ``in``, ``not in``) of a value with a
   strategy kind (``"banded"``, ``"toeplitz"``, ``"fir"``, ``"blt"``, ``"bisr"``, ``"identity"``) or an
@@ -210,15 +214,6 @@ LAYERS = (
 )
 
 
-#: modules of a backend package that implement a feature of that backend only, above the
-#: neutral code it stands on (module -> why); they may import any layer, as Keras's own
-#: ``backend/tensorflow/trainer.py`` imports its neutral trainer
-BACKEND_FEATURES = {
-    f"{PACKAGE}.backend.tensorflow.tf_privacy": "TensorFlow Privacy's DPQuery (a TensorFlow library), public as "
-    "integrations.tf_privacy: it draws the neutral noise of training.noise as the optimizer does",
-}
-
-
 def package_of(module: str) -> str:
     """``keras_noisecurve.mixing.matrix`` -> ``mixing``; top-level helpers -> their own name."""
     parts = module.split(".")
@@ -226,13 +221,12 @@ def package_of(module: str) -> str:
 
 
 def package_graph() -> dict[str, set[str]]:
-    """package -> the other packages its modules import (helpers, the root and the modules of
-    :data:`BACKEND_FEATURES` left out)."""
+    """package -> the other packages its modules import (helpers and the root left out)."""
     layer_of = {name: i for i, layer in enumerate(LAYERS) for name in layer}
     graph: dict[str, set[str]] = {name: set() for name in layer_of}
     for module, targets in import_graph().items():
         source = package_of(module)
-        if source not in layer_of or module in BACKEND_FEATURES:
+        if source not in layer_of:
             continue
         for target in targets:
             other = package_of(target)
@@ -242,13 +236,13 @@ def package_graph() -> dict[str, set[str]]:
 
 
 def layer_violations() -> list[str]:
-    """Imports from a package to one of a higher layer, or sideways within a layer (the
-    modules of :data:`BACKEND_FEATURES` left out)."""
+    """Imports from a package to one of a higher layer, or sideways within a layer (a
+    backend package importing the library above it is one: a back-arrow)."""
     layer_of = {name: i for i, layer in enumerate(LAYERS) for name in layer}
     out = []
     for module, targets in sorted(import_graph().items()):
         source = package_of(module)
-        if source not in layer_of or module in BACKEND_FEATURES:
+        if source not in layer_of:
             continue
         for target in sorted(targets):
             other = package_of(target)
@@ -298,6 +292,169 @@ def backend_modules() -> dict[str, set[str]]:
         name: {p.stem for p in (folder / name).glob("*.py") if p.stem != "__init__"}
         for name in FRAMEWORKS
     }
+
+
+def _is_neutral(module: str) -> bool:
+    """Whether ``module`` is neutral code: outside ``keras_noisecurve/backend/``."""
+    return not (module == f"{PACKAGE}.backend" or module.startswith(f"{PACKAGE}.backend."))
+
+
+def _backend_aliases(tree) -> tuple[set[str], set[str]]:
+    """``(modules, functions)``: the names ``tree`` binds to ``keras_noisecurve.backend`` and to its
+    ``name`` function (``from keras_noisecurve import backend as _backend``, ``from
+    keras_noisecurve.backend import name``, ``import keras_noisecurve.backend as b``)."""
+    modules, functions = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and not node.level:
+            for alias in node.names:
+                if node.module == PACKAGE and alias.name == "backend":
+                    modules.add(alias.asname or alias.name)
+                elif node.module == f"{PACKAGE}.backend" and alias.name == "name":
+                    functions.add(alias.asname or alias.name)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name == f"{PACKAGE}.backend" and alias.asname:
+                    modules.add(alias.asname)
+    return modules, functions
+
+
+def _dotted(node) -> str:
+    """``a.b.c`` of a chain of attributes on a name ('' for anything else)."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return ""
+    return ".".join([node.id, *reversed(parts)])
+
+
+#: the names of the backends, as neutral code must not compare them
+BACKEND_NAMES = frozenset({"tensorflow", "jax", "torch", "numpy", "openvino"})
+
+
+def _in_message(node, parents) -> bool:
+    """Whether ``node`` lies inside an f-string (a message, which may name the backend)."""
+    while node in parents:
+        node = parents[node]
+        if isinstance(node, ast.JoinedStr):
+            return True
+    return False
+
+
+def backend_name_branches() -> list[str]:
+    """Neutral code that asks which backend is in use, outside a message: calls of
+    ``keras_noisecurve.backend.name()`` (by any alias) or of Keras's ``keras.backend.backend()`` /
+    ``keras.config.backend()`` that are not inside an f-string, and comparisons (``==``, ``!=``,
+    ``in``, ``not in``) with a backend's name as a string (``os.environ["KERAS_BACKEND"] == "jax"``).
+    The backend is chosen in ``keras_noisecurve/backend/__init__.py``; what one backend lacks is its
+    package's to say (its modules refuse it, its ``REFUSED``)."""
+    out = []
+    for module, path in modules().items():
+        if not _is_neutral(module):
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        aliases, functions = _backend_aliases(tree)
+        parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and not node.args and not node.keywords:
+                func = node.func
+                dotted = _dotted(func)
+                asks = (isinstance(func, ast.Attribute) and func.attr == "name" and isinstance(func.value, ast.Name)
+                        and func.value.id in aliases) or (isinstance(func, ast.Name) and func.id in functions)
+                if asks or dotted in ("keras.backend.backend", "keras.config.backend"):
+                    if not _in_message(node, parents):
+                        out.append(f"{module}:{node.lineno} asks {ast.unparse(func)}()")
+            elif isinstance(node, ast.Compare) and any(
+                    isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn)) for op in node.ops):
+                found = set()
+                for operand in [node.left, *node.comparators]:
+                    found |= _string_constants(operand) & BACKEND_NAMES
+                if found:
+                    out.append(f"{module}:{node.lineno} compares with {sorted(found)}")
+    return sorted(out)
+
+
+def neutral_backend_imports() -> list[str]:
+    """Imports of a backend package (``keras_noisecurve.backend.<name>`` and its modules) from
+    neutral code, wherever they are (lazy imports and ``importlib.import_module`` strings too),
+    and strings that are such a module's path (a table of modules to import later): neutral code
+    asks ``keras_noisecurve.backend.module(...)``."""
+    import re
+
+    found = modules()
+    packages = tuple(f"{PACKAGE}.backend.{name}" for name in FRAMEWORKS)
+    path_of_one = re.compile(rf"^{re.escape(PACKAGE)}\.backend\.({'|'.join(FRAMEWORKS)})(\.\w+)*$")
+    out = []
+    for module, path in found.items():
+        if not _is_neutral(module):
+            continue
+        for target in sorted(imports(module, found)):
+            if target in packages or target.startswith(tuple(p + "." for p in packages)):
+                out.append(f"{module} imports {target}")
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and path_of_one.match(node.value):
+                out.append(f"{module}:{node.lineno} names {node.value}")
+    return sorted(set(out))
+
+
+def backend_module_requests() -> list[tuple[str, int, object]]:
+    """``(module, line, X)`` for every ``keras_noisecurve.backend.module(X)`` call in neutral code
+    (by any alias of the backend module); X is the string, or ``None`` where it is not a literal."""
+    out = []
+    for module, path in modules().items():
+        if not _is_neutral(module):
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        aliases, _ = _backend_aliases(tree)
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "module"
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id in aliases):
+                first = node.args[0] if node.args else None
+                literal = isinstance(first, ast.Constant) and isinstance(first.value, str)
+                out.append((module, node.lineno, first.value if literal else None))
+    return sorted(out, key=lambda entry: entry[:2])
+
+
+def cross_backend_imports() -> list[str]:
+    """Imports of one backend package's modules from another's."""
+    found = modules()
+    out = []
+    for module in found:
+        for name in FRAMEWORKS:
+            if not module.startswith(f"{PACKAGE}.backend.{name}."):
+                continue
+            for other in FRAMEWORKS:
+                prefix = f"{PACKAGE}.backend.{other}"
+                if other != name:
+                    out += [f"{module} imports {t}" for t in sorted(imports(module, found))
+                            if t == prefix or t.startswith(prefix + ".")]
+    return sorted(out)
+
+
+def backend_exports(backend: str, module: str) -> list[str]:
+    """The ``__all__`` of ``keras_noisecurve/backend/<backend>/<module>.py``, read statically."""
+    path = ROOT / PACKAGE / "backend" / backend / f"{module}.py"
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+            return list(ast.literal_eval(node.value))
+    raise AssertionError(f"backend/{backend}/{module}.py has no __all__")
+
+
+def package_constant(backend: str, constant: str):
+    """A literal constant of ``keras_noisecurve/backend/<backend>/__init__.py`` (``MODULES``, a
+    tuple; ``REFUSED``, a ``frozenset(...)`` of a literal)."""
+    path = ROOT / PACKAGE / "backend" / backend / "__init__.py"
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == constant for t in node.targets):
+            value = node.value
+            if isinstance(value, ast.Call) and getattr(value.func, "id", None) == "frozenset":
+                return frozenset(ast.literal_eval(value.args[0]) if value.args else ())
+            return ast.literal_eval(value)
+    raise AssertionError(f"backend/{backend}/__init__.py has no {constant}")
 
 
 def long_modules(max_lines: int = MAX_LINES) -> list[str]:
@@ -496,6 +653,8 @@ def largest_modules(count: int = 5) -> list[str]:
 
 MEASURES = {
     "framework_imports": framework_imports,
+    "backend_name_branches": backend_name_branches,
+    "neutral_backend_imports": neutral_backend_imports,
     "layer_violations": layer_violations,
     "long_modules": long_modules,
     "kind_comparisons": kind_comparisons,

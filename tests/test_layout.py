@@ -73,7 +73,6 @@ BACKEND_ONLY = {
     "tensorflow": {
         "clipped_sum": "ClippedSum, what the TensorFlow engines return (JAX's return arrays)",
         "compat": "the TensorFlow internals read (XLA context)",
-        "distributed": "the loop of fit_distributed under tf.distribute (on JAX, fit runs over several processes)",
         "ghost_conv_kinds": "depthwise, separable, grouped, 3-D and transposed convolutions (in ghost_conv on JAX)",
         "ghost_generic": "the per-layer fallback by re-running a layer per example (JAX's is a vmap, in ghost)",
         "ghost_reads": "weights read outside their layer's call, found by tracing (recorded in ghost on JAX)",
@@ -81,7 +80,6 @@ BACKEND_ONLY = {
         "ghost_taps": "depthwise kernel gradients where TensorFlow's filter gradient is slow",
         "ghost_timedist": "TimeDistributed folded onto its layer's rule (the exact fallback on JAX)",
         "kernels": "which formulations TensorFlow's CPU kernels execute",
-        "tf_privacy": "TensorFlow Privacy's DPQuery (a TensorFlow library)",
         "tf_privacy_import": "TensorFlow Privacy's import workaround",
     },
     "jax": {
@@ -99,8 +97,56 @@ def test_the_backend_packages_have_the_same_module_names():
             f"{sorted(BACKEND_ONLY[name])} (give the module the other backend's name, or say here why it has none)"
         )
     # the interface the neutral code reaches through keras_noisecurve.backend.module(...) is in both
-    for interface in ("audit", "devices", "dp_model", "features", "hvp", "noise", "optimizer", "pipeline"):
-        assert all(interface in modules[name] for name in modules), interface
+    # (its module list, MODULES: tests/backend/test_seam_contract.py)
+    for name in modules:
+        interface = set(layout_rules.package_constant(name, "MODULES"))
+        assert interface <= modules[name], (name, sorted(interface - modules[name]))
+
+
+def test_neutral_code_asks_no_backend_name():
+    found = layout_rules.backend_name_branches()
+    assert not found, _report(
+        "neutral code that branches on the backend's name (ask a capability of the backend's module, "
+        "keras_noisecurve.backend.module(...), or keras_noisecurve.backend.refuses; a message may name it)", found)
+
+
+def test_neutral_code_imports_no_backend_package():
+    found = layout_rules.neutral_backend_imports()
+    assert not found, _report(
+        "neutral code that imports keras_noisecurve.backend.<name> (ask keras_noisecurve.backend.module(...))",
+        found)
+
+
+def test_the_seam_rules_find_what_they_claim(tmp_path, monkeypatch):
+    package = tmp_path / PACKAGE
+    (package / "backend" / "jax").mkdir(parents=True)
+    (package / "training").mkdir()
+    (package / "backend" / "__init__.py").write_text("def name():\n    return 'jax'\n")
+    (package / "backend" / "jax" / "noise.py").write_text("from keras_noisecurve.backend import name\nname()\n")
+    (package / "training" / "branch.py").write_text(
+        "import os\nimport keras\nfrom keras_noisecurve import backend as b\n"
+        "if b.name() == 'jax':\n    pass\n"
+        "x = keras.backend.backend()\n"
+        "y = os.environ.get('KERAS_BACKEND') in ('torch', 'numpy')\n"
+        "message = f'the backend is {b.name()!r}'\n")
+    (package / "training" / "reach.py").write_text(
+        "import importlib\n"
+        "def f():\n    from keras_noisecurve.backend.jax import noise\n    return noise\n"
+        "importlib.import_module('keras_noisecurve.backend.jax.noise')\n"
+        "TABLE = {'noise': 'keras_noisecurve.backend.jax.noise'}\n"
+        "from keras_noisecurve.backend import name\n")
+    monkeypatch.setattr(layout_rules, "ROOT", tmp_path)
+    assert layout_rules.backend_name_branches() == [
+        f"{PACKAGE}.training.branch:4 asks b.name()",
+        f"{PACKAGE}.training.branch:4 compares with ['jax']",
+        f"{PACKAGE}.training.branch:6 asks keras.backend.backend()",
+        f"{PACKAGE}.training.branch:7 compares with ['numpy', 'torch']",
+    ]
+    assert layout_rules.neutral_backend_imports() == [
+        f"{PACKAGE}.training.reach imports {PACKAGE}.backend.jax.noise",
+        f"{PACKAGE}.training.reach:5 names {PACKAGE}.backend.jax.noise",
+        f"{PACKAGE}.training.reach:6 names {PACKAGE}.backend.jax.noise",
+    ]
 
 
 def test_nothing_cites_the_internal_design_brief():

@@ -43,7 +43,7 @@ def main(argv=None) -> int:
 
 def _start_backend() -> None:
     try:
-        import keras
+        import keras  # noqa: F401 - a missing backend fails here, named below
     except ImportError as error:
         from keras_noisecurve.backend import missing_backend
 
@@ -54,7 +54,7 @@ def _start_backend() -> None:
 
     from keras_noisecurve import backend
 
-    if keras.backend.backend() in backend.SUPPORTED:  # another backend is refused by the command's own code
+    if backend.supported():  # another backend is refused by the command's own code
         backend.module("devices").probe()  # GPU drivers are probed (and complain) here
 
 

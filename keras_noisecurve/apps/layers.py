@@ -16,10 +16,11 @@ Both are registered for Keras serialization as ``keras_noisecurve>GroupNorm`` an
 ``keras_noisecurve>AdaptiveAveragePooling2D``, so saved ``.keras`` files load after
 ``import keras_noisecurve.apps.layers`` (``keras_noisecurve.apps.models`` imports it).
 Importing this module also registers the ghost-norm rule of ``GroupNorm``, ``GROUP_NORM_RULE``
-(a ``keras_noisecurve.training.LayerRule`` of kind ``"GroupNorm"``: on TensorFlow ``GroupNormRule``,
-a ``Rule`` of the TensorFlow engine; on JAX the JAX engine's group-normalisation rule for this
-class), so the per-layer engine clips it from ``(a, g)`` instead of with its per-layer fallback.
-The module imports no framework: only the kernel of the backend in use is made.
+(a ``keras_noisecurve.training.LayerRule`` of kind ``"GroupNorm"``, made by
+``keras_noisecurve.backend.layer_rules.group_norm_rule``: each backend's group-normalisation
+kernel for this class; on TensorFlow an instance of ``GroupNormRule``, a ``Rule`` of the
+TensorFlow engine), so the per-layer engine clips it from ``(a, g)`` instead of with its
+per-layer fallback. The module imports no framework: only the kernel of the backend in use is made.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ import math
 import keras
 from keras import ops
 
+from keras_noisecurve import backend
 from keras_noisecurve._validation import check_int
-from keras_noisecurve.backend import SUPPORTED
-from keras_noisecurve.training.rules import LayerRule, register_rule
+from keras_noisecurve.backend.layer_rules import group_norm_rule
+from keras_noisecurve.training.rules import register_rule
 
 __all__ = ["GROUP_NORM_RULE", "AdaptiveAveragePooling2D", "GroupNorm", "GroupNormRule"]
 
@@ -120,63 +122,16 @@ class AdaptiveAveragePooling2D(keras.layers.Layer):
         return {**super().get_config(), "output_size": self.output_size}
 
 
-def _group_norm_rule_class():
-    """:class:`GroupNormRule` (TensorFlow's per-layer engine; made on first use, so that this
-    module loads no engine on the JAX backend, whose engine clips ``GroupNorm`` exactly through
-    its per-layer fallback)."""
-    from keras import ops
-
-    from keras_noisecurve.backend.tensorflow.ghost_norm import GroupNormalizationRule
-
-    class GroupNormRule(GroupNormalizationRule):
-        """Ghost-norm rule of :class:`GroupNorm` (the paper CNN's GroupNorm, channels last).
-
-        Same x̂ as its ``call``: ``(x − mean_g) / sqrt(var_g + ε)`` over the spatial axes
-        and the channels of each group; ``gamma``/``beta`` per channel (last axis).
-        """
-
-        kind = "GroupNorm"
-        classes = (GroupNorm,)
-
-        def param_axes(self, layer, rank):
-            return [rank - 1]
-
-        def normalised(self, layer, inputs):
-            x = inputs if keras.backend.standardize_dtype(inputs.dtype) == "float64" else ops.cast(inputs, "float32")
-            channels = x.shape[-1]
-            spatial = list(x.shape[1:-1])
-            grouped = ops.reshape(x, [-1, *spatial, layer.groups, channels // layer.groups])
-            axes = tuple(range(1, len(spatial) + 1)) + (len(spatial) + 2,)
-            mean = ops.mean(grouped, axis=axes, keepdims=True)
-            centred = grouped - mean
-            var = ops.mean(centred * centred, axis=axes, keepdims=True)
-            return ops.reshape(centred / ops.sqrt(var + layer.epsilon), ops.shape(x))
-
-    GroupNormRule.__module__ = __name__
-    return GroupNormRule
-
-
-_RULE_CLASS = None
+#: the ghost-norm rule of :class:`GroupNorm`, one kernel per backend (each backend's
+#: ``ghost_norm.grouped_norm_rule`` for this class, made when the rule is registered)
+GROUP_NORM_RULE = group_norm_rule("GroupNorm", GroupNorm)
 
 
 def __getattr__(name):
-    if name == "GroupNormRule":  # TensorFlow's rule class, made when first asked for
-        global _RULE_CLASS
-        if _RULE_CLASS is None:
-            _RULE_CLASS = _group_norm_rule_class()
-        return _RULE_CLASS
+    if name == "GroupNormRule":  # TensorFlow's rule class (a ghost_forms.Rule), made when first asked for
+        return type(GROUP_NORM_RULE.kernel("tensorflow"))
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def _jax_rule():
-    """The JAX engine's group-normalisation rule for :class:`GroupNorm` (made on the JAX backend only)."""
-    from keras_noisecurve.backend.jax.ghost_norm import grouped_norm_rule
-
-    return grouped_norm_rule(GroupNorm, name="GroupNorm_rule")
-
-
-#: the ghost-norm rule of :class:`GroupNorm`, one kernel per backend
-GROUP_NORM_RULE = LayerRule("GroupNorm", tensorflow=lambda: __getattr__("GroupNormRule")(), jax=_jax_rule)
-
-if keras.backend.backend() in SUPPORTED:  # the layers themselves run on any backend
+if backend.supported():  # the layers themselves run on any backend
     register_rule(GROUP_NORM_RULE)

@@ -2,32 +2,50 @@
 
 Keras 3 runs on several backends; this library supports two, TensorFlow and JAX. Everything
 that touches a framework is in ``keras_noisecurve.backend.tensorflow`` or
-``keras_noisecurve.backend.jax``, with the same module names in each: the private train step
-(``dp_model``), the clipping engines (``clipping``, ``ghost`` with its rule registry
-``ghost_rules`` and one ``ghost_<family>`` module per layer family), Keras's training features
-(``features``), the input pipeline (``pipeline``), the noise generator's array operations
-(``noise``), the optimizer's slot variables and update (``optimizer``), the Hessian-vector
-product (``hvp``), the audits' independent references (``audit``), the devices (``devices``).
-The neutral code above them asks :func:`name` once and imports the module of that backend
-through :func:`module`; it imports no framework. The numpy helpers both backends share are
-here (``philox``, ``calls``, ``affine_scale``, ``messages``, ``model_checks``,
-``class_weight``, ``norm_observer``). ``tests/test_layout.py`` checks the seam: no framework
-import outside its package, the same module names in both (the few one backend has alone
-are listed there, with the reason).
+``keras_noisecurve.backend.jax``. The backend is chosen here and nowhere else: :func:`name`
+reads Keras's backend and :func:`module` imports a module of that backend's package. The
+neutral code above asks :func:`module` for the modules of :data:`MODULES` (the same tuple is
+each package's ``MODULES``) and branches on no backend name: where a backend lacks a feature
+(TensorFlow Privacy, ``tf.distribute`` on JAX) its module refuses it, saying why, and its
+package lists the public names it has not (``REFUSED``, asked through :func:`refuses`).
+
+What every package exports: the modules of :data:`MODULES`, each with the same public names
+(its ``__all__``) on every backend, but for the per-backend extras listed with their reason in
+``tests/backend/test_seam_contract.py``, which checks the contract (and that neutral code asks
+only for these modules, names no backend and imports no backend package). Besides them a
+package has the modules its engine is made of (the ghost-norm kernels, ...). The numpy and
+``keras.ops`` helpers both backends share are here (``philox``, ``calls``, ``layer_rules``,
+``norm_forms``, ``messages``, ``model_checks``, ...).
 
 The backend is Keras's: ``KERAS_BACKEND`` (or ``~/.keras/keras.json``), read when
 ``keras`` is first imported. Importing this package imports neither TensorFlow nor JAX.
-A third backend is one more package beside these two with the same modules.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 
-__all__ = ["SUPPORTED", "missing_backend", "name", "module"]
+__all__ = ["MODULES", "SUPPORTED", "missing_backend", "module", "name", "refuses", "supported"]
 
 #: the Keras backends this library runs on
 SUPPORTED = ("tensorflow", "jax")
+
+#: the modules of a backend package that the neutral code asks :func:`module` for; every
+#: package has them all (its own ``MODULES`` is this tuple)
+MODULES = (
+    "audit",  # the audits' independent references
+    "clipping",  # the vectorized engine (and the TensorFlow engines' public objects)
+    "devices",  # probing the devices, quieting the start-up
+    "distributed",  # fit_distributed's loop (tf.distribute; refused on JAX)
+    "dp_model",  # the private train step, TrainStepBackend
+    "ghost",  # the per-layer engine: describe, register_rule
+    "hvp",  # Hessian-vector products
+    "noise",  # the noise generator's array operations
+    "optimizer",  # the optimizer's slot variables and update, its step counter
+    "pipeline",  # the input pipeline of a run, tf.data inputs
+    "tf_privacy",  # TensorFlow Privacy's DPQuery (refused on JAX)
+)
 
 
 def name() -> str:
@@ -49,9 +67,37 @@ def name() -> str:
     return backend
 
 
+def supported() -> bool:
+    """Whether Keras's backend is one of :data:`SUPPORTED` (no error for another)."""
+    import keras
+
+    return keras.backend.backend() in SUPPORTED
+
+
+def refuses(public_name: str, *, configured: bool = False) -> bool:
+    """Whether the backend in use has not ``public_name``, a public name of the library (its
+    package's ``REFUSED``: JAX has no ``fit_distributed``, ...).
+
+    Args:
+      public_name: e.g. ``"fit_distributed"``.
+      configured: ask of the backend ``KERAS_BACKEND`` names (Keras's default, TensorFlow, when
+        it is unset), read from the environment without importing Keras (for
+        ``keras_noisecurve.__all__``); a backend this library does not run on has none of the
+        names some backend refuses.
+
+    Raises:
+      RuntimeError: as :func:`name`, for a name some backend refuses (``configured=False``).
+    """
+    packages = {b: importlib.import_module(f"keras_noisecurve.backend.{b}") for b in SUPPORTED}
+    if not any(public_name in package.REFUSED for package in packages.values()):
+        return False
+    chosen = os.environ.get("KERAS_BACKEND", "tensorflow") if configured else name()
+    return chosen not in packages or public_name in packages[chosen].REFUSED
+
+
 def module(module_name: str):
-    """The module ``module_name`` of the backend in use, e.g. ``module("noise")`` is
-    ``keras_noisecurve.backend.jax.noise`` under ``KERAS_BACKEND=jax``."""
+    """The module ``module_name`` (one of :data:`MODULES`) of the backend in use, e.g.
+    ``module("noise")`` is ``keras_noisecurve.backend.jax.noise`` under ``KERAS_BACKEND=jax``."""
     return importlib.import_module(f"keras_noisecurve.backend.{name()}.{module_name}")
 
 

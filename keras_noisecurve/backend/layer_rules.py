@@ -24,7 +24,7 @@ import dataclasses
 import importlib
 from typing import Callable, Optional
 
-__all__ = ["BACKENDS", "BUILTIN", "GENERIC", "LayerRule", "table"]
+__all__ = ["BACKENDS", "BUILTIN", "GENERIC", "LayerRule", "group_norm_rule", "table"]
 
 #: the backends a rule can have a kernel for
 BACKENDS = ("tensorflow", "jax")
@@ -85,6 +85,27 @@ def _builtin(backend: str, module: str, name: str):
 
     factory.__qualname__ = f"{backend}.{module}.{name}"
     return factory
+
+
+def _made(backend: str, module: str, function: str, /, *args, **kwargs):
+    """A factory of the kernel ``keras_noisecurve.backend.<backend>.<module>.<function>(*args, **kwargs)``."""
+
+    def factory():
+        return getattr(importlib.import_module(f"keras_noisecurve.backend.{backend}.{module}"), function)(
+            *args, **kwargs)
+
+    factory.__qualname__ = f"{backend}.{module}.{function}"
+    return factory
+
+
+def group_norm_rule(kind: str, cls) -> LayerRule:
+    """The rule of a group normalisation layer class ``cls`` of one's own (exact type) that
+    computes as ``keras.layers.GroupNormalization`` with channels last: attributes ``groups``,
+    ``epsilon``, ``gamma`` and ``beta`` (per channel, either ``None``), mean and variance over the
+    positions and each group's channels. ``kind``: the rule's name. Both backends' kernel is their
+    ``ghost_norm.grouped_norm_rule(cls, name=kind)``, made when the rule is registered."""
+    return LayerRule(kind, **{backend: _made(backend, "ghost_norm", "grouped_norm_rule", cls, name=kind)
+                              for backend in BACKENDS})
 
 
 def _rule(kind, tensorflow=None, jax=None):

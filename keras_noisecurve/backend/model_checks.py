@@ -5,10 +5,11 @@ examples or add data-dependent losses."""
 from __future__ import annotations
 
 import keras
+import numpy as np
 
 from keras_noisecurve import _compat
 
-__all__ = ["ENGINES", "check_model_is_clippable"]
+__all__ = ["ENGINES", "check_model_is_clippable", "input_batch"]
 
 #: the clipping engines of ``make_private(model, clipping=...)``; on JAX every name runs
 #: the ``vmap`` per-example engine of ``keras_noisecurve.backend.jax.dp_model``
@@ -39,3 +40,17 @@ def check_model_is_clippable(model) -> None:
                 f"layer {layer.name!r} has an activity_regularizer: a data-dependent loss that would "
                 "escape per-example clipping. Remove it or add the penalty inside the loss."
             )
+
+
+def input_batch(model):
+    """Two examples of zeros shaped like a functional model's inputs, or ``None`` (a model
+    without inputs of known shape)."""
+    inputs = getattr(model, "inputs", None)
+    try:
+        specs = list(inputs) if inputs else None
+    except TypeError:
+        return None
+    if not specs or any(None in tuple(s.shape)[1:] for s in specs):
+        return None
+    batch = [np.zeros((2, *tuple(s.shape)[1:]), dtype=str(getattr(s.dtype, "name", s.dtype))) for s in specs]
+    return batch[0] if len(batch) == 1 else batch

@@ -128,29 +128,13 @@ class RunData:
                 if check:
                     optimizer.check_plan(data=data)
                 return optimizer.sampling_position()
-        if _backend.name() == "jax":
-            if input_context is not None:
-                raise ValueError("input_context is a tf.distribute argument; the JAX backend has none.")
-            from keras_noisecurve.privacy.step_batches import StepBatches
+        from keras_noisecurve.privacy.step_batches import BatchPlan
 
-            pipeline = _backend.module("pipeline")
+        def built():  # the optimizer's own key, not yet the run's fresh one
+            return optimizer is not None and optimizer.built and optimizer.sampling_key is not None
 
-            def agreed():  # read now and again before fit's first step (a restore), or a loop's iteration
-                built = optimizer is not None and optimizer.built and optimizer.sampling_key is not None
-                # the same in every JAX process, on the same examples in the same order, else refused in all;
-                # compared before this process's own check_plan, whose refusal alone would leave the others waiting
-                step_key = pipeline.agreed_position((*position(check=False), built), self._source.fingerprint())
-                position()
-                return step_key
-
-            parts, part, multiple = pipeline.input_parts()
-            return pipeline.run_batches(StepBatches(run, self._source, agreed(), parts=parts, part=part,
-                                                    multiple=multiple, users=self._users), agreed)
-        from keras_noisecurve.privacy.step_batches import Samplers
-
-        batch_of = Samplers(run, self._source.sample_weight, users=self._users).batch
-        return _backend.module("pipeline").plan_dataset(run, self._source, batch_of=batch_of, position=position,
-                                                        input_context=input_context)
+        plan = BatchPlan(run, self._source, position, built=built, users=self._users)
+        return _backend.module("pipeline").plan_batches(plan, input_context=input_context)
 
     def __iter__(self):
         raise TypeError(

@@ -376,6 +376,6 @@ class _LowLevelPlan:
 
     def dataset(self, optimizer=None, *, with_step=False):
         """Batches ``(x, y, mask)`` (``+ (step,)`` with ``with_step``) from ``optimizer``'s step (0 without)."""
-        from keras_noisecurve.backend.tensorflow import pipeline
+        from keras_noisecurve import backend
 
-        return pipeline.plan_steps_dataset(self, optimizer, with_step=with_step)
+        return backend.module("pipeline").plan_steps_dataset(self, optimizer, with_step=with_step)

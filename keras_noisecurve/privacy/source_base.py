@@ -58,9 +58,9 @@ class ArraySpec:
 
     def tf_spec(self):
         """The ``tf.TensorSpec`` of this leaf (imports TensorFlow)."""
-        from keras_noisecurve.backend.tensorflow import pipeline
+        from keras_noisecurve import backend
 
-        return pipeline.tensor_spec(self)
+        return backend.module("pipeline").tensor_spec(self)
 
 
 def _leading_length(name, structure) -> int:
@@ -215,9 +215,9 @@ class ExampleSource:
         and the spec's dtype. In-memory arrays are ``tf.gather``-ed from constant tensors;
         streamed kinds run ONE ``tf.numpy_function`` per call.
         """
-        from keras_noisecurve.backend.tensorflow import pipeline
+        from keras_noisecurve import backend
 
-        return pipeline.gather(self, indices)
+        return backend.module("pipeline").gather(self, indices)
 
 
 #: arrays (in memory or memory-mapped) of at most this many bytes in all are hashed whole

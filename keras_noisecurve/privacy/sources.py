@@ -166,9 +166,9 @@ def as_source(x, y=None, *, sample_weight=None, example_fn: Optional[Callable] =
     if is_dataset:
         if y is not None or sample_weight is not None:
             raise ValueError("with a tf.data.Dataset input, put y and sample_weight inside the dataset's elements.")
-        from keras_noisecurve.backend.tensorflow import pipeline
+        from keras_noisecurve import backend
 
-        x, y, sample_weight = pipeline.materialize(x, max_bytes=MAX_MATERIALIZED_BYTES)
+        x, y, sample_weight = backend.module("pipeline").materialize(x, max_bytes=MAX_MATERIALIZED_BYTES)
         return _ArraySource(x, y, _length(x, y), sample_weight)
     if is_py_dataset:
         if y is not None:

@@ -1,7 +1,7 @@
 """The batches of a :class:`~keras_noisecurve.privacy.run.PrivateRun` step by step, in
 numpy: what the JAX backend's input pipeline serves (``keras_noisecurve.backend.jax.
 pipeline``) and the per-key sampler cache the ``tf.data`` pipeline (``pipeline.py``)
-shares. Imports no framework.
+shares, handed to the backend's pipeline as a :class:`BatchPlan`. Imports no framework.
 
 Step t's batch is ``(x, y, mask, step)``: the examples of the run's random-access
 :class:`~keras_noisecurve.privacy.sampler.BatchSampler` for the optimizer's sampling
@@ -29,7 +29,7 @@ import numpy as np
 
 from keras_noisecurve.privacy.sampler import truncation_warning
 
-__all__ = ["Samplers", "StepBatches", "blank_rows"]
+__all__ = ["BatchPlan", "Samplers", "StepBatches", "blank_rows"]
 
 
 def _blank(leaf, keep):
@@ -186,3 +186,31 @@ class StepBatches:
         indices, mask = indices[rows], mask[rows]
         xb, yb = self.source.gather(indices)
         return blank_rows(xb, mask), blank_rows(yb, mask), mask, np.full(mask.shape, t, dtype=np.int32)
+
+
+class BatchPlan:
+    """What the backend's input pipeline (``backend.module("pipeline").plan_batches``) serves a
+    run's batches from (``RunData.batches``): the numpy parts, made here.
+
+    Args:
+      run: the ``PrivateRun``; source: the ``ExampleSource`` of its examples.
+      position: ``position(check=True) -> (step, key)``, where the batches start (the
+        optimizer's step and sampling key, read when they start: after any restore;
+        ``check``: the optimizer's ``check_plan`` first).
+      built: ``built() -> bool``, whether the optimizer holds its own sampling key (a built
+        optimizer's), not yet the run's fresh one.
+      users: a user-level run's :class:`~keras_noisecurve.privacy.users.UserTable`.
+    """
+
+    def __init__(self, run, source, position, *, built, users=None):
+        self.run, self.source, self.position, self.built, self.users = run, source, position, built, users
+
+    def sampler(self):
+        """``batch_of(step, key) -> (indices, mask)``: the run's :class:`Samplers` (for a pipeline
+        that gathers the examples itself)."""
+        return Samplers(self.run, self.source.sample_weight, users=self.users).batch
+
+    def step_batches(self, position, *, parts=1, part=0, multiple=1) -> StepBatches:
+        """The numpy :class:`StepBatches` from ``position`` ``(step, key)``."""
+        return StepBatches(self.run, self.source, position, parts=parts, part=part, multiple=multiple,
+                           users=self.users)

@@ -53,8 +53,9 @@ def _backend_module():
 
 
 def _needs_patch() -> bool:
-    """Whether the backend's moments stop the mean's gradient (TensorFlow does, JAX does not)."""
-    return backend.name() == "tensorflow"
+    """Whether the backend's moments stop the mean's gradient (TensorFlow does, JAX does not:
+    ``hvp.EXACT_MOMENTS``)."""
+    return not backend.module("hvp").EXACT_MOMENTS
 
 
 def exact_moments_available() -> bool:

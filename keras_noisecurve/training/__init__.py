@@ -23,7 +23,6 @@ import importlib
 # package imports no framework and the TensorFlow-only parts (the clipping engines, the
 # ghost-norm rules, fit_distributed) load only where they are used
 _EXPORTS = {
-    "ClippedSum": "keras_noisecurve.backend.tensorflow.clipping",
     "LayerRule": "keras_noisecurve.training.rules",
     "LinearCooldown": "keras_noisecurve.training.schedules",
     "MultiplierSchedule": "keras_noisecurve.training.schedules",
@@ -33,34 +32,33 @@ _EXPORTS = {
     "StreamNoise": "keras_noisecurve.training.noise",
     "describe": "keras_noisecurve.training.rules",
     "fit_distributed": "keras_noisecurve.training.distributed",
-    "get_engine": "keras_noisecurve.backend.tensorflow.clipping",
     "learning_rate_schedule": "keras_noisecurve.training.schedules",
     "make_private": "keras_noisecurve.training.dp_model",
     "register_rule": "keras_noisecurve.training.rules",
     "replace_batch_normalization": "keras_noisecurve.training.batchnorm",
-    "vectorized_clipped_sum": "keras_noisecurve.backend.tensorflow.clipping",
 }
 
-#: names that exist on the TensorFlow backend only
-TENSORFLOW_ONLY = ("ClippedSum", "fit_distributed", "get_engine", "vectorized_clipped_sum")
+#: public names that are objects of the backend's engines, from its ``clipping`` module
+#: (``keras_noisecurve.backend.module("clipping")``); only TensorFlow has them
+_FROM_CLIPPING = ("ClippedSum", "get_engine", "vectorized_clipped_sum")
 
-__all__ = sorted(_EXPORTS)
+__all__ = sorted({*_EXPORTS, *_FROM_CLIPPING})
 
 
 def __getattr__(name: str):
-    if name in _EXPORTS:
-        if name in TENSORFLOW_ONLY:
-            from keras_noisecurve import backend
+    if name not in _EXPORTS and name not in _FROM_CLIPPING:
+        raise AttributeError(f"module 'keras_noisecurve.training' has no attribute {name!r}")
+    from keras_noisecurve import backend
 
-            if backend.name() != "tensorflow":
-                raise AttributeError(
-                    f"keras_noisecurve.training.{name} is part of the TensorFlow backend (KERAS_BACKEND="
-                    f"tensorflow); under {backend.name()!r} make_private(model) clips per example itself."
-                )
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'keras_noisecurve.training' has no attribute {name!r}")
+    if backend.refuses(name):  # fit_distributed and the TensorFlow engines' objects on JAX
+        raise AttributeError(
+            f"keras_noisecurve.training.{name} is part of the TensorFlow backend (KERAS_BACKEND="
+            f"tensorflow); under {backend.name()!r} make_private(model) clips per example itself."
+        )
+    owner = backend.module("clipping") if name in _FROM_CLIPPING else importlib.import_module(_EXPORTS[name])
+    value = getattr(owner, name)
+    globals()[name] = value
+    return value
 
 
 def __dir__():

@@ -24,12 +24,7 @@ _STRATEGY_HELPERS = ("assert_same_on_all_workers", "is_chief", "worker_checkpoin
 
 
 def __getattr__(name):
-    if name in _STRATEGY_HELPERS:
-        if _backend.name() != "tensorflow":
-            raise AttributeError(
-                f"keras_noisecurve.training.distributed.{name} is a helper of tf.distribute strategies "
-                f"(KERAS_BACKEND=tensorflow); the backend is {_backend.name()!r}."
-            )
+    if name in _STRATEGY_HELPERS:  # a backend without tf.distribute refuses them there, saying why
         return getattr(_backend.module("distributed"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
@@ -169,11 +164,8 @@ def fit_distributed(
         mode or that writes state from the data (the batch probe, on the run's first
         examples or the first batch of ``dataset_fn``, as ``fit`` does).
     """
-    if _backend.name() != "tensorflow":
-        raise RuntimeError(
-            f"fit_distributed is the training loop of tf.distribute strategies (KERAS_BACKEND=tensorflow); under "
-            f"{_backend.name()!r} call model.fit, which runs over several processes itself (docs/distributed.md)."
-        )
+    loop = _backend.module("distributed")
+    loop.check_supported()  # RuntimeError on a backend without tf.distribute
     _check_model(model)
     if isinstance(callbacks, (list, tuple)):
         log_guard.check_callbacks(callbacks)  # none may steer the run by a training log
@@ -201,7 +193,7 @@ def fit_distributed(
             "steps=None runs to the end of the optimizer's privacy plan, but its mixing is 'dpsgd' (C = I without "
             "a step plan): pass steps=<number of steps>, or use mixing=MixingMatrix.identity(T)."
         )
-    return _backend.module("distributed").train(
+    return loop.train(
         model, dataset_fn, run_steps=None if run is None else run.steps, plan_steps=plan_steps, steps=steps,
         strategy=strategy, callbacks=callbacks, verbose=verbose, skip_done_steps=skip_done_steps,
         fingerprint=fingerprint, data_fingerprint=data_fingerprint, probe_rows=rows,

@@ -18,7 +18,6 @@ loss, weighted mean over the batch); ``predict_step`` is Keras's own.
 
 from __future__ import annotations
 
-import importlib
 import sys
 
 import keras
@@ -38,13 +37,9 @@ __all__ = ["PrivateModel", "make_private"]
 
 _PACKAGE = "keras_noisecurve"
 
-#: the module of each backend's ``TrainStepBackend`` (the private ``train_step`` and what
-#: ``fit`` needs around it); a third backend is one more entry
-IMPLEMENTATIONS = {
-    "tensorflow": "keras_noisecurve.backend.tensorflow.dp_model",
-    "jax": "keras_noisecurve.backend.jax.dp_model",
-}
-_impl = importlib.import_module(IMPLEMENTATIONS[_backend.name()])
+#: the backend's ``dp_model``, whose ``TrainStepBackend`` is the private ``train_step`` and what
+#: ``fit`` needs around it
+_impl = _backend.module("dp_model")
 
 
 def _not_the_plan(planned):

@@ -410,7 +410,7 @@ class NoiseCurveOptimizer(ClipNorm, _impl.OptimizerBackend, keras.optimizers.Opt
         # the key drawn in this process: a restore that replaces it before the first step is seen
         # (a build traced inside the first step is never restored before that step)
         self._dp_fresh_noise_key = None
-        if _compat.executing_eagerly():
+        if _impl.executing_eagerly():
             self._dp_fresh_noise_key = np.asarray(keras.ops.convert_to_numpy(self._noise_key.value)).copy()
         # the plan words (plan_state): what epsilon depends on, saved and restored with the step
         self._plan = self.add_variable(

@@ -66,13 +66,11 @@ _INNER_REFUSED = {
 
 def check_backend():
     """Refuse a Keras backend this library does not run on (``RuntimeError``, from
-    ``keras_noisecurve.backend.name``): TensorFlow and JAX are supported."""
+    ``keras_noisecurve.backend.name``): TensorFlow and JAX are supported; then let the backend
+    get ready for the optimizer's first variable (``devices.before_first_variable``)."""
     from keras_noisecurve import backend
 
-    if backend.name() == "tensorflow":
-        from keras_noisecurve._quiet import probe_devices_quietly
-
-        probe_devices_quietly()  # no "failed call to cuInit" from our first variable on a CPU machine
+    backend.module("devices").before_first_variable()
 
 
 def check_kwargs(kwargs: dict) -> dict:

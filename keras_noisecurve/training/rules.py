@@ -17,8 +17,6 @@ rule with both kernels (``keras_noisecurve/apps/layers.py``).
 
 from __future__ import annotations
 
-import numpy as np
-
 from keras_noisecurve import backend as _backend
 from keras_noisecurve.backend.layer_rules import LayerRule
 
@@ -37,20 +35,7 @@ def register_rule(rule) -> None:
     Raises:
       TypeError: ``rule`` is neither, or its kernel is not a kernel of this backend.
     """
-    _backend.module("ghost_rules").register_rule(rule)
-
-
-def _input_batch(model):
-    """Two examples of zeros shaped like a functional model's inputs, or ``None``."""
-    inputs = getattr(model, "inputs", None)
-    try:
-        specs = list(inputs) if inputs else None
-    except TypeError:
-        return None
-    if not specs or any(None in tuple(s.shape)[1:] for s in specs):
-        return None
-    batch = [np.zeros((2, *tuple(s.shape)[1:]), dtype=str(getattr(s.dtype, "name", s.dtype))) for s in specs]
-    return batch[0] if len(batch) == 1 else batch
+    _backend.module("ghost").register_rule(rule)
 
 
 def describe(model, x=None, *, inside: bool = False) -> list:
@@ -73,14 +58,4 @@ def describe(model, x=None, *, inside: bool = False) -> list:
     Raises:
       ValueError: on JAX, ``x`` is ``None`` and the model has no inputs of known shape.
     """
-    ghost = _backend.module("ghost")
-    if _backend.name() == "tensorflow":
-        return ghost.describe(model, inside=inside)
-    if x is None:
-        x = _input_batch(model)
-        if x is None:
-            raise ValueError(
-                f"describe(model) on {_backend.name()} traces one step: pass a batch of the model's inputs, "
-                f"describe(model, x[:2]) (model {getattr(model, 'name', model)!r} has no inputs of known shape)."
-            )
-    return ghost.describe(model, x, inside=inside)
+    return _backend.module("ghost").describe(model, x, inside=inside)

@@ -86,12 +86,13 @@ def _learning_rates(learning_rate, steps):
     """η_t for t = 0 … steps − 1 (float64), from a float, a variable or a
     ``LearningRateSchedule``; ``None`` for a zero-argument callable (unknown)."""
     if isinstance(learning_rate, keras.optimizers.schedules.LearningRateSchedule):
+        step_dtype = _step_dtype()
         try:  # most schedules are elementwise: one call for all steps
-            rates = np.asarray(_numpy(learning_rate(keras.ops.arange(steps, dtype=_STEP_DTYPE))), dtype=np.float64)
+            rates = np.asarray(_numpy(learning_rate(keras.ops.arange(steps, dtype=step_dtype))), dtype=np.float64)
         except Exception:  # noqa: BLE001 - e.g. a schedule with a tf.cond on the step
             rates = None
         if rates is None or rates.shape != (steps,):
-            rates = np.array([float(_numpy(learning_rate(keras.ops.convert_to_tensor(t, dtype=_STEP_DTYPE)))) for t in range(steps)])
+            rates = np.array([float(_numpy(learning_rate(keras.ops.convert_to_tensor(t, dtype=step_dtype)))) for t in range(steps)])
         return rates
     if isinstance(learning_rate, keras.Variable) or _compat.is_backend_variable(learning_rate):
         return np.full(steps, float(_numpy(learning_rate)))
@@ -100,9 +101,12 @@ def _learning_rates(learning_rate, steps):
     return np.full(steps, float(learning_rate))
 
 
-#: the step's dtype given to a schedule: int64 as the optimizer's counter on TensorFlow;
-#: JAX without x64 has no int64 (its counters are int32)
-_STEP_DTYPE = "int32" if keras.backend.backend() == "jax" else "int64"
+def _step_dtype() -> str:
+    """The step's dtype given to a schedule: the optimizer's counter's, the backend's
+    (int64 on TensorFlow; int32 on JAX, which has no int64 without x64)."""
+    from keras_noisecurve import backend
+
+    return backend.module("optimizer").STEP_DTYPE
 
 
 def _numpy(value):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import jax
 
-__all__ = ["probe", "quiet_python_logs"]
+__all__ = ["before_first_variable", "probe", "quiet_python_logs"]
 
 
 def probe() -> None:
@@ -14,3 +14,7 @@ def probe() -> None:
 
 def quiet_python_logs() -> None:
     """Nothing to hold back: JAX's Python notices are warnings, shown once."""
+
+
+def before_first_variable() -> None:
+    """Nothing to do: JAX's first variable prints no start-up notices."""

@@ -63,9 +63,10 @@ from keras_noisecurve.backend import layer_rules, norm_observer, units
 from keras_noisecurve.backend.calls import training_kwargs, wrapped_calls
 from keras_noisecurve.backend.clip import clip_factors
 from keras_noisecurve.backend.jax import ghost_rows
-from keras_noisecurve.backend.jax.ghost_rules import find_rule, kept, uses_pre_activation
+from keras_noisecurve.backend.jax.ghost_rules import find_rule, kept, register_rule, uses_pre_activation
+from keras_noisecurve.backend.model_checks import input_batch
 
-__all__ = ["describe", "ghost_clipped_sum", "ghost_norms", "targets"]
+__all__ = ["describe", "ghost_clipped_sum", "ghost_norms", "register_rule", "targets"]
 
 _F32 = jnp.float32
 
@@ -518,7 +519,7 @@ def ghost_clipped_sum(model, loss_fn, trainable, non_trainable, x, y, weights, *
     return sums, (norms if k == 1 else units.per_row(norms, k)), losses, y_pred, ntv
 
 
-def describe(model, x, *, inside: bool = False) -> list:
+def describe(model, x=None, *, inside: bool = False) -> list:
     """``[(layer name, class, how)]`` for every layer with trainable weights, as the ghost engine
     clips it in a step on a batch shaped like ``x``: ``how`` is the rule's kind (``"Dense"``,
     ``"Conv"``, …: ``layer_rules.BUILTIN``, as on TensorFlow), ``"generic"`` for the exact per-layer
@@ -529,8 +530,17 @@ def describe(model, x, *, inside: bool = False) -> list:
     the layers under a caller too, right after it, with ``how`` = ``"through '<caller name>'"``.
 
     The step is traced on abstract values (``jax.eval_shape``: nothing is computed); ``x`` is a
-    batch of inputs (any number of examples ≥ 1), or a structure of ``jax.ShapeDtypeStruct``.
+    batch of inputs (any number of examples ≥ 1), or a structure of ``jax.ShapeDtypeStruct``;
+    ``None``: two examples of zeros shaped like a functional model's inputs (``ValueError`` for a
+    model without inputs of known shape).
     """
+    if x is None:
+        x = input_batch(model)
+        if x is None:
+            raise ValueError(
+                "describe(model) on jax traces one step: pass a batch of the model's inputs, "
+                f"describe(model, x[:2]) (model {getattr(model, 'name', model)!r} has no inputs of known shape)."
+            )
     if not isinstance(inside, bool):
         raise TypeError(f"inside must be True or False, got {inside!r}.")
     leaves = jax.tree_util.tree_leaves(x)

@@ -20,7 +20,11 @@ import numpy as np
 
 from keras_noisecurve.backend.calls import training_kwargs
 
-__all__ = ["HVPEngine", "per_example_gradient_norms", "sgd_step_fn"]
+__all__ = ["EXACT_MOMENTS", "HVPEngine", "per_example_gradient_norms", "sgd_step_fn"]
+
+#: whether Hessian-vector products through ``keras.ops.moments`` are exact: yes, Keras's
+#: ``moments`` computes the variance with ``jnp.var``, whose derivatives follow the mean
+EXACT_MOMENTS = True
 
 
 def _values(variables):

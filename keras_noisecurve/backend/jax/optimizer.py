@@ -29,7 +29,17 @@ from keras_noisecurve.backend.jax import noise as jax_noise
 from keras_noisecurve.backend.jax import pipeline as jax_pipeline
 from keras_noisecurve.backend.jax import sharding as jax_sharding
 
-__all__ = ["OptimizerBackend", "int64_words", "words_int64"]
+__all__ = ["STEP_DTYPE", "OptimizerBackend", "executing_eagerly", "int64_words", "words_int64"]
+
+#: the dtype of the optimizer's step counter, given to a learning-rate schedule: JAX without
+#: x64 has no int64 (Keras's counters are int32)
+STEP_DTYPE = "int32"
+
+
+def executing_eagerly() -> bool:
+    """Whether values can be read now: always, outside a trace (Keras builds the optimizer
+    outside ``jit``)."""
+    return True
 
 
 def int64_words(key) -> np.ndarray:

@@ -1,5 +1,5 @@
 """The input pipeline of a private run on JAX: the plan's batches as a
-``keras.utils.PyDataset``.
+``keras.utils.PyDataset`` (:func:`plan_batches`).
 
 ``run_batches(batches, position)`` wraps the numpy step batches of a run (an object with
 ``len()`` and ``batches[i] -> (x, y, mask, step)``, ``keras_noisecurve.privacy.
@@ -23,9 +23,17 @@ key, on the same examples in the same order: before the first batch they compare
 ``process_allgather`` of the step, the key and the data's fingerprint) and every process
 refuses when one differs; a fresh run's key is process 0's (:func:`agreed_position`; the
 optimizer's ``build`` broadcasts its keys the same way, :func:`shared_key`).
+
+``tf.data`` inputs (a ``tf.data.Dataset`` of examples, ``banded_poisson_dataset``, an example
+source's tensors in a ``tf.data`` map function) are TensorFlow's on any Keras backend: a
+program that made a ``tf.data.Dataset`` has TensorFlow. :func:`gather`, :func:`tensor_spec`,
+:func:`materialize` and :func:`plan_steps_dataset` hand them to the TensorFlow backend's
+pipeline, imported when one is used (numpy sources never import TensorFlow here).
 """
 
 from __future__ import annotations
+
+import importlib
 
 import jax
 import keras
@@ -34,9 +42,7 @@ from jax.experimental import multihost_utils
 
 from keras_noisecurve.backend.run_batch import STEP_KEY
 
-__all__ = ["STEP_KEY", "RunBatches", "agreed_position", "batch_shards", "input_parts", "run_batches", "shared_key"]
-
-#: the key of a batch's step inside the inputs of a ``RunBatches`` item
+__all__ = ["RunBatches", "gather", "materialize", "plan_batches", "plan_steps_dataset", "shared_key", "tensor_spec"]
 
 
 class RunBatches(keras.utils.PyDataset):
@@ -216,3 +222,48 @@ def run_batches(batches, position=None) -> RunBatches:
     """``batches`` (``StepBatches``) as a :class:`RunBatches` ``PyDataset``, which reads
     ``position()`` (the optimizer's agreed position) again when it restarts."""
     return RunBatches(batches, position)
+
+
+def plan_batches(plan, input_context=None) -> RunBatches:
+    """``RunData.batches(...)`` on JAX: a :class:`RunBatches` of the run's ``BatchPlan``
+    (``keras_noisecurve.privacy.step_batches``), this process's rows of each step, starting at
+    the position every process agrees on (:func:`agreed_position`, read now and again when the
+    batches restart). ``input_context`` (a ``tf.distribute`` argument) is refused."""
+    if input_context is not None:
+        raise ValueError("input_context is a tf.distribute argument; the JAX backend has none.")
+
+    def agreed():  # read now and again before fit's first step (a restore), or a loop's iteration
+        # the same in every JAX process, on the same examples in the same order, else refused in all;
+        # compared before this process's own check_plan, whose refusal alone would leave the others waiting
+        step_key = agreed_position((*plan.position(check=False), plan.built()), plan.source.fingerprint())
+        plan.position()
+        return step_key
+
+    parts, part, multiple = input_parts()
+    return run_batches(plan.step_batches(agreed(), parts=parts, part=part, multiple=multiple), agreed)
+
+
+# ------------------------------------------------------------ tf.data inputs: TensorFlow's
+def _tf_data():
+    """The TensorFlow backend's pipeline (imports TensorFlow): ``tf.data`` is TensorFlow's."""
+    return importlib.import_module("keras_noisecurve.backend.tensorflow.pipeline")
+
+
+def gather(source, indices) -> tuple:
+    """An example source's rows as tensors in a ``tf.data`` map function: TensorFlow's ``gather``."""
+    return _tf_data().gather(source, indices)
+
+
+def tensor_spec(spec):
+    """The ``tf.TensorSpec`` of one leaf of an example: TensorFlow's ``tensor_spec``."""
+    return _tf_data().tensor_spec(spec)
+
+
+def materialize(dataset, *, max_bytes: int):
+    """A ``tf.data.Dataset`` of examples read into numpy: TensorFlow's ``materialize``."""
+    return _tf_data().materialize(dataset, max_bytes=max_bytes)
+
+
+def plan_steps_dataset(plan, optimizer=None, *, with_step=False):
+    """The ``tf.data.Dataset`` of ``banded_poisson_dataset``'s low-level plan: TensorFlow's."""
+    return _tf_data().plan_steps_dataset(plan, optimizer, with_step=with_step)

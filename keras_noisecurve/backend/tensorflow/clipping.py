@@ -22,23 +22,17 @@ import keras
 import tensorflow as tf
 
 from keras_noisecurve import _compat
-from keras_noisecurve._losses import per_example_loss_fn
+from keras_noisecurve._losses import per_example_loss_fn  # noqa: F401 - callers import it from here
 from keras_noisecurve._validation import check_choice, check_float, check_int
 from keras_noisecurve.backend import units
 from keras_noisecurve.backend.clip import clip_factors
 from keras_noisecurve.backend.tensorflow import ghost
 from keras_noisecurve.backend.tensorflow.clipped_sum import ClippedSum, chunked_clipped_sum
-from keras_noisecurve.backend.model_checks import ENGINES, check_model_is_clippable
+from keras_noisecurve.backend.model_checks import ENGINES, check_model_is_clippable  # noqa: F401 - ditto
 
-__all__ = [
-    "ClippedSum",
-    "vectorized_clipped_sum",
-    "per_example_loss_fn",
-    "add_regularization",
-    "check_model_is_clippable",
-    "get_engine",
-    "ENGINES",
-]
+#: what this module defines, and ClippedSum (clipped_sum's), the engines' result; the neutral
+#: helpers imported here (ENGINES, check_model_is_clippable, per_example_loss_fn) are their modules'
+__all__ = ["ClippedSum", "add_regularization", "get_engine", "vectorized_clipped_sum"]
 
 def _trainable(model):
     variables = list(model.trainable_variables)

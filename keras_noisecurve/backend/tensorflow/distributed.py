@@ -57,7 +57,11 @@ from keras_noisecurve._validation import check_int
 from keras_noisecurve.backend import batch_probe
 from keras_noisecurve.backend.tensorflow import features
 
-__all__ = ["assert_same_on_all_workers", "fit_distributed", "is_chief", "worker_checkpoint_dir"]
+__all__ = ["assert_same_on_all_workers", "check_supported", "is_chief", "train", "worker_checkpoint_dir"]
+
+
+def check_supported() -> None:
+    """Nothing to refuse: :func:`train` is the loop of ``tf.distribute`` strategies."""
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 

@@ -67,17 +67,17 @@ from keras_noisecurve._validation import check_int
 from keras_noisecurve.backend import norm_observer, units
 from keras_noisecurve.backend.calls import wrapped_calls
 from keras_noisecurve.backend.clip import clip_factors
-from keras_noisecurve.backend.norm_observer import observe_layer_norms  # noqa: F401 - re-exported
+from keras_noisecurve.backend.norm_observer import observe_layer_norms  # noqa: F401 - dp_model reads it here
 from keras_noisecurve.backend.tensorflow.clipped_sum import ClippedSum, chunked_clipped_sum
 from keras_noisecurve.backend.tensorflow import ghost_rows
 from keras_noisecurve.backend.tensorflow.ghost_generic import CallerRule, GenericRule, RNNFallbackRule, owned_trainable
-from keras_noisecurve.backend.tensorflow.ghost_rules import find_rule
+from keras_noisecurve.backend.tensorflow.ghost_rules import find_rule, register_rule
 from keras_noisecurve.backend.tensorflow.ghost_reads import callers as callers_of_reads, check_reads
 
 _GENERIC = GenericRule()
 _CALLER = CallerRule()
 
-__all__ = ["describe", "ghost_clipped_sum", "observe_layer_norms", "plan", "supports"]
+__all__ = ["describe", "ghost_clipped_sum", "plan", "register_rule", "supports"]
 
 
 # ------------------------------------------------------------------ the plan
@@ -221,13 +221,14 @@ def supports(model):
     return True, ""
 
 
-def describe(model, *, inside: bool = False) -> list:
+def describe(model, x=None, *, inside: bool = False) -> list:
     """``[(layer name, class, how)]`` for every layer with trainable weights: ``how`` is
     the rule's kind (e.g. ``"Dense"``) or ``"generic"`` for the per-layer fallback; a caller
     that clips the layers under it (rows that are not examples, weights read outside their
     layer's call; also a TimeDistributed or recurrent layer with its sublayers) is listed
     in their place. ``inside=True`` lists those layers too, each right after its caller,
-    with ``how`` = ``"through '<caller name>'"``."""
+    with ``how`` = ``"through '<caller name>'"``. ``x`` (a batch of inputs) is not needed:
+    this engine plans from the layers."""
     if not isinstance(inside, bool):
         raise TypeError(f"inside must be True or False, got {inside!r}.")
     trainable = {id(v) for v in model.trainable_variables}

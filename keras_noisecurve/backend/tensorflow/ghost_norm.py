@@ -1,12 +1,14 @@
 """Ghost-clipping rules for per-example normalisation layers (scale ``gamma``, offset ``beta``).
 
 ``LayerNormalization`` and ``GroupNormalization``; BatchNormalization mixes examples and
-has no rule. Other channels-last group normalisations subclass :class:`GroupNormalizationRule`
-and register through :func:`keras_noisecurve.backend.tensorflow.ghost_rules.register_rule` (the bundled
-``keras_noisecurve.apps.layers.GroupNorm`` does).
+has no rule. Another channels-last group normalisation class gets its rule from
+:func:`grouped_norm_rule` (``keras_noisecurve.backend.layer_rules.group_norm_rule``, as the
+bundled ``keras_noisecurve.apps.layers.GroupNorm`` does), a subclass of :class:`GroupNormalizationRule`.
 """
 
 from __future__ import annotations
+
+import functools
 
 import keras
 import tensorflow as tf
@@ -202,3 +204,45 @@ class GroupNormalizationRule(_ChannelsLastGroupsRule):
         mean, variance = tf.nn.moments(grouped, axes=reduce_axes, keepdims=True)
         xhat = (grouped - mean) * tf.math.rsqrt(variance + layer.epsilon)
         return tf.reshape(xhat, shape)
+
+
+@functools.lru_cache(maxsize=None)
+def _grouped_rule_class(cls, name: str) -> type:
+    """The rule class of :func:`grouped_norm_rule` (one per layer class and name, so that a rule
+    registered again is the same rule)."""
+
+    class Grouped(GroupNormalizationRule):
+        """Ghost-norm rule of a group normalisation over the channels (last axis), as
+        ``keras.layers.GroupNormalization`` computes it: ``(x − mean_g) / sqrt(var_g + ε)`` over the
+        positions and the channels of each group; ``gamma``/``beta`` per channel."""
+
+        kind = name
+        classes = (cls,)
+
+        def param_axes(self, layer, rank):
+            return [rank - 1]
+
+        def normalised(self, layer, inputs):
+            x = inputs if keras.backend.standardize_dtype(inputs.dtype) == "float64" else keras.ops.cast(
+                inputs, "float32")
+            channels = x.shape[-1]
+            spatial = list(x.shape[1:-1])
+            grouped = keras.ops.reshape(x, [-1, *spatial, layer.groups, channels // layer.groups])
+            axes = tuple(range(1, len(spatial) + 1)) + (len(spatial) + 2,)
+            mean = keras.ops.mean(grouped, axis=axes, keepdims=True)
+            centred = grouped - mean
+            var = keras.ops.mean(centred * centred, axis=axes, keepdims=True)
+            return keras.ops.reshape(centred / keras.ops.sqrt(var + layer.epsilon), keras.ops.shape(x))
+
+    Grouped.__name__ = Grouped.__qualname__ = f"{cls.__name__}Rule"
+    return Grouped
+
+
+def grouped_norm_rule(cls, *, name: str):
+    """The rule of a group normalisation layer class ``cls`` (exact type; a subclass is not
+    taken): channels on the last axis, ``layer.groups`` groups, mean and variance over the
+    positions and each group's channels, ``layer.epsilon``, and ``gamma``/``beta`` per channel
+    (either may be ``None``), as ``keras.layers.GroupNormalization`` computes. ``name``: the
+    rule's kind (what ``describe`` reports). The JAX engine's function of the same name takes the
+    same arguments."""
+    return _grouped_rule_class(cls, name)()

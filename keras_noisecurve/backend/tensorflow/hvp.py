@@ -15,7 +15,12 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["HVPEngine", "per_example_gradient_norms", "sgd_step_fn"]
+__all__ = ["EXACT_MOMENTS", "HVPEngine", "per_example_gradient_norms", "sgd_step_fn"]
+
+#: whether Hessian-vector products through ``keras.ops.moments`` are exact: no, Keras's
+#: ``moments`` is ``tf.nn.moments``, whose variance stops the mean's gradient (second
+#: derivatives miss the mean's path; ``spectrum.moments.exact_moments`` patches it)
+EXACT_MOMENTS = False
 
 
 class HVPEngine:

@@ -18,7 +18,15 @@ import tensorflow as tf
 from keras_noisecurve import _compat
 from keras_noisecurve.backend.tensorflow.noise import normal_from_seed, step_seed, variable_seed
 
-__all__ = ["OptimizerBackend"]
+__all__ = ["STEP_DTYPE", "OptimizerBackend", "executing_eagerly"]
+
+#: the dtype of the optimizer's step counter (``iterations``), given to a learning-rate schedule
+STEP_DTYPE = "int64"
+
+
+def executing_eagerly() -> bool:
+    """Whether values can be read now: ``tf.executing_eagerly()`` (False inside a ``tf.function``)."""
+    return bool(tf.executing_eagerly())
 
 
 class OptimizerBackend:

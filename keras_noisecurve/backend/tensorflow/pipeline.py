@@ -1,10 +1,11 @@
 """The ``tf.data`` side of the example sources and of a :class:`~keras_noisecurve.privacy.run.PrivateRun`.
 
-- :func:`plan_dataset`: the run's batches as a ``tf.data.Dataset``, below.
+- :func:`plan_batches`: the run's batches as a ``tf.data.Dataset``, below.
 - :func:`gather`, :func:`tensor_spec`: an example source's rows as tensors in a ``tf.data``
   map function (``ExampleSource.tf_gather``, ``.element_spec``).
 - :func:`materialize`: a ``tf.data.Dataset`` of examples read into numpy, the source of a
-  run given one (on either backend: a program that made a ``tf.data.Dataset`` has TensorFlow).
+  run given one (on either backend: a program that made a ``tf.data.Dataset`` has TensorFlow;
+  the JAX backend's pipeline hands its ``tf.data`` work here).
 - :func:`plan_steps_dataset`: the batches of ``banded_poisson_dataset``'s low-level plan.
 
 Per step t the pipeline asks the run's random-access sampler for the batch's example
@@ -25,7 +26,7 @@ import numpy as np
 import tensorflow as tf
 
 
-__all__ = ["blank_rows", "gather", "materialize", "plan_dataset", "plan_steps_dataset", "replicas_in_sync", "tensor_spec"]
+__all__ = ["gather", "materialize", "plan_batches", "plan_steps_dataset", "tensor_spec"]
 
 
 def replicas_in_sync() -> int:
@@ -33,12 +34,14 @@ def replicas_in_sync() -> int:
     return int(tf.distribute.get_strategy().num_replicas_in_sync)
 
 
-def plan_dataset(run, source, *, batch_of, position, input_context=None):
-    """``RunData.batches(...)``; see :meth:`RunData.batches` for the elements. ``source``:
-    the run's ``ExampleSource``; ``batch_of(step, key)``: the step's ``(indices, mask)``
-    (int64 (≤ P,), float32 (≤ P,)), the run's samplers; ``position()``: ``(step, key)`` where
-    iteration starts. A user-level run's batches are its ``run.padded_rows`` = P·k rows
-    (k per user slot); it refuses ``input_context`` and more than one replica in sync."""
+def plan_batches(plan, input_context=None):
+    """``RunData.batches(...)`` as a ``tf.data.Dataset``; see :meth:`RunData.batches` for the
+    elements. ``plan``: the run's ``BatchPlan`` (``keras_noisecurve.privacy.step_batches``):
+    its ``sampler()`` gives the step's ``(indices, mask)`` (int64 (≤ P,), float32 (≤ P,)), its
+    ``position()`` the ``(step, key)`` where iteration starts, read when the dataset is iterated.
+    A user-level run's batches are its ``run.padded_rows`` = P·k rows (k per user slot); it
+    refuses ``input_context`` and more than one replica in sync."""
+    run, source, position, batch_of = plan.run, plan.source, plan.position, plan.sampler()
     if run.privacy_unit == "user" and (input_context is not None or replicas_in_sync() > 1):
         raise ValueError(
             f"a user-level run (privacy_unit='user') trains on one replica: its batches are whole user slots of "

@@ -1,0 +1,156 @@
+"""The backend seam is a contract (read statically; no framework is imported).
+
+- Every backend package has the same module list, ``MODULES`` in its ``__init__.py``, which is
+  ``keras_noisecurve.backend.MODULES``, and every module of it is a file of every package.
+- Neutral code (outside ``keras_noisecurve/backend/``) asks ``keras_noisecurve.backend.module(X)``
+  only for an X of that list, spelled as a string.
+- The modules of the list export the same public names (``__all__``) on every backend, but for
+  the per-backend extras of :data:`EXTRAS`, each with its reason.
+- What a backend has not is its package's ``REFUSED``, public names of the library.
+- One backend package imports another only where :data:`CROSS_IMPORTS` says why.
+
+``tests/test_layout.py`` checks the rest of the seam: no framework import outside its package, no
+backend-name branch and no import of a backend package in neutral code, no back-arrow.
+"""
+
+from __future__ import annotations
+
+import ast
+
+from tests import layout_rules
+from tests.layout_rules import PACKAGE, ROOT
+
+BACKENDS = tuple(layout_rules.FRAMEWORKS)
+
+#: ``(module, backend)`` -> {public name: why only this backend's module has it}. Each is a part of
+#: that backend's engine that its own modules use (neutral code never asks for it), or what only
+#: TensorFlow has (its module on JAX refuses it).
+EXTRAS = {
+    ("clipping", "tensorflow"): {
+        "ClippedSum": "the TensorFlow engines' result (a class, public as training.ClippedSum); JAX's engines "
+        "return arrays (REFUSED on JAX)",
+        "get_engine": "picks a TensorFlow engine by name (public as training.get_engine; REFUSED on JAX, whose "
+        "dp_model picks its engine in the traced step)",
+        "vectorized_clipped_sum": "the TensorFlow vectorized engine on a ClippedSum (public as "
+        "training.vectorized_clipped_sum; REFUSED on JAX)",
+        "add_regularization": "B·∇reg added to a ClippedSum (JAX's step adds it to its arrays itself)",
+    },
+    ("clipping", "jax"): {
+        "clipped_sum": "JAX's vectorized engine (jax.vmap of jax.grad), called by its dp_model and ghost",
+        "per_example_grads": "JAX's per-example gradients of the whole model, the vectorized engine's first half",
+    },
+    ("distributed", "tensorflow"): {
+        "assert_same_on_all_workers": "a helper of tf.distribute workers (JAX has no tf.distribute: its module "
+        "refuses the name with the reason)",
+        "is_chief": "a helper of tf.distribute workers (refused by name on JAX)",
+        "worker_checkpoint_dir": "a helper of tf.distribute workers (refused by name on JAX)",
+    },
+    ("ghost", "tensorflow"): {
+        "plan": "the TensorFlow engine's rule per layer, planned from the layers before any step (JAX plans "
+        "while the step is traced)",
+        "supports": "whether the TensorFlow ghost engine can clip a model, asked by get_engine (JAX hands what "
+        "it cannot clip to its vectorized engine inside the traced step)",
+    },
+    ("ghost", "jax"): {
+        "ghost_norms": "JAX's per-layer analysis of one traced batch, shared by its step and its audit reads",
+        "targets": "the layers JAX's engine records (a recurrent layer whole), read by its dp_model",
+    },
+    ("noise", "tensorflow"): {
+        "TensorFlowOps": "the class of OPS, the array namespace of the noise recurrence (JAX's is JaxOps)",
+        "fold_in": "Philox's fold-in as TensorFlow ops, also under XLA",
+        "fused_blt_step": "a BLT noise step in place, compiled by XLA (TensorFlow variables are updated in place)",
+        "fused_ring_step": "a banded noise step in place, compiled by XLA (TensorFlow variables are updated in "
+        "place)",
+    },
+    ("noise", "jax"): {
+        "JaxOps": "the class of OPS, the array namespace of the noise recurrence (TensorFlow's is TensorFlowOps)",
+        "key_words": "a key as its uint32 words: JAX has no int64 without x64",
+        "variable_normals": "every variable's draws of a step as lanes of one Philox computation (one jitted "
+        "update of all variables)",
+    },
+    ("optimizer", "jax"): {
+        "int64_words": "a key stored as int32 words: JAX has no int64 without x64",
+        "words_int64": "the inverse of int64_words",
+    },
+    ("pipeline", "jax"): {
+        "RunBatches": "the PyDataset of a run's batches, which JAX's dp_model recognises in fit",
+        "shared_key": "process 0's key in every JAX process, for the optimizer's build",
+    },
+}
+
+#: backend module -> the other backend's module it imports, and why
+CROSS_IMPORTS = {
+    f"{PACKAGE}.backend.jax.pipeline": (
+        f"{PACKAGE}.backend.tensorflow.pipeline",
+        "tf.data inputs are TensorFlow's on any Keras backend (a program that made a tf.data.Dataset has "
+        "TensorFlow): JAX's pipeline hands them to TensorFlow's, imported when one is used",
+    ),
+}
+
+
+def _modules() -> tuple:
+    """``keras_noisecurve.backend.MODULES``, read from ``backend/__init__.py``."""
+    path = ROOT / PACKAGE / "backend" / "__init__.py"
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "MODULES" for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise AssertionError("keras_noisecurve/backend/__init__.py has no MODULES")
+
+
+def test_every_backend_package_has_the_same_module_list():
+    modules = _modules()
+    assert isinstance(modules, tuple) and modules and len(set(modules)) == len(modules)
+    for backend in BACKENDS:
+        assert layout_rules.package_constant(backend, "MODULES") == modules, backend
+
+
+def test_every_module_of_the_list_is_a_module_of_every_package():
+    missing = [f"backend/{b}/{m}.py" for b in BACKENDS for m in _modules()
+               if not (ROOT / PACKAGE / "backend" / b / f"{m}.py").is_file()]
+    assert not missing, missing
+
+
+def test_neutral_code_asks_only_for_modules_of_the_list():
+    requests = layout_rules.backend_module_requests()
+    assert len(requests) >= 10  # the measure sees the calls (optimizer, noise, pipeline, ...)
+    asked = {name for _, _, name in requests}
+    assert {"optimizer", "noise", "pipeline", "dp_model"} <= asked
+    wrong = [f"{module}:{line} asks backend.module({name!r})" for module, line, name in requests
+             if name not in _modules()]
+    assert not wrong, "backend.module(X) with X not in keras_noisecurve.backend.MODULES (or not a string):\n" + (
+        "\n".join(wrong))
+
+
+def test_the_modules_of_the_list_export_the_same_names():
+    wrong = []
+    for module in _modules():
+        exports = {b: set(layout_rules.backend_exports(b, module)) for b in BACKENDS}
+        for backend in BACKENDS:
+            only = set.union(*(exports[backend] - exports[other] for other in BACKENDS if other != backend))
+            documented = set(EXTRAS.get((module, backend), {}))
+            if only != documented:
+                wrong.append(f"{backend}/{module}: only here {sorted(only)}, documented {sorted(documented)}")
+    assert not wrong, ("public names one backend's module has and another's has not (give both the name, or "
+                       "say in EXTRAS why one has it alone):\n" + "\n".join(wrong))
+
+
+def test_every_extra_has_a_reason():
+    for (module, backend), names in EXTRAS.items():
+        assert module in _modules() and backend in BACKENDS, (module, backend)
+        assert names and all(isinstance(why, str) and len(why) > 20 for why in names.values()), (module, backend)
+
+
+def test_what_a_backend_refuses_is_a_public_name_of_the_library():
+    import keras_noisecurve
+    import keras_noisecurve.training as training  # imports no framework
+
+    public = set(keras_noisecurve._EXPORTS) | set(training.__all__)
+    for backend in BACKENDS:
+        refused = layout_rules.package_constant(backend, "REFUSED")
+        assert isinstance(refused, frozenset) and refused <= public, (backend, sorted(refused - public))
+    assert not layout_rules.package_constant("tensorflow", "REFUSED")
+
+
+def test_backend_packages_import_one_another_only_where_listed():
+    found = layout_rules.cross_backend_imports()
+    assert found == [f"{module} imports {target}" for module, (target, _) in sorted(CROSS_IMPORTS.items())], found
