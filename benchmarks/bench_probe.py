@@ -1,7 +1,7 @@
 """The one-time cost of the batch probe against a private step, on the backend of ``KERAS_BACKEND``.
 
 Before its first private step a private model runs the batch probe once per ``compile``
-(``keras_noisecurve.backend.batch_probe``: k + 2 = 10 training-mode forward passes of the
+(``keras_noisecurve.backend.common.batch_probe``: k + 2 = 10 training-mode forward passes of the
 wrapped model on 8 examples, outside any compiled step, every non-trainable variable saved
 and restored). This prints, per model, in ONE process: the probe's seconds (median over
 ``--repeats``), the steady-state private step (``train_on_batch`` at B = ``--batch-size``,
@@ -32,7 +32,7 @@ import numpy as np  # noqa: E402
 
 import keras_noisecurve as knc  # noqa: E402
 from keras_noisecurve.apps.models import small_groupnorm_cnn  # noqa: E402
-from keras_noisecurve.backend import batch_probe  # noqa: E402
+from keras_noisecurve.backend.common import batch_probe  # noqa: E402
 
 
 def _cnn(rng, batch):

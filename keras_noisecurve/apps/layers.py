@@ -17,7 +17,7 @@ Both are registered for Keras serialization as ``keras_noisecurve>GroupNorm`` an
 ``import keras_noisecurve.apps.layers`` (``keras_noisecurve.apps.models`` imports it).
 Importing this module also registers the ghost-norm rule of ``GroupNorm``, ``GROUP_NORM_RULE``
 (a ``keras_noisecurve.training.LayerRule`` of kind ``"GroupNorm"``, made by
-``keras_noisecurve.backend.layer_rules.group_norm_rule``: each backend's group-normalisation
+``keras_noisecurve.backend.common.layer_rules.group_norm_rule``: each backend's group-normalisation
 kernel for this class; on TensorFlow an instance of ``GroupNormRule``, a ``Rule`` of the
 TensorFlow engine), so the per-layer engine clips it from ``(a, g)`` instead of with its
 per-layer fallback. The module imports no framework: only the kernel of the backend in use is made.
@@ -32,7 +32,7 @@ from keras import ops
 
 from keras_noisecurve import backend
 from keras_noisecurve._validation import check_int
-from keras_noisecurve.backend.layer_rules import group_norm_rule
+from keras_noisecurve.backend.common.layer_rules import group_norm_rule
 from keras_noisecurve.training.rules import register_rule
 
 __all__ = ["GROUP_NORM_RULE", "AdaptiveAveragePooling2D", "GroupNorm", "GroupNormRule"]

@@ -228,7 +228,7 @@ def check_mechanism(
 
     from keras_noisecurve._losses import per_example_loss_fn
     from keras_noisecurve.audit import mechanism_clipping, mechanism_noise
-    from keras_noisecurve.backend import batch_probe
+    from keras_noisecurve.backend.common import batch_probe
 
     checks = tuple(checks)
     unknown = [c for c in checks if c not in CHECKS]

@@ -82,7 +82,7 @@ class ClippingCheck:
         the reference gradients scaled by the engine's factors.
       line: one line for a report.
       training_mode: the batch probe's verdict in training mode
-        (:func:`keras_noisecurve.backend.batch_probe.probe_examples`): ``"PASS"``, or the
+        (:func:`keras_noisecurve.backend.common.batch_probe.probe_examples`): ``"PASS"``, or the
         reasons it fails (examples that reach one another, state written from the data);
         ``""`` where it did not run.
       unit: the privacy unit compared, ``"example"`` or ``"user"``.

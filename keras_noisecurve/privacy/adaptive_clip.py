@@ -30,7 +30,7 @@ import math
 from typing import Optional
 
 from keras_noisecurve._validation import check_float
-from keras_noisecurve.backend.clip import clip_count, unit_weights  # noqa: F401 (re-exported)
+from keras_noisecurve.backend.common.clip import clip_count, unit_weights  # noqa: F401 (re-exported)
 
 __all__ = ["AdaptiveClip", "CLIP_RANGE", "COUNT_STREAM", "clip_count", "unit_weights"]
 

@@ -13,7 +13,7 @@ users into the rows of its batch, user-major:
   are padding (the user's first example under mask 0);
 - a user with m > k examples contributes k of them, a uniformly random k-subset (without
   replacement, in example order) drawn from ``(key, step, user)`` alone: the Philox-4×32-10
-  block (:func:`keras_noisecurve.backend.philox.philox_block`) of the counter
+  block (:func:`keras_noisecurve.backend.common.philox.philox_block`) of the counter
   ``(draw, user)`` under a key derived from the run's secret sampling key and the step, so a
   replay, another process and a resumed run draw the same rows;
 - the mask of a real row i of user u is ``w_i · slot mask / m_u`` (w_i its sample weight, or
@@ -31,7 +31,7 @@ import numbers
 import numpy as np
 
 from keras_noisecurve._validation import check_choice, check_int
-from keras_noisecurve.backend.philox import philox_block
+from keras_noisecurve.backend.common.philox import philox_block
 
 __all__ = ["PRIVACY_UNITS", "UserTable", "check_unit"]
 

@@ -27,10 +27,10 @@ from keras_noisecurve import _compat
 from keras_noisecurve import backend as _backend
 from keras_noisecurve._losses import per_example_loss_fn
 from keras_noisecurve._validation import check_choice, check_float, check_int
-from keras_noisecurve.backend import batch_probe
+from keras_noisecurve.backend.common import batch_probe
 from keras_noisecurve.training import log_guard, lora_state, plan_guard
-from keras_noisecurve.backend.class_weight import check_class_weight
-from keras_noisecurve.backend.model_checks import ENGINES, check_model_is_clippable
+from keras_noisecurve.backend.common.class_weight import check_class_weight
+from keras_noisecurve.backend.common.model_checks import ENGINES, check_model_is_clippable
 from keras_noisecurve.training.optimizer import NoiseCurveOptimizer
 
 __all__ = ["PrivateModel", "make_private"]
@@ -273,7 +273,7 @@ class PrivateModel(_impl.TrainStepBackend, keras.Model):
         """Run the batch probe on the batch ``x, y`` now: refuse a model whose examples reach
         one another in training mode (MixUp, CutMix, batch statistics, a loss that mixes), or
         that writes non-trainable state from the data
-        (:func:`keras_noisecurve.backend.batch_probe.check_examples_apart`; docs/training.md,
+        (:func:`keras_noisecurve.backend.common.batch_probe.check_examples_apart`; docs/training.md,
         "Examples apart, and no state from the data").
 
         ``fit``, ``train_on_batch`` and ``fit_distributed`` run it themselves once per

@@ -5,7 +5,7 @@ Randomness is counter based: the standard normal draw z_t for variable k is made
 from Philox bits keyed by ``seed = fold_in(fold_in(key, t), k)`` (``normal_from_seed``:
 Box–Muller on 32-bit uniforms). It depends only on (key, step t, variable index k), so
 it is identical on every replica and every backend (TensorFlow's Philox words, bit for
-bit, and the same Box–Muller: ``keras_noisecurve.backend.philox`` computes them in uint32
+bit, and the same Box–Muller: ``keras_noisecurve.backend.common.philox`` computes them in uint32
 arithmetic for JAX), and is reproduced exactly after restoring the key, the step
 counter and the noise state from any checkpoint. The generator of the backend in use is
 ``keras_noisecurve.backend.module("noise")`` (``backend/tensorflow/noise.py``,
@@ -45,7 +45,7 @@ from typing import Optional
 import numpy as np
 
 from keras_noisecurve import backend
-from keras_noisecurve.backend import messages
+from keras_noisecurve.backend.common import messages
 from keras_noisecurve._validation import check_int
 from keras_noisecurve.mixing.stream import (
     BandedStream,

@@ -5,7 +5,7 @@
   on other examples or another order of them, or for another model, loss or update
   (:func:`check_plan`, ``NoiseCurveOptimizer.check_plan``); refuses a model whose examples
   reach one another in training mode or that writes state from the data, probed on a few
-  examples (:mod:`~keras_noisecurve.backend.batch_probe`, :func:`probe_rows`); warns when the weights changed
+  examples (:mod:`~keras_noisecurve.backend.common.batch_probe`, :func:`probe_rows`); warns when the weights changed
   since this process's last private step, or when a resumed model has layers that draw
   random numbers; records the weights' digest at the end.
 - :func:`budgets_apart`: ``PrivacyBudget`` callbacks run after the plan check, wherever the
@@ -26,7 +26,7 @@ import numpy as np
 
 from keras_noisecurve import _compat
 from keras_noisecurve.privacy import plan_state
-from keras_noisecurve.backend.batch_probe import PROBE_SCAN, first_of
+from keras_noisecurve.backend.common.batch_probe import PROBE_SCAN, first_of
 from keras_noisecurve.training.optimizer import NoiseCurveOptimizer
 
 __all__ = ["PlanStart", "budgets_apart", "check_plan", "callback_list", "is_arrays", "low_level_warning", "probe_rows"]
@@ -58,7 +58,7 @@ def check_plan(private, data=None) -> None:
 
 def probe_rows(x=None, y=None, *, source=None):
     """``() -> (x, y) or None``: the first examples (up to ``PROBE_SCAN``) the batch probe
-    (:mod:`~keras_noisecurve.backend.batch_probe`) chooses its rows among, read when called.
+    (:mod:`~keras_noisecurve.backend.common.batch_probe`) chooses its rows among, read when called.
 
     ``source``: an ``ExampleSource`` (a run's, a ``banded_poisson_dataset`` plan's); else
     ``x, y`` as ``fit`` got them: arrays (or dicts/lists of arrays), a ``tf.data.Dataset``

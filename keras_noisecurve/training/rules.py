@@ -1,7 +1,7 @@
 """The per-layer ghost-norm rules: which rule clips each layer (:func:`describe`) and how to
 add one for a layer of your own (:func:`register_rule`, :class:`LayerRule`).
 
-One table of rules serves both engines (``keras_noisecurve.backend.layer_rules.BUILTIN``): a rule
+One table of rules serves both engines (``keras_noisecurve.backend.common.layer_rules.BUILTIN``): a rule
 is a :class:`LayerRule`, the name of a layer family (its ``kind``, what :func:`describe` reports,
 the same on every backend) with one kernel per backend, the code that computes in that framework:
 
@@ -18,7 +18,7 @@ rule with both kernels (``keras_noisecurve/apps/layers.py``).
 from __future__ import annotations
 
 from keras_noisecurve import backend as _backend
-from keras_noisecurve.backend.layer_rules import LayerRule
+from keras_noisecurve.backend.common.layer_rules import LayerRule
 
 __all__ = ["LayerRule", "describe", "register_rule"]
 

@@ -1,4 +1,4 @@
-"""The shared decision of the RMS-norm probe (``keras_noisecurve.backend.affine_scale``):
+"""The shared decision of the RMS-norm probe (``keras_noisecurve.backend.common.affine_scale``):
 ``affine_in_weight`` on numpy functions whose affinity in the weight is known by
 construction, and ``AffineScaleProbe``'s qualification, cache and refusals. The engines'
 own probes (on real layers) are tested in tests/training/test_ghost_scale.py (TensorFlow)
@@ -10,7 +10,7 @@ import keras
 import numpy as np
 import pytest
 
-from keras_noisecurve.backend.affine_scale import AffineScaleProbe, affine_in_weight, single_weight
+from keras_noisecurve.backend.common.affine_scale import AffineScaleProbe, affine_in_weight, single_weight
 
 
 def _rms(x):

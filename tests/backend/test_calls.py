@@ -1,4 +1,4 @@
-"""``keras_noisecurve.backend.calls.wrapped_calls``: each layer instance's ``call`` is wrapped
+"""``keras_noisecurve.backend.common.calls.wrapped_calls``: each layer instance's ``call`` is wrapped
 for the ``with`` block and its instance dictionary is restored exactly afterwards (also after
 an exception, nested wrappings and a layer that had its own instance ``call``). Checked on
 real Keras layers against what the layer computes without any wrapping."""
@@ -7,7 +7,7 @@ import keras
 import numpy as np
 import pytest
 
-from keras_noisecurve.backend.calls import wrapped_calls
+from keras_noisecurve.backend.common.calls import wrapped_calls
 
 
 def _dense(units=3, seed=0):
@@ -193,7 +193,7 @@ def test_refuses_a_wrap_that_is_not_callable_or_returns_no_callable():
 
 
 def test_training_kwargs_passes_training_only_to_a_call_that_takes_it():
-    from keras_noisecurve.backend.calls import training_kwargs
+    from keras_noisecurve.backend.common.calls import training_kwargs
 
     class Takes:
         def call(self, x, training=None):

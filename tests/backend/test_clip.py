@@ -1,9 +1,9 @@
-"""The clipping factor every engine uses (keras_noisecurve.backend.clip), against values by hand."""
+"""The clipping factor every engine uses (keras_noisecurve.backend.common.clip), against values by hand."""
 
 import keras
 import numpy as np
 
-from keras_noisecurve.backend.clip import clip_factors
+from keras_noisecurve.backend.common.clip import clip_factors
 
 
 def test_factors_are_min_one_zeta_over_norm_and_zero_when_dropped():

@@ -1,4 +1,4 @@
-"""The backend-free geometry both clipping engines use (keras_noisecurve.backend.geometry),
+"""The backend-free geometry both clipping engines use (keras_noisecurve.backend.common.geometry),
 against values derived by hand and a brute-force count of the windows."""
 
 import itertools
@@ -6,7 +6,7 @@ import itertools
 import numpy as np
 import pytest
 
-from keras_noisecurve.backend.geometry import explicit_padding, live_taps, parse_einsum
+from keras_noisecurve.backend.common.geometry import explicit_padding, live_taps, parse_einsum
 
 
 def test_parse_einsum_expands_the_ellipsis_with_fresh_letters():

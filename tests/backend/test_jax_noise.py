@@ -19,7 +19,7 @@ import pytest
 jax = pytest.importorskip("jax", reason="the JAX noise needs jax (pip install jax)")
 jnp = jax.numpy
 
-from keras_noisecurve.backend import philox  # noqa: E402
+from keras_noisecurve.backend.common import philox  # noqa: E402
 from keras_noisecurve.backend.jax import noise as jax_noise  # noqa: E402
 from keras_noisecurve.mixing import STRATEGY_CLASSES  # noqa: E402
 from keras_noisecurve.mixing.stream import stream_apply  # noqa: E402

@@ -1,10 +1,10 @@
-"""The table of ghost-norm rules of both engines (``keras_noisecurve.backend.layer_rules``): a
+"""The table of ghost-norm rules of both engines (``keras_noisecurve.backend.common.layer_rules``): a
 rule's validation, its kernels made only when asked for, and the built-in table itself."""
 
 import pytest
 
-from keras_noisecurve.backend import layer_rules
-from keras_noisecurve.backend.layer_rules import BUILTIN, GENERIC, LayerRule
+from keras_noisecurve.backend.common import layer_rules
+from keras_noisecurve.backend.common.layer_rules import BUILTIN, GENERIC, LayerRule
 
 
 def test_a_rule_makes_only_the_kernel_asked_for():

@@ -1,11 +1,11 @@
-"""The Dense, Embedding and normalisation-layer forms of both engines (``keras_noisecurve.backend.norm_forms``,
+"""The Dense, Embedding and normalisation-layer forms of both engines (``keras_noisecurve.backend.common.norm_forms``,
 ``keras.ops`` on the backend in use) against per-example gradients formed in float64 numpy."""
 
 import keras
 import numpy as np
 import pytest
 
-from keras_noisecurve.backend import norm_forms
+from keras_noisecurve.backend.common import norm_forms
 
 RNG = np.random.default_rng(0)
 

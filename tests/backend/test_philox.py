@@ -1,4 +1,4 @@
-"""The neutral Philox generator (keras_noisecurve.backend.philox) run with numpy, against
+"""The neutral Philox generator (keras_noisecurve.backend.common.philox) run with numpy, against
 independent references: Python big-integer products, the Random123 known-answer vectors
 of Philox-4×32-10, and TensorFlow's own stateless kernels (``stateless_uniform`` with
 uint32 words, ``stateless_fold_in``, and the noise of the TensorFlow backend, with and
@@ -7,7 +7,7 @@ without XLA) for many int64 seeds, steps and sizes."""
 import numpy as np
 import pytest
 
-from keras_noisecurve.backend import philox
+from keras_noisecurve.backend.common import philox
 
 tf = pytest.importorskip("tensorflow", reason="the comparisons with TensorFlow's kernels need TensorFlow")
 

@@ -1,6 +1,6 @@
-"""How a private train step takes a run's batch apart (keras_noisecurve.backend.run_batch)."""
+"""How a private train step takes a run's batch apart (keras_noisecurve.backend.common.run_batch)."""
 
-from keras_noisecurve.backend.run_batch import STEP_KEY, split_step
+from keras_noisecurve.backend.common.run_batch import STEP_KEY, split_step
 
 
 def test_a_tf_data_run_batch_is_x_y_mask_step():

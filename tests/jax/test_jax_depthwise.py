@@ -46,7 +46,7 @@ import pytest
 
 import keras_noisecurve as knc
 from keras_noisecurve._losses import per_example_loss_fn
-from keras_noisecurve.backend import norm_observer
+from keras_noisecurve.backend.common import norm_observer
 from keras_noisecurve.backend.jax.audit import float64_scope
 from keras_noisecurve.backend.jax.clipping import clipped_sum
 from keras_noisecurve.backend.jax.ghost import ghost_clipped_sum

@@ -138,10 +138,10 @@ def test_multi_variable_model_noise_is_the_numpy_philox_draw_of_each_variable():
     """Issue 31's z_t across backends, for a model of several variables: the private
     model's update with a zero clipped sum (every sample weight 0) and η = B = ζ = σ = 1
     over T = 3 banded steps (b = 3) is −z̃ = −(C⁻¹Z)_t per variable, Z drawn by the numpy Philox
-    (``backend/philox.py`` run with numpy, which tests/backend/test_philox.py checks
+    (``backend/common/philox.py`` run with numpy, which tests/backend/test_philox.py checks
     against TensorFlow's words) with seed fold_in(fold_in(key, t), k), k the variable's
     position in ``model.trainable_variables`` (as on TensorFlow)."""
-    from keras_noisecurve.backend import philox
+    from keras_noisecurve.backend.common import philox
 
     steps, seed = 3, 7
     mixing = _banded(steps)

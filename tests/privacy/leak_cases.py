@@ -15,7 +15,7 @@ import pytest
 from keras_noisecurve import NoiseCurveOptimizer, PrivateRun, make_private
 from keras_noisecurve.training import PrivateLogsWarning
 from keras_noisecurve.training.log_guard import say_private_logs
-from keras_noisecurve.backend.batch_probe import probe_examples
+from keras_noisecurve.backend.common.batch_probe import probe_examples
 
 N, B = 64, 16
 SHAPE = (4, 4, 3)

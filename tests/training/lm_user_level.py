@@ -73,7 +73,7 @@ def _grad_of(model):
 def _engine(private, x, y, w, clip, unit_rows):
     """``(norms (P,), clipped sums, [(layer name, rule kind)])`` of the private model's own
     clipping engine (the one ``fit`` uses) on one batch, with units of ``unit_rows`` rows."""
-    from keras_noisecurve.backend import norm_observer
+    from keras_noisecurve.backend.common import norm_observer
 
     if keras.backend.backend() == "jax":
         import jax.numpy as jnp

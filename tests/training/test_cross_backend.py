@@ -3,7 +3,7 @@
 A fixed-seed DP-BandMF run (banded C with b = 2, T = 4 steps, the same initial weights,
 the same run key and noise key) trains in this process on TensorFlow and in a subprocess
 under ``KERAS_BACKEND=jax``. The batches come from the same numpy sampler, the noise from
-the same Philox words (``backend/philox.py``), the clipping from exact per-example
+the same Philox words (``backend/common/philox.py``), the clipping from exact per-example
 gradients on both sides (ghost norms on TensorFlow, ``vmap`` on JAX), so the final
 weights agree to float32 rounding: relative difference ≤ 1e-4 (the noise alone moves the
 weights by ~η·ζσ/B ≈ 1e-2 per step, so a wrong noise draw, batch or clip is 100× that).

@@ -1,5 +1,5 @@
 """``describe(model)`` says the same on TensorFlow and on JAX: both engines take their rules from
-one table (``keras_noisecurve.backend.layer_rules``), so a layer family has one name on both.
+one table (``keras_noisecurve.backend.common.layer_rules``), so a layer family has one name on both.
 The model holds a layer of every family both engines have a rule for; JAX runs in a subprocess."""
 
 import json

@@ -69,7 +69,7 @@ def test_a_layer_rule_registers_its_tensorflow_kernel_under_its_kind(monkeypatch
 
 
 def test_the_builtin_rules_are_the_tables_tensorflow_kernels_in_its_order():
-    from keras_noisecurve.backend import layer_rules
+    from keras_noisecurve.backend.common import layer_rules
 
     kinds = [rule.kind for rule in ghost_rules.RULES]
     assert kinds[:-1] == [spec.kind for spec in layer_rules.BUILTIN]

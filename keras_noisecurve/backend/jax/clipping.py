@@ -16,9 +16,9 @@ import jax
 import jax.numpy as jnp
 
 from keras_noisecurve._losses import float32_outputs
-from keras_noisecurve.backend.calls import training_kwargs
-from keras_noisecurve.backend.clip import clip_factors
-from keras_noisecurve.backend.units import check_rows, per_row, unit_losses
+from keras_noisecurve.backend.common.calls import training_kwargs
+from keras_noisecurve.backend.common.clip import clip_factors
+from keras_noisecurve.backend.common.units import check_rows, per_row, unit_losses
 
 __all__ = ["clipped_sum", "per_example_grads"]
 
@@ -85,7 +85,7 @@ def clipped_sum(model, loss_fn, trainable, non_trainable, x, y, weights, *, l2_n
     """``Σ_i clip(w_i·∇loss_i, ζ)`` by per-example gradients (see the module docstring).
 
     ``unit_rows`` k > 1 (user-level): the privacy unit is k consecutive rows, clipped as one,
-    ``Σ_u clip(Σ_{i ∈ u} w_i·∇loss_i, ζ)`` (:mod:`keras_noisecurve.backend.units`); a
+    ``Σ_u clip(Σ_{i ∈ u} w_i·∇loss_i, ζ)`` (:mod:`keras_noisecurve.backend.common.units`); a
     ``microbatch_size`` is then rounded down to whole units (at least one).
 
     Returns ``(sums, norms, losses, y_pred, non_trainable)``: one array per trainable

@@ -42,10 +42,10 @@ import numpy as np
 
 from keras_noisecurve import _compat
 from keras_noisecurve._losses import float32_outputs, split_sample_weight, weigh_positions
-from keras_noisecurve.backend import messages
-from keras_noisecurve.backend.clip import unit_weights
-from keras_noisecurve.backend.units import unit_view
-from keras_noisecurve.backend.run_batch import split_step as _split_step
+from keras_noisecurve.backend.common import messages
+from keras_noisecurve.backend.common.clip import unit_weights
+from keras_noisecurve.backend.common.units import unit_view
+from keras_noisecurve.backend.common.run_batch import split_step as _split_step
 from keras_noisecurve.backend.jax import features
 from keras_noisecurve.backend.jax.clipping import clipped_sum
 from keras_noisecurve.backend.jax.ghost import ghost_clipped_sum
@@ -143,7 +143,7 @@ class TrainStepBackend:
         clipping (U = P/k: the per-example norms when k = 1), ``sums`` the clipped sum (one array
         per trainable variable), ``layer_sq`` ``{id(layer): (U,)}`` the per-unit squared norms of
         each layer's weights as its rule computed them; float64 numpy throughout."""
-        from keras_noisecurve.backend import norm_observer
+        from keras_noisecurve.backend.common import norm_observer
         from keras_noisecurve.backend.jax import ghost
 
         unit_rows = int(unit_rows)

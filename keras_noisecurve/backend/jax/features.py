@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import keras
 import numpy as np
 
-from keras_noisecurve.backend import messages
+from keras_noisecurve.backend.common import messages
 
 __all__ = [
     "METRIC", "NonFiniteExamples", "ReportNonFinite", "all_dropped_message", "class_weights", "count_dropped",

@@ -59,12 +59,12 @@ import keras
 
 from keras_noisecurve import _compat
 from keras_noisecurve._losses import float32_outputs
-from keras_noisecurve.backend import layer_rules, norm_observer, units
-from keras_noisecurve.backend.calls import training_kwargs, wrapped_calls
-from keras_noisecurve.backend.clip import clip_factors
+from keras_noisecurve.backend.common import layer_rules, norm_observer, units
+from keras_noisecurve.backend.common.calls import training_kwargs, wrapped_calls
+from keras_noisecurve.backend.common.clip import clip_factors
 from keras_noisecurve.backend.jax import ghost_rows
 from keras_noisecurve.backend.jax.ghost_rules import find_rule, kept, register_rule, uses_pre_activation
-from keras_noisecurve.backend.model_checks import input_batch
+from keras_noisecurve.backend.common.model_checks import input_batch
 
 __all__ = ["describe", "ghost_clipped_sum", "ghost_norms", "register_rule", "targets"]
 

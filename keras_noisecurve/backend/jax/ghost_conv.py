@@ -67,7 +67,7 @@ import jax
 import jax.numpy as jnp
 import keras
 
-from keras_noisecurve.backend.geometry import explicit_padding
+from keras_noisecurve.backend.common.geometry import explicit_padding
 
 __all__ = ["PRE_ACTIVATION", "conv3d_rule", "conv_rule", "conv_transpose_rule", "depthwise_output", "depthwise_rule",
            "example_grads", "grouped_conv_rule", "explicit_padding", "grouped_sq_norms", "separable_rule", "window_patches"]

@@ -23,7 +23,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import keras
 
-from keras_noisecurve.backend import layer_classes
+from keras_noisecurve.backend.common import layer_classes
 from keras_noisecurve.backend.jax.ghost_forms import (
     F32,
     call_args,

@@ -1,7 +1,7 @@
 """Norm and sum forms shared by the JAX ghost-norm rules (the ``ghost_*`` rule modules listed in
 :mod:`~keras_noisecurve.backend.jax.ghost_rules`), in ``jax.numpy``: the per-example squared norm of a
 sum of outer products over positions and of an embedding table's gradient (re-exported from
-``keras_noisecurve.backend.norm_forms``, the same forms as the TensorFlow engine's), the zeroing of dropped
+``keras_noisecurve.backend.common.norm_forms``, the same forms as the TensorFlow engine's), the zeroing of dropped
 examples' rows, the parsing of an EinsumDense equation, and the small helpers every rule uses
 on its recorded calls.
 
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from keras_noisecurve.backend.geometry import parse_einsum
-from keras_noisecurve.backend.norm_forms import sequence_sq_norms, token_sq_norms
+from keras_noisecurve.backend.common.geometry import parse_einsum
+from keras_noisecurve.backend.common.norm_forms import sequence_sq_norms, token_sq_norms
 
 __all__ = ["F32", "call_args", "cat", "kept", "parse_einsum", "plain", "scaled", "sequence_sq_norms", "single",
            "token_sq_norms"]

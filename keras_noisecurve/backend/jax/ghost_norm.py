@@ -9,7 +9,7 @@ Each rule is ``rule(layer, calls) -> (sq, sums)`` or ``None``, the contract of
   positions and the channels of each group.
 
 x̂ and the per-example gradients from (x̂, g) are the shared ``keras.ops`` forms of
-:mod:`~keras_noisecurve.backend.norm_forms`, as on TensorFlow; this engine computes x̂ from the
+:mod:`~keras_noisecurve.backend.common.norm_forms`, as on TensorFlow; this engine computes x̂ from the
 recorded input. RMS-type norms are recognised by what they compute (:mod:`~keras_noisecurve.backend.jax.ghost_scale`).
 The TensorFlow engine's rules of the same layers: ``keras_noisecurve/backend/tensorflow/ghost_norm.py``.
 """
@@ -19,7 +19,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import keras
 
-from keras_noisecurve.backend import norm_forms
+from keras_noisecurve.backend.common import norm_forms
 from keras_noisecurve.backend.jax.ghost_forms import F32, cat, kept, single
 
 __all__ = ["group_norm_rule", "grouped_norm_rule", "layer_norm_rule"]

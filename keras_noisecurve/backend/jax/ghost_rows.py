@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 
 from keras_noisecurve import _compat
-from keras_noisecurve.backend.calls import wrapped_calls
+from keras_noisecurve.backend.common.calls import wrapped_calls
 
 __all__ = ["Probe", "is_leak", "rows_ok"]
 

@@ -9,7 +9,7 @@ output; ``c`` (P,) the clipping factors ``min(1, ζ/‖w_i·∇loss_i‖)``. A l
 several times (a shared layer) has its calls' positions concatenated: its per-example
 gradient is the sum over all its calls.
 
-The rules are the JAX kernels of ``keras_noisecurve.backend.layer_rules.BUILTIN`` (one table for
+The rules are the JAX kernels of ``keras_noisecurve.backend.common.layer_rules.BUILTIN`` (one table for
 both engines: the order, and each family's ``kind``, what ``describe`` reports). Each is a function
 ``rule(layer, calls) -> (sq, sums)`` or ``None`` (the engine then uses the exact per-layer fallback): ``sq`` (P,) float32 per-example squared norms of the
 gradient of the layer's own weights, ``sums(c, keep=None)`` a dict ``{id(variable): Σ_i c_i·G_i}``
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import keras
 
-from keras_noisecurve.backend import layer_rules
+from keras_noisecurve.backend.common import layer_rules
 from keras_noisecurve.backend.jax.ghost_conv import PRE_ACTIVATION
 from keras_noisecurve.backend.jax.ghost_forms import kept, sequence_sq_norms, token_sq_norms
 

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import keras
 import numpy as np
 
-from keras_noisecurve.backend import affine_scale
+from keras_noisecurve.backend.common import affine_scale
 from keras_noisecurve.backend.jax.ghost_forms import F32, call_args, kept, single
 
 __all__ = ["diagonal_scale_rule", "probe_affine_scale", "rms_scale_rule"]
@@ -58,7 +58,7 @@ def probe_affine_scale(layer) -> bool:
     compute dtype (relative 1e-4 float32/float64, 3e-2 float16/bfloat16, of the largest output),
     the output must have the input's shape, and example 0 alone must give the same rows. Any
     exception of the call counts as "no" (the per-layer fallback). The decision is
-    :func:`keras_noisecurve.backend.affine_scale.affine_in_weight`, shared with the TensorFlow engine.
+    :func:`keras_noisecurve.backend.common.affine_scale.affine_in_weight`, shared with the TensorFlow engine.
     """
     return _PROBE(layer)
 

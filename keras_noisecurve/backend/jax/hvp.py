@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from keras_noisecurve.backend.calls import training_kwargs
+from keras_noisecurve.backend.common.calls import training_kwargs
 
 __all__ = ["EXACT_MOMENTS", "HVPEngine", "per_example_gradient_norms", "sgd_step_fn"]
 

@@ -3,7 +3,7 @@
 Imports JAX, never TensorFlow, and needs no 64-bit integers (x64 stays off). A key or a
 seed is the four uint32 words of TensorFlow's int64 pair (``key_words``; an int32 array
 with the same bits is accepted everywhere, as the optimizer stores it in an int32
-variable). The generator is ``keras_noisecurve.backend.philox`` run with ``jax.numpy``:
+variable). The generator is ``keras_noisecurve.backend.common.philox`` run with ``jax.numpy``:
 the uniform words are bit for bit TensorFlow's Philox words for the same seed, and the
 normals equal TensorFlow's ``normal_from_seed`` up to float32 rounding of log/cos/sin
 (tests/backend/test_jax_noise.py measures it). Everything is jit-able: ``step`` and
@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from keras_noisecurve.backend import philox
+from keras_noisecurve.backend.common import philox
 
 __all__ = [
     "OPS",
@@ -35,7 +35,7 @@ __all__ = [
 
 
 class _Arrays:
-    """jax.numpy for ``keras_noisecurve.backend.philox``, with ``materialize``
+    """jax.numpy for ``keras_noisecurve.backend.common.philox``, with ``materialize``
     (``jax.lax.optimization_barrier``: the key and counter words of a Philox chain are
     computed once instead of being copied by XLA into every fusion that reads them, which
     made a jitted draw take seconds to compile) and ``fori_loop`` (``jax.lax.fori_loop``:
@@ -137,7 +137,7 @@ def normal_from_seed(seed, shape, dtype=jnp.float32, scale=None):
     """N(0, scale²·I) of ``shape``, a pure function of the seed (the TensorFlow backend's
     ``normal_from_seed``, on words).
 
-    Box–Muller on the seed's Philox words (``keras_noisecurve.backend.philox.box_muller``
+    Box–Muller on the seed's Philox words (``keras_noisecurve.backend.common.philox.box_muller``
     with the angle seed ``fold_in(seed, 1)``), computed in float32 (float64 when it is
     asked for and JAX's x64 is on) and cast to ``dtype``.
 
@@ -173,7 +173,7 @@ def variable_normals(seed, shapes, dtypes=jnp.float32, scales=None, indices=None
     """The draws of every variable of a step at once: entry k is
     ``normal_from_seed(variable_seed(seed, indices[k]), shapes[k], dtypes[k], scales[k])``,
     the same values, with the Philox blocks of all variables computed as lanes of a few
-    vectorised blocks (``keras_noisecurve.backend.philox.variable_normals``): a jitted step
+    vectorised blocks (``keras_noisecurve.backend.common.philox.variable_normals``): a jitted step
     traces ~7 Philox blocks however many variables it has, instead of ~8 per variable.
 
     Args:

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from keras_noisecurve.backend import messages
+from keras_noisecurve.backend.common import messages
 from keras_noisecurve.backend.jax import noise as jax_noise
 from keras_noisecurve.backend.jax import pipeline as jax_pipeline
 from keras_noisecurve.backend.jax import sharding as jax_sharding

@@ -12,7 +12,7 @@ before each iteration of a custom loop (:meth:`RunBatches.restart`).
 
 Keras's ``PyDataset`` items are ``(inputs, targets, sample_weights)`` at most, so an item
 ``batches[i]`` carries the step inside the inputs: ``({"inputs": x, STEP_KEY: step},
-y, mask)``; the private model's ``train_step`` takes it apart (``keras_noisecurve.backend.run_batch.split_step``).
+y, mask)``; the private model's ``train_step`` takes it apart (``keras_noisecurve.backend.common.run_batch.split_step``).
 Iterating the dataset (a custom loop) yields ``(x, y, mask, step)`` as on TensorFlow.
 
 Under several JAX processes (``jax.distributed.initialize``) every process iterates the
@@ -40,7 +40,7 @@ import keras
 import numpy as np
 from jax.experimental import multihost_utils
 
-from keras_noisecurve.backend.run_batch import STEP_KEY
+from keras_noisecurve.backend.common.run_batch import STEP_KEY
 
 __all__ = ["RunBatches", "gather", "materialize", "plan_batches", "plan_steps_dataset", "shared_key", "tensor_spec"]
 

@@ -15,7 +15,7 @@ written as an ELEMENTWISE function of the element's flat (row-major) index i:
     b₁ = the same word of ``fold_in(seed, 1)``; z_i = r(b₀)·cos θ(b₁) for i < half,
     r(b₀)·sin θ(b₁) otherwise
 
-(the Box–Muller of ``keras_noisecurve.backend.philox.box_muller``, whose flat output puts
+(the Box–Muller of ``keras_noisecurve.backend.common.philox.box_muller``, whose flat output puts
 the cosines first). The index is built from ``iota`` in the weight's own shape and the
 result is constrained to the weight's sharding (``jax.lax.with_sharding_constraint``), so
 XLA's SPMD partitioner gives each device the iota of its own slice: every op after it is
@@ -35,7 +35,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from keras_noisecurve import _compat
-from keras_noisecurve.backend import philox
+from keras_noisecurve.backend.common import philox
 
 __all__ = ["is_sharded", "jax_sharding", "sharded_normal", "state_layout", "variable_layout"]
 

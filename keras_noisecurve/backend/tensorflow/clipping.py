@@ -24,11 +24,11 @@ import tensorflow as tf
 from keras_noisecurve import _compat
 from keras_noisecurve._losses import per_example_loss_fn  # noqa: F401 - callers import it from here
 from keras_noisecurve._validation import check_choice, check_float, check_int
-from keras_noisecurve.backend import units
-from keras_noisecurve.backend.clip import clip_factors
+from keras_noisecurve.backend.common import units
+from keras_noisecurve.backend.common.clip import clip_factors
 from keras_noisecurve.backend.tensorflow import ghost
 from keras_noisecurve.backend.tensorflow.clipped_sum import ClippedSum, chunked_clipped_sum
-from keras_noisecurve.backend.model_checks import ENGINES, check_model_is_clippable  # noqa: F401 - ditto
+from keras_noisecurve.backend.common.model_checks import ENGINES, check_model_is_clippable  # noqa: F401 - ditto
 
 #: what this module defines, and ClippedSum (clipped_sum's), the engines' result; the neutral
 #: helpers imported here (ENGINES, check_model_is_clippable, per_example_loss_fn) are their modules'
@@ -168,7 +168,7 @@ def vectorized_clipped_sum(
       training: passed to ``model(..., training=training)``.
       unit_rows: k, the rows of one privacy unit (a user-level run's examples per user; 1: every
         row is a unit): units of k consecutive rows are clipped as one
-        (:mod:`keras_noisecurve.backend.units`); a ``microbatch_size`` is rounded down to whole units.
+        (:mod:`keras_noisecurve.backend.common.units`); a ``microbatch_size`` is rounded down to whole units.
 
     Returns:
       :class:`ClippedSum`; an example whose loss or gradient norm is not finite contributes

@@ -54,7 +54,7 @@ import tensorflow as tf
 
 from keras_noisecurve import _compat
 from keras_noisecurve._validation import check_int
-from keras_noisecurve.backend import batch_probe
+from keras_noisecurve.backend.common import batch_probe
 from keras_noisecurve.backend.tensorflow import features
 
 __all__ = ["assert_same_on_all_workers", "check_supported", "is_chief", "train", "worker_checkpoint_dir"]

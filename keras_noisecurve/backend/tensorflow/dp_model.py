@@ -16,10 +16,10 @@ import tensorflow as tf
 
 from keras_noisecurve import _compat
 from keras_noisecurve._losses import float32_outputs, split_sample_weight, weigh_positions
-from keras_noisecurve.backend import messages
-from keras_noisecurve.backend.clip import unit_weights
-from keras_noisecurve.backend.units import unit_view
-from keras_noisecurve.backend.run_batch import split_step as _split_step
+from keras_noisecurve.backend.common import messages
+from keras_noisecurve.backend.common.clip import unit_weights
+from keras_noisecurve.backend.common.units import unit_view
+from keras_noisecurve.backend.common.run_batch import split_step as _split_step
 from keras_noisecurve.backend.tensorflow import features
 from keras_noisecurve.backend.tensorflow.clipping import add_regularization, get_engine
 from keras_noisecurve.backend.tensorflow.features import add_weight_penalty, class_weights, weight_penalty

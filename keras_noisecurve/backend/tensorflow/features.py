@@ -37,8 +37,8 @@ import numpy as np
 import tensorflow as tf
 
 from keras_noisecurve import _compat
-from keras_noisecurve.backend import messages
-from keras_noisecurve.backend.class_weight import check_class_weight
+from keras_noisecurve.backend.common import messages
+from keras_noisecurve.backend.common.class_weight import check_class_weight
 
 __all__ = [
     "METRIC",

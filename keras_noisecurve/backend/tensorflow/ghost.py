@@ -28,7 +28,7 @@ this engine never does:
 
 Recording works by temporarily replacing the ``call`` of each supported layer
 instance with a wrapper for the duration of the forward pass
-(``keras_noisecurve.backend.calls.wrapped_calls`` in its shared mode: under a lock, with a
+(``keras_noisecurve.backend.common.calls.wrapped_calls`` in its shared mode: under a lock, with a
 reference count, so concurrent replicas of ``tf.distribute`` share it safely); the
 wrapper records into a thread-local recorder and calls the original ``call`` when no
 recording is active in its thread. Inside ``tf.function`` this happens only while
@@ -64,10 +64,10 @@ import tensorflow as tf
 
 from keras_noisecurve import _compat
 from keras_noisecurve._validation import check_int
-from keras_noisecurve.backend import norm_observer, units
-from keras_noisecurve.backend.calls import wrapped_calls
-from keras_noisecurve.backend.clip import clip_factors
-from keras_noisecurve.backend.norm_observer import observe_layer_norms  # noqa: F401 - dp_model reads it here
+from keras_noisecurve.backend.common import norm_observer, units
+from keras_noisecurve.backend.common.calls import wrapped_calls
+from keras_noisecurve.backend.common.clip import clip_factors
+from keras_noisecurve.backend.common.norm_observer import observe_layer_norms  # noqa: F401 - dp_model reads it here
 from keras_noisecurve.backend.tensorflow.clipped_sum import ClippedSum, chunked_clipped_sum
 from keras_noisecurve.backend.tensorflow import ghost_rows
 from keras_noisecurve.backend.tensorflow.ghost_generic import CallerRule, GenericRule, RNNFallbackRule, owned_trainable
@@ -531,7 +531,7 @@ def ghost_clipped_sum(
         training: passed to the model call (dropout etc.).
         unit_rows: k, the rows of one privacy unit (a user-level run's examples per user; 1:
             every row is a unit): ``Σ_u clip(Σ_{i ∈ u} w_i·∇loss_i, ζ)`` over units of k
-            consecutive rows (:mod:`keras_noisecurve.backend.units`); a ``microbatch_size`` is
+            consecutive rows (:mod:`keras_noisecurve.backend.common.units`); a ``microbatch_size`` is
             rounded down to whole units.
 
     Returns:

@@ -9,8 +9,8 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from keras_noisecurve.backend import norm_forms
-from keras_noisecurve.backend.geometry import parse_einsum
+from keras_noisecurve.backend.common import norm_forms
+from keras_noisecurve.backend.common.geometry import parse_einsum
 from keras_noisecurve.backend.tensorflow.ghost_forms import (
     Rule,
     bias_grad,

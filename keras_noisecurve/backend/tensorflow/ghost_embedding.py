@@ -19,7 +19,7 @@ import keras
 import tensorflow as tf
 
 from keras_noisecurve import _compat
-from keras_noisecurve.backend import affine_scale, layer_classes
+from keras_noisecurve.backend.common import affine_scale, layer_classes
 from keras_noisecurve.backend.tensorflow.ghost_forms import (
     Rule,
     concat_positions,

@@ -1,7 +1,7 @@
 """Tensor math shared by the ghost-clipping layer rules, and the rule interface.
 
 Per-example squared norms of bilinear weight gradients (``sequence_sq_norms``: the forms of
-``keras_noisecurve.backend.norm_forms``, shared with the JAX engine, chosen also for an unknown
+``keras_noisecurve.backend.common.norm_forms``, shared with the JAX engine, chosen also for an unknown
 sequence length), the
 book-keeping sums that assemble the clipped gradient from the same (input,
 output-gradient) pairs, and :class:`Rule`, the base class of the rules in
@@ -15,7 +15,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from keras_noisecurve import _compat
-from keras_noisecurve.backend import layer_classes, norm_forms
+from keras_noisecurve.backend.common import layer_classes, norm_forms
 
 
 def norm_dtype(dtype) -> tf.DType:

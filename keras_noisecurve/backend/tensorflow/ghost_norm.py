@@ -2,7 +2,7 @@
 
 ``LayerNormalization`` and ``GroupNormalization``; BatchNormalization mixes examples and
 has no rule. Another channels-last group normalisation class gets its rule from
-:func:`grouped_norm_rule` (``keras_noisecurve.backend.layer_rules.group_norm_rule``, as the
+:func:`grouped_norm_rule` (``keras_noisecurve.backend.common.layer_rules.group_norm_rule``, as the
 bundled ``keras_noisecurve.apps.layers.GroupNorm`` does), a subclass of :class:`GroupNormalizationRule`.
 """
 
@@ -13,7 +13,7 @@ import functools
 import keras
 import tensorflow as tf
 
-from keras_noisecurve.backend import norm_forms
+from keras_noisecurve.backend.common import norm_forms
 from keras_noisecurve.backend.tensorflow.ghost_forms import Rule, norm_dtype, per_example_sq, weighted_sum
 
 

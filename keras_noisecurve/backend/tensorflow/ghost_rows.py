@@ -42,7 +42,7 @@ import weakref
 import tensorflow as tf
 
 from keras_noisecurve import _compat
-from keras_noisecurve.backend.calls import wrapped_calls
+from keras_noisecurve.backend.common.calls import wrapped_calls
 
 __all__ = ["PROBE_BATCH", "callers", "per_example", "probe", "reads", "variable_handle"]
 

@@ -21,7 +21,7 @@ its calls concatenated along the position axis: the per-example gradient of a we
 is the sum over calls and positions of the same outer products.
 
 This module is the registry (:data:`RULES`, made from the table of both engines,
-``keras_noisecurve.backend.layer_rules.BUILTIN``; :func:`find_rule`) and re-exports the
+``keras_noisecurve.backend.common.layer_rules.BUILTIN``; :func:`find_rule`) and re-exports the
 rules' public names: the shared math and :class:`Rule` live in ``ghost_forms``, the
 rules in ``ghost_dense`` (Dense, EinsumDense, Embedding), ``ghost_conv``
 (Conv1D/Conv2D), ``ghost_norm`` (normalisation layers), ``ghost_t5`` (T5's relative-attention bias) and ``ghost_rnn`` (LSTM, GRU,
@@ -31,7 +31,7 @@ as the layer's own).
 
 from __future__ import annotations
 
-from keras_noisecurve.backend import layer_rules
+from keras_noisecurve.backend.common import layer_rules
 from keras_noisecurve.backend.tensorflow.ghost_forms import Rule, sequence_sq_norms
 from keras_noisecurve.backend.tensorflow.ghost_conv import CONV_CHUNK, ConvRule, conv_chunk, conv_sq_norms
 from keras_noisecurve.backend.tensorflow.ghost_conv_kinds import (
@@ -81,7 +81,7 @@ def _builtin_rules():
     return (*rules, RNNFallbackRule())
 
 
-#: The rules, tried in order: the TensorFlow kernels of ``keras_noisecurve.backend.layer_rules.BUILTIN``
+#: The rules, tried in order: the TensorFlow kernels of ``keras_noisecurve.backend.common.layer_rules.BUILTIN``
 #: (one table for both engines), then :class:`RNNFallbackRule`.
 RULES = _builtin_rules()
 

@@ -31,7 +31,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_noisecurve import _compat
-from keras_noisecurve.backend import affine_scale
+from keras_noisecurve.backend.common import affine_scale
 from keras_noisecurve.backend.tensorflow.ghost_forms import Rule, norm_dtype, per_example_sq, weighted_sum
 
 __all__ = ["ComputedScaleRule", "PReLURule", "probe_affine_scale"]
@@ -63,7 +63,7 @@ def probe_affine_scale(layer) -> bool:
     (relative 1e-4 float64/float32, 3e-2 float16/bfloat16, of the largest output), the
     output must have the input's shape, and example 0 alone must give the same rows.
     Any exception of the call counts as "no" (the per-layer fallback). The decision is
-    :func:`keras_noisecurve.backend.affine_scale.affine_in_weight`, shared with the JAX engine.
+    :func:`keras_noisecurve.backend.common.affine_scale.affine_in_weight`, shared with the JAX engine.
     """
     return _PROBE(layer)
 

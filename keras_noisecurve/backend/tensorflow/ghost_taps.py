@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from keras_noisecurve.backend.geometry import explicit_padding, live_taps
+from keras_noisecurve.backend.common.geometry import explicit_padding, live_taps
 
 from keras_noisecurve.backend.tensorflow.ghost_forms import per_example_sq, weighted_sum
 

@@ -6,7 +6,7 @@ The standard normal draw z_t for variable k is made from Philox bits keyed by
 uniforms, computed with vectorised TensorFlow ops, because ``tf.random.stateless_normal``
 runs its Box–Muller in scalar code; docs/training.md, "Secret seeds", has the timings).
 The words are TensorFlow's own Philox stream (``stateless_uniform``/``stateless_fold_in``),
-also under XLA, whose own kernels truncate int64 seeds. ``keras_noisecurve.backend.philox``
+also under XLA, whose own kernels truncate int64 seeds. ``keras_noisecurve.backend.common.philox``
 computes the same words with uint32 arithmetic in numpy or jax.numpy (the JAX backend's
 generator, ``keras_noisecurve.backend.jax.noise``); tests/backend/test_philox.py checks
 that they are TensorFlow's bit for bit.
@@ -26,7 +26,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_noisecurve.backend.tensorflow import compat
-from keras_noisecurve.backend import philox
+from keras_noisecurve.backend.common import philox
 
 __all__ = [
     "OPS",
@@ -61,7 +61,7 @@ _MASK32 = 0xFFFFFFFF
 
 
 class _Arrays:
-    """The uint32 operations ``keras_noisecurve.backend.philox`` needs, in TensorFlow: the
+    """The uint32 operations ``keras_noisecurve.backend.common.philox`` needs, in TensorFlow: the
     generator's integer code is the one the numpy and JAX runs use."""
 
     uint32 = tf.uint32
@@ -86,7 +86,7 @@ class _Arrays:
 
 def _philox_key_counter(seed):
     """TensorFlow's ``StatelessRandomGetKeyCounter`` for Philox, in plain integer ops
-    (``keras_noisecurve.backend.philox.key_counter``: one Philox block of the seed's four
+    (``keras_noisecurve.backend.common.philox.key_counter``: one Philox block of the seed's four
     32-bit words under a fixed key). XLA's own kernel truncates each int64 seed word to
     32 bits, so an XLA step would draw other noise than the same step without XLA; this
     gives the same stream in both.

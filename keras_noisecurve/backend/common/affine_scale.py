@@ -24,7 +24,7 @@ import weakref
 import numpy as np
 
 from keras_noisecurve import _compat
-from keras_noisecurve.backend import layer_classes
+from keras_noisecurve.backend.common import layer_classes
 
 __all__ = ["KNOWN_RMS_NORMS", "PROBE_SHAPE", "TOLERANCE", "AffineScaleProbe", "affine_in_weight", "known_rms_norm",
            "single_weight"]

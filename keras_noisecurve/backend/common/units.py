@@ -28,7 +28,7 @@ reads one entry per unit (:func:`unit_view`).
 
 from __future__ import annotations
 
-from keras_noisecurve.backend.geometry import parse_einsum
+from keras_noisecurve.backend.common.geometry import parse_einsum
 
 __all__ = ["MERGED_KINDS", "check_rows", "merge_rows", "merges", "per_row", "unit_losses", "unit_sum", "unit_view"]
 
@@ -93,7 +93,7 @@ def unit_sum(t, unit_rows: int):
 
 def unit_losses(losses, unit_rows: int):
     """(U,) the sum of each unit's unweighted row losses: not finite exactly when one of its
-    rows' losses is not (inf − inf is nan), what :func:`~keras_noisecurve.backend.clip.clip_factors`
+    rows' losses is not (inf − inf is nan), what :func:`~keras_noisecurve.backend.common.clip.clip_factors`
     checks."""
     return unit_sum(losses, unit_rows)
 
