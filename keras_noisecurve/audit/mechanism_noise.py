@@ -119,7 +119,9 @@ def check_noise(*, optimizer, steps=32, probes=None) -> NoiseCheck:
     batch = run.batch_size if run is not None else int(optimizer.expected_batch_size)
     unit = {} if run is None or run.examples_per_user == 1 else {"unit_rows": run.examples_per_user}
     adaptive = twin.adaptive_clip is not None
-    norms = keras.ops.convert_to_tensor(np.geomspace(0.01, 100.0, batch), "float32") if adaptive else None
+    # B units' norms, per row as the engines return them (a user's on each of its k rows)
+    norms = np.repeat(np.geomspace(0.01, 100.0, batch), unit.get("unit_rows", 1))
+    norms = keras.ops.convert_to_tensor(norms, "float32") if adaptive else None
     variable = keras.Variable(np.zeros(probes, np.float32), name="noise_probe")
     seen = keras.Variable(np.zeros(probes, np.float32), trainable=False, name="noise_seen")
     inner = twin.inner

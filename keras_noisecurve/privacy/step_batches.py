@@ -153,7 +153,9 @@ class StepBatches:
         self.key = np.asarray(key, dtype=np.int64)
         self._samplers = Samplers(run, source.sample_weight, users=users)
         k = run.examples_per_user  # a user slot's rows (1: example-level)
-        unit = math.lcm(int(parts) * k, int(multiple))
+        # every process's block AND every device's share are whole user slots (a device's rows are
+        # contiguous in the global batch only within a process, whatever the mesh)
+        unit = math.lcm(int(parts) * k, int(multiple) * k)
         self.padded_size = -(-run.padded_rows // unit) * unit
         self.rows = self.padded_size // int(parts)
         if self.rows % k:  # cannot happen (parts·k divides unit): every block is whole user slots

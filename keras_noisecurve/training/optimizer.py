@@ -484,16 +484,18 @@ class NoiseCurveOptimizer(ClipNorm, _impl.OptimizerBackend, keras.optimizers.Opt
             models pass it for a step refused whatever its data: out of step, past the plan).
           unit_rows: the rows of one privacy unit the sum was clipped by: 1 (each example), or a
             user-level run's ``examples_per_user`` k (each user's k rows clipped as one, e.g.
-            ``engine(..., unit_rows=k)``; then ``norms``/``sample_weight`` are per user). It must be
-            the run's k: a sum clipped per example in a user-level run would have k times the
-            sensitivity its ε assumes (``ValueError``).
+            ``engine(..., unit_rows=k)``). ``norms`` and ``sample_weight`` stay PER ROW, as the
+            engine returns them (a user's norm on each of its rows): the count takes one norm per
+            user, and a user is real where one of its rows weighs more than 0. It must be the run's
+            k: a sum clipped per example in a user-level run would have k times the sensitivity
+            its ε assumes (``ValueError``).
 
         Every variable gets ``ĝ_t = (sum + ζ·σ·z̃_t)/B``: ``w ← w − η·ĝ_t`` without an
         inner optimizer, else the inner optimizer's ``update_step(ĝ_t, w, η_t)``.
         """
         self._dp_check_unit_rows(unit_rows)
         self._private_apply = True
-        self._dp_counted = (norms, sample_weight, keep_clip)
+        self._dp_counted = (*_per_unit(norms, sample_weight, unit_rows), keep_clip)
         try:
             return self.apply(grads, trainable_variables)
         finally:
@@ -510,7 +512,7 @@ class NoiseCurveOptimizer(ClipNorm, _impl.OptimizerBackend, keras.optimizers.Opt
         ``norms``/``sample_weight``/``keep_clip``/``unit_rows``: as :meth:`apply_clipped_sum`'s."""
         self._dp_check_unit_rows(unit_rows)
         self._private_apply = True
-        self._dp_counted = (norms, sample_weight, keep_clip)
+        self._dp_counted = (*_per_unit(norms, sample_weight, unit_rows), keep_clip)
         try:
             return self.stateless_apply(optimizer_variables, grads, trainable_variables)
         finally:
@@ -579,3 +581,14 @@ class NoiseCurveOptimizer(ClipNorm, _impl.OptimizerBackend, keras.optimizers.Opt
             config["inner"] = keras.saving.deserialize_keras_object(config["inner"], custom_objects=custom_objects)
         return super().from_config(config, custom_objects=custom_objects)
 
+
+def _per_unit(norms, sample_weight, unit_rows):
+    """The count's ``(norms, weights)`` of the step's units from per-row ones (``units.unit_view``:
+    one norm per user, a user real where a row weighs > 0); as they are for ``unit_rows`` 1."""
+    if norms is None or unit_rows == 1:
+        return norms, sample_weight
+    from keras_noisecurve.backend.common.units import unit_view
+
+    weights = None if sample_weight is None else keras.ops.cast(keras.ops.convert_to_tensor(sample_weight) > 0,
+                                                                "float32")
+    return unit_view(norms, weights, unit_rows)

@@ -122,3 +122,44 @@ def test_a_custom_loop_must_clip_per_user_in_a_user_level_run():
     plain = knc.NoiseCurveOptimizer(run=example_run, learning_rate=0.1, l2_norm_clip=1.0, seed=0)
     with pytest.raises(ValueError, match="unit_rows=1"):
         plain.apply_clipped_sum(grads, model.trainable_variables, unit_rows=4)
+
+
+def test_the_adaptive_count_of_a_custom_loop_counts_each_user_once():
+    """apply_clipped_sum takes the engine's per-row norms: a user-level step moves ζ as the
+    example-level step whose examples are the users (count noise ~0, the same B)."""
+    import warnings
+
+    import keras_noisecurve as knc
+
+    def clip_after(**plan):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            run = knc.PrivateRun(batch_size=4, steps=3, noise_multiplier=1.0, delta=1e-2, seed=0,
+                                 sampling="fixed_epochs", adaptive_clip=knc.AdaptiveClip(initial=1.0, count_stddev=1e-9),
+                                 **plan)
+            optimizer = knc.NoiseCurveOptimizer(run=run, learning_rate=0.1, seed=0)
+        return optimizer
+
+    unit_norms = np.array([0.01, 0.02, 50.0, 0.03], np.float32)  # 3 of 4 users below ζ = 1
+    variable = tf.Variable(tf.zeros(3))
+    users = clip_after(privacy_unit="user", num_users=20, examples_per_user=3)
+    users.build([variable])
+    rows = np.repeat(unit_norms, 3)
+    weights = np.ones(12, np.float32)
+    weights[[1, 2, 5]] = 0  # padding rows inside real users: still one count each
+    users.apply_clipped_sum([tf.zeros(3)], [variable], norms=tf.constant(rows), sample_weight=weights, unit_rows=3)
+    examples = clip_after(num_examples=20)
+    examples.build([tf.Variable(tf.zeros(3))])
+    examples.apply_clipped_sum([tf.zeros(3)], examples._trainable_variables, norms=tf.constant(unit_norms))
+    assert float(users.current_clip()) == pytest.approx(float(examples.current_clip()), rel=1e-6)
+    assert float(users.current_clip()) < 1.0  # 3/4 below the median target: ζ shrinks
+
+
+def test_a_rule_registered_by_a_user_is_never_merged():
+    from keras_noisecurve.backend.common import units
+
+    layer = keras.layers.Dense(3)
+    assert units.merges("Dense", layer) and not units.merges("Dense", layer, builtin=False)
+    bias_along_positions = keras.layers.EinsumDense("abc,cd->abd", output_shape=(4, 5), bias_axes="bd")
+    bias_along_positions.build((None, 4, 6))
+    assert not units.merges("EinsumDense", bias_along_positions)

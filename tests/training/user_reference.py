@@ -43,6 +43,11 @@ def build(kind, seed=0):
             layer.lora_kernel_b.assign(rng.normal(size=layer.lora_kernel_b.shape).astype("float32") * 0.3)
         x = rng.normal(size=(p, 6)).astype("float32")
         return model, x, rng.normal(size=(p, 3)).astype("float32")
+    elif kind == "einsum_bias":  # a bias along the position axis: not merged, the fallback
+        inputs = keras.Input((4, 6))
+        h = layers.EinsumDense("abc,cd->abd", output_shape=(4, 5), bias_axes="bd", activation="tanh")(inputs)
+        out = layers.Dense(3)(layers.GlobalAveragePooling1D()(h))
+        x = rng.normal(size=(p, 4, 6)).astype("float32")
     elif kind == "embedding":
         inputs = keras.Input((5,), dtype="int32")
         h = layers.Embedding(11, 4)(inputs)
@@ -53,7 +58,7 @@ def build(kind, seed=0):
     return keras.Model(inputs, out), x, rng.normal(size=(p, 3)).astype("float32")
 
 
-KINDS = ("dense", "attention", "conv", "lora", "embedding")
+KINDS = ("dense", "attention", "conv", "lora", "embedding", "einsum_bias")
 
 
 def user_weights():

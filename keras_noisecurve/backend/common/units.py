@@ -37,24 +37,28 @@ __all__ = ["MERGED_KINDS", "check_rows", "merge_rows", "merges", "per_row", "uni
 MERGED_KINDS = ("Dense", "EinsumDense", "Embedding", "LoRA", "LayerNormalization")
 
 
-def _einsum_merges(equation: str) -> bool:
+def _einsum_merges(equation: str, bias_axes) -> bool:
     """An explicit equation whose input axis 1 is a position: in the input and the output (axis 1
-    of both), not in the kernel; an input of rank ≥ 3, so the merge keeps the rank."""
+    of both), not in the kernel nor in the bias (a bias along it would have one entry per position
+    of the merged rows); an input of rank ≥ 3, so the merge keeps the rank."""
     if "..." in equation:
         return False
     inp, ker, out = parse_einsum(equation, len(equation.split(",")[0]))
-    return len(inp) >= 3 and len(out) >= 2 and inp[1] == out[1] and inp[1] not in ker
+    return (len(inp) >= 3 and len(out) >= 2 and inp[1] == out[1] and inp[1] not in ker
+            and inp[1] not in (bias_axes or ""))
 
 
-def merges(kind: str, layer) -> bool:
+def merges(kind: str, layer, *, builtin: bool = True) -> bool:
     """Whether ``layer``, clipped by the rule of ``kind``, gives per-unit norms and sums when its
-    recorded rows are merged by :func:`merge_rows` (else the engine uses its exact fallback)."""
+    recorded rows are merged by :func:`merge_rows` (else the engine uses its exact fallback).
+    ``builtin``: the rule is the library's own kernel of that kind (a rule registered by a user,
+    whatever its kind's name, is never merged: its gradient need not be a sum over positions)."""
     import keras
 
-    if kind not in MERGED_KINDS:
+    if kind not in MERGED_KINDS or not builtin:
         return False
     if kind in ("EinsumDense", "LoRA") and isinstance(layer, keras.layers.EinsumDense):
-        return _einsum_merges(layer.equation)
+        return _einsum_merges(layer.equation, getattr(layer, "bias_axes", None) if layer.bias is not None else None)
     if kind == "LayerNormalization":
         axes = layer.axis if isinstance(layer.axis, (list, tuple)) else [layer.axis]
         return all(a == -1 or a >= 2 for a in axes)  # axis 1 of an input is the merged one

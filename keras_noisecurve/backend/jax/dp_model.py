@@ -44,7 +44,7 @@ from keras_noisecurve import _compat
 from keras_noisecurve._losses import float32_outputs, split_sample_weight, weigh_positions
 from keras_noisecurve.backend.common import messages
 from keras_noisecurve.backend.common.clip import unit_weights
-from keras_noisecurve.backend.common.units import unit_view
+from keras_noisecurve.backend.common.units import per_row
 from keras_noisecurve.backend.common.run_batch import split_step as _split_step
 from keras_noisecurve.backend.jax import features
 from keras_noisecurve.backend.jax.clipping import clipped_sum
@@ -296,6 +296,8 @@ class TrainStepBackend:
             l2_norm_clip=clip, microbatch_size=self._dp_microbatch_size, training=True, unit_rows=unit_rows,
         )
         nonfinite = features.nonfinite_mask(losses, norms)  # dropped by the engine (contributed 0)
+        if unit_rows > 1:  # the engine dropped the whole user: every row of it
+            nonfinite = per_row(jnp.any(jnp.reshape(nonfinite, (-1, unit_rows)), axis=1), unit_rows)
         dropped, real = features.count_dropped(nonfinite, weights)
         all_dropped = (real > 0) & (dropped == real)
         sums = self._dp_add_regularization(trainable, non_trainable, sums, optimizer.expected_batch_size,
@@ -313,10 +315,9 @@ class TrainStepBackend:
         sums = [jnp.where(ok, s, jnp.zeros_like(s)) for s in sums]
         # a step refused whatever its data (out of step, past the plan) leaves an adaptive clip as it was
         keep_clip = jnp.logical_not(ok | (why == features.ALL_DROPPED))
-        count_norms, count_weights = unit_view(norms, unit_weights(weights, positions), unit_rows)
         trainable, optimizer_values = optimizer.stateless_apply_clipped_sum(
-            optimizer_values, sums, trainable, norms=count_norms, sample_weight=count_weights, keep_clip=keep_clip,
-            unit_rows=unit_rows)
+            optimizer_values, sums, trainable, norms=norms, sample_weight=unit_weights(weights, positions),
+            keep_clip=keep_clip, unit_rows=unit_rows)
 
         # padding rows (weight 0) and dropped examples count in no metric: weight 0 for the
         # loss and the weighted metrics, 0/1 row weight for the unweighted ones (static shapes)

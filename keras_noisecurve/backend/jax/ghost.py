@@ -63,7 +63,7 @@ from keras_noisecurve.backend.common import layer_rules, norm_observer, units
 from keras_noisecurve.backend.common.calls import training_kwargs, wrapped_calls
 from keras_noisecurve.backend.common.clip import clip_factors
 from keras_noisecurve.backend.jax import ghost_rows
-from keras_noisecurve.backend.jax.ghost_rules import find_rule, kept, register_rule, uses_pre_activation
+from keras_noisecurve.backend.jax.ghost_rules import find_rule, is_registered, kept, register_rule, uses_pre_activation
 from keras_noisecurve.backend.common.model_checks import input_batch
 
 __all__ = ["describe", "ghost_clipped_sum", "ghost_norms", "register_rule", "targets"]
@@ -432,7 +432,8 @@ def ghost_norms(model, loss_fn, trainable, non_trainable, x, y, weights, *, trai
                 if rule is not None and k > 1:  # per unit: the same rule on merged rows, or the fallback
                     merged = [{"a": units.merge_rows(c["a"], k), "g": units.merge_rows(c["g"], k), "args": None}
                               for c in ruled]
-                    again = find_rule(layer, merged) if units.merges(rule[0], layer) else None
+                    builtin = not is_registered(rule[0])  # a user's kernel of that kind is never merged
+                    again = find_rule(layer, merged) if units.merges(rule[0], layer, builtin=builtin) else None
                     rule = again if again is not None and again[0] == rule[0] else None
         observer = norm_observer.observer()
         if rule is not None:

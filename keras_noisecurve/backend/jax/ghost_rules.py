@@ -34,7 +34,7 @@ from keras_noisecurve.backend.common import layer_rules
 from keras_noisecurve.backend.jax.ghost_conv import PRE_ACTIVATION
 from keras_noisecurve.backend.jax.ghost_forms import kept, sequence_sq_norms, token_sq_norms
 
-__all__ = ["RULES", "find_rule", "kept", "register_rule", "rule_table", "sequence_sq_norms", "token_sq_norms",
+__all__ = ["RULES", "find_rule", "is_registered", "kept", "register_rule", "rule_table", "sequence_sq_norms", "token_sq_norms",
            "uses_pre_activation"]
 
 
@@ -81,6 +81,12 @@ def register_rule(rule) -> None:
                         f"got {rule!r}")
     _REGISTERED[:] = [entry for entry in _REGISTERED if entry[2] != key]
     _REGISTERED.append((kind, function, key))
+
+
+def is_registered(kind: str) -> bool:
+    """Whether a rule registered by :func:`register_rule` has the kind ``kind`` (then a layer of
+    that kind may be clipped by a user's kernel, not the library's)."""
+    return any(k == kind for k, _, _ in _REGISTERED)
 
 
 def find_rule(layer, calls):

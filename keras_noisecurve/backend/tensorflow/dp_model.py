@@ -18,7 +18,6 @@ from keras_noisecurve import _compat
 from keras_noisecurve._losses import float32_outputs, split_sample_weight, weigh_positions
 from keras_noisecurve.backend.common import messages
 from keras_noisecurve.backend.common.clip import unit_weights
-from keras_noisecurve.backend.common.units import unit_view
 from keras_noisecurve.backend.common.run_batch import split_step as _split_step
 from keras_noisecurve.backend.tensorflow import features
 from keras_noisecurve.backend.tensorflow.clipping import add_regularization, get_engine
@@ -315,9 +314,8 @@ class TrainStepBackend:
             self._dp_build_optimizer(optimizer)
         with tf.control_dependencies([c for c in checks if c is not None]):  # no update before the check
             grads = self._refuse(clipped.grads, step, iteration, optimizer, dropped, real)
-            count_norms, count_weights = unit_view(clipped.norms, unit_weights(sample_weight, positions), unit_rows)
-            optimizer.apply_clipped_sum(grads, self.trainable_variables, norms=count_norms,
-                                        sample_weight=count_weights, unit_rows=unit_rows,
+            optimizer.apply_clipped_sum(grads, self.trainable_variables, norms=clipped.norms,
+                                        sample_weight=unit_weights(sample_weight, positions), unit_rows=unit_rows,
                                         keep_clip=_refused_whatever_the_data(step, iteration, optimizer))
         epoch_dropped = features.record(self._dp_nonfinite, dropped, iteration)
 

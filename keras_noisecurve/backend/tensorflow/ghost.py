@@ -367,7 +367,8 @@ def _per_unit(entries, unit_rows):
         return entries
     out = []
     for layer, rule, variables in entries:
-        if not isinstance(rule, GenericRule) and not units.merges(rule.kind, layer):
+        builtin = type(rule).__module__.startswith("keras_noisecurve.backend.tensorflow.")  # not a user's rule
+        if not isinstance(rule, GenericRule) and not units.merges(rule.kind, layer, builtin=builtin):
             if rule.covers_sublayers:
                 rule = RNNFallbackRule() if isinstance(layer, keras.layers.RNN) else CallerRule()
             else:
