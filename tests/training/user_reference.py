@@ -78,15 +78,7 @@ def mse(y_true, y_pred):
 def reference(grad_of, x, y, w, clip):
     """``(Σ_u clip(G_u, ζ), unit norms (U,))`` in float64, ``G_u`` = ``grad_of(x_u, y_u, w_u)``
     (a list of arrays: the gradient of ``Σ_j w_j·loss_j`` over the user's K rows)."""
-    sums, norms = None, []
-    for u in range(len(w) // K):
-        rows = slice(u * K, (u + 1) * K)
-        grads = [np.asarray(g, np.float64) for g in grad_of(x[rows], y[rows], w[rows])]
-        norm = np.sqrt(sum(np.sum(g ** 2) for g in grads))
-        norms.append(norm)
-        factor = min(1.0, clip / norm) if norm > 0 else 1.0
-        sums = [factor * g for g in grads] if sums is None else [s + factor * g for s, g in zip(sums, grads)]
-    return sums, np.array(norms)
+    return reference_units(grad_of, x, y, w, clip, K)
 
 
 def check(got_sums, got_norms, ref_sums, ref_norms, rtol=2e-5):
@@ -136,7 +128,8 @@ def one_fit_step_matches_reference(grad_of_model, adaptive=False):
 
 
 def reference_units(grad_of, x, y, w, clip, k):
-    """``reference`` for units of ``k`` rows."""
+    """``(Σ_u clip(G_u, ζ), unit norms (U,))`` in float64 over units of ``k`` rows, ``G_u`` =
+    ``grad_of(x_u, y_u, w_u)``, a Python loop over the units."""
     sums = None
     norms = []
     for u in range(len(w) // k):
