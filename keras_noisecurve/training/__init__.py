@@ -53,7 +53,8 @@ def __getattr__(name: str):
     if backend.refuses(name):  # fit_distributed and the TensorFlow engines' objects on JAX
         raise AttributeError(
             f"keras_noisecurve.training.{name} is part of the TensorFlow backend (KERAS_BACKEND="
-            f"tensorflow); under {backend.name()!r} make_private(model) clips per example itself."
+            f"tensorflow); under the backend in use ({backend.module('clipping').__name__}) make_private(model) "
+            "clips per example itself."
         )
     owner = backend.module("clipping") if name in _FROM_CLIPPING else importlib.import_module(_EXPORTS[name])
     value = getattr(owner, name)

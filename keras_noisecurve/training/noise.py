@@ -311,6 +311,6 @@ def __getattr__(name):
         try:
             return getattr(module, name)
         except AttributeError:
-            raise AttributeError(f"{name!r} is not part of the {backend.name()} noise generator "
+            raise AttributeError(f"{name!r} is not part of the backend's noise generator "
                                  f"({module.__name__}).") from None
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -109,14 +109,21 @@ def reset_noise_state_on_resume(private):
 # ---------------------------------------------------------------- mechanism-check plants
 
 
-def drop_layer_share(monkeypatch, rule_class):
+def drop_layer_share(monkeypatch, rule):
     """One layer rule's per-example norm loses its layer's share (the rule's ``analyse``
     returns zeros for the squared norms and keeps its gradient function): that layer's
-    gradients are then never clipped. Patched on the rule class, from outside."""
+    gradients are then never clipped. ``rule``: a TensorFlow ``Rule`` class, or the kind (a
+    string) of a family whose kernel is written once (``ghost_forms.KernelRule``). Patched on the
+    rule class, from outside."""
+    from keras_noisecurve.backend.tensorflow.ghost_forms import KernelRule
+
+    rule_class = KernelRule if isinstance(rule, str) else rule
     original = rule_class.analyse
 
     def analyse(self, layer, *args, **kwargs):
         sq, grads = original(self, layer, *args, **kwargs)
+        if isinstance(rule, str) and self.kind != rule:
+            return sq, grads
         return tf.zeros_like(sq), grads
 
     monkeypatch.setattr(rule_class, "analyse", analyse)

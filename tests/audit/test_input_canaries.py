@@ -9,7 +9,7 @@ import tensorflow as tf
 
 from keras_noisecurve.audit import input_canaries
 from keras_noisecurve.audit.whitebox import audit_whitebox
-from keras_noisecurve.backend.tensorflow import ghost, ghost_conv, ghost_dense, ghost_norm
+from keras_noisecurve.backend.tensorflow import ghost, ghost_conv, ghost_norm
 
 from . import broken
 
@@ -54,7 +54,7 @@ def test_input_canaries_are_validated_before_training():
 #: the test-sized run of docs/audit.md ("Input canaries"): 400 canaries, T = 32 steps, DP-SGD at ε = 1
 INPUT = {"canary_kind": "input", "strategy": "dpsgd", "epsilon": 1.0, "canaries": 400, "epochs": 2,
          "steps_per_epoch": 16, "learning_rate": 0.05, "seed": 1}
-RULES = {"Dense": ghost_dense.DenseRule, "EinsumDense (attention)": ghost_dense.EinsumDenseRule,
+RULES = {"Dense": "Dense", "EinsumDense (attention)": "EinsumDense",
          "Conv": ghost_conv.ConvRule, "LayerNormalization": ghost_norm.LayerNormalizationRule}
 BRANCH_OF = {"Dense": "dense", "EinsumDense (attention)": "attention", "Conv": "conv", "LayerNormalization": "norm"}
 

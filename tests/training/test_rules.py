@@ -8,6 +8,7 @@ import pytest
 
 import keras_noisecurve as knc
 from keras_noisecurve.backend.tensorflow import ghost, ghost_rules
+from keras_noisecurve.backend.common.ghost_dense import dense
 
 
 def _model():
@@ -33,7 +34,7 @@ def test_register_rule_adds_to_the_tensorflow_registry(monkeypatch):
     class Mine(keras.layers.Layer):
         pass
 
-    class MineRule(ghost_rules.DenseRule):
+    class MineRule(ghost_rules.LayerNormalizationRule):
         kind = "Mine"
         classes = (Mine,)
 
@@ -49,11 +50,15 @@ def test_a_layer_rule_registers_its_tensorflow_kernel_under_its_kind(monkeypatch
     class Mine(keras.layers.Dense):
         pass
 
-    class MineRule(ghost_rules.DenseRule):
-        classes = (Mine,)
+    class MineRule(ghost_rules.KernelRule):
+        def __init__(self):
+            super().__init__(dense, "Mine")
 
         def matches(self, layer):
             return isinstance(layer, Mine)
+
+        def check(self, layer):
+            return None
 
     made = []
     knc.training.register_rule(knc.training.LayerRule("Mine", tensorflow=MineRule, jax=lambda: made.append("jax")))

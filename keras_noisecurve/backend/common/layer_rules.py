@@ -2,8 +2,10 @@
 
 A rule is a :class:`LayerRule`: the name of a layer family (``kind``, what
 ``keras_noisecurve.training.describe`` reports for a layer it clips, the same on every backend)
-and one kernel per backend, each given as a function of no arguments that returns it, so
-that a rule names its kernels without importing their framework:
+and its kernel, given as a function of no arguments that returns it (so that a rule names its
+kernel without importing it): one kernel for every backend (``common``), written in
+``keras.ops`` and declared with :func:`layer_kernel`, or, where a family truly needs its
+framework, one kernel per backend:
 
 - ``tensorflow``: a ``keras_noisecurve.backend.tensorflow.ghost_forms.Rule`` instance (which
   layers: ``matches``/``check``; what it records: ``forward``; the norms and the clipped sum:
@@ -21,10 +23,14 @@ one's own before them. The table is also the documentation's list of rules
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 from typing import Callable, Optional
 
-__all__ = ["BACKENDS", "BUILTIN", "GENERIC", "LayerRule", "group_norm_rule", "table"]
+from keras_noisecurve import _compat
+from keras_noisecurve.backend.common.layer_classes import runs_call_of
+
+__all__ = ["BACKENDS", "BUILTIN", "GENERIC", "LayerRule", "group_norm_rule", "layer_kernel", "table"]
 
 #: the backends a rule can have a kernel for
 BACKENDS = ("tensorflow", "jax")
@@ -43,6 +49,8 @@ class LayerRule:
         ``Rule`` instance), or ``None`` (the fallback clips these layers on TensorFlow).
       jax: a function of no arguments returning the JAX engine's kernel (a function
         ``rule(layer, calls) -> (sq, sums)`` or ``None``), or ``None``.
+      common: a function of no arguments returning the kernel of every backend that has no
+        kernel of its own here: a function declared with :func:`layer_kernel`.
 
     Raises:
       TypeError / ValueError: ``kind`` is not a non-empty string other than ``"generic"``,
@@ -52,27 +60,78 @@ class LayerRule:
     kind: str
     tensorflow: Optional[Callable[[], object]] = None
     jax: Optional[Callable[[], object]] = None
+    common: Optional[Callable[[], object]] = None
 
     def __post_init__(self):
         if not isinstance(self.kind, str) or not self.kind.strip():
             raise TypeError(f"kind must be a non-empty string, got {self.kind!r}")
         if self.kind == GENERIC:
             raise ValueError(f"kind {GENERIC!r} names the per-layer fallback; give the rule a name of its own")
-        for name in BACKENDS:
+        for name in (*BACKENDS, "common"):
             factory = getattr(self, name)
             if factory is not None and not callable(factory):
                 raise TypeError(f"{name} must be a function of no arguments returning the {name} kernel, "
                                 f"or None; got {factory!r}")
-        if all(getattr(self, name) is None for name in BACKENDS):
-            raise ValueError(f"rule {self.kind!r} has no kernel: give tensorflow=, jax= or both")
+        if all(getattr(self, name) is None for name in (*BACKENDS, "common")):
+            raise ValueError(f"rule {self.kind!r} has no kernel: give common=, tensorflow=, jax= or both")
 
     def kernel(self, backend: str):
-        """The kernel for ``backend`` (one of :data:`BACKENDS`; its factory is called now), or
-        ``None`` where the rule has none."""
+        """The kernel for ``backend`` (one of :data:`BACKENDS`; its factory is called now): the
+        backend's own, else the ``common`` one, else ``None``."""
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        factory = getattr(self, backend)
+        factory = getattr(self, backend) or self.common
         return None if factory is None else factory()
+
+
+def layer_kernel(*classes, weights, pre_activation=None, lora: bool = False, check=None):
+    """Declare a backend-neutral ghost-norm kernel (written in ``keras.ops``) of the layers of
+    ``classes`` that run the class's own ``call`` (not quantized, LoRA enabled if and only if
+    ``lora``, no trainable weight but the attributes ``weights``)::
+
+        @layer_kernel(keras.layers.Dense, weights=("kernel", "bias"), pre_activation=linear)
+        def dense(layer, calls):
+            ...
+            return sq, sums
+
+    The kernel takes the layer and its recorded ``calls`` (dicts: ``"a"`` the call's first
+    positional argument (P, ...), ``"g"`` the gradient (P, ...) of ``Σ_i w_i·loss_i`` at its
+    single output, ``"args"`` the call's ``(args, kwargs)``) and returns ``(sq, sums)`` or ``None``
+    (the engine's exact per-layer fallback then clips the layer): ``sq`` (P,) the per-example
+    squared norms of the gradient of the layer's weights, ``sums(c, keep=None)`` the dict
+    ``{id(weight): Σ_i c_i·G_i}`` (``c`` (P,) clipping factors; ``keep`` (P,) bool, the examples
+    whose rows enter the sum: :func:`~keras_noisecurve.backend.common.norm_forms.kept`).
+    ``pre_activation``: ``None``, or a function ``linear(layer, x)``: the layer's call is
+    ``layer.activation(linear(layer, x))`` and ``"g"`` is the gradient at ``linear(layer, x)``. ``check(layer)``: a
+    reason the kernel refuses the layer's configuration, or ``None``; it is asked when a model is
+    planned and again before each call. The declared kernel has the attributes ``classes``,
+    ``weights``, ``pre_activation`` and ``reason(layer)`` (all these checks)."""
+
+    def declare(function):
+        def reason(layer):
+            if not any(runs_call_of(layer, cls) for cls in classes):
+                return f"not one of {[cls.__name__ for cls in classes]} running its own call"
+            if getattr(layer, "quantization_mode", None) is not None:
+                return f"quantized ({layer.quantization_mode})"
+            if bool(getattr(layer, "lora_enabled", False)) != lora:
+                return "LoRA is not enabled" if lora else "LoRA is enabled"
+            expected = {id(getattr(layer, name, None)) for name in weights}
+            extra = [v.path for v in _compat.own_trainable_variables(layer) if v.trainable and id(v) not in expected]
+            if extra:
+                return f"unexpected own trainable variables {extra}"
+            return check(layer) if check is not None else None
+
+        @functools.wraps(function)
+        def kernel(layer, calls):
+            if reason(layer) is not None or not all(hasattr(c["a"], "shape") and hasattr(c["g"], "shape")
+                                                    for c in calls):
+                return None
+            return function(layer, calls)
+
+        kernel.classes, kernel.weights, kernel.pre_activation, kernel.reason = classes, weights, pre_activation, reason
+        return kernel
+
+    return declare
 
 
 def _builtin(backend: str, module: str, name: str):
@@ -108,18 +167,18 @@ def group_norm_rule(kind: str, cls) -> LayerRule:
                               for backend in BACKENDS})
 
 
-def _rule(kind, tensorflow=None, jax=None):
+def _rule(kind, tensorflow=None, jax=None, common=None):
     return LayerRule(kind, tensorflow=tensorflow and _builtin("tensorflow", *tensorflow),
-                     jax=jax and _builtin("jax", *jax))
+                     jax=jax and _builtin("jax", *jax), common=common and _builtin("common", *common))
 
 
 #: The built-in rules, in the order the engines try them (the first that takes a layer clips
 #: it). A family with no kernel on a backend is clipped by that backend's per-layer fallback.
 BUILTIN = (
-    _rule("LoRA", ("ghost_lora", "LoRARule"), ("ghost_lora", "lora_rule")),
-    _rule("EinsumDense", ("ghost_dense", "EinsumDenseRule"), ("ghost_dense", "einsum_dense_rule")),
-    _rule("Dense", ("ghost_dense", "DenseRule"), ("ghost_dense", "dense_rule")),
-    _rule("Embedding", ("ghost_dense", "EmbeddingRule"), ("ghost_dense", "embedding_rule")),
+    _rule("LoRA", common=("ghost_lora", "lora")),
+    _rule("EinsumDense", common=("ghost_dense", "einsum_dense")),
+    _rule("Dense", common=("ghost_dense", "dense")),
+    _rule("Embedding", common=("ghost_dense", "embedding")),
     _rule("ReversibleEmbedding", ("ghost_embedding", "ReversibleEmbeddingRule"),
           ("ghost_embedding", "reversible_embedding_rule")),
     _rule("PositionEmbedding", ("ghost_embedding", "PositionEmbeddingRule"),
@@ -143,6 +202,8 @@ BUILTIN = (
 
 
 def table(rules=BUILTIN) -> list:
-    """One row per rule, in order: ``{"kind", "tensorflow", "jax"}``, each backend's entry
-    ``True`` where the rule has a kernel for it (no kernel is imported)."""
-    return [{"kind": r.kind, **{name: getattr(r, name) is not None for name in BACKENDS}} for r in rules]
+    """One row per rule, in order: ``{"kind", "tensorflow", "jax", "common"}``, each backend's
+    entry ``True`` where the rule has a kernel for it (its own or the common one), ``common``
+    ``True`` where one kernel serves every backend (no kernel is imported)."""
+    return [{"kind": r.kind, **{name: getattr(r, name) is not None or r.common is not None for name in BACKENDS},
+             "common": r.common is not None} for r in rules]

@@ -28,8 +28,56 @@ from __future__ import annotations
 
 from keras import ops
 
-__all__ = ["gram_is_cheaper", "gram_sq_norms", "group_norm_hat", "layer_norm_hat", "outer_sq_norms",
-           "scale_offset_grads", "sequence_sq_norms", "token_gram_sq_norms", "token_rows_sq_norms", "token_sq_norms"]
+__all__ = ["cat", "gram_is_cheaper", "gram_sq_norms", "group_norm_hat", "kept", "layer_norm_hat", "outer_sq_norms",
+           "scale_offset_grads", "scaled", "sequence_sq_norms", "sum_dtype", "token_gram_sq_norms",
+           "token_rows_sq_norms", "token_sq_norms", "weighted_outer", "weighted_sum"]
+
+
+def sum_dtype(x) -> str:
+    """The dtype the kernels compute norms and sums in for a recorded tensor ``x``: float64 stays
+    float64 (a float64 model keeps all 53 bits), everything else is float32."""
+    return "float64" if str(getattr(x.dtype, "name", x.dtype)) == "float64" else "float32"
+
+
+def cat(parts):
+    """The calls of a shared layer, concatenated along the positions (axis 1)."""
+    return parts[0] if len(parts) == 1 else ops.concatenate(parts, axis=1)
+
+
+def _rows(c, x):
+    """``c`` (P,) reshaped to broadcast against ``x`` (P, ...), in ``x``'s dtype."""
+    return ops.reshape(ops.cast(c, x.dtype), (-1,) + (1,) * (len(x.shape) - 1))
+
+
+def scaled(c, x):
+    """``x`` (P, ...) with example i's rows multiplied by ``c[i]`` (``c`` (P,))."""
+    return x * _rows(c, x)
+
+
+def kept(x, keep):
+    """``x`` (P, ...) with the rows of dropped examples (``keep`` (P,) bool false) set to 0, so that
+    a non-finite example's 0 factor cannot give 0·inf = nan in a sum over the batch; ``keep=None``:
+    ``x`` unchanged."""
+    if keep is None:
+        return x
+    return ops.where(ops.reshape(keep, (-1,) + (1,) * (len(x.shape) - 1)), x, ops.zeros_like(x))
+
+
+def weighted_outer(a, g, c, keep=None):
+    """``Σ_i c_i Σ_l a_il g_ilᵀ`` (d_in, d_out) from ``a`` (P, L, d_in), ``g`` (P, L, d_out): the
+    factor with fewer entries per example carries ``c`` (one cheaper pass), and dropped examples'
+    rows are 0 in both (:func:`kept`)."""
+    a, g = kept(a, keep), kept(g, keep)
+    if a.shape[-1] < g.shape[-1]:
+        a = scaled(c, a)
+    else:
+        g = scaled(c, g)
+    return ops.einsum("ni,nj->ij", ops.reshape(a, (-1, a.shape[-1])), ops.reshape(g, (-1, g.shape[-1])))
+
+
+def weighted_sum(per_example, c, keep=None):
+    """``Σ_i c_i·per_example_i`` for a (P, ...) tensor; dropped examples' rows count 0 (:func:`kept`)."""
+    return ops.tensordot(ops.cast(c, per_example.dtype), kept(per_example, keep), axes=1)
 
 
 def gram_is_cheaper(length: int, d_in: int, d_out: int) -> bool:
@@ -49,12 +97,15 @@ def outer_sq_norms(a, g):
 
 
 def sequence_sq_norms(a, g):
-    """Per-example ``‖Σ_l a_il g_ilᵀ‖²_F`` (P,) by the cheapest form for the static shapes of
-    ``a`` (P, L, d_in) and ``g`` (P, L, d_out); L, d_in and d_out must be known (the TensorFlow
-    engine chooses for an unknown L itself)."""
+    """Per-example ``‖Σ_l a_il g_ilᵀ‖²_F`` (P,) by the cheapest form for the shapes of ``a``
+    (P, L, d_in) and ``g`` (P, L, d_out) (d_in and d_out known); for a length L known only when
+    the step runs (a TensorFlow graph), ``ops.cond`` chooses then."""
     length, d_in, d_out = a.shape[1], a.shape[-1], g.shape[-1]
     if length == 1:
         return ops.sum(a * a, axis=(1, 2)) * ops.sum(g * g, axis=(1, 2))
+    if length is None:
+        dynamic = ops.shape(a)[1]
+        return ops.cond(dynamic * dynamic < d_in * d_out, lambda: gram_sq_norms(a, g), lambda: outer_sq_norms(a, g))
     return gram_sq_norms(a, g) if gram_is_cheaper(length, d_in, d_out) else outer_sq_norms(a, g)
 
 
@@ -76,8 +127,12 @@ def token_rows_sq_norms(ids, g, vocabulary: int):
 def token_sq_norms(ids, g, vocabulary: int):
     """Per-example squared norm (P,) of an embedding table's gradient, ``ids`` (P, L) integer
     token ids, ``g`` (P, L, d): the Gram form when L² < vocabulary·d, else the segment sum
-    (L must be known; the TensorFlow engine chooses for an unknown L itself)."""
+    (``ops.cond`` chooses when the step runs for a length unknown before)."""
     length, d = ids.shape[1], g.shape[-1]
+    if length is None:
+        dynamic = ops.shape(ids)[1]
+        return ops.cond(dynamic * dynamic < vocabulary * d, lambda: token_gram_sq_norms(ids, g),
+                        lambda: token_rows_sq_norms(ids, g, vocabulary))
     if gram_is_cheaper(length, vocabulary, d):
         return token_gram_sq_norms(ids, g)
     return token_rows_sq_norms(ids, g, vocabulary)

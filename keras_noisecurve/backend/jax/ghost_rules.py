@@ -31,6 +31,7 @@ from __future__ import annotations
 import keras
 
 from keras_noisecurve.backend.common import layer_rules
+from keras_noisecurve.backend.common.layer_classes import runs_call_of
 from keras_noisecurve.backend.jax.ghost_conv import PRE_ACTIVATION
 from keras_noisecurve.backend.jax.ghost_forms import kept, sequence_sq_norms, token_sq_norms
 
@@ -39,16 +40,19 @@ __all__ = ["RULES", "find_rule", "is_registered", "kept", "register_rule", "rule
 
 
 def uses_pre_activation(layer) -> bool:
-    """Whether the engine records ``layer``'s output before its fused activation (Dense, EinsumDense
-    and ``ghost_conv.PRE_ACTIVATION`` of exact type, whose ``call`` is ``activation(linear(x))``;
-    LoRA-enabled or not, not quantized)."""
-    return (type(layer) in (keras.layers.Dense, keras.layers.EinsumDense, *PRE_ACTIVATION)
+    """Whether the engine records ``layer``'s output before its fused activation (Dense and
+    EinsumDense running their class's ``call``, ``ghost_conv.PRE_ACTIVATION`` of exact type: their
+    ``call`` is ``activation(linear(x))``; LoRA-enabled or not, not quantized)."""
+    return ((type(layer) in PRE_ACTIVATION or any(runs_call_of(layer, cls) for cls in _LINEAR))
             and getattr(layer, "quantization_mode", None) is None)
+
+
+_LINEAR = (keras.layers.Dense, keras.layers.EinsumDense)
 
 
 #: The built-in rules with a JAX kernel, ``(kind, function)`` in the order of
 #: ``layer_rules.BUILTIN``; the first that returns a result is used.
-RULES = tuple((spec.kind, spec.kernel("jax")) for spec in layer_rules.BUILTIN if spec.jax is not None)
+RULES = tuple((spec.kind, spec.kernel("jax")) for spec in layer_rules.BUILTIN if (spec.jax or spec.common) is not None)
 
 
 _REGISTERED: list = []  # (kind, function, key)

@@ -30,7 +30,7 @@ from keras_noisecurve.backend.tensorflow.ghost_forms import (
     weighted_outer,
     weighted_sum,
 )
-from keras_noisecurve.backend.tensorflow.ghost_dense import token_sq_norms
+from keras_noisecurve.backend.common.norm_forms import token_sq_norms
 
 __all__ = ["DiagonalScaleRule", "PositionEmbeddingRule", "ReversibleEmbeddingRule", "tied_cross_term"]
 

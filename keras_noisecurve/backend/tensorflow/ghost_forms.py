@@ -165,3 +165,45 @@ class Rule:
             return f"unexpected own trainable variables {extra}"
         return None
 
+
+
+class KernelRule(Rule):
+    """A backend-neutral kernel (``layer_rules.layer_kernel``, written in ``keras.ops``) in this
+    engine: ``check`` is the kernel's ``reason``; ``forward`` records the call's first argument
+    ``a``, its ``(args, kwargs)`` and its output (with ``pre_activation``, the output of the
+    kernel's ``linear(layer, inputs)``, then the activation is applied to it); ``analyse`` runs
+    the kernel on the recorded calls."""
+
+    def __init__(self, kernel, kind=None):
+        self.kernel = kernel
+        self.classes = kernel.classes
+        self.kind = kind or kernel.__name__
+
+    def expected_variables(self, layer):
+        return [getattr(layer, name, None) for name in self.kernel.weights]
+
+    def check(self, layer):
+        return self.kernel.reason(layer)
+
+    def forward(self, layer, original_call, record, inputs, *args, **kwargs):
+        linear = self.kernel.pre_activation
+        if linear:
+            out = linear(layer, inputs)
+            record(out=out, a=inputs, args=((inputs, *args), kwargs))
+            return layer.activation(out) if layer.activation is not None else out
+        out = original_call(inputs, *args, **kwargs)
+        record(out=out, a=inputs, args=((inputs, *args), kwargs))
+        return out
+
+    def analyse(self, layer, calls):
+        result = self.kernel(layer, [{"a": c["a"], "g": c["g"], "args": c.get("args")} for c in calls])
+        if result is None:
+            raise ValueError(f"{type(layer).__name__} layer '{layer.name}' is not supported by the {self.kind} "
+                             "kernel in the configuration it was called in; use clipping='vectorized'")
+        sq, sums = result
+        variables = {id(v): v for v in self.expected_variables(layer) if v is not None}
+
+        def grads(scale):
+            return [(variables[key], grad) for key, grad in sums(scale, tf.not_equal(scale, 0)).items()]
+
+        return sq, grads

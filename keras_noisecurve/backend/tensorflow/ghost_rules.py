@@ -32,7 +32,7 @@ as the layer's own).
 from __future__ import annotations
 
 from keras_noisecurve.backend.common import layer_rules
-from keras_noisecurve.backend.tensorflow.ghost_forms import Rule, sequence_sq_norms
+from keras_noisecurve.backend.tensorflow.ghost_forms import KernelRule, Rule, sequence_sq_norms
 from keras_noisecurve.backend.tensorflow.ghost_conv import CONV_CHUNK, ConvRule, conv_chunk, conv_sq_norms
 from keras_noisecurve.backend.tensorflow.ghost_conv_kinds import (
     Conv3DRule,
@@ -42,15 +42,7 @@ from keras_noisecurve.backend.tensorflow.ghost_conv_kinds import (
     SeparableConvRule,
 )
 from keras_noisecurve.backend.tensorflow.ghost_embedding import DiagonalScaleRule, PositionEmbeddingRule, ReversibleEmbeddingRule
-from keras_noisecurve.backend.tensorflow.ghost_lora import LoRARule
 from keras_noisecurve.backend.tensorflow.ghost_generic import GenericRule, RNNFallbackRule, TimeDistributedRule
-from keras_noisecurve.backend.tensorflow.ghost_dense import (
-    DenseRule,
-    EinsumDenseRule,
-    EmbeddingRule,
-    einsum_structure,
-    token_sq_norms,
-)
 from keras_noisecurve.backend.tensorflow.ghost_norm import GroupNormalizationRule, LayerNormalizationRule
 from keras_noisecurve.backend.tensorflow.ghost_rnn import RecurrentRule
 from keras_noisecurve.backend.tensorflow.ghost_scale import ComputedScaleRule, PReLURule
@@ -59,12 +51,11 @@ from keras_noisecurve.backend.tensorflow.ghost_timedist import FoldedTimeDistrib
 
 __all__ = [
     "CONV_CHUNK", "RULES", "ComputedScaleRule", "Conv3DRule", "ConvRule", "ConvTransposeRule",
-    "DenseRule", "DepthwiseConvRule", "DiagonalScaleRule", "EinsumDenseRule", "EmbeddingRule",
-    "FoldedTimeDistributedRule", "GenericRule", "GroupNormalizationRule", "GroupedConvRule",
-    "LayerNormalizationRule", "LoRARule", "PReLURule", "PositionEmbeddingRule", "RNNFallbackRule",
-    "RecurrentRule", "RelativeAttentionBiasRule", "ReversibleEmbeddingRule", "Rule", "SeparableConvRule", "TimeDistributedRule",
-    "conv_chunk", "conv_sq_norms", "einsum_structure", "find_rule", "register_rule",
-    "sequence_sq_norms", "token_sq_norms",
+    "DepthwiseConvRule", "DiagonalScaleRule", "FoldedTimeDistributedRule", "GenericRule",
+    "GroupNormalizationRule", "GroupedConvRule", "KernelRule", "LayerNormalizationRule", "PReLURule",
+    "PositionEmbeddingRule", "RNNFallbackRule", "RecurrentRule", "RelativeAttentionBiasRule",
+    "ReversibleEmbeddingRule", "Rule", "SeparableConvRule", "TimeDistributedRule",
+    "conv_chunk", "conv_sq_norms", "find_rule", "register_rule", "sequence_sq_norms",
 ]
 
 def _builtin_rules():
@@ -75,6 +66,8 @@ def _builtin_rules():
         rule = spec.kernel("tensorflow")
         if rule is None:
             continue
+        if not isinstance(rule, Rule):  # one kernel for every backend
+            rule = KernelRule(rule, spec.kind)
         if rule.kind != spec.kind:  # a kernel reports its family's name (describe, the audit)
             raise RuntimeError(f"{type(rule).__name__}.kind is {rule.kind!r}; layer_rules.BUILTIN names it {spec.kind!r}")
         rules.append(rule)
@@ -107,6 +100,8 @@ def register_rule(rule) -> None:
         spec, rule = rule, rule.kernel("tensorflow")
         if rule is None:
             return
+        if spec.tensorflow is None and callable(getattr(rule, "reason", None)):  # one kernel for every backend
+            rule = KernelRule(rule, spec.kind)
         if not isinstance(rule, Rule):
             raise TypeError(f"the tensorflow kernel of rule {spec.kind!r} must be a ghost_rules.Rule instance, "
                             f"got {type(rule).__name__}")
@@ -159,7 +154,7 @@ def rule_table(*, registered: bool = True) -> list:
     """
     rows = []
     for rule in (*(_REGISTERED if registered else ()), *RULES):
-        doc = (type(rule).__doc__ or "").strip().split("\n\n")[0]
+        doc = ((rule.kernel if isinstance(rule, KernelRule) else type(rule)).__doc__ or "").strip().split("\n\n")[0]
         rows.append({
             "kind": rule.kind,
             "layers": _rule_layers(rule),

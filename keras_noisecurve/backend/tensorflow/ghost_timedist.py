@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import keras
 
-from keras_noisecurve.backend.tensorflow.ghost_forms import Rule
-from keras_noisecurve.backend.tensorflow.ghost_dense import DenseRule, EmbeddingRule
+from keras_noisecurve.backend.common import ghost_dense
+from keras_noisecurve.backend.tensorflow.ghost_forms import KernelRule, Rule
 from keras_noisecurve.backend.tensorflow.ghost_embedding import DiagonalScaleRule
 from keras_noisecurve.backend.tensorflow.ghost_norm import LayerNormalizationRule
 from keras_noisecurve.backend.tensorflow.ghost_scale import ComputedScaleRule, PReLURule
@@ -30,7 +30,7 @@ __all__ = ["FoldedTimeDistributedRule", "foldable"]
 #: the rules whose forward and analysis take any number of leading position axes, in the
 #: registry's order (the registry's earlier rules, e.g. LoRA, never take these layers'
 #: configurations that these rules accept)
-_POSITIONWISE = (DenseRule(), EmbeddingRule(), DiagonalScaleRule(), PReLURule(), LayerNormalizationRule(),
+_POSITIONWISE = (KernelRule(ghost_dense.dense, "Dense"), KernelRule(ghost_dense.embedding, "Embedding"), DiagonalScaleRule(), PReLURule(), LayerNormalizationRule(),
                  ComputedScaleRule())
 
 
@@ -40,7 +40,8 @@ def foldable(rule, layer) -> bool:
     if isinstance(rule, LayerNormalizationRule):  # axes counted from the end only
         axes = [layer.axis] if isinstance(layer.axis, int) else list(layer.axis)
         return all(a < 0 for a in axes)
-    return any(type(rule) is type(r) for r in _POSITIONWISE)
+    return any(type(rule) is type(r) and getattr(rule, "kernel", None) is getattr(r, "kernel", None)
+               for r in _POSITIONWISE)
 
 
 def _inner_rule(layer):
