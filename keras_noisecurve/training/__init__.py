@@ -8,8 +8,9 @@
   ``train_step``, whose engines are the backend's (``keras_noisecurve.backend.<name>``:
   ``dp_model``, ``clipping``, ``ghost`` and its rules); examples with a non-finite loss or
   gradient are dropped, counted and reported.
-- :func:`describe`, :func:`register_rule`, :class:`LayerRule` (``rules.py``): which rule clips
-  each layer, and a rule of your own, with a kernel per backend.
+- :func:`describe`, :func:`register_rule`, :class:`LayerRule`, :func:`layer_kernel` (``rules.py``):
+  which rule clips each layer, and a rule of your own: one ``keras.ops`` kernel for every backend,
+  or a kernel per backend.
 - :func:`fit_distributed` (``distributed.py``): the training loop for
   ``MultiWorkerMirroredStrategy``, where Keras 3's ``fit`` does not run (TensorFlow).
 - :func:`learning_rate_schedule`, :class:`LinearCooldown`, :class:`MultiplierSchedule`
@@ -24,6 +25,7 @@ import importlib
 # ghost-norm rules, fit_distributed) load only where they are used
 _EXPORTS = {
     "LayerRule": "keras_noisecurve.training.rules",
+    "layer_kernel": "keras_noisecurve.training.rules",
     "LinearCooldown": "keras_noisecurve.training.schedules",
     "MultiplierSchedule": "keras_noisecurve.training.schedules",
     "NoiseCurveOptimizer": "keras_noisecurve.training.optimizer",

@@ -18,9 +18,9 @@ rule with both kernels (``keras_noisecurve/apps/layers.py``).
 from __future__ import annotations
 
 from keras_noisecurve import backend as _backend
-from keras_noisecurve.backend.common.layer_rules import LayerRule
+from keras_noisecurve.backend.common.layer_rules import LayerRule, layer_kernel
 
-__all__ = ["LayerRule", "describe", "register_rule"]
+__all__ = ["LayerRule", "describe", "layer_kernel", "register_rule"]
 
 
 def register_rule(rule) -> None:

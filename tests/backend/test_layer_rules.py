@@ -1,6 +1,9 @@
 """The table of ghost-norm rules of both engines (``keras_noisecurve.backend.common.layer_rules``): a
 rule's validation, its kernels made only when asked for, and the built-in table itself."""
 
+import re
+
+import numpy as np
 import pytest
 
 from keras_noisecurve.backend.common import layer_rules
@@ -58,3 +61,40 @@ def test_every_builtin_kernel_resolves_on_each_backend_that_names_one():
             if getattr(rule, backend) is not None or rule.common is not None:
                 kernel = rule.kernel(backend)
                 assert kernel is not None and (callable(kernel) or hasattr(kernel, "analyse")), (rule.kind, backend)
+
+
+class _Layer:
+    pass
+
+
+@pytest.mark.parametrize("args, kwargs, match", [
+    ((), dict(weights=("v",)), "takes one or more layer classes, got ()"),
+    (("Dense",), dict(weights=("v",)), "takes one or more layer classes, got ('Dense',)"),
+    ((_Layer,), dict(weights="kernel"), "weights must be a tuple of the layer's weight attribute names"),
+    ((_Layer,), dict(weights=()), "weights must be a tuple"),
+    ((_Layer,), dict(weights=("v",), pre_activation=3), "pre_activation must be a function or None, got 3"),
+    ((_Layer,), dict(weights=("v",), check="no"), "check must be a function or None, got 'no'"),
+])
+def test_layer_kernel_validates_its_arguments(args, kwargs, match):
+    with pytest.raises(TypeError, match=re.escape(match)):
+        layer_rules.layer_kernel(*args, **kwargs)
+
+
+def test_a_declared_kernel_takes_only_its_classes_and_configurations():
+    keras = pytest.importorskip("keras")
+    with pytest.raises(TypeError, match="decorates a function"):
+        layer_rules.layer_kernel(keras.layers.Dense, weights=("kernel",))(3)
+    seen = []
+    kernel = layer_rules.layer_kernel(keras.layers.Dense, weights=("kernel", "bias"),
+                                      check=lambda layer: "too wide" if layer.units > 4 else None)(
+        lambda layer, calls: seen.append(layer.name) or "result")
+    dense, wide, other = keras.layers.Dense(2, name="d"), keras.layers.Dense(8), keras.layers.LayerNormalization()
+    for layer, shape in ((dense, 3), (wide, 3), (other, 3)):
+        layer.build((None, shape))
+    calls = [{"a": np.zeros((2, 3)), "g": np.zeros((2, 2)), "args": None}]
+    assert kernel.reason(dense) is None and kernel(dense, calls) == "result" and seen == ["d"]
+    assert kernel.reason(wide) == "too wide" and kernel(wide, calls) is None
+    assert "not one of ['Dense']" in kernel.reason(other)
+    dense.enable_lora(1)
+    assert kernel.reason(dense) == "LoRA is enabled"
+    assert kernel(keras.layers.Dense(2), [{"a": (1, 2), "g": None}]) is None  # not arrays: the fallback

@@ -170,3 +170,30 @@ def test_the_bundled_group_norm_registers_its_jax_rule_and_it_is_exact():
     scale = max(np.max(np.abs(r)) for r in ref_sums)
     for s, r, v in zip(sums, ref_sums, model.trainable_variables):
         np.testing.assert_allclose(np.asarray(s), r, rtol=1e-4, atol=1e-4 * scale, err_msg=v.path)
+
+
+def test_a_kernel_written_once_registers_and_clips_as_the_independent_loop(registry):
+    """The same keras.ops kernel as the TensorFlow test's (tests/gate_kernel.py), registered by a
+    LayerRule with common=."""
+    from tests.gate_kernel import gate_kernel, gate_model
+
+    keras.utils.set_random_seed(1)
+    model = gate_model()
+    knc.training.register_rule(knc.training.LayerRule("Gate", common=lambda: gate_kernel))
+    assert knc.training.describe(model)[1] == ("gate", "Gate", "Gate")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(8, 5, 4)).astype(np.float32)
+    y = rng.normal(size=(8, 3)).astype(np.float32)
+    weights = np.ones(8, np.float32)
+    weights[1], weights[2] = 0.0, 0.5
+    _, free = reference_clipped_sum(model, x, y, weights, 1e9, loss=mse_per_example)
+    clip = float(np.median(free[free > 0]))
+    trainable = [v.value for v in model.trainable_variables]
+    non_trainable = [v.value for v in model.non_trainable_variables]
+    sums, norms = jax.jit(lambda tv, ntv: ghost_clipped_sum(model, mse_per_example, tv, ntv, x, y, jnp.asarray(weights),
+                                                             l2_norm_clip=clip)[:2])(trainable, non_trainable)
+    ref_sums, ref_norms = reference_clipped_sum(model, x, y, weights, clip, loss=mse_per_example)
+    np.testing.assert_allclose(np.asarray(norms), ref_norms, rtol=1e-4, atol=1e-6)
+    scale = max(np.max(np.abs(r)) for r in ref_sums)
+    for s, r, v in zip(sums, ref_sums, model.trainable_variables):
+        np.testing.assert_allclose(np.asarray(s), r, rtol=1e-4, atol=1e-4 * scale, err_msg=v.path)

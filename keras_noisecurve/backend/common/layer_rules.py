@@ -102,12 +102,30 @@ def layer_kernel(*classes, weights, pre_activation=None, lora: bool = False, che
     ``{id(weight): Σ_i c_i·G_i}`` (``c`` (P,) clipping factors; ``keep`` (P,) bool, the examples
     whose rows enter the sum: :func:`~keras_noisecurve.backend.common.norm_forms.kept`).
     ``pre_activation``: ``None``, or a function ``linear(layer, x)``: the layer's call is
-    ``layer.activation(linear(layer, x))`` and ``"g"`` is the gradient at ``linear(layer, x)``. ``check(layer)``: a
-    reason the kernel refuses the layer's configuration, or ``None``; it is asked when a model is
-    planned and again before each call. The declared kernel has the attributes ``classes``,
-    ``weights``, ``pre_activation`` and ``reason(layer)`` (all these checks)."""
+    ``layer.activation(linear(layer, x))`` and ``"g"`` is the gradient at ``linear(layer, x)``.
+    ``check(layer)``: a reason the kernel refuses the layer's configuration, or ``None``; it is
+    asked when a model is planned and again before each call. The declared kernel has the
+    attributes ``classes``, ``weights``, ``pre_activation`` and ``reason(layer)`` (all these checks).
+
+    Raises:
+      TypeError: no class or something else than classes in ``classes``, ``weights`` not a
+        non-empty tuple or list of attribute names, ``pre_activation`` or ``check`` neither a
+        function nor ``None``, or the decorated object not a function.
+    """
+    if not classes or not all(isinstance(cls, type) for cls in classes):
+        raise TypeError(f"layer_kernel takes one or more layer classes, got {classes!r}")
+    if isinstance(weights, str) or not isinstance(weights, (tuple, list)) or not weights or not all(
+            isinstance(name, str) and name for name in weights):
+        raise TypeError(f"weights must be a tuple of the layer's weight attribute names, e.g. ('kernel', 'bias'); "
+                        f"got {weights!r}")
+    for name, value in (("pre_activation", pre_activation), ("check", check)):
+        if value is not None and not callable(value):
+            raise TypeError(f"{name} must be a function or None, got {value!r}")
+    weights = tuple(weights)
 
     def declare(function):
+        if not callable(function):
+            raise TypeError(f"layer_kernel decorates a function kernel(layer, calls), got {function!r}")
         def reason(layer):
             if not any(runs_call_of(layer, cls) for cls in classes):
                 return f"not one of {[cls.__name__ for cls in classes]} running its own call"

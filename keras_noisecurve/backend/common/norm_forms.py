@@ -60,7 +60,12 @@ def kept(x, keep):
     ``x`` unchanged."""
     if keep is None:
         return x
-    return ops.where(ops.reshape(keep, (-1,) + (1,) * (len(x.shape) - 1)), x, ops.zeros_like(x))
+
+    def masked():
+        return ops.where(ops.reshape(keep, (-1,) + (1,) * (len(x.shape) - 1)), x, ops.zeros_like(x))
+
+    # no example dropped (the usual step): no pass over x
+    return ops.cond(ops.all(keep), lambda: x, masked)
 
 
 def weighted_outer(a, g, c, keep=None):

@@ -71,7 +71,7 @@ from keras_noisecurve.backend.common.norm_observer import observe_layer_norms  #
 from keras_noisecurve.backend.tensorflow.clipped_sum import ClippedSum, chunked_clipped_sum
 from keras_noisecurve.backend.tensorflow import ghost_rows
 from keras_noisecurve.backend.tensorflow.ghost_generic import CallerRule, GenericRule, RNNFallbackRule, owned_trainable
-from keras_noisecurve.backend.tensorflow.ghost_rules import find_rule, register_rule
+from keras_noisecurve.backend.tensorflow.ghost_rules import RULES, find_rule, register_rule
 from keras_noisecurve.backend.tensorflow.ghost_reads import callers as callers_of_reads, check_reads
 
 _GENERIC = GenericRule()
@@ -367,7 +367,7 @@ def _per_unit(entries, unit_rows):
         return entries
     out = []
     for layer, rule, variables in entries:
-        builtin = type(rule).__module__.startswith("keras_noisecurve.backend.tensorflow.")  # not a user's rule
+        builtin = any(rule is r for r in RULES)  # not a user's rule
         if not isinstance(rule, GenericRule) and not units.merges(rule.kind, layer, builtin=builtin):
             if rule.covers_sublayers:
                 rule = RNNFallbackRule() if isinstance(layer, keras.layers.RNN) else CallerRule()
