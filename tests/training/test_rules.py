@@ -85,7 +85,7 @@ def test_a_kernel_written_once_registers_and_clips_as_the_per_example_loop(monke
     """The same keras.ops kernel as tests/jax/test_jax_rules.py's twin (tests/gate_kernel.py),
     registered by a LayerRule with common=, against the per-example loop and the vectorized engine."""
     from tests.gate_kernel import gate_kernel, gate_model
-    from tests.training.test_ghost import check_model
+    from tests.training.test_ghost import P, check_model
 
     monkeypatch.setattr(ghost_rules, "_REGISTERED", [])
     keras.utils.set_random_seed(1)
@@ -94,4 +94,4 @@ def test_a_kernel_written_once_registers_and_clips_as_the_per_example_loop(monke
     knc.training.register_rule(knc.training.LayerRule("Gate", common=lambda: gate_kernel))
     assert knc.training.describe(model)[1] == ("gate", "Gate", "Gate")
     rng = np.random.default_rng(0)
-    check_model(model, rng.normal(size=(8, 5, 4)), rng.normal(size=(8, 3)))
+    check_model(model, rng.normal(size=(P, 5, 4)), rng.normal(size=(P, 3)))
