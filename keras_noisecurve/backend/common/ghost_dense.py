@@ -26,7 +26,7 @@ from keras import ops
 from keras_noisecurve.backend.common.geometry import parse_einsum
 from keras_noisecurve.backend.common.layer_rules import layer_kernel
 from keras_noisecurve.backend.common.norm_forms import (
-    cat, kept, scaled, sequence_sq_norms, sum_dtype, token_sq_norms, weighted_outer, weighted_sum)
+    arrange, cat, kept, scaled, sequence_sq_norms, sum_dtype, token_sq_norms, weighted_outer, weighted_sum)
 
 __all__ = ["dense", "einsum_check", "einsum_dense", "einsum_reason", "embedding", "linear"]
 
@@ -136,9 +136,9 @@ def einsum_dense(layer, calls):
         pos = "".join(ch for ch in inp[1:] if ch in out and ch not in ker)
         con = "".join(ch for ch in inp[1:] if ch in ker)
         kout = "".join(ch for ch in out[1:] if ch in ker)
-        a = cat([_flat(ops.einsum(f"{inp}->{ex}{pos}{con}", x), p, max(1, _size(x, inp, con)), dtype)
+        a = cat([_flat(arrange(x, inp, ex + pos + con), p, max(1, _size(x, inp, con)), dtype)
                  for x in a_parts])
-        g = cat([_flat(ops.einsum(f"{out}->{ex}{pos}{kout}", y), p, max(1, _size(y, out, kout)), dtype)
+        g = cat([_flat(arrange(y, out, ex + pos + kout), p, max(1, _size(y, out, kout)), dtype)
                  for y in g_parts])
         sq = sequence_sq_norms(a, g)
         sizes = dict(zip(ker, layer.kernel.shape))
@@ -151,7 +151,7 @@ def einsum_dense(layer, calls):
     if layer.bias is not None:
         first = min(out.index(ch) for ch in layer.bias_axes)
         letters = "".join(ch for ch in out[first:] if ch in layer.bias_axes)
-        bias_i = ops.reshape(sum(ops.einsum(f"{out}->{ex}{letters}", y) for y in g_parts), (p, -1))
+        bias_i = ops.reshape(sum(arrange(y, out, ex + letters) for y in g_parts), (p, -1))
     return _with_bias(layer, sq, bias_i, kernel_sum)
 
 

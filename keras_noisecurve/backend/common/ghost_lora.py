@@ -28,7 +28,7 @@ from keras_noisecurve.backend.common.geometry import parse_einsum
 from keras_noisecurve.backend.common.ghost_dense import einsum_check, linear
 from keras_noisecurve.backend.common.layer_rules import layer_kernel
 from keras_noisecurve.backend.common.norm_forms import (
-    cat, kept, scaled, sequence_sq_norms, sum_dtype, weighted_outer, weighted_sum)
+    arrange, cat, kept, scaled, sequence_sq_norms, sum_dtype, weighted_outer, weighted_sum)
 
 __all__ = ["lora"]
 
@@ -38,7 +38,7 @@ def _flat(x, letters, lead, last):
     letter) first, every other letter not in ``last`` as positions, then ``last``."""
     rest = "".join(ch for ch in letters if ch != lead and ch not in last)
     width = math.prod(x.shape[letters.index(ch)] for ch in last)
-    return ops.reshape(ops.einsum(f"{letters}->{lead}{rest}{last}", x), (ops.shape(x)[letters.index(lead)], -1, width))
+    return ops.reshape(arrange(x, letters, lead + rest + last), (ops.shape(x)[letters.index(lead)], -1, width))
 
 
 def _kernel_grad(inp, ker, out, a_parts, g_parts):
@@ -54,8 +54,8 @@ def _kernel_grad(inp, ker, out, a_parts, g_parts):
         pos = "".join(ch for ch in inp[1:] if ch in out and ch not in ker)  # one order for a and g
         con = "".join(ch for ch in inp[1:] if ch in ker)
         kout = "".join(ch for ch in out[1:] if ch in ker)
-        a = cat([_flat(ops.einsum(f"{inp}->{ex}{pos}{con}", x), ex + pos + con, ex, con) for x in a_parts])
-        g = cat([_flat(ops.einsum(f"{out}->{ex}{pos}{kout}", y), ex + pos + kout, ex, kout) for y in g_parts])
+        a = cat([_flat(arrange(x, inp, ex + pos + con), ex + pos + con, ex, con) for x in a_parts])
+        g = cat([_flat(arrange(y, out, ex + pos + kout), ex + pos + kout, ex, kout) for y in g_parts])
         sq = sequence_sq_norms(a, g)
 
     def total(c, keep=None):
@@ -109,7 +109,7 @@ def lora(layer, calls):
         axes = layer.bias_axes if isinstance(layer, keras.layers.EinsumDense) else out[-1]
         first = min(out.index(ch) for ch in axes)
         letters = "".join(ch for ch in out[first:] if ch in axes)
-        bias_i = sum(ops.reshape(ops.einsum(f"{out}->{ex}{letters}", y), (ops.shape(y)[0], -1)) for y in g_parts)
+        bias_i = sum(ops.reshape(arrange(y, out, ex + letters), (ops.shape(y)[0], -1)) for y in g_parts)
         sq = sq + ops.sum(bias_i * bias_i, axis=1)
 
     def sums(c, keep=None):

@@ -28,7 +28,8 @@ from __future__ import annotations
 
 from keras import ops
 
-__all__ = ["cat", "gram_is_cheaper", "gram_sq_norms", "group_norm_hat", "kept", "layer_norm_hat", "outer_sq_norms",
+__all__ = ["arrange", "cat", "gram_is_cheaper", "gram_sq_norms", "group_norm_hat", "kept", "layer_norm_hat",
+           "outer_sq_norms",
            "scale_offset_grads", "scaled", "sequence_sq_norms", "sum_dtype", "token_gram_sq_norms",
            "token_rows_sq_norms", "token_sq_norms", "weighted_outer", "weighted_sum"]
 
@@ -37,6 +38,19 @@ def sum_dtype(x) -> str:
     """The dtype the kernels compute norms and sums in for a recorded tensor ``x``: float64 stays
     float64 (a float64 model keeps all 53 bits), everything else is float32."""
     return "float64" if str(getattr(x.dtype, "name", x.dtype)) == "float64" else "float32"
+
+
+def arrange(x, letters: str, target: str):
+    """``einsum(f"{letters}->{target}", x)`` as a sum and a transpose: the axes of ``x`` (named by
+    ``letters``) missing from ``target`` summed away, the rest put in ``target``'s order; ``x``
+    itself when nothing moves (a one-operand einsum costs a kernel launch on TensorFlow)."""
+    gone = [i for i, ch in enumerate(letters) if ch not in target]
+    if gone:
+        x = ops.sum(x, axis=gone)
+        letters = "".join(ch for ch in letters if ch in target)
+    if letters != target:
+        x = ops.transpose(x, [letters.index(ch) for ch in target])
+    return x
 
 
 def cat(parts):
