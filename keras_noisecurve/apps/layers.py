@@ -17,9 +17,8 @@ Both are registered for Keras serialization as ``keras_noisecurve>GroupNorm`` an
 ``import keras_noisecurve.apps.layers`` (``keras_noisecurve.apps.models`` imports it).
 Importing this module also registers the ghost-norm rule of ``GroupNorm``, ``GROUP_NORM_RULE``
 (a ``keras_noisecurve.training.LayerRule`` of kind ``"GroupNorm"``, made by
-``keras_noisecurve.backend.common.layer_rules.group_norm_rule``: each backend's group-normalisation
-kernel for this class; on TensorFlow an instance of ``GroupNormRule``, a ``Rule`` of the
-TensorFlow engine), so the per-layer engine clips it from ``(a, g)`` instead of with its
+``keras_noisecurve.backend.common.layer_rules.group_norm_rule``: the group-normalisation kernel of
+every backend, ``keras_noisecurve.backend.common.ghost_norm.grouped_norm``, for this class), so the per-layer engine clips it from ``(a, g)`` instead of with its
 per-layer fallback. The module imports no framework: only the kernel of the backend in use is made.
 """
 
@@ -35,7 +34,7 @@ from keras_noisecurve._validation import check_int
 from keras_noisecurve.backend.common.layer_rules import group_norm_rule
 from keras_noisecurve.training.rules import register_rule
 
-__all__ = ["GROUP_NORM_RULE", "AdaptiveAveragePooling2D", "GroupNorm", "GroupNormRule"]
+__all__ = ["GROUP_NORM_RULE", "AdaptiveAveragePooling2D", "GroupNorm"]
 
 
 @keras.saving.register_keras_serializable(package="keras_noisecurve")
@@ -122,15 +121,9 @@ class AdaptiveAveragePooling2D(keras.layers.Layer):
         return {**super().get_config(), "output_size": self.output_size}
 
 
-#: the ghost-norm rule of :class:`GroupNorm`, one kernel per backend (each backend's
-#: ``ghost_norm.grouped_norm_rule`` for this class, made when the rule is registered)
+#: the ghost-norm rule of :class:`GroupNorm`, one kernel for every backend
+#: (``backend.common.ghost_norm.grouped_norm`` for this class, made when the rule is registered)
 GROUP_NORM_RULE = group_norm_rule("GroupNorm", GroupNorm)
-
-
-def __getattr__(name):
-    if name == "GroupNormRule":  # TensorFlow's rule class (a ghost_forms.Rule), made when first asked for
-        return type(GROUP_NORM_RULE.kernel("tensorflow"))
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 if backend.supported():  # the layers themselves run on any backend

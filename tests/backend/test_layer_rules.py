@@ -42,12 +42,14 @@ def test_the_builtin_table_names_each_family_once_with_a_tensorflow_kernel():
     assert len(set(kinds)) == len(kinds)
     assert all(rule.tensorflow is not None or rule.common is not None for rule in BUILTIN)
     # one kernel for every backend: these families' kernels are written once, in keras.ops
-    assert {rule.kind for rule in BUILTIN if rule.common is not None} >= {"Dense", "EinsumDense", "Embedding", "LoRA"}
+    assert {rule.kind for rule in BUILTIN if rule.common is not None} >= {
+        "Dense", "EinsumDense", "Embedding", "LoRA", "LayerNormalization", "GroupNormalization", "ReversibleEmbedding",
+        "PositionEmbedding", "RMS scale", "PReLU", "RMSNorm (by computation)"}
     assert not any(rule.common is not None and (rule.tensorflow or rule.jax) for rule in BUILTIN)
     rows = layer_rules.table()
     assert [row["kind"] for row in rows] == kinds
     assert {row["kind"] for row in rows if not row["jax"]} == {
-        "T5 relative-attention bias", "PReLU", "TimeDistributed (folded)", "TimeDistributed"}
+        "T5 relative-attention bias", "TimeDistributed (folded)", "TimeDistributed"}
     # the probe-based rule is tried last: a layer a named rule takes is never probed
     assert kinds[-1] == "RMSNorm (by computation)"
 
@@ -68,9 +70,13 @@ class _Layer:
 
 
 @pytest.mark.parametrize("args, kwargs, match", [
-    ((), dict(weights=("v",)), "takes one or more layer classes, got ()"),
-    (("Dense",), dict(weights=("v",)), "takes one or more layer classes, got ('Dense',)"),
+    ((), dict(weights=("v",)), "takes one or more layer classes or matches=, not both; got classes ()"),
+    (("Dense",), dict(weights=("v",)), "takes one or more layer classes or matches=, not both; got classes ('Dense',)"),
+    ((_Layer,), dict(weights=("v",), matches=bool), "not both; got classes"),
+    ((), dict(weights=("v",), matches=3), "matches must be a function or None, got 3"),
+    ((_Layer,), dict(weights=("v",), forward="f"), "forward must be a function or None, got 'f'"),
     ((_Layer,), dict(weights="kernel"), "weights must be a tuple of the layer's weight attribute names"),
+    ((_Layer,), dict(weights=3), "or a function weights(layer); got 3"),
     ((_Layer,), dict(weights=()), "weights must be a tuple"),
     ((_Layer,), dict(weights=("v",), pre_activation=3), "pre_activation must be a function or None, got 3"),
     ((_Layer,), dict(weights=("v",), check="no"), "check must be a function or None, got 'no'"),
@@ -98,3 +104,22 @@ def test_a_declared_kernel_takes_only_its_classes_and_configurations():
     dense.enable_lora(1)
     assert kernel.reason(dense) == "LoRA is enabled"
     assert kernel(keras.layers.Dense(2), [{"a": (1, 2), "g": None}]) is None  # not arrays: the fallback
+
+
+def test_a_kernel_declared_by_matches_and_a_weights_function():
+    keras = pytest.importorskip("keras")
+    seen = []
+    kernel = layer_rules.layer_kernel(matches=lambda layer: layer.name.startswith("mine"), names=("Mine",),
+                                      weights=lambda layer: [layer.kernel])(
+        lambda layer, calls: seen.append(calls[0]["saved"]) or "result")
+    mine, other = keras.layers.Dense(2, name="mine", use_bias=False), keras.layers.Dense(2, name="other")
+    biased = keras.layers.Dense(2, name="mine_biased")
+    for layer in (mine, other, biased):
+        layer.build((None, 3))
+    assert kernel.layer_names == ("Mine",) and kernel.classes == ()
+    assert kernel.matches(mine) and not kernel.matches(other)
+    assert kernel.weights(mine) == [mine.kernel]
+    assert "not a layer" in kernel.reason(other)
+    assert "unexpected own trainable variables" in kernel.reason(biased)  # its bias is not in weights(layer)
+    calls = [{"a": np.zeros((2, 3)), "g": np.zeros((2, 2)), "args": None}]
+    assert kernel(mine, calls) == "result" and seen == [None]  # an engine that saved nothing: "saved" is None

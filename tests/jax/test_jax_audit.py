@@ -76,7 +76,7 @@ def test_a_rule_that_drops_its_layers_share_is_caught_and_named(monkeypatch):
     private, x, y = _private()
     good = check_mechanism(model=private, x=x, y=y, checks=("clipping",), batches=1, batch_size=8).checks["clipping"]
     assert good.passed, good.line
-    from keras_noisecurve.backend.jax.ghost_norm import layer_norm_rule as original
+    from keras_noisecurve.backend.common.ghost_norm import layer_norm as original
 
     def dropped(layer, calls):
         result = original(layer, calls)

@@ -19,7 +19,7 @@ import pytest
 
 from keras_noisecurve.backend.jax import ghost
 from keras_noisecurve.backend.jax.ghost import ghost_clipped_sum
-from keras_noisecurve.backend.jax.ghost_scale import probe_affine_scale
+from keras_noisecurve.backend.jax.ghost import probe_affine_scale
 from tests.jax.helpers import mse_per_example, reference_clipped_sum, spy_fallback
 
 
@@ -160,8 +160,9 @@ def test_rms_norms_by_computation_and_layer_norm_variants(handled):
     y = rng.normal(size=(7, 2)).astype("float32")
     _compare(model, x, y, _weights(7))
     got = [handled[id(n)] for n in norms]
-    # Keras's RMSNormalization is known by class; the others are recognised by what they compute
-    assert got == ["RMS scale", "RMSNorm (by computation)", "LayerNormalization", "LayerNormalization",
+    # Keras's RMSNormalization is known by class, LayerNormalization (rms_scaling too) takes its own kernel, as
+    # on TensorFlow; the custom scale is recognised by what it computes, and x ⊙ w² by nothing
+    assert got == ["RMS scale", "LayerNormalization", "LayerNormalization", "LayerNormalization",
                    "RMSNorm (by computation)", "generic"]
     assert probe_affine_scale(norms[0]) and not probe_affine_scale(norms[-1])
     assert not probe_affine_scale(keras.layers.Dense(3))  # no weights yet (not built)

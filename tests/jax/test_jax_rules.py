@@ -12,7 +12,7 @@ import pytest
 import keras_noisecurve as knc
 from keras_noisecurve.backend.jax import ghost_rules
 from keras_noisecurve.backend.jax.ghost import ghost_clipped_sum
-from keras_noisecurve.backend.jax.ghost_forms import F32, cat, kept, scaled
+from keras_noisecurve.backend.common.norm_forms import cat, kept, scaled
 from tests.jax.helpers import mse_per_example, reference_clipped_sum
 
 
@@ -33,9 +33,9 @@ def gate_rule(layer, calls):
         return None
     d = layer.v.shape[0]
     p = calls[0]["a"].shape[0]
-    s = jax.nn.sigmoid(jnp.asarray(layer.v.value, F32))
-    a = cat([jnp.reshape(c["a"].astype(F32), (p, -1, d)) for c in calls])
-    g = cat([jnp.reshape(c["g"].astype(F32), (p, -1, d)) for c in calls])
+    s = jax.nn.sigmoid(jnp.asarray(layer.v.value, jnp.float32))
+    a = cat([jnp.reshape(c["a"].astype(jnp.float32), (p, -1, d)) for c in calls])
+    g = cat([jnp.reshape(c["g"].astype(jnp.float32), (p, -1, d)) for c in calls])
     per = jnp.sum(g * a, axis=1) * (s * (1 - s))  # (P, d)
 
     def sums(c, keep=None):

@@ -768,7 +768,7 @@ def test_reversible_embedding_lookup_and_projection(tied):
 
 
 def test_tied_cross_term_equals_the_dense_inner_product():
-    from keras_noisecurve.backend.tensorflow.ghost_embedding import tied_cross_term
+    from keras_noisecurve.backend.common.ghost_embedding import tied_cross_term
 
     rng = np.random.default_rng(13)
     vocab, d, length, m = 6, 3, 4, 5

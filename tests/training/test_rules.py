@@ -34,7 +34,7 @@ def test_register_rule_adds_to_the_tensorflow_registry(monkeypatch):
     class Mine(keras.layers.Layer):
         pass
 
-    class MineRule(ghost_rules.LayerNormalizationRule):
+    class MineRule(ghost_rules.RelativeAttentionBiasRule):
         kind = "Mine"
         classes = (Mine,)
 

@@ -84,10 +84,11 @@ class LayerRule:
         return None if factory is None else factory()
 
 
-def layer_kernel(*classes, weights, pre_activation=None, lora: bool = False, check=None):
+def layer_kernel(*classes, weights, matches=None, names=(), pre_activation=None, forward=None, lora: bool = False,
+                 check=None):
     """Declare a backend-neutral ghost-norm kernel (written in ``keras.ops``) of the layers of
-    ``classes`` that run the class's own ``call`` (not quantized, LoRA enabled if and only if
-    ``lora``, no trainable weight but the attributes ``weights``)::
+    ``classes`` that run the class's own ``call`` (or that ``matches``), not quantized, LoRA
+    enabled if and only if ``lora``, with no trainable weight but ``weights``::
 
         @layer_kernel(keras.layers.Dense, weights=("kernel", "bias"), pre_activation=linear)
         def dense(layer, calls):
@@ -96,44 +97,77 @@ def layer_kernel(*classes, weights, pre_activation=None, lora: bool = False, che
 
     The kernel takes the layer and its recorded ``calls`` (dicts: ``"a"`` the call's first
     positional argument (P, ...), ``"g"`` the gradient (P, ...) of ``Σ_i w_i·loss_i`` at its
-    single output, ``"args"`` the call's ``(args, kwargs)``) and returns ``(sq, sums)`` or ``None``
-    (the engine's exact per-layer fallback then clips the layer): ``sq`` (P,) the per-example
-    squared norms of the gradient of the layer's weights, ``sums(c, keep=None)`` the dict
-    ``{id(weight): Σ_i c_i·G_i}`` (``c`` (P,) clipping factors; ``keep`` (P,) bool, the examples
-    whose rows enter the sum: :func:`~keras_noisecurve.backend.common.norm_forms.kept`).
-    ``pre_activation``: ``None``, or a function ``linear(layer, x)``: the layer's call is
-    ``layer.activation(linear(layer, x))`` and ``"g"`` is the gradient at ``linear(layer, x)``.
-    ``check(layer)``: a reason the kernel refuses the layer's configuration, or ``None``; it is
-    asked when a model is planned and again before each call. The declared kernel has the
-    attributes ``classes``, ``weights``, ``pre_activation`` and ``reason(layer)`` (all these checks).
+    single output, ``"args"`` the call's ``(args, kwargs)``, ``"saved"`` what ``forward`` saved or
+    ``None``) and returns ``(sq, sums)`` or ``None`` (the engine's exact per-layer fallback then
+    clips the layer): ``sq`` (P,) the per-example squared norms of the gradient of the layer's
+    weights, ``sums(c, keep=None)`` the dict ``{id(weight): Σ_i c_i·G_i}`` (``c`` (P,) clipping
+    factors; ``keep`` (P,) bool, the examples whose rows enter the sum:
+    :func:`~keras_noisecurve.backend.common.norm_forms.kept`).
+
+    Args:
+      classes: the layer classes (a layer running one of their own ``call``).
+      weights: the attribute names of the weights the kernel clips, or a function
+        ``weights(layer) -> list`` of them.
+      matches: instead of ``classes``, a function ``matches(layer) -> bool`` (a class found by
+        module name, a layer recognised by what it computes).
+      names: class names the documentation lists besides ``classes``.
+      pre_activation: ``None``, or a function ``linear(layer, x)``: the layer's call is
+        ``layer.activation(linear(layer, x))`` and ``"g"`` is the gradient at ``linear(layer, x)``.
+      forward: ``None``, or a function ``forward(layer, call, x, *args, **kwargs) -> (z, saved,
+        after)`` that an engine recording the layer's forward may run in place of ``call(x, ...)``
+        (TensorFlow's does): ``"g"`` is then the gradient at ``z``, ``"saved"`` the dict
+        ``saved`` (detached), and the layer's output ``after(z)`` (``z`` for ``after=None``). It
+        saves what the kernel would otherwise recompute from ``"a"`` (a norm's x̂). A kernel
+        must give the same result with ``"saved"`` ``None`` (the JAX engine records no forward).
+      lora: whether the kernel takes LoRA-enabled layers (and only those).
+      check: ``check(layer)``: a reason the kernel refuses the layer's configuration, or
+        ``None``; it is asked when a model is planned and again before each call.
+
+    The declared kernel has the attributes ``classes``, ``matches(layer)``, ``layer_names``,
+    ``weights(layer)`` (the variables), ``pre_activation``, ``forward`` and ``reason(layer)`` (all
+    these checks).
 
     Raises:
-      TypeError: no class or something else than classes in ``classes``, ``weights`` not a
-        non-empty tuple or list of attribute names, ``pre_activation`` or ``check`` neither a
-        function nor ``None``, or the decorated object not a function.
+      TypeError: both or neither of ``classes`` and ``matches``, something else than classes in
+        ``classes``, ``weights`` neither attribute names nor a function, ``matches``,
+        ``pre_activation``, ``forward`` or ``check`` neither a function nor ``None``, or the
+        decorated object not a function.
     """
-    if not classes or not all(isinstance(cls, type) for cls in classes):
-        raise TypeError(f"layer_kernel takes one or more layer classes, got {classes!r}")
-    if isinstance(weights, str) or not isinstance(weights, (tuple, list)) or not weights or not all(
-            isinstance(name, str) and name for name in weights):
-        raise TypeError(f"weights must be a tuple of the layer's weight attribute names, e.g. ('kernel', 'bias'); "
-                        f"got {weights!r}")
-    for name, value in (("pre_activation", pre_activation), ("check", check)):
+    if bool(classes) == (matches is not None) or not all(isinstance(cls, type) for cls in classes):
+        raise TypeError(f"layer_kernel takes one or more layer classes or matches=, not both; got classes "
+                        f"{classes!r} and matches={matches!r}")
+    if not callable(weights) and (isinstance(weights, str) or not isinstance(weights, (tuple, list)) or not weights
+                                  or not all(isinstance(name, str) and name for name in weights)):
+        raise TypeError(f"weights must be a tuple of the layer's weight attribute names, e.g. ('kernel', 'bias'), "
+                        f"or a function weights(layer); got {weights!r}")
+    for name, value in (("matches", matches), ("pre_activation", pre_activation), ("forward", forward),
+                        ("check", check)):
         if value is not None and not callable(value):
             raise TypeError(f"{name} must be a function or None, got {value!r}")
-    weights = tuple(weights)
+    if callable(weights):
+        variables = weights
+    else:
+        names_of = tuple(weights)
+
+        def variables(layer):
+            return [getattr(layer, name, None) for name in names_of]
+
+    def matching(layer):
+        return matches(layer) if matches is not None else any(runs_call_of(layer, cls) for cls in classes)
 
     def declare(function):
         if not callable(function):
             raise TypeError(f"layer_kernel decorates a function kernel(layer, calls), got {function!r}")
+
         def reason(layer):
-            if not any(runs_call_of(layer, cls) for cls in classes):
-                return f"not one of {[cls.__name__ for cls in classes]} running its own call"
+            if not matching(layer):
+                return (f"not one of {[cls.__name__ for cls in classes]} running its own call" if classes
+                        else f"not a layer {function.__name__} takes")
             if getattr(layer, "quantization_mode", None) is not None:
                 return f"quantized ({layer.quantization_mode})"
             if bool(getattr(layer, "lora_enabled", False)) != lora:
                 return "LoRA is not enabled" if lora else "LoRA is enabled"
-            expected = {id(getattr(layer, name, None)) for name in weights}
+            expected = {id(v) for v in variables(layer)}
             extra = [v.path for v in _compat.own_trainable_variables(layer) if v.trainable and id(v) not in expected]
             if extra:
                 return f"unexpected own trainable variables {extra}"
@@ -144,9 +178,11 @@ def layer_kernel(*classes, weights, pre_activation=None, lora: bool = False, che
             if reason(layer) is not None or not all(hasattr(c["a"], "shape") and hasattr(c["g"], "shape")
                                                     for c in calls):
                 return None
-            return function(layer, calls)
+            return function(layer, [{"saved": None, **c} for c in calls])
 
-        kernel.classes, kernel.weights, kernel.pre_activation, kernel.reason = classes, weights, pre_activation, reason
+        kernel.classes, kernel.matches, kernel.weights, kernel.reason = classes, matching, variables, reason
+        kernel.layer_names = (*(cls.__name__ for cls in classes), *names)
+        kernel.pre_activation, kernel.forward = pre_activation, forward
         return kernel
 
     return declare
@@ -164,25 +200,19 @@ def _builtin(backend: str, module: str, name: str):
     return factory
 
 
-def _made(backend: str, module: str, function: str, /, *args, **kwargs):
-    """A factory of the kernel ``keras_noisecurve.backend.<backend>.<module>.<function>(*args, **kwargs)``."""
+def group_norm_rule(kind: str, cls) -> LayerRule:
+    """The rule of a group normalisation layer class ``cls`` of one's own that computes as
+    ``keras.layers.GroupNormalization``: attributes ``groups``, ``epsilon``, ``gamma`` and ``beta``
+    (per channel, either ``None``), channels along ``axis`` (last if it has none), mean and
+    variance over the positions and each group's channels. ``kind``: the rule's name. Its kernel,
+    for every backend, is ``backend.common.ghost_norm.grouped_norm(cls)``, made when the rule is
+    registered."""
 
     def factory():
-        return getattr(importlib.import_module(f"keras_noisecurve.backend.{backend}.{module}"), function)(
-            *args, **kwargs)
+        return _builtin("common", "ghost_norm", "grouped_norm")()(cls)
 
-    factory.__qualname__ = f"{backend}.{module}.{function}"
-    return factory
-
-
-def group_norm_rule(kind: str, cls) -> LayerRule:
-    """The rule of a group normalisation layer class ``cls`` of one's own (exact type) that
-    computes as ``keras.layers.GroupNormalization`` with channels last: attributes ``groups``,
-    ``epsilon``, ``gamma`` and ``beta`` (per channel, either ``None``), mean and variance over the
-    positions and each group's channels. ``kind``: the rule's name. Both backends' kernel is their
-    ``ghost_norm.grouped_norm_rule(cls, name=kind)``, made when the rule is registered."""
-    return LayerRule(kind, **{backend: _made(backend, "ghost_norm", "grouped_norm_rule", cls, name=kind)
-                              for backend in BACKENDS})
+    factory.__qualname__ = f"common.ghost_norm.grouped_norm({cls.__name__})"
+    return LayerRule(kind, common=factory)
 
 
 def _rule(kind, tensorflow=None, jax=None, common=None):
@@ -197,25 +227,23 @@ BUILTIN = (
     _rule("EinsumDense", common=("ghost_dense", "einsum_dense")),
     _rule("Dense", common=("ghost_dense", "dense")),
     _rule("Embedding", common=("ghost_dense", "embedding")),
-    _rule("ReversibleEmbedding", ("ghost_embedding", "ReversibleEmbeddingRule"),
-          ("ghost_embedding", "reversible_embedding_rule")),
-    _rule("PositionEmbedding", ("ghost_embedding", "PositionEmbeddingRule"),
-          ("ghost_embedding", "position_embedding_rule")),
-    _rule("RMS scale", ("ghost_embedding", "DiagonalScaleRule"), ("ghost_scale", "diagonal_scale_rule")),
+    _rule("ReversibleEmbedding", common=("ghost_embedding", "reversible_embedding")),
+    _rule("PositionEmbedding", common=("ghost_embedding", "position_embedding")),
+    _rule("RMS scale", common=("ghost_scale", "rms_scale")),
     _rule("T5 relative-attention bias", ("ghost_t5", "RelativeAttentionBiasRule")),
-    _rule("PReLU", ("ghost_scale", "PReLURule")),
+    _rule("PReLU", common=("ghost_scale", "prelu")),
     _rule("Conv", ("ghost_conv", "ConvRule"), ("ghost_conv", "conv_rule")),
     _rule("GroupedConv", ("ghost_conv_kinds", "GroupedConvRule"), ("ghost_conv", "grouped_conv_rule")),
     _rule("Conv3D", ("ghost_conv_kinds", "Conv3DRule"), ("ghost_conv", "conv3d_rule")),
     _rule("DepthwiseConv", ("ghost_conv_kinds", "DepthwiseConvRule"), ("ghost_conv", "depthwise_rule")),
     _rule("SeparableConv", ("ghost_conv_kinds", "SeparableConvRule"), ("ghost_conv", "separable_rule")),
     _rule("ConvTranspose", ("ghost_conv_kinds", "ConvTransposeRule"), ("ghost_conv", "conv_transpose_rule")),
-    _rule("LayerNormalization", ("ghost_norm", "LayerNormalizationRule"), ("ghost_norm", "layer_norm_rule")),
-    _rule("GroupNormalization", ("ghost_norm", "GroupNormalizationRule"), ("ghost_norm", "group_norm_rule")),
+    _rule("LayerNormalization", common=("ghost_norm", "layer_norm")),
+    _rule("GroupNormalization", common=("ghost_norm", "group_norm")),
     _rule("Recurrent", ("ghost_rnn", "RecurrentRule"), ("ghost_rnn", "recurrent_rule")),
     _rule("TimeDistributed (folded)", ("ghost_timedist", "FoldedTimeDistributedRule")),
     _rule("TimeDistributed", ("ghost_generic", "TimeDistributedRule")),
-    _rule("RMSNorm (by computation)", ("ghost_scale", "ComputedScaleRule"), ("ghost_scale", "rms_scale_rule")),
+    _rule("RMSNorm (by computation)", common=("ghost_scale", "computed_scale")),
 )
 
 

@@ -63,10 +63,11 @@ from keras_noisecurve.backend.common import layer_rules, norm_observer, units
 from keras_noisecurve.backend.common.calls import training_kwargs, wrapped_calls
 from keras_noisecurve.backend.common.clip import clip_factors
 from keras_noisecurve.backend.jax import ghost_rows
-from keras_noisecurve.backend.jax.ghost_rules import find_rule, is_registered, kept, register_rule, uses_pre_activation
+from keras_noisecurve.backend.jax.ghost_rules import (
+    find_rule, is_registered, kept, probe_affine_scale, register_rule, uses_pre_activation)
 from keras_noisecurve.backend.common.model_checks import input_batch
 
-__all__ = ["describe", "ghost_clipped_sum", "ghost_norms", "register_rule", "targets"]
+__all__ = ["describe", "ghost_clipped_sum", "ghost_norms", "probe_affine_scale", "register_rule", "targets"]
 
 _F32 = jnp.float32
 

@@ -24,7 +24,7 @@ so one example's gradient is
 
 with ``g_t = ∂(Σ_i w_i·loss_i)/∂m_t`` and ``γ_k,t`` the same derivative at the product's output.
 The per-example squared norm is ``‖∇W‖² + Σ_k ‖∇U_k‖² + ‖∇b‖²``, each kernel term by
-:func:`~keras_noisecurve.backend.jax.ghost_forms.sequence_sq_norms` (the Gram form
+:func:`~keras_noisecurve.backend.common.norm_forms.sequence_sq_norms` (the Gram form
 ``Σ_{t,t'} (x_t·x_t')(g_t·g_t')`` when L² < d·G·n, else the materialised per-example gradient);
 the clipped sum is ``Σ_{i,t} x_it (c_i g_it)ᵀ`` (book-keeping), and the same for each ``U_k``.
 
@@ -57,7 +57,7 @@ import jax
 import jax.numpy as jnp
 import keras
 
-from keras_noisecurve.backend.jax.ghost_forms import kept, sequence_sq_norms
+from keras_noisecurve.backend.common.norm_forms import kept, sequence_sq_norms
 
 __all__ = ["recurrence", "recurrent_rule"]
 

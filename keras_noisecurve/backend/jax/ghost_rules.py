@@ -28,15 +28,39 @@ recognised by what they compute), ``ghost_rnn`` (recurrent layers).
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import keras
+import numpy as np
 
-from keras_noisecurve.backend.common import layer_rules
+from keras_noisecurve.backend.common import affine_scale, layer_rules
 from keras_noisecurve.backend.common.layer_classes import runs_call_of
 from keras_noisecurve.backend.jax.ghost_conv import PRE_ACTIVATION
-from keras_noisecurve.backend.jax.ghost_forms import kept, sequence_sq_norms, token_sq_norms
+from keras_noisecurve.backend.common.norm_forms import kept, sequence_sq_norms, token_sq_norms
 
-__all__ = ["RULES", "find_rule", "is_registered", "kept", "register_rule", "rule_table", "sequence_sq_norms", "token_sq_norms",
+__all__ = ["RULES", "find_rule", "is_registered", "kept", "probe_affine_scale", "register_rule", "rule_table", "sequence_sq_norms", "token_sq_norms",
            "uses_pre_activation"]
+
+
+def _outputs(layer, weight, value, x):
+    """The layer's output (float64 numpy) on ``x`` in its compute dtype, ``weight`` read as ``value``."""
+    with keras.StatelessScope(state_mapping=[(weight, jnp.asarray(value, weight.dtype))]):
+        y = layer.call(jnp.asarray(x, layer.compute_dtype))
+    if not hasattr(y, "shape"):
+        raise TypeError("not one array output")
+    return np.asarray(y, np.float64)
+
+
+_PROBE = affine_scale.AffineScaleProbe(outputs=_outputs, scope=jax.ensure_compile_time_eval)
+
+
+def probe_affine_scale(layer) -> bool:
+    """Whether ``layer`` computes ``y = u(x) ⊙ (α + w)`` with its one weight ``w`` (d,) along the
+    last axis and ``u`` independent of ``w`` (cached per layer and weight): the layer's call runs at
+    compile time (``jax.ensure_compile_time_eval``, concrete arrays even inside a traced step), as
+    :class:`~keras_noisecurve.backend.common.affine_scale.AffineScaleProbe` says. Any exception of
+    the call counts as "no" (the per-layer fallback)."""
+    return _PROBE(layer)
 
 
 def uses_pre_activation(layer) -> bool:

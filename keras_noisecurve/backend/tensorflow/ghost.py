@@ -71,13 +71,13 @@ from keras_noisecurve.backend.common.norm_observer import observe_layer_norms  #
 from keras_noisecurve.backend.tensorflow.clipped_sum import ClippedSum, chunked_clipped_sum
 from keras_noisecurve.backend.tensorflow import ghost_rows
 from keras_noisecurve.backend.tensorflow.ghost_generic import CallerRule, GenericRule, RNNFallbackRule, owned_trainable
-from keras_noisecurve.backend.tensorflow.ghost_rules import RULES, find_rule, register_rule
+from keras_noisecurve.backend.tensorflow.ghost_rules import RULES, find_rule, probe_affine_scale, register_rule
 from keras_noisecurve.backend.tensorflow.ghost_reads import callers as callers_of_reads, check_reads
 
 _GENERIC = GenericRule()
 _CALLER = CallerRule()
 
-__all__ = ["describe", "ghost_clipped_sum", "plan", "register_rule", "supports"]
+__all__ = ["describe", "ghost_clipped_sum", "plan", "probe_affine_scale", "register_rule", "supports"]
 
 
 # ------------------------------------------------------------------ the plan

@@ -169,34 +169,45 @@ class Rule:
 
 class KernelRule(Rule):
     """A backend-neutral kernel (``layer_rules.layer_kernel``, written in ``keras.ops``) in this
-    engine: ``check`` is the kernel's ``reason``; ``forward`` records the call's first argument
-    ``a``, its ``(args, kwargs)`` and its output (with ``pre_activation``, the output of the
-    kernel's ``linear(layer, inputs)``, then the activation is applied to it); ``analyse`` runs
-    the kernel on the recorded calls."""
+    engine: ``matches`` and ``check`` are the kernel's; ``forward`` records the call's first
+    argument ``a``, its ``(args, kwargs)`` and its output (with ``pre_activation``, the output of
+    the kernel's ``linear(layer, inputs)``, then the activation is applied to it; with
+    ``forward``, its ``z`` and detached ``saved``, then its ``after``); ``analyse`` runs the kernel
+    on the recorded calls."""
 
     def __init__(self, kernel, kind=None):
         self.kernel = kernel
         self.classes = kernel.classes
         self.kind = kind or kernel.__name__
 
+    def matches(self, layer) -> bool:
+        return self.kernel.matches(layer)
+
     def expected_variables(self, layer):
-        return [getattr(layer, name, None) for name in self.kernel.weights]
+        return self.kernel.weights(layer)
 
     def check(self, layer):
         return self.kernel.reason(layer)
 
     def forward(self, layer, original_call, record, inputs, *args, **kwargs):
+        args_kwargs = ((inputs, *args), kwargs)
+        if self.kernel.forward is not None:
+            out, saved, after = self.kernel.forward(layer, original_call, inputs, *args, **kwargs)
+            saved = None if saved is None else {k: tf.stop_gradient(v) for k, v in saved.items()}
+            record(out=out, a=inputs, args=args_kwargs, saved=saved)
+            return out if after is None else after(out)
         linear = self.kernel.pre_activation
         if linear:
             out = linear(layer, inputs)
-            record(out=out, a=inputs, args=((inputs, *args), kwargs))
+            record(out=out, a=inputs, args=args_kwargs)
             return layer.activation(out) if layer.activation is not None else out
         out = original_call(inputs, *args, **kwargs)
-        record(out=out, a=inputs, args=((inputs, *args), kwargs))
+        record(out=out, a=inputs, args=args_kwargs)
         return out
 
     def analyse(self, layer, calls):
-        result = self.kernel(layer, [{"a": c["a"], "g": c["g"], "args": c.get("args")} for c in calls])
+        result = self.kernel(layer, [{"a": c["a"], "g": c["g"], "args": c.get("args"), "saved": c.get("saved")}
+                                     for c in calls])
         if result is None:
             raise ValueError(f"{type(layer).__name__} layer '{layer.name}' is not supported by the {self.kind} "
                              "kernel in the configuration it was called in; use clipping='vectorized'")

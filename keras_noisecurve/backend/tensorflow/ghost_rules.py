@@ -31,7 +31,11 @@ as the layer's own).
 
 from __future__ import annotations
 
-from keras_noisecurve.backend.common import layer_rules
+import keras
+import numpy as np
+import tensorflow as tf
+
+from keras_noisecurve.backend.common import affine_scale, layer_rules
 from keras_noisecurve.backend.tensorflow.ghost_forms import KernelRule, Rule, sequence_sq_norms
 from keras_noisecurve.backend.tensorflow.ghost_conv import CONV_CHUNK, ConvRule, conv_chunk, conv_sq_norms
 from keras_noisecurve.backend.tensorflow.ghost_conv_kinds import (
@@ -41,22 +45,40 @@ from keras_noisecurve.backend.tensorflow.ghost_conv_kinds import (
     GroupedConvRule,
     SeparableConvRule,
 )
-from keras_noisecurve.backend.tensorflow.ghost_embedding import DiagonalScaleRule, PositionEmbeddingRule, ReversibleEmbeddingRule
 from keras_noisecurve.backend.tensorflow.ghost_generic import GenericRule, RNNFallbackRule, TimeDistributedRule
-from keras_noisecurve.backend.tensorflow.ghost_norm import GroupNormalizationRule, LayerNormalizationRule
 from keras_noisecurve.backend.tensorflow.ghost_rnn import RecurrentRule
-from keras_noisecurve.backend.tensorflow.ghost_scale import ComputedScaleRule, PReLURule
 from keras_noisecurve.backend.tensorflow.ghost_t5 import RelativeAttentionBiasRule
 from keras_noisecurve.backend.tensorflow.ghost_timedist import FoldedTimeDistributedRule
 
 __all__ = [
-    "CONV_CHUNK", "RULES", "ComputedScaleRule", "Conv3DRule", "ConvRule", "ConvTransposeRule",
-    "DepthwiseConvRule", "DiagonalScaleRule", "FoldedTimeDistributedRule", "GenericRule",
-    "GroupNormalizationRule", "GroupedConvRule", "KernelRule", "LayerNormalizationRule", "PReLURule",
-    "PositionEmbeddingRule", "RNNFallbackRule", "RecurrentRule", "RelativeAttentionBiasRule",
-    "ReversibleEmbeddingRule", "Rule", "SeparableConvRule", "TimeDistributedRule",
-    "conv_chunk", "conv_sq_norms", "find_rule", "register_rule", "sequence_sq_norms",
+    "CONV_CHUNK", "RULES", "Conv3DRule", "ConvRule", "ConvTransposeRule",
+    "DepthwiseConvRule", "FoldedTimeDistributedRule", "GenericRule",
+    "GroupedConvRule", "KernelRule",
+    "RNNFallbackRule", "RecurrentRule", "RelativeAttentionBiasRule",
+    "Rule", "SeparableConvRule", "TimeDistributedRule",
+    "conv_chunk", "conv_sq_norms", "find_rule", "probe_affine_scale", "register_rule", "sequence_sq_norms",
 ]
+
+def _outputs(layer, weight, value, x):
+    """The layer's output (float64 numpy) on ``x`` (float32) with ``weight`` read as ``value``."""
+    with keras.StatelessScope(state_mapping=[(weight, tf.constant(value.astype(weight.dtype), dtype=weight.dtype))]):
+        y = layer(x.astype("float32"))
+    if isinstance(y, (list, tuple, dict)):
+        raise TypeError("more than one output")
+    return np.asarray(keras.ops.convert_to_numpy(keras.ops.cast(y, "float64")))
+
+
+_PROBE = affine_scale.AffineScaleProbe(outputs=_outputs, scope=tf.init_scope)
+
+
+def probe_affine_scale(layer) -> bool:
+    """Whether ``layer`` computes ``y = u(x) ⊙ (α + w)`` with its one weight ``w`` (d,) along the
+    last axis and ``u`` independent of ``w`` (cached per layer and weight): the layer's call runs
+    eagerly (under ``tf.init_scope``, so never inside a traced step), as
+    :class:`~keras_noisecurve.backend.common.affine_scale.AffineScaleProbe` says. Any exception of
+    the call counts as "no" (the per-layer fallback)."""
+    return _PROBE(layer)
+
 
 def _builtin_rules():
     """The TensorFlow kernels of ``layer_rules.BUILTIN``, in its order, then the re-run fallback
@@ -108,9 +130,9 @@ def register_rule(rule) -> None:
         rule.kind = spec.kind
     if not isinstance(rule, Rule):
         raise TypeError(f"rule must be a LayerRule or a ghost_rules.Rule instance, got {type(rule).__name__}")
-    if not rule.classes:
+    if not rule.classes and not isinstance(rule, KernelRule):
         raise ValueError(f"rule {type(rule).__name__} names no layer classes (its `classes` is empty)")
-    if any(type(r) is type(rule) and r.classes == rule.classes for r in _REGISTERED):
+    if any(type(r) is type(rule) and r.classes == rule.classes and r.kind == rule.kind for r in _REGISTERED):
         return
     _REGISTERED.append(rule)
 
@@ -128,7 +150,7 @@ def find_rule(layer):
 def _rule_layers(rule) -> list:
     """The layer classes a rule names: its ``classes`` and the KerasHub classes it finds by
     module (``hub``, ``module``); empty when it matches by an ``isinstance`` of its own."""
-    names = [cls.__name__ for cls in rule.classes]
+    names = list(getattr(getattr(rule, "kernel", None), "layer_names", ())) or [cls.__name__ for cls in rule.classes]
     hub = getattr(rule, "hub", ())
     if hub and isinstance(hub[0], str):  # one (module, class name) pair
         hub = (hub,)

@@ -19,29 +19,27 @@ from __future__ import annotations
 
 import keras
 
-from keras_noisecurve.backend.common import ghost_dense
+from keras_noisecurve.backend.common import ghost_dense, ghost_norm, ghost_scale
 from keras_noisecurve.backend.tensorflow.ghost_forms import KernelRule, Rule
-from keras_noisecurve.backend.tensorflow.ghost_embedding import DiagonalScaleRule
-from keras_noisecurve.backend.tensorflow.ghost_norm import LayerNormalizationRule
-from keras_noisecurve.backend.tensorflow.ghost_scale import ComputedScaleRule, PReLURule
 
 __all__ = ["FoldedTimeDistributedRule", "foldable"]
 
 #: the rules whose forward and analysis take any number of leading position axes, in the
 #: registry's order (the registry's earlier rules, e.g. LoRA, never take these layers'
 #: configurations that these rules accept)
-_POSITIONWISE = (KernelRule(ghost_dense.dense, "Dense"), KernelRule(ghost_dense.embedding, "Embedding"), DiagonalScaleRule(), PReLURule(), LayerNormalizationRule(),
-                 ComputedScaleRule())
+_POSITIONWISE = tuple(KernelRule(kernel, kind) for kernel, kind in (
+    (ghost_dense.dense, "Dense"), (ghost_dense.embedding, "Embedding"), (ghost_scale.rms_scale, "RMS scale"),
+    (ghost_scale.prelu, "PReLU"), (ghost_norm.layer_norm, "LayerNormalization"),
+    (ghost_scale.computed_scale, "RMSNorm (by computation)")))
 
 
 def foldable(rule, layer) -> bool:
     """Whether ``rule`` (the rule of ``layer``) clips ``layer`` exactly when called on a
     (P, T, ...) tensor in place of T calls on (P, ...) slices."""
-    if isinstance(rule, LayerNormalizationRule):  # axes counted from the end only
+    if getattr(rule, "kernel", None) is ghost_norm.layer_norm:  # axes counted from the end only
         axes = [layer.axis] if isinstance(layer.axis, int) else list(layer.axis)
         return all(a < 0 for a in axes)
-    return any(type(rule) is type(r) and getattr(rule, "kernel", None) is getattr(r, "kernel", None)
-               for r in _POSITIONWISE)
+    return any(getattr(rule, "kernel", None) is r.kernel for r in _POSITIONWISE)
 
 
 def _inner_rule(layer):
