@@ -1,5 +1,5 @@
 """The JAX ghost engine's rules for LoRA, RMS-type norms and KerasHub layers
-(keras_noisecurve.backend.jax.ghost_lora, ghost_scale, ghost_embedding) against an INDEPENDENT per-example loop
+(keras_noisecurve.backend.common.ghost_lora, ghost_scale, ghost_embedding, ghost_norm) against an INDEPENDENT per-example loop
 (tests/jax/helpers.reference_clipped_sum: one ``jax.grad`` of the model's ``stateless_call``
 per example, clipping in float64 numpy), and checks that the rules, not the per-layer
 fallback, handled the layers.
@@ -235,3 +235,29 @@ def test_tiny_keras_hub_language_models_are_clipped_by_rules_only(handled, name,
         assert handled[id(backbone.token_embedding)] == "ReversibleEmbedding"
         assert ("PositionEmbedding" in handled.values()) == (name == "gpt2")
         assert ("RMS scale" in handled.values()) == (name != "gpt2")
+
+
+def test_prelu_and_norms_over_other_axes_take_the_kernels_written_once(handled):
+    """PReLU (shared axes or not), LayerNormalization over two axes and GroupNormalization with
+    its channels on axis 1: the TensorFlow engine's kernels, now JAX's too (from the recorded
+    input, no saved statistics), against the per-example loop."""
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((4, 6))
+    layers = [
+        keras.layers.PReLU(alpha_initializer=keras.initializers.RandomUniform(0.1, 0.4)),
+        keras.layers.PReLU(shared_axes=[1], alpha_initializer=keras.initializers.RandomUniform(0.1, 0.4)),
+        keras.layers.LayerNormalization(axis=(1, 2)),
+        keras.layers.GroupNormalization(groups=2, axis=1),
+    ]
+    h = inputs
+    for k, layer in enumerate(layers):
+        h = layer(keras.layers.Dense(6, name=f"mix{k}")(h))
+    model = keras.Model(inputs, keras.layers.Dense(2)(keras.layers.Flatten()(h)))
+    rng = np.random.default_rng(3)
+    for v in model.trainable_variables:  # scales and offsets away from their initial 1 / 0
+        if "gamma" in v.path or "beta" in v.path:
+            v.assign(rng.uniform(0.5, 1.5, size=v.shape).astype("float32"))
+    x = rng.normal(size=(7, 4, 6)).astype("float32")
+    y = rng.normal(size=(7, 2)).astype("float32")
+    _compare(model, x, y, _weights(7))
+    assert [handled[id(layer)] for layer in layers] == ["PReLU", "PReLU", "LayerNormalization", "GroupNormalization"]
