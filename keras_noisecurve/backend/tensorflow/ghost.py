@@ -377,7 +377,17 @@ def _per_unit(entries, unit_rows):
     return out
 
 
-_MERGED = ("a", "g", "ids", "xhat")  # what the rules of units.MERGED_KINDS read of a call
+_MERGED = ("a", "g", "ids", "saved")  # what the rules of units.MERGED_KINDS read of a call
+
+
+def _merged(key, value, unit_rows):
+    """A recorded entry of a call with a unit's rows made its positions (what a kernel saved in its
+    forward too: a norm's x̂ has the input's rows)."""
+    if key not in _MERGED or value is None:
+        return value
+    if isinstance(value, dict):
+        return {k: units.merge_rows(v, unit_rows) for k, v in value.items()}
+    return units.merge_rows(value, unit_rows)
 
 
 def _ghost_step(model, loss_fn, x, y, sample_weight, clip, training, entries, unit_rows=1):
@@ -429,7 +439,7 @@ def _ghost_step(model, loss_fn, x, y, sample_weight, clip, training, entries, un
                 _check_rows(layer, gk, per_example_loss, groups=isinstance(rule, CallerRule))
         c = {**c, "g": g if isinstance(rule, GenericRule) else g[0]}
         if unit_rows > 1 and not isinstance(rule, GenericRule):  # a unit's rows become its positions
-            c = {key: units.merge_rows(v, unit_rows) if key in _MERGED else v for key, v in c.items()}
+            c = {key: _merged(key, v, unit_rows) for key, v in c.items()}
         by_layer.setdefault(id(layer), (layer, rule, own, []))[3].append(c)
 
     norm_dtype = tf.float64 if dtype == tf.float64 else tf.float32
