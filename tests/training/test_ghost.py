@@ -824,3 +824,43 @@ def test_a_weight_in_two_plan_entries_is_an_internal_error_naming_both_layers():
     (td, td_rule, td_vars), = [e for e in entries if e[0] is outer]
     with pytest.raises(RuntimeError, match=r"td/shared/kernel' is clipped by two rules, those of TimeDistributed layer 'td' and Dense layer 'shared'"):
         check_partition(entries + [(shared, td_rule, [shared.kernel])])
+
+
+def test_position_embedding_in_a_step_traced_for_any_length():
+    """KerasHub's PositionEmbedding in a step whose sequence length is unknown when traced (Keras
+    retraces fit's step with relaxed shapes): its kernel pads by the dynamic length, and the traced
+    step gives the norms and sums of the eager one, which check_model compares with the loop."""
+    keras_hub = pytest.importorskip("keras_hub")
+    ids = keras.Input((None,), dtype="int32")
+    embed = keras_hub.layers.TokenAndPositionEmbedding(vocabulary_size=9, sequence_length=8, embedding_dim=4)
+    model = keras.Model(ids, keras.layers.Dense(2)(embed(ids)))
+    rng = np.random.default_rng(21)
+    x = rng.integers(0, 9, size=(P, 5)).astype("int32")
+    y = rng.normal(size=(P, 5, 2))
+    assert "PositionEmbedding" in [how for _, _, how in describe(model)]
+    eager = check_model(model, x, y)
+    w = weights_with_padding(np.random.default_rng(0))
+    clip = float(np.median(eager.norms.numpy()[eager.norms.numpy() > 0]))
+    traced = tf.function(lambda x, y, w: ghost_clipped_sum(model, mse, x, y, w, l2_norm_clip=clip, training=False),
+                         input_signature=[tf.TensorSpec((None, None), tf.int32), tf.TensorSpec((None, None, 2), tf.float64),
+                                          tf.TensorSpec((None,), tf.float64)])
+    got = traced(tf.constant(x), tf.constant(y), tf.constant(w))
+    np.testing.assert_allclose(got.norms.numpy(), eager.norms.numpy(), rtol=1e-10)
+    assert_close_grads(got.grads, [g.numpy() for g in eager.grads])
+
+
+def test_a_group_normalization_subclass_is_clipped_by_the_fallback():
+    """Keras's GroupNormalization computes in helper methods a subclass may override without
+    overriding ``call``: only the exact class takes the group-norm kernel."""
+
+    class RMSGroups(keras.layers.GroupNormalization):
+        def _apply_normalization(self, reshaped_inputs, input_shape):  # no mean subtracted
+            variance = keras.ops.mean(keras.ops.square(reshaped_inputs), axis=(1, 3), keepdims=True)
+            normalized = reshaped_inputs * keras.ops.rsqrt(variance + self.epsilon)
+            return keras.ops.reshape(normalized, input_shape) * self.gamma + self.beta
+
+    inputs = keras.Input((4, 6))
+    model = keras.Model(inputs, keras.layers.Dense(2)(RMSGroups(groups=2, name="gn")(inputs)))
+    assert dict((name, how) for name, _, how in describe(model))["gn"] == "generic"
+    rng = np.random.default_rng(22)
+    check_model(model, rng.normal(size=(P, 4, 6)), rng.normal(size=(P, 4, 2)))

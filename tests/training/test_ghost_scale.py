@@ -192,7 +192,7 @@ def test_probing_inside_a_traced_function_runs_eagerly():
 
 @pytest.mark.parametrize("name", ["llama", "gemma", "mistral"])
 def test_kerashub_rms_norms_with_a_class_rule_are_also_affine_scales(name):
-    # the class-named rule (DiagonalScaleRule, "RMS scale") takes them first; the probe
+    # the class-named kernel ("RMS scale", ghost_scale.rms_scale) takes them first; the probe
     # recognises them all the same, Gemma's (1 + w) included
     import importlib
 

@@ -3,9 +3,9 @@
 Both ghost-clipping engines give a closed-form rule to a layer with ONE weight ``w`` of
 shape (d,) whose output is ``y = u(x) ⊙ (α + w)`` along the last axis (α = 0 or 1) with
 ``u`` not depending on ``w`` — every RMS normalisation whatever its class name — and
-recognise it by probing its call: the JAX engine's ``rms_scale_rule``
-(:mod:`keras_noisecurve.backend.jax.ghost_scale`) and the TensorFlow engine's
-``ComputedScaleRule`` (``keras_noisecurve/backend/tensorflow/ghost_scale.py``). The decision is the
+recognise it by probing its call (the kernel ``computed_scale`` of
+:mod:`keras_noisecurve.backend.common.ghost_scale`; each backend's ``ghost.probe_affine_scale``
+runs the probe). The decision is the
 same on both; only running the layer differs. :class:`AffineScaleProbe` holds the shared
 part: which layers qualify (:func:`single_weight`), the probing input and weight values,
 the affinity test (:func:`affine_in_weight`) and the per-layer cache; each engine passes

@@ -133,17 +133,17 @@ def position_embedding(layer, calls):
         start = _argument(c, "start_index", 1, 0)
         if not isinstance(start, int) or start < 0 or _argument(c, "positions", 2, None) is not None:
             return None
-        if len(c["a"].shape) < 3 or tuple(c["g"].shape) != tuple(c["a"].shape) or c["g"].shape[-2] is None:
+        if len(c["a"].shape) < 3 or tuple(c["g"].shape) != tuple(c["a"].shape):
             return None
         g = ops.cast(c["g"], dtype)
         if len(g.shape) > 3:
             g = ops.sum(g, axis=tuple(range(1, len(g.shape) - 2)))  # (P, L, d)
-        if start + g.shape[1] > rows:
+        if g.shape[1] is not None and start + g.shape[1] > rows:
             return None
         parts.append((start, g))
 
-    def placed(start, x):  # x (..., L, d) in rows start … start+L−1 of (..., rows, d)
-        pad = [(0, 0)] * (len(x.shape) - 2) + [(start, rows - start - x.shape[-2]), (0, 0)]
+    def placed(start, x):  # x (..., L, d) in rows start … start+L−1 of (..., rows, d); L may be unknown (TensorFlow)
+        pad = [(0, 0)] * (len(x.shape) - 2) + [(start, rows - start - ops.shape(x)[-2]), (0, 0)]
         return ops.pad(x, pad)
 
     # one call (the usual case): its rows are distinct, ‖G_i‖² = ‖g_i‖²; several calls may overlap,

@@ -59,7 +59,16 @@ def _layer_norm_check(layer):
     return "normalises over the example axis 0 (mixes examples)" if any(a == 0 for a in axes) else None
 
 
+def _examples_apart(layer, axes):
+    """Refuse (``ValueError``, naming the layer) statistics over the example axis, e.g. a negative
+    ``axis`` that is axis 0 of the input's rank."""
+    if 0 in axes:
+        raise ValueError(f"{type(layer).__name__} layer '{layer.name}' normalises over the example axis 0 (axis="
+                         f"{layer.axis}): it mixes the examples of a batch, and per-example gradients are not defined")
+
+
 def _layer_norm_forward(layer, call, x, *args, **kwargs):
+    _examples_apart(layer, _axes(layer, len(x.shape)))
     x_hat = layer_norm_hat(_compute(x), _axes(layer, len(x.shape)), layer.epsilon, rms=layer.rms_scaling)
     shape = [1] * len(x.shape)
     for axis in _axes(layer, len(x.shape)):
@@ -80,6 +89,7 @@ def layer_norm(layer, calls):
     gammas, betas = [], []
     for c in calls:
         rank = len(c["a"].shape)
+        _examples_apart(layer, _axes(layer, rank))
         x_hat = c["saved"]["x_hat"] if c["saved"] else layer_norm_hat(
             _compute(c["a"]), _axes(layer, rank), layer.epsilon, rms=layer.rms_scaling)
         gamma, beta = scale_offset_grads(ops.cast(x_hat, dtype), ops.cast(c["g"], dtype), _axes(layer, rank))
@@ -113,6 +123,7 @@ def _group_norm_check(layer):
 
 def _group_norm_forward(layer, call, x, *args, **kwargs):
     axis = _channel_axis(layer, len(x.shape))
+    _examples_apart(layer, [axis])
     moved = _move(_compute(x), axis, -1)
     grouped, mean, inv = _group_stats(layer, moved)
     groups, width = grouped.shape[-2], grouped.shape[-1]
@@ -129,6 +140,7 @@ def _group_norm(layer, calls):
     gammas, betas = [], []
     for c in calls:
         axis = _channel_axis(layer, len(c["a"].shape))
+        _examples_apart(layer, [axis])
         saved = c["saved"] or dict(zip(("grouped", "mean", "inv"),
                                        _group_stats(layer, _move(_compute(c["a"]), axis, -1))))
         x = ops.cast(saved["grouped"], dtype)
@@ -151,9 +163,11 @@ def grouped_norm(cls):
     """The kernel of a group normalisation layer class ``cls`` of one's own that computes as
     ``keras.layers.GroupNormalization``: attributes ``groups``, ``epsilon``, ``gamma`` and ``beta``
     (per channel, either ``None``), channels along ``axis`` (the last when the layer has none), mean
-    and variance over the positions and each group's channels (one kernel per class)."""
-    kernel = layer_kernel(cls, weights=("gamma", "beta"), forward=_group_norm_forward,
-                          check=_group_norm_check)(_group_norm)
+    and variance over the positions and each group's channels (one kernel per class). Exact type
+    only: a subclass may change the statistics without overriding ``call`` (Keras's
+    GroupNormalization computes in helper methods)."""
+    kernel = layer_kernel(matches=lambda layer: type(layer) is cls, names=(cls.__name__,), weights=("gamma", "beta"),
+                          forward=_group_norm_forward, check=_group_norm_check)(_group_norm)
     kernel.__name__ = kernel.__qualname__ = f"{cls.__name__.lower()}_norm"
     kernel.__doc__ = f"{cls.__name__}: gamma ``Σ_s x̂_s ⊙ g_s``, beta ``Σ_s g_s`` (s: positions), per channel."
     return kernel
