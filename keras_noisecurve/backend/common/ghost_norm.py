@@ -27,7 +27,7 @@ import keras
 from keras import ops
 
 from keras_noisecurve.backend.common.layer_rules import layer_kernel
-from keras_noisecurve.backend.common.norm_forms import kept, layer_norm_hat, scale_offset_grads, sum_dtype
+from keras_noisecurve.backend.common.norm_forms import layer_norm_hat, per_weight, scale_offset_grads, sum_dtype
 
 __all__ = ["group_norm", "grouped_norm", "layer_norm"]
 
@@ -35,18 +35,6 @@ __all__ = ["group_norm", "grouped_norm", "layer_norm"]
 def _compute(x):
     """``x`` as float64 if it is, else float32 (the dtype the statistics are computed in)."""
     return ops.cast(x, "float64" if keras.backend.standardize_dtype(x.dtype) == "float64" else "float32")
-
-
-def _affine(layer, per):
-    """``(sq, sums)`` of the per-example gradients ``per`` ``[(variable, (P, ...))]`` of a scale
-    and an offset."""
-    sq = sum(ops.sum(ops.reshape(v * v, (ops.shape(v)[0], -1)), axis=1) for _, v in per)
-
-    def sums(c, keep=None):
-        return {id(w): ops.reshape(ops.tensordot(ops.cast(c, v.dtype), kept(v, keep), axes=1), tuple(w.shape))
-                for w, v in per}
-
-    return sq, sums
 
 
 def _axes(layer, rank):
@@ -96,7 +84,7 @@ def layer_norm(layer, calls):
         gammas.append(gamma)
         betas.append(beta)
     per = [(w, sum(parts)) for w, parts in ((layer.gamma, gammas), (layer.beta, betas)) if w is not None]
-    return _affine(layer, per)
+    return per_weight(per)
 
 
 def _group_stats(layer, x):
@@ -155,7 +143,7 @@ def _group_norm(layer, calls):
             gammas.append(inv * (gx - mean * g_sum))
     per = [(w, ops.reshape(sum(parts), (-1, w.shape[0]))) for w, parts in ((layer.gamma, gammas), (layer.beta, betas))
            if w is not None]
-    return _affine(layer, per)
+    return per_weight(per)
 
 
 @functools.lru_cache(maxsize=None)

@@ -26,20 +26,9 @@ from keras import ops
 from keras_noisecurve import backend
 from keras_noisecurve.backend.common import affine_scale
 from keras_noisecurve.backend.common.layer_rules import layer_kernel
-from keras_noisecurve.backend.common.norm_forms import kept, sum_dtype
+from keras_noisecurve.backend.common.norm_forms import per_weight, sum_dtype
 
 __all__ = ["computed_scale", "prelu", "rms_scale", "slope"]
-
-
-def _per_example(layer, per, weight):
-    """``(sq, sums)`` of the per-example gradients ``per`` (P, ...) of ``weight``."""
-    sq = ops.sum(ops.reshape(per * per, (ops.shape(per)[0], -1)), axis=1)
-
-    def sums(c, keep=None):
-        return {id(weight): ops.reshape(ops.tensordot(ops.cast(c, per.dtype), kept(per, keep), axes=1),
-                                        tuple(weight.shape))}
-
-    return sq, sums
 
 
 def slope(layer, weight, call, x):
@@ -76,7 +65,7 @@ def _scale(layer, calls):
         u = c["saved"]["slope"] if c["saved"] else slope(layer, weight, layer.call, c["a"])
         per = per + ops.sum(ops.reshape(ops.cast(c["g"], dtype) * ops.cast(u, dtype), (ops.shape(c["g"])[0], -1, d)),
                             axis=1)
-    return _per_example(layer, per, weight)
+    return per_weight([(weight, per)])
 
 
 def _last_axis(layer):
@@ -129,4 +118,4 @@ def prelu(layer, calls):
         if shared:
             t = ops.sum(t, axis=shared, keepdims=True)
         per = per + t
-    return _per_example(layer, per, layer.alpha)
+    return per_weight([(layer.alpha, per)])

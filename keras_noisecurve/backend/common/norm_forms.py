@@ -29,7 +29,7 @@ from __future__ import annotations
 from keras import ops
 
 __all__ = ["arrange", "cat", "gram_is_cheaper", "gram_sq_norms", "group_norm_hat", "kept", "layer_norm_hat",
-           "outer_sq_norms",
+           "outer_sq_norms", "per_weight",
            "scale_offset_grads", "scaled", "sequence_sq_norms", "sum_dtype", "token_gram_sq_norms",
            "token_rows_sq_norms", "token_sq_norms", "weighted_outer", "weighted_sum"]
 
@@ -97,6 +97,19 @@ def weighted_outer(a, g, c, keep=None):
 def weighted_sum(per_example, c, keep=None):
     """``Σ_i c_i·per_example_i`` for a (P, ...) tensor; dropped examples' rows count 0 (:func:`kept`)."""
     return ops.tensordot(ops.cast(c, per_example.dtype), kept(per_example, keep), axes=1)
+
+
+def per_weight(pairs):
+    """``(sq, sums)`` of a kernel whose per-example gradients are formed: ``pairs`` a list of
+    ``(variable, G)`` with ``G`` (P, ...) (any shape whose entries are the variable's); ``sq`` (P,)
+    the sum of their squared norms, ``sums(c, keep)`` ``{id(variable): Σ_i c_i·G_i}`` in the
+    variable's shape."""
+    sq = sum(ops.sum(ops.reshape(g * g, (ops.shape(g)[0], -1)), axis=1) for _, g in pairs)
+
+    def sums(c, keep=None):
+        return {id(w): ops.reshape(weighted_sum(g, c, keep), tuple(w.shape)) for w, g in pairs}
+
+    return sq, sums
 
 
 def gram_is_cheaper(length: int, d_in: int, d_out: int) -> bool:
