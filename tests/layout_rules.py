@@ -434,13 +434,28 @@ def cross_backend_imports() -> list[str]:
 
 
 def backend_exports(backend: str, module: str) -> list[str]:
-    """The ``__all__`` of ``keras_noisecurve/backend/<backend>/<module>.py``, read statically."""
+    """The ``__all__`` of ``keras_noisecurve/backend/<backend>/<module>.py``, read statically
+    (``backend`` may be a folder below ``backend/``: ``"common/defaults"``)."""
     path = ROOT / PACKAGE / "backend" / backend / f"{module}.py"
     tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
             return list(ast.literal_eval(node.value))
     raise AssertionError(f"backend/{backend}/{module}.py has no __all__")
+
+
+def seam_constant(constant: str) -> tuple:
+    """A literal tuple of ``keras_noisecurve/backend/__init__.py`` (``MODULES``, ``OPTIONAL``)."""
+    path = ROOT / PACKAGE / "backend" / "__init__.py"
+    for node in ast.parse(path.read_text(encoding="utf-8"), filename=str(path)).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == constant for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise AssertionError(f"keras_noisecurve/backend/__init__.py has no {constant}")
+
+
+def seam_modules() -> tuple:
+    """``keras_noisecurve.backend.MODULES``, the seam modules, read statically."""
+    return seam_constant("MODULES")
 
 
 def package_constant(backend: str, constant: str):

@@ -4,18 +4,20 @@ Keras 3 runs on several backends; this library supports two, TensorFlow and JAX.
 that touches a framework is in ``keras_noisecurve.backend.tensorflow`` or
 ``keras_noisecurve.backend.jax``. The backend is chosen here and nowhere else: :func:`name`
 reads Keras's backend and :func:`module` imports a module of that backend's package. The
-neutral code above asks :func:`module` for the modules of :data:`MODULES` (the same tuple is
-each package's ``MODULES``) and branches on no backend name: where a backend lacks a feature
-(TensorFlow Privacy, ``tf.distribute`` on JAX) its module refuses it, saying why, and its
-package lists the public names it has not (``REFUSED``, asked through :func:`refuses`).
+neutral code above asks :func:`module` for the modules of :data:`MODULES` and branches on no
+backend name. A package's own ``MODULES`` lists the seam modules it has: all of them, but for
+those of :data:`OPTIONAL` it leaves to ``backend.common.defaults``, where a module of the same
+name does what a backend without the feature does (``devices``: nothing to quiet) or refuses it,
+saying why (``distributed``: ``tf.distribute``; ``tf_privacy``: TensorFlow Privacy). A package
+lists the public names it has not in ``REFUSED`` (asked through :func:`refuses`).
 
-What every package exports: the modules of :data:`MODULES`, each with the same public names
-(its ``__all__``) on every backend, but for the per-backend extras listed with their reason in
-``tests/backend/test_seam_contract.py``, which checks the contract (and that neutral code asks
-only for these modules, names no backend and imports no backend package). Besides them a
-package has the modules its engine is made of (the ghost-norm kernels, ...). The numpy and
-``keras.ops`` helpers both backends share are here (``philox``, ``calls``, ``layer_rules``,
-``norm_forms``, ``messages``, ``model_checks``, ...).
+What every package exports: the modules of :data:`MODULES` (its own or the defaults), each with
+the same public names (its ``__all__``) on every backend, but for the per-backend extras listed
+with their reason in ``tests/backend/test_seam_contract.py``, which checks the contract (and that
+neutral code asks only for these modules, names no backend and imports no backend package).
+Besides them a package has the modules its engine is made of (the ghost-norm kernels, ...). The
+numpy and ``keras.ops`` helpers both backends share are in ``backend.common`` (``philox``,
+``calls``, ``layer_rules``, ``norm_forms``, ``messages``, ``model_checks``, ...).
 
 The backend is Keras's: ``KERAS_BACKEND`` (or ``~/.keras/keras.json``), read when
 ``keras`` is first imported. Importing this package imports neither TensorFlow nor JAX.
@@ -26,13 +28,13 @@ from __future__ import annotations
 import importlib
 import os
 
-__all__ = ["MODULES", "SUPPORTED", "missing_backend", "module", "name", "refuses", "supported"]
+__all__ = ["MODULES", "OPTIONAL", "SUPPORTED", "missing_backend", "module", "name", "refuses", "supported"]
 
 #: the Keras backends this library runs on
 SUPPORTED = ("tensorflow", "jax")
 
-#: the modules of a backend package that the neutral code asks :func:`module` for; every
-#: package has them all (its own ``MODULES`` is this tuple)
+#: the modules of a backend package that the neutral code asks :func:`module` for; a package's
+#: own ``MODULES`` is this tuple, less any of :data:`OPTIONAL` it leaves to the defaults
 MODULES = (
     "audit",  # the audits' independent references
     "clipping",  # the vectorized engine (and the TensorFlow engines' public objects)
@@ -46,6 +48,10 @@ MODULES = (
     "pipeline",  # the input pipeline of a run, tf.data inputs
     "tf_privacy",  # TensorFlow Privacy's DPQuery (refused on JAX)
 )
+
+#: the modules of :data:`MODULES` a package may leave out: ``backend.common.defaults`` has each,
+#: for a backend with nothing to do (``devices``) or without the feature (the others refuse it)
+OPTIONAL = ("devices", "distributed", "tf_privacy")
 
 
 def name() -> str:
@@ -97,8 +103,20 @@ def refuses(public_name: str, *, configured: bool = False) -> bool:
 
 def module(module_name: str):
     """The module ``module_name`` (one of :data:`MODULES`) of the backend in use, e.g.
-    ``module("noise")`` is ``keras_noisecurve.backend.jax.noise`` under ``KERAS_BACKEND=jax``."""
-    return importlib.import_module(f"keras_noisecurve.backend.{name()}.{module_name}")
+    ``module("noise")`` is ``keras_noisecurve.backend.jax.noise`` under ``KERAS_BACKEND=jax``; a
+    module of :data:`OPTIONAL` the backend's package has not is ``backend.common.defaults``' (JAX's
+    ``module("tf_privacy")`` refuses TensorFlow Privacy).
+
+    Raises:
+      ValueError: for a name not in :data:`MODULES`.
+      RuntimeError: as :func:`name`.
+    """
+    if module_name not in MODULES:
+        raise ValueError(f"module_name must be one of {MODULES}, got {module_name!r}")
+    backend = name()
+    if module_name in importlib.import_module(f"keras_noisecurve.backend.{backend}").MODULES:
+        return importlib.import_module(f"keras_noisecurve.backend.{backend}.{module_name}")
+    return importlib.import_module(f"keras_noisecurve.backend.common.defaults.{module_name}")
 
 
 def missing_backend(error: ImportError):

@@ -1,7 +1,9 @@
 """The backend seam is a contract (read statically; no framework is imported).
 
-- Every backend package has the same module list, ``MODULES`` in its ``__init__.py``, which is
-  ``keras_noisecurve.backend.MODULES``, and every module of it is a file of every package.
+- Every backend package lists the seam modules it has, ``MODULES`` in its ``__init__.py``:
+  ``keras_noisecurve.backend.MODULES`` in its order, less some of ``OPTIONAL``, which
+  ``backend/common/defaults/`` has (a module the package leaves out is not a file of it), and every
+  module of its list is a file of the package.
 - Neutral code (outside ``keras_noisecurve/backend/``) asks ``keras_noisecurve.backend.module(X)``
   only for an X of that list, spelled as a string.
 - The modules of the list export the same public names (``__all__``) on every backend, but for
@@ -14,8 +16,6 @@ backend-name branch and no import of a backend package in neutral code, no back-
 """
 
 from __future__ import annotations
-
-import ast
 
 from tests import layout_rules
 from tests.layout_rules import PACKAGE, ROOT
@@ -88,26 +88,49 @@ CROSS_IMPORTS = {
 }
 
 
+#: where ``backend.module`` finds a module of ``OPTIONAL`` a package leaves out
+DEFAULTS = "common/defaults"
+
+
+def _seam_constant(constant: str) -> tuple:
+    return layout_rules.seam_constant(constant)
+
+
 def _modules() -> tuple:
-    """``keras_noisecurve.backend.MODULES``, read from ``backend/__init__.py``."""
-    path = ROOT / PACKAGE / "backend" / "__init__.py"
-    for node in ast.parse(path.read_text(encoding="utf-8")).body:
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "MODULES" for t in node.targets):
-            return ast.literal_eval(node.value)
-    raise AssertionError("keras_noisecurve/backend/__init__.py has no MODULES")
+    return layout_rules.seam_modules()
 
 
-def test_every_backend_package_has_the_same_module_list():
-    modules = _modules()
+def _providers(module: str) -> list[str]:
+    """Where ``backend.module(module)`` comes from: the backends that have it, and the defaults
+    for a module some backend leaves out."""
+    have = [b for b in BACKENDS if module in layout_rules.package_constant(b, "MODULES")]
+    return have + ([DEFAULTS] if len(have) < len(BACKENDS) else [])
+
+
+def test_every_backend_package_lists_the_seam_modules_less_some_optional_ones():
+    modules, optional = _modules(), _seam_constant("OPTIONAL")
     assert isinstance(modules, tuple) and modules and len(set(modules)) == len(modules)
+    assert set(optional) <= set(modules)
     for backend in BACKENDS:
-        assert layout_rules.package_constant(backend, "MODULES") == modules, backend
+        own = layout_rules.package_constant(backend, "MODULES")
+        assert own == tuple(m for m in modules if m in own), (backend, own)  # the seam's order, no other name
+        assert set(modules) - set(own) <= set(optional), (backend, sorted(set(modules) - set(own) - set(optional)))
+    assert layout_rules.package_constant("tensorflow", "MODULES") == modules
 
 
-def test_every_module_of_the_list_is_a_module_of_every_package():
-    missing = [f"backend/{b}/{m}.py" for b in BACKENDS for m in _modules()
-               if not (ROOT / PACKAGE / "backend" / b / f"{m}.py").is_file()]
-    assert not missing, missing
+def test_every_module_of_a_list_is_a_file_of_its_package_and_every_optional_one_has_a_default():
+    missing, stray = [], []
+    for backend in BACKENDS:
+        own = layout_rules.package_constant(backend, "MODULES")
+        for m in _modules():
+            is_file = (ROOT / PACKAGE / "backend" / backend / f"{m}.py").is_file()
+            if m in own and not is_file:
+                missing.append(f"backend/{backend}/{m}.py")
+            if m not in own and is_file:  # backend.module would never import it
+                stray.append(f"backend/{backend}/{m}.py")
+    missing += [f"backend/{DEFAULTS}/{m}.py" for m in _seam_constant("OPTIONAL")
+                if not (ROOT / PACKAGE / "backend" / DEFAULTS / f"{m}.py").is_file()]
+    assert not missing and not stray, (missing, stray)
 
 
 def test_neutral_code_asks_only_for_modules_of_the_list():
@@ -124,9 +147,9 @@ def test_neutral_code_asks_only_for_modules_of_the_list():
 def test_the_modules_of_the_list_export_the_same_names():
     wrong = []
     for module in _modules():
-        exports = {b: set(layout_rules.backend_exports(b, module)) for b in BACKENDS}
-        for backend in BACKENDS:
-            only = set.union(*(exports[backend] - exports[other] for other in BACKENDS if other != backend))
+        exports = {b: set(layout_rules.backend_exports(b, module)) for b in _providers(module)}
+        for backend in exports:
+            only = set.union(*(exports[backend] - exports[other] for other in exports if other != backend))
             documented = set(EXTRAS.get((module, backend), {}))
             if only != documented:
                 wrong.append(f"{backend}/{module}: only here {sorted(only)}, documented {sorted(documented)}")
@@ -149,6 +172,19 @@ def test_what_a_backend_refuses_is_a_public_name_of_the_library():
         refused = layout_rules.package_constant(backend, "REFUSED")
         assert isinstance(refused, frozenset) and refused <= public, (backend, sorted(refused - public))
     assert not layout_rules.package_constant("tensorflow", "REFUSED")
+
+
+#: a seam module a package may leave out -> the public names the package must then refuse
+REFUSED_WITHOUT = {"devices": set(), "distributed": {"fit_distributed"},
+                   "tf_privacy": {"BandedMatrixFactorizationQuery"}}
+
+
+def test_a_package_that_leaves_a_feature_to_the_defaults_refuses_its_public_names():
+    assert set(REFUSED_WITHOUT) == set(_seam_constant("OPTIONAL"))
+    for backend in BACKENDS:
+        own, refused = layout_rules.package_constant(backend, "MODULES"), layout_rules.package_constant(backend, "REFUSED")
+        for module, names in REFUSED_WITHOUT.items():
+            assert (names <= refused) if module not in own else not (names & refused), (backend, module, names)
 
 
 def test_backend_packages_import_one_another_only_where_listed():

@@ -1,7 +1,6 @@
 """The TensorFlow implementation of the backend seam (``keras_noisecurve.backend``)."""
 
-#: the modules the neutral code asks ``keras_noisecurve.backend.module`` for: the same in every
-#: backend package (``keras_noisecurve.backend.MODULES``)
+#: the modules of ``keras_noisecurve.backend.MODULES`` this package has: all of them
 MODULES = ("audit", "clipping", "devices", "distributed", "dp_model", "ghost", "hvp", "noise", "optimizer",
            "pipeline", "tf_privacy")
 
