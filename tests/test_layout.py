@@ -11,7 +11,8 @@
     "cycle" through the package's own ``__init__``).
 (b) The backend seam: no module outside ``backend/<framework>/`` imports that framework
     (TensorFlow, TF Privacy, tf_keras; JAX), and the two backend packages have the same module
-    names, but for the modules one backend has for a reason written down here.
+    names, less the seam modules a package leaves to ``backend/common/defaults``, and but for the
+    modules one backend has for a reason written down here.
 (c) The repository stands on its own: no file in ``keras_noisecurve/``, ``docs/`` or
     ``README.md`` cites the internal design brief (``DESIGN.md``) or the directory
     it lives in.

@@ -24,7 +24,7 @@ BACKENDS = tuple(layout_rules.FRAMEWORKS)
 
 #: ``(module, backend)`` -> {public name: why only this backend's module has it}. Each is a part of
 #: that backend's engine that its own modules use (neutral code never asks for it), or what only
-#: TensorFlow has (its module on JAX refuses it).
+#: TensorFlow has (on JAX the default module, ``backend/common/defaults``, refuses it).
 EXTRAS = {
     ("clipping", "tensorflow"): {
         "ClippedSum": "the TensorFlow engines' result (a class, public as training.ClippedSum); JAX's engines "
@@ -40,10 +40,10 @@ EXTRAS = {
         "per_example_grads": "JAX's per-example gradients of the whole model, the vectorized engine's first half",
     },
     ("distributed", "tensorflow"): {
-        "assert_same_on_all_workers": "a helper of tf.distribute workers (JAX has no tf.distribute: its module "
-        "refuses the name with the reason)",
-        "is_chief": "a helper of tf.distribute workers (refused by name on JAX)",
-        "worker_checkpoint_dir": "a helper of tf.distribute workers (refused by name on JAX)",
+        "assert_same_on_all_workers": "a helper of tf.distribute workers (JAX has no tf.distribute: the default "
+        "module refuses the name with the reason)",
+        "is_chief": "a helper of tf.distribute workers (refused by name by the default module)",
+        "worker_checkpoint_dir": "a helper of tf.distribute workers (refused by name by the default module)",
     },
     ("ghost", "tensorflow"): {
         "plan": "the TensorFlow engine's rule per layer, planned from the layers before any step (JAX plans "
@@ -101,10 +101,10 @@ def _modules() -> tuple:
 
 
 def _providers(module: str) -> list[str]:
-    """Where ``backend.module(module)`` comes from: the backends that have it, and the defaults
-    for a module some backend leaves out."""
+    """Where ``backend.module(module)`` may come from: the backends that have it, and the defaults
+    for a module of ``OPTIONAL`` (compared even while every backend has its own)."""
     have = [b for b in BACKENDS if module in layout_rules.package_constant(b, "MODULES")]
-    return have + ([DEFAULTS] if len(have) < len(BACKENDS) else [])
+    return have + ([DEFAULTS] if module in _seam_constant("OPTIONAL") else [])
 
 
 def test_every_backend_package_lists_the_seam_modules_less_some_optional_ones():
