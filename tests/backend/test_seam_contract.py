@@ -92,23 +92,15 @@ CROSS_IMPORTS = {
 DEFAULTS = "common/defaults"
 
 
-def _seam_constant(constant: str) -> tuple:
-    return layout_rules.seam_constant(constant)
-
-
-def _modules() -> tuple:
-    return layout_rules.seam_modules()
-
-
 def _providers(module: str) -> list[str]:
     """Where ``backend.module(module)`` may come from: the backends that have it, and the defaults
     for a module of ``OPTIONAL`` (compared even while every backend has its own)."""
     have = [b for b in BACKENDS if module in layout_rules.package_constant(b, "MODULES")]
-    return have + ([DEFAULTS] if module in _seam_constant("OPTIONAL") else [])
+    return have + ([DEFAULTS] if module in layout_rules.seam_constant("OPTIONAL") else [])
 
 
 def test_every_backend_package_lists_the_seam_modules_less_some_optional_ones():
-    modules, optional = _modules(), _seam_constant("OPTIONAL")
+    modules, optional = layout_rules.seam_modules(), layout_rules.seam_constant("OPTIONAL")
     assert isinstance(modules, tuple) and modules and len(set(modules)) == len(modules)
     assert set(optional) <= set(modules)
     for backend in BACKENDS:
@@ -122,13 +114,13 @@ def test_every_module_of_a_list_is_a_file_of_its_package_and_every_optional_one_
     missing, stray = [], []
     for backend in BACKENDS:
         own = layout_rules.package_constant(backend, "MODULES")
-        for m in _modules():
+        for m in layout_rules.seam_modules():
             is_file = (ROOT / PACKAGE / "backend" / backend / f"{m}.py").is_file()
             if m in own and not is_file:
                 missing.append(f"backend/{backend}/{m}.py")
             if m not in own and is_file:  # backend.module would never import it
                 stray.append(f"backend/{backend}/{m}.py")
-    missing += [f"backend/{DEFAULTS}/{m}.py" for m in _seam_constant("OPTIONAL")
+    missing += [f"backend/{DEFAULTS}/{m}.py" for m in layout_rules.seam_constant("OPTIONAL")
                 if not (ROOT / PACKAGE / "backend" / DEFAULTS / f"{m}.py").is_file()]
     assert not missing and not stray, (missing, stray)
 
@@ -139,14 +131,14 @@ def test_neutral_code_asks_only_for_modules_of_the_list():
     asked = {name for _, _, name in requests}
     assert {"optimizer", "noise", "pipeline", "dp_model"} <= asked
     wrong = [f"{module}:{line} asks backend.module({name!r})" for module, line, name in requests
-             if name not in _modules()]
+             if name not in layout_rules.seam_modules()]
     assert not wrong, "backend.module(X) with X not in keras_noisecurve.backend.MODULES (or not a string):\n" + (
         "\n".join(wrong))
 
 
 def test_the_modules_of_the_list_export_the_same_names():
     wrong = []
-    for module in _modules():
+    for module in layout_rules.seam_modules():
         exports = {b: set(layout_rules.backend_exports(b, module)) for b in _providers(module)}
         for backend in exports:
             only = set.union(*(exports[backend] - exports[other] for other in exports if other != backend))
@@ -159,7 +151,7 @@ def test_the_modules_of_the_list_export_the_same_names():
 
 def test_every_extra_has_a_reason():
     for (module, backend), names in EXTRAS.items():
-        assert module in _modules() and backend in BACKENDS, (module, backend)
+        assert module in layout_rules.seam_modules() and backend in BACKENDS, (module, backend)
         assert names and all(isinstance(why, str) and len(why) > 20 for why in names.values()), (module, backend)
 
 
@@ -180,7 +172,7 @@ REFUSED_WITHOUT = {"devices": set(), "distributed": {"fit_distributed"},
 
 
 def test_a_package_that_leaves_a_feature_to_the_defaults_refuses_its_public_names():
-    assert set(REFUSED_WITHOUT) == set(_seam_constant("OPTIONAL"))
+    assert set(REFUSED_WITHOUT) == set(layout_rules.seam_constant("OPTIONAL"))
     for backend in BACKENDS:
         own, refused = layout_rules.package_constant(backend, "MODULES"), layout_rules.package_constant(backend, "REFUSED")
         for module, names in REFUSED_WITHOUT.items():

@@ -96,14 +96,6 @@ def _engine(private, x, y, w, clip, unit_rows):
     return _numpy(norms).astype(np.float64), [_numpy(s).astype(np.float64) for s in sums], rules
 
 
-def _users_of(wb, k):
-    """``(slots, real, sizes)`` of a user-level batch's weights ``wb`` (P·k,): the (P, k) slots,
-    the slots of real users, and each real user's number of rows."""
-    slots = wb.reshape(-1, k)
-    real = [u for u in range(len(slots)) if slots[u].sum() > 0]
-    return slots, real, {u: int((slots[u] > 0).sum()) for u in real}
-
-
 def check_user_clipping(private, run, x, y, users):
     """On the plan's first batch with two users or more, one of them of several rows, the
     engine's per-user norms and clipped sum equal a per-user loop; the LoRA'd projections keep
@@ -117,7 +109,9 @@ def check_user_clipping(private, run, x, y, users):
     for xb, yb, wb, _ in data.batches():
         wb = _numpy(wb).astype(np.float32)
         assert len(wb) == run.padded_rows and len(wb) % k == 0
-        slots, real, sizes = _users_of(wb, k)
+        slots = wb.reshape(-1, k)
+        real = [u for u in range(len(slots)) if slots[u].sum() > 0]
+        sizes = {u: int((slots[u] > 0).sum()) for u in real}
         seen.append(sizes)
         if len(real) >= 2 and max(sizes.values()) > 1:  # users of several rows in the batch
             break
