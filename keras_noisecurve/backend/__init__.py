@@ -7,7 +7,8 @@ reads Keras's backend and :func:`module` imports a module of that backend's pack
 neutral code above asks :func:`module` for the modules of :data:`MODULES` and branches on no
 backend name. A package's own ``MODULES`` lists the seam modules it has: all of them, but for
 those of :data:`OPTIONAL` it leaves to ``backend.common.defaults``, where a module of the same
-name does what a backend without the feature does (``devices``: nothing to quiet) or refuses it,
+name does what a backend without the feature does (``devices``: nothing to quiet; ``ghost_conv``:
+``keras.ops`` convolutions) or refuses it,
 saying why (``distributed``: ``tf.distribute``; ``tf_privacy``: TensorFlow Privacy). A package
 lists the public names it has not in ``REFUSED`` (asked through :func:`refuses`).
 
@@ -42,6 +43,7 @@ MODULES = (
     "distributed",  # fit_distributed's loop (tf.distribute; refused on JAX)
     "dp_model",  # the private train step, TrainStepBackend
     "ghost",  # the per-layer engine: describe, register_rule
+    "ghost_conv",  # the convolution kernels' windows and per-example filter gradients
     "hvp",  # Hessian-vector products
     "noise",  # the noise generator's array operations
     "optimizer",  # the optimizer's slot variables and update, its step counter
@@ -50,8 +52,9 @@ MODULES = (
 )
 
 #: the modules of :data:`MODULES` a package may leave out: ``backend.common.defaults`` has each,
-#: for a backend with nothing to do (``devices``) or without the feature (the others refuse it)
-OPTIONAL = ("devices", "distributed", "tf_privacy")
+#: for a backend with nothing to do (``devices``), whose ``keras.ops`` serve (``ghost_conv``), or
+#: without the feature (the others refuse it)
+OPTIONAL = ("devices", "distributed", "ghost_conv", "tf_privacy")
 
 
 def name() -> str:

@@ -167,7 +167,7 @@ def test_what_a_backend_refuses_is_a_public_name_of_the_library():
 
 
 #: a seam module a package may leave out -> the public names the package must then refuse
-REFUSED_WITHOUT = {"devices": set(), "distributed": {"fit_distributed"},
+REFUSED_WITHOUT = {"devices": set(), "distributed": {"fit_distributed"}, "ghost_conv": set(),
                    "tf_privacy": {"BandedMatrixFactorizationQuery"}}
 
 

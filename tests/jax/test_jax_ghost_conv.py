@@ -1,10 +1,11 @@
-"""The JAX convolution rules (keras_noisecurve.backend.jax.ghost_conv) inside the ghost engine,
+"""The convolution kernels (keras_noisecurve.backend.common.ghost_conv, with the keras.ops windows and
+filter gradients of keras_noisecurve.backend.common.defaults.ghost_conv) inside the JAX ghost engine,
 against the INDEPENDENT per-example loop of tests/jax/helpers.reference_clipped_sum (one
 ``jax.grad`` of the model's ``stateless_call`` per example, clipping in float64 numpy).
 
 Every test also records which layers went through the engine's per-layer fallback (the
 ``fallbacks`` fixture of tests/jax/conftest.py): a ruled layer must not, an unruled one
-(channels_first) must, and stay exact.
+(a subclass) must, and stay exact.
 
 Tolerance: float32. The ghost engine computes its norms in float32 by design (``ghost.py``
 accumulates ``sq`` in float32), so running the models in float64 would not test more digits
@@ -25,7 +26,9 @@ import numpy as np
 import pytest
 
 from keras_noisecurve.backend.jax.ghost import ghost_clipped_sum
-from keras_noisecurve.backend.jax.ghost_conv import explicit_padding, grouped_sq_norms, window_patches
+from keras_noisecurve.backend.common.defaults.ghost_conv import window_patches
+from keras_noisecurve.backend.common.geometry import explicit_padding
+from keras_noisecurve.backend.common.ghost_conv import grouped_sq_norms
 from tests.jax.helpers import mse_per_example, reference_clipped_sum
 
 
@@ -94,6 +97,7 @@ def test_conv2d_rule_equals_the_per_example_loop(case, fallbacks):
 
 CONV1D = {
     "causal-dilation-2": dict(filters=4, kernel_size=3, padding="causal", dilation_rate=2, activation="relu"),
+    "causal-grouped": dict(filters=4, kernel_size=3, padding="causal", groups=2),
     "same-stride-2": dict(filters=5, kernel_size=4, padding="same", strides=2),
     "valid-groups-3-no-bias": dict(filters=6, kernel_size=2, groups=3, use_bias=False),
     "long-sequence-gram": dict(filters=2, kernel_size=5, padding="valid"),
@@ -209,14 +213,20 @@ def test_a_small_cnn_with_a_shared_convolution_called_on_two_map_sizes(fallbacks
 
 
 def test_layers_without_a_rule_take_the_exact_fallback(fallbacks):
-    """channels_first convolutions are not ruled: the fallback clips them, exactly, before the
-    activation (the channels-last SeparableConv layers around it take their rule)."""
+    """A subclass of a convolution (it may change the convolution) is not ruled: the fallback clips
+    it, exactly, before the activation; a channels_first convolution and the SeparableConv layers
+    around it take their rule."""
+
+    class Subclassed(keras.layers.Conv2D):
+        pass
+
     keras.utils.set_random_seed(5)
     inputs = keras.Input((6, 6, 3))
     h = keras.layers.SeparableConv2D(4, 3, padding="same", depth_multiplier=2, activation="relu",
                                      name="separable")(inputs)
     h = keras.layers.Permute((3, 1, 2))(h)
-    h = keras.layers.Conv2D(3, 2, data_format="channels_first", activation="tanh", name="first")(h)
+    h = keras.layers.Conv2D(4, 1, data_format="channels_first", activation="relu", name="ruled")(h)
+    h = Subclassed(3, 2, data_format="channels_first", activation="tanh", name="first")(h)
     h = keras.layers.SeparableConv1D(2, 3, name="separable1d")(keras.layers.Reshape((15, 5))(h))
     model = keras.Model(inputs, keras.layers.Dense(2)(keras.layers.Flatten()(h)))
     _compare(model, *_data(model, seed=5))
@@ -251,7 +261,7 @@ def test_mixed_precision_norms_and_sums(policy, fallbacks):
 ])
 def test_window_patches_are_the_windows_of_keras_conv(padding, size, kernel, stride, dilation):
     """Each patch row dotted with a flattened kernel is Keras's own convolution output: the
-    (channel, tap) order, the padding offsets and the strides of :func:`window_patches`."""
+    (tap, channel) order, the padding offsets and the strides of :func:`window_patches`."""
     rng = np.random.default_rng(7)
     a = rng.normal(size=(2, size, 3)).astype("float32")
     kernel_values = rng.normal(size=(kernel, 3, 1)).astype("float32")
@@ -261,7 +271,7 @@ def test_window_patches_are_the_windows_of_keras_conv(padding, size, kernel, str
     want = np.asarray(layer(a))[..., 0]
     x = window_patches(jnp.asarray(a), out_shape=want.shape[1:], kernel_size=(kernel,), strides=(stride,),
                        dilation_rate=(dilation,), padding=padding)
-    got = np.einsum("plct,tc->pl", np.asarray(x), kernel_values[..., 0])
+    got = np.einsum("pltc,tc->pl", np.asarray(x), kernel_values[..., 0])
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     assert explicit_padding(size, want.shape[1], kernel, stride, dilation, "reflect") is None
 
@@ -309,4 +319,23 @@ def test_a_mixed_bfloat16_private_step_with_conv_rules_equals_the_vectorized_eng
     assert scale > 1e-3
     for a, b in zip(updates["ghost"], updates["vectorized"]):
         np.testing.assert_allclose(a, b, rtol=3e-2, atol=3e-2 * scale)
+    assert fallbacks == []
+
+
+def test_channels_first_layers_under_a_channels_first_default(fallbacks):
+    """``keras.config.set_image_data_format("channels_first")``: the layers are channels first and
+    the kernels' own convolutions (windows, filter gradients, a separable layer's recomputed
+    depthwise stage) still read their channels-last arrays as such."""
+    previous = keras.config.image_data_format()
+    keras.config.set_image_data_format("channels_first")
+    try:
+        # per-example filter gradients (L = 36), then windows (L = 16, 4, 1: the Gram form)
+        model = _model((3, 6, 6), keras.layers.Conv2D(2, 3, padding="same", activation="relu"),
+                       keras.layers.Conv2D(32, 3), keras.layers.DepthwiseConv2D(3, strides=2, padding="same",
+                                                                               depth_multiplier=2),
+                       keras.layers.SeparableConv2D(3, 2, depth_multiplier=2), seed=9)
+        assert all(layer.data_format == "channels_first" for layer in model.layers[1:5])
+        _compare(model, *_data(model, seed=9))
+    finally:
+        keras.config.set_image_data_format(previous)
     assert fallbacks == []

@@ -1,9 +1,9 @@
 """The JAX ``Conv3D`` rule and the transposed-convolution rule (``Conv1DTranspose``,
-``Conv2DTranspose``, ``Conv3DTranspose``) of keras_noisecurve.backend.jax.ghost_conv inside the ghost
-engine, against the INDEPENDENT per-example loop of tests/jax/helpers.reference_clipped_sum
+``Conv2DTranspose``, ``Conv3DTranspose``) of keras_noisecurve.backend.common.ghost_conv inside the
+JAX ghost engine, against the INDEPENDENT per-example loop of tests/jax/helpers.reference_clipped_sum
 (one ``jax.grad`` of the model's ``stateless_call`` per example, clipping in float64 numpy),
 with the ``fallbacks`` fixture of tests/jax/conftest.py: a ruled layer must not reach the
-engine's per-layer fallback, an unruled one (channels_first) must, and stay exact.
+engine's per-layer fallback, an unruled one (an ``output_padding``) must, and stay exact.
 
 Tolerances as in tests/jax/test_jax_ghost_conv.py (its ``_compare``): float32, norms rtol 1e-4,
 sums atol 1e-4 × the largest reference entry; bfloat16 compute at 3e-2. The input volume is
@@ -38,9 +38,9 @@ def test_conv3d_rule_equals_the_per_example_loop(case, fallbacks):
     assert fallbacks == []
 
 
-def test_a_shared_conv3d_on_two_sizes_beside_a_channels_first_one_on_the_fallback(fallbacks):
+def test_a_shared_conv3d_on_two_sizes_beside_a_channels_first_one(fallbacks):
     """One Conv3D called on two volume sizes (its positions from both calls add up), and a
-    channels_first Conv3D, not ruled, clipped exactly by the fallback."""
+    channels_first Conv3D: both ruled, nothing on the fallback."""
     keras.utils.set_random_seed(22)
     inputs = keras.Input(SHAPE)
     shared = keras.layers.Conv3D(3, 2, padding="same", activation="relu", name="shared")
@@ -50,7 +50,7 @@ def test_a_shared_conv3d_on_two_sizes_beside_a_channels_first_one_on_the_fallbac
     h = keras.layers.Concatenate()([keras.layers.Flatten()(first), keras.layers.Flatten()(b)])
     model = keras.Model(inputs, keras.layers.Dense(3)(h))
     _compare(model, *_data(model, n=8, seed=22))
-    assert sorted(set(fallbacks)) == ["first"]
+    assert fallbacks == []
 
 
 TRANSPOSE = {
@@ -86,9 +86,9 @@ def test_conv_transpose_rule_equals_the_per_example_loop(case, fallbacks):
     assert fallbacks == []
 
 
-def test_output_padding_and_channels_first_transposed_layers_take_the_fallback(fallbacks):
-    """``output_padding`` set, or channels_first: not ruled, clipped exactly by the fallback (the
-    ruled transposed layer beside them is not)."""
+def test_output_padding_transposed_layers_take_the_fallback(fallbacks):
+    """``output_padding`` set: not ruled, clipped exactly by the fallback (the ruled transposed
+    layers beside it, channels_first too, are not)."""
     keras.utils.set_random_seed(25)
     inputs = keras.Input((3, 4, 2))
     h = keras.layers.Conv2DTranspose(2, 3, strides=2, output_padding=1, name="padded")(inputs)
@@ -96,7 +96,7 @@ def test_output_padding_and_channels_first_transposed_layers_take_the_fallback(f
     h = keras.layers.Conv2DTranspose(2, 2, strides=2, padding="same", activation="relu", name="ruled")(h)
     model = keras.Model(inputs, keras.layers.Dense(3)(keras.layers.Flatten()(h)))
     _compare(model, *_data(model, seed=25))
-    assert sorted(set(fallbacks)) == ["first", "padded"]
+    assert sorted(set(fallbacks)) == ["padded"]
 
 
 def test_mixed_bfloat16_norms_and_sums_of_conv3d_and_a_transposed_one(fallbacks):

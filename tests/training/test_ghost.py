@@ -292,6 +292,7 @@ def test_batch_norm_refused_in_supports_and_at_call():
 
 
 def test_configurations_without_a_fast_rule_take_the_fallback_and_are_exact_and_per_head_weights_are_ghosted():
+    # a causal grouped Conv1D takes its kernel, a transposed convolution with an output_padding the fallback
     rng = np.random.default_rng(4)
     grouped = keras.Sequential([keras.Input((8, 4)), keras.layers.Conv1D(4, 3, groups=2, padding="causal", name="gconv")])
     depthwise = keras.Sequential(
@@ -301,7 +302,7 @@ def test_configurations_without_a_fast_rule_take_the_fallback_and_are_exact_and_
         [keras.Input((2, 3)), keras.layers.EinsumDense("abc,bcd->abd", output_shape=(2, 4), name="perhead")]
     )
     # (per-head weights: G_i materialised by the EinsumDense kernel, the same on both backends)
-    for model, name, how in ((grouped, "gconv", "generic"), (depthwise, "dw", "generic"),
+    for model, name, how in ((grouped, "gconv", "GroupedConv"), (depthwise, "dw", "generic"),
                              (per_head, "perhead", "EinsumDense")):
         assert dict((n, h) for n, _, h in describe(model))[name] == how
         shape = (P,) + tuple(model.input_shape[1:])
@@ -532,18 +533,13 @@ def test_pointwise_conv_is_a_dense_map_of_pixels(case, monkeypatch):
     # a 1×1 convolution takes the Dense form (pixels at the strides × output gradients);
     # float64 per-example loop and vectorized engine
     taken = []
-    original = ghost_conv.ConvRule._pointwise
-
-    def spy(self, *args):
-        taken.append(True)
-        return original(self, *args)
-
-    monkeypatch.setattr(ghost_conv.ConvRule, "_pointwise", spy)
+    for name in ("window_patches", "example_grads"):
+        monkeypatch.setattr(ghost_conv, name, lambda *args, name=name, **kwargs: taken.append(name))
     shape, build = POINTWISE[case]
     rng = np.random.default_rng(sorted(POINTWISE).index(case))
     model = keras.Sequential([keras.Input(shape), build(), keras.layers.Flatten(), keras.layers.Dense(2)])
     check_model(model, rng.normal(size=(P, *shape)), rng.normal(size=(P, 2)))
-    assert taken
+    assert taken == []  # neither windows nor filter gradients: the pixels at the strides
 
 
 def test_shared_pointwise_conv_on_two_map_sizes():
@@ -664,19 +660,19 @@ def test_conv_example_grads_and_their_weighted_sum_equal_per_example_loop(chunk)
     images = [(tf.constant(a, tf.float32), tf.constant(g, tf.float32)) for a, g in calls]
     got = ghost_conv.conv_example_grads(images, [3, 2], strides, "SAME", chunk=chunk)
     np.testing.assert_allclose(got.sq_norms().numpy(), want_sq, rtol=RTOL)
-    got_sum = got.weighted_sum(tf.constant(scale, tf.float32)).numpy()
+    got_sum = got.weighted_sum(tf.constant(scale, tf.float32)).numpy()[0]  # (1, K·c_in, c_out): one group
     np.testing.assert_allclose(got_sum, want_sum, rtol=RTOL, atol=RTOL * np.max(np.abs(want_sum)))
     got64 = ghost_conv.conv_example_grads([(tf.constant(a), tf.constant(g)) for a, g in calls], [3, 2],
                                           strides, "SAME")
-    np.testing.assert_allclose(got64.weighted_sum(tf.constant(scale)).numpy(), want_sum, rtol=1e-12)
+    np.testing.assert_allclose(got64.weighted_sum(tf.constant(scale)).numpy()[0], want_sum, rtol=1e-12)
 
 
 @pytest.mark.parametrize("materialise", [True, False], ids=["per-example-grads", "gram"])
 def test_shared_conv_layer_in_both_forms(materialise, monkeypatch):
     # A Conv2D called on two inputs of different sizes, each form of the conv rule
     # forced (the rule sums per-example gradients over calls; the materialised form's
-    # clipped sum comes from the kept per-example gradients, the Gram form's from a
-    # weight-gradient step on (a, c ⊙ g)): float64 loop and vectorized engine.
+    # clipped sum comes from the kept per-example gradients, the Gram form's from one
+    # contraction of the windows with c ⊙ g): float64 loop and vectorized engine.
     calls = []
     original = ghost_conv.conv_example_grads
 
@@ -685,10 +681,12 @@ def test_shared_conv_layer_in_both_forms(materialise, monkeypatch):
         return original(*args, **kwargs)
 
     monkeypatch.setattr(ghost_conv, "conv_example_grads", spy)
-    monkeypatch.setattr(ghost_conv, "materialise_conv", lambda length, d_in, d_out: materialise)
+    chosen = ghost_conv.example_grads
+    monkeypatch.setattr(ghost_conv, "example_grads", lambda pairs, **kw: chosen(pairs, **{**kw, "materialise": materialise}))
     rng = np.random.default_rng(43)
     big, small = keras.Input((7, 6, 3)), keras.Input((4, 5, 3))
-    shared = keras.layers.Conv2D(4, 3, strides=(2, 1), padding="same", activation="tanh")
+    # L = 4·6 + 2·5 = 34 positions, 34² < 27·48: the Gram form unless materialising is forced
+    shared = keras.layers.Conv2D(48, 3, strides=(2, 1), padding="same", activation="tanh")
     pooled = [keras.layers.GlobalAveragePooling2D()(shared(t)) for t in (big, small)]
     model = keras.Model([big, small], keras.layers.Dense(2)(keras.layers.Concatenate()(pooled)))
     x = [rng.normal(size=(P, 7, 6, 3)), rng.normal(size=(P, 4, 5, 3))]

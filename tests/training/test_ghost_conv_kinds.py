@@ -16,9 +16,9 @@ import keras
 
 from keras_noisecurve.backend.tensorflow.ghost import describe, ghost_clipped_sum, supports
 from keras_noisecurve.backend.tensorflow import kernels as _kernels
-from keras_noisecurve.backend.tensorflow.ghost_conv_kinds import GroupedGrads, example_grads_3d, patches
-from keras_noisecurve.backend.tensorflow.ghost_conv_kinds import _example_grads_3d_grouped
-from keras_noisecurve.backend.tensorflow.ghost_taps import LiveTapGrads, correlation_example_grads, tap_example_grads
+from keras_noisecurve.backend.common.ghost_conv import _gram_sum, grouped_sq_norms
+from keras_noisecurve.backend.tensorflow.ghost_conv import _example_grads_3d_grouped, example_grads_3d, patches
+from keras_noisecurve.backend.tensorflow.ghost_conv import LiveTapGrads, correlation_example_grads, tap_example_grads
 from tests.training.helpers import float64_layers, loop_reference, mse
 
 P = 5
@@ -328,18 +328,23 @@ def test_shared_layers_called_on_two_sizes():
         _check(keras.Model(inp, L.Dense(2)(out)), kind)
 
 
-@pytest.mark.parametrize("materialise", [True, False], ids=["materialised", "gram"])
-def test_grouped_grads_both_forms_match_numpy(materialise):
+@pytest.mark.parametrize("length", [4, 2], ids=["materialised", "gram"])
+def test_grouped_forms_match_numpy(length):
+    # L² ≥ I·O forms the per-example gradients, L² < I·O the Gram form; both against numpy's
+    # definition, with a dropped example (factor 0) counting exactly 0
     rng = np.random.default_rng(3)
-    x, y = rng.normal(size=(3, 4, 2, 5)), rng.normal(size=(3, 4, 2, 3))
+    x, y = rng.normal(size=(3, length, 2, 5)), rng.normal(size=(3, length, 2, 3))
     per_example = np.einsum("plgi,plgo->pgio", x, y)  # numpy, the definition
-    grads = GroupedGrads([(tf.constant(x[:, :1]), tf.constant(y[:, :1])), (tf.constant(x[:, 1:]), tf.constant(y[:, 1:]))],
-                         materialise=materialise)
-    assert grads.materialised == materialise
-    np.testing.assert_allclose(grads.sq_norms().numpy(), np.sum(per_example**2, axis=(1, 2, 3)), rtol=1e-12)
+    x[1, 0, 0, 0] = np.nan  # the dropped example's rows are not finite: it must still add exactly 0
+    sq, per = grouped_sq_norms(tf.constant(x), tf.constant(y))
+    assert (per is not None) == (length * length >= 15)
+    np.testing.assert_allclose(np.asarray(sq)[[0, 2]], np.sum(per_example**2, axis=(1, 2, 3))[[0, 2]], rtol=1e-12)
     scale = np.array([0.5, 0.0, 2.0])
-    np.testing.assert_allclose(grads.weighted_sum(tf.constant(scale)).numpy(),
-                               np.einsum("p,pgio->gio", scale, per_example), rtol=1e-12)
+    keep = tf.constant(scale != 0)
+    got = per.weighted_sum(tf.constant(scale), keep) if per is not None else _gram_sum(
+        tf.constant(x), tf.constant(y), tf.constant(scale), keep)
+    np.testing.assert_allclose(np.asarray(got), np.einsum("p,pgio->gio", scale, per_example), rtol=1e-12)
+    assert np.isfinite(np.asarray(got)).all()
 
 
 def test_patches_are_the_windows_of_the_convolution():
@@ -356,10 +361,24 @@ def test_patches_are_the_windows_of_the_convolution():
         np.testing.assert_allclose(got, want.reshape(got.shape), rtol=1e-10, atol=1e-12)
 
 
+def test_causal_grouped_conv1d_takes_its_kernel():
+    # causal padding written out before the windows (the kernel is one for every backend), also
+    # with one group per input channel (TensorFlow's depthwise filter gradients, after the padding)
+    _check(_model((8, 4), L.Conv1D(4, 3, padding="causal", groups=2, dilation_rate=2, name="conv")), "GroupedConv")
+    _check(_model((9, 3), L.Conv1D(6, 3, padding="causal", groups=3, name="conv")), "GroupedConv", seed=1)
+
+
+@pytest.mark.parametrize("filters", [2, 24], ids=["materialised", "gram"])
+def test_channels_first_plain_convolutions_take_their_kernel(filters):
+    # channels_first Conv2D and Conv1D, groups=1: the kernel moves the channels last
+    _check(_model(_cf((6, 5, 3)), L.Conv2D(filters, 3, strides=(2, 1), padding="same",
+                                           data_format="channels_first", name="conv")), "Conv")
+    _check(_model(_cf((7, 3)), L.Conv1D(filters, 2, data_format="channels_first", name="conv")), "Conv", seed=1)
+
+
 def test_refused_configurations_take_the_exact_fallback():
     rng = np.random.default_rng(6)
-    for layer in [L.Conv1D(4, 3, padding="causal", groups=2, name="conv"),
-                  L.Conv2DTranspose(2, 3, strides=2, output_padding=1, name="conv"),
+    for layer in [L.Conv2DTranspose(2, 3, strides=2, output_padding=1, name="conv"),
                   L.Conv3D(2, 2, dilation_rate=2, name="conv")]:
         shape = {1: (8, 4), 2: (4, 4, 2), 3: (5, 5, 5, 2)}[layer.rank]
         model = _model(shape, layer)
@@ -387,3 +406,32 @@ def test_mobile_networks_have_no_layer_on_the_fallback(build):
     model = replace_batch_normalization(build())
     kinds = {how for _, _, how in describe(model)}
     assert "generic" not in kinds and "DepthwiseConv" in kinds, kinds
+
+
+def test_convolutions_on_images_of_unknown_size_inside_a_traced_step():
+    # A step traced for (None, None, None, C) images (fit on images of several sizes): the forms
+    # whose choice needs the sizes (per-example gradients, the TensorFlow depthwise kernels, the
+    # transposed convolution's length check) step aside for the windows' Gram form, still exact.
+    rng = np.random.default_rng(12)
+    inputs = keras.Input((None, None, 3))
+    h = L.Conv2D(4, 3, padding="same", activation="tanh", name="conv")(inputs)
+    h = L.DepthwiseConv2D(3, strides=2, padding="same", name="depthwise")(h)
+    h = L.SeparableConv2D(3, 3, padding="same", depth_multiplier=2, name="separable")(h)
+    h = L.Conv2DTranspose(2, 3, strides=2, padding="same", name="transpose")(h)
+    h = L.Conv2D(3, 1, strides=2, name="pointwise")(h)
+    model = keras.Model(inputs, L.Dense(2)(L.GlobalAveragePooling2D()(h)))
+    kinds = {n: how for n, _, how in describe(model)}
+    assert [kinds[n] for n in ("conv", "depthwise", "separable", "transpose", "pointwise")] == [
+        "Conv", "DepthwiseConv", "SeparableConv", "ConvTranspose", "Conv"]
+    x, y, w = rng.normal(size=(P, 6, 5, 3)), rng.normal(size=(P, 2)), np.ones(P)
+    clip = 0.5
+    norms_ref, sum_ref = loop_reference(model, mse, x, y, w, clip)
+    spec = [tf.TensorSpec([None, None, None, 3], tf.float64), tf.TensorSpec([None, 2], tf.float64),
+            tf.TensorSpec([None], tf.float64)]
+    step = tf.function(lambda x, y, w: ghost_clipped_sum(model, mse, x, y, w, l2_norm_clip=clip, training=False),
+                       input_signature=spec)
+    got = step(x, y, w)
+    np.testing.assert_allclose(got.norms.numpy(), norms_ref, rtol=RTOL)
+    scale = max(np.max(np.abs(g)) for g in sum_ref)
+    for v, g, r in zip(model.trainable_variables, got.grads, sum_ref):
+        np.testing.assert_allclose(np.asarray(g), r, rtol=RTOL, atol=RTOL * scale, err_msg=v.path)

@@ -62,7 +62,7 @@ def _exploding():
 
 def _conv(filters, size):
     # filters=2 on 6x6: the per-example kernel gradients are formed; filters=16 on 4x4:
-    # the Gram norms and the batched weight-gradient step (ghost_conv.materialise_conv)
+    # the Gram norms and one contraction of the windows (L² < K·c_in·c_out, common/ghost_conv)
     return keras.Sequential([
         keras.Input((size, size, 3)), keras.layers.Conv2D(filters, 3, activation="tanh"),
         keras.layers.Flatten(), keras.layers.Dense(2),

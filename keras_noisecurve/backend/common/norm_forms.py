@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from keras import ops
 
-__all__ = ["arrange", "cat", "gram_is_cheaper", "gram_sq_norms", "group_norm_hat", "kept", "layer_norm_hat",
+__all__ = ["ExampleGrads", "arrange", "cat", "gram_is_cheaper", "gram_sq_norms", "group_norm_hat", "kept", "layer_norm_hat",
            "outer_sq_norms", "per_weight",
            "scale_offset_grads", "scaled", "sequence_sq_norms", "sum_dtype", "token_gram_sq_norms",
            "token_rows_sq_norms", "token_sq_norms", "weighted_outer", "weighted_sum"]
@@ -97,6 +97,22 @@ def weighted_outer(a, g, c, keep=None):
 def weighted_sum(per_example, c, keep=None):
     """``Σ_i c_i·per_example_i`` for a (P, ...) tensor; dropped examples' rows count 0 (:func:`kept`)."""
     return ops.tensordot(ops.cast(c, per_example.dtype), kept(per_example, keep), axes=1)
+
+
+class ExampleGrads:
+    """Per-example gradients ``per`` (P, G, I, O) of a kernel, summed over the layer's calls: the
+    interface a backend's ``example_grads`` returns (its own layout may differ behind it)."""
+
+    def __init__(self, per):
+        self.per = per
+
+    def sq_norms(self):
+        """(P,): ``Σ_γ ‖∂W_i[γ]‖²_F``."""
+        return ops.sum(ops.reshape(self.per * self.per, (ops.shape(self.per)[0], -1)), axis=1)
+
+    def weighted_sum(self, c, keep=None):
+        """(G, I, O): ``Σ_i c_i ∂W_i``, dropped examples (``keep`` false) counting 0."""
+        return weighted_sum(self.per, c, keep)
 
 
 def per_weight(pairs):

@@ -14,7 +14,7 @@ the per-example gradients of the whole model, all inside the jitted train step.
    added after the layer's own computation: ``g_k`` is the gradient flowing into the
    output from outside the layer only.
 3. Per layer, the per-example squared norms of ITS weights' gradient: a rule of
-   :mod:`keras_noisecurve.backend.jax.ghost_rules` (one module per layer family: ``ghost_dense``
+   :mod:`keras_noisecurve.backend.jax.ghost_rules` (one module per layer family, in ``backend/common/`` but ``ghost_rnn``: ``ghost_dense``
    Dense, EinsumDense, Embedding; ``ghost_norm`` LayerNormalization, GroupNormalization;
    ``ghost_conv`` Conv1D/2D/3D, depthwise, separable and transposed convolutions; ``ghost_lora``;
    ``ghost_scale`` RMS norms; ``ghost_embedding`` KerasHub's embeddings; ``ghost_rnn`` LSTM, GRU,

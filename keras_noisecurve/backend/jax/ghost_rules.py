@@ -19,11 +19,12 @@ gradient of the layer's own weights, ``sums(c, keep=None)`` a dict ``{id(variabl
 recorded; a rule runs under a ``keras.StatelessScope`` mapping every model variable to its traced
 value (``variable.value`` is the step's value, read at rule time).
 
-One module per layer family, named as the TensorFlow engine's (``backend/tensorflow/``):
-``ghost_dense`` (Dense, EinsumDense, Embedding), ``ghost_norm`` (LayerNormalization,
-GroupNormalization), ``ghost_conv`` (convolutions), ``ghost_lora`` (LoRA-enabled Dense and
-EinsumDense), ``ghost_embedding`` (KerasHub's embeddings), ``ghost_scale`` (RMS-type norms,
-recognised by what they compute), ``ghost_rnn`` (recurrent layers).
+One module per layer family, written once in ``backend/common/``: ``ghost_dense`` (Dense,
+EinsumDense, Embedding), ``ghost_norm`` (LayerNormalization, GroupNormalization), ``ghost_conv``
+(convolutions; its windows and filter gradients from ``backend/common/defaults/ghost_conv``),
+``ghost_lora`` (LoRA-enabled Dense and EinsumDense), ``ghost_embedding`` (KerasHub's embeddings),
+``ghost_scale`` (RMS-type norms, recognised by what they compute); and here, named as the
+TensorFlow engine's, ``ghost_rnn`` (recurrent layers).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import numpy as np
 
 from keras_noisecurve.backend.common import affine_scale, layer_rules
 from keras_noisecurve.backend.common.layer_classes import runs_call_of
-from keras_noisecurve.backend.jax.ghost_conv import PRE_ACTIVATION
+from keras_noisecurve.backend.common.ghost_conv import PRE_ACTIVATION
 from keras_noisecurve.backend.common.norm_forms import kept, sequence_sq_norms, token_sq_norms
 
 __all__ = ["RULES", "find_rule", "is_registered", "kept", "probe_affine_scale", "register_rule", "rule_table", "sequence_sq_norms", "token_sq_norms",

@@ -4,8 +4,8 @@ Per-example squared norms of bilinear weight gradients (``sequence_sq_norms``: t
 ``keras_noisecurve.backend.common.norm_forms``, shared with the JAX engine, chosen also for an unknown
 sequence length), the
 book-keeping sums that assemble the clipped gradient from the same (input,
-output-gradient) pairs, and :class:`Rule`, the base class of the rules in
-``ghost_dense``, ``ghost_conv`` and ``ghost_norm`` (the contract is described in
+output-gradient) pairs, and :class:`Rule`, the base class of this engine's own
+rules (``ghost_t5``, ``ghost_rnn``, ``ghost_timedist``, ``ghost_generic``; the contract is described in
 :mod:`keras_noisecurve.backend.tensorflow.ghost_rules`). Shapes: ``P`` examples, ``L``
 positions. Only TensorFlow is imported here.
 """
