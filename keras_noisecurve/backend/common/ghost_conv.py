@@ -132,9 +132,12 @@ def _separable_forward(layer, call, x, *args, **kwargs):
     """A separable layer's pre-activation output, saving its depthwise stage's output ``u``."""
     u = ops.depthwise_conv(x, layer.depthwise_kernel, strides=layer.strides, padding=layer.padding,
                            dilation_rate=layer.dilation_rate, data_format=layer.data_format)
-    pointwise = ops.reshape(layer.pointwise_kernel, tuple(layer.pointwise_kernel.shape[-2:]))
-    letters = "bc...,cf->bf..." if layer.data_format == "channels_first" else "b...c,cf->b...f"
-    z = _with_bias(layer, ops.einsum(letters, u, pointwise))
+    if layer.data_format == "channels_first":  # (TensorFlow's CPU convolutions take channels last only)
+        pointwise = ops.reshape(layer.pointwise_kernel, tuple(layer.pointwise_kernel.shape[-2:]))
+        z = ops.einsum("bc...,cf->bf...", u, pointwise)
+    else:
+        z = ops.conv(u, layer.pointwise_kernel, strides=1, padding="valid", data_format="channels_last")
+    z = _with_bias(layer, z)
     return z, {"u": u}, layer.activation
 
 
@@ -332,7 +335,9 @@ def separable(layer, calls):
         else:
             u = depthwise_output(a, ops.cast(layer.depthwise_kernel, dtype), out_shape=tuple(g.shape[1:-1]),
                                  **{k: v for k, v in geometry.items() if k != "kernel_size"})
-        inner.append((a, ops.einsum("p...f,jf->p...j", g, pointwise)))
+        g_u = ops.matmul(_positions(g), ops.transpose(pointwise))  # (P, L, C·M)
+        spatial = [n if n is not None else ops.shape(g)[i + 1] for i, n in enumerate(g.shape[1:-1])]
+        inner.append((a, ops.reshape(g_u, (ops.shape(g)[0], *spatial, pointwise.shape[0]))))
         us.append((u, g))
     depthwise_form = _form(inner, geometry, channels)
     x = cat([ops.expand_dims(_positions(u), 2) for u, _ in us])
