@@ -108,6 +108,15 @@ def _check_chunk(chunk, dtype, device):
     return chunk
 
 
+def _take_chunk(t, i, chunk):
+    """Examples i·chunk … i·chunk + chunk − 1 of ``t``, zero-padded to ``chunk`` rows (no padding
+    op when the static batch fills every chunk)."""
+    part = t[i * chunk : (i + 1) * chunk]
+    if t.shape[0] is not None and t.shape[0] % chunk == 0:
+        return part
+    return tf.pad(part, [[0, chunk - tf.shape(part)[0]]] + [[0, 0]] * (t.shape.rank - 1))
+
+
 def conv_example_grads(images, filter_hw, strides, padding, chunk=None) -> ExampleKernelGrads:
     """Per-example kernel gradients of a 2-D convolution (groups = 1, dilation 1).
 
@@ -133,15 +142,9 @@ def conv_example_grads(images, filter_hw, strides, padding, chunk=None) -> Examp
     c_in, c_out = images[0][0].shape[-1], images[0][1].shape[-1]
     width = filter_hw[0] * filter_hw[1] * c_in
 
-    static_p = images[0][0].shape[0]
-    filled = static_p is not None and static_p % chunk == 0  # every chunk full: no padding
 
     def take(t, i):
-        """Examples i·chunk … i·chunk + chunk − 1 of t, zero-padded to ``chunk`` rows."""
-        part = t[i * chunk : (i + 1) * chunk]
-        if filled:
-            return part
-        return tf.pad(part, [[0, chunk - tf.shape(part)[0]]] + [[0, 0]] * (t.shape.rank - 1))
+        return _take_chunk(t, i, chunk)
 
     def per_chunk(i):
         """Σ_calls per-example kernel gradients of chunk i: (k²·c_in, chunk, c_out)."""
@@ -222,14 +225,9 @@ def _example_grads_3d_grouped(images, kernel_size, strides, padding, chunk) -> t
     (kd, kh, kw), (sd, sh, sw) = kernel_size, strides
     width = kh * kw * c_in
     p = tf.shape(a0)[0]
-    filled = a0.shape[0] is not None and a0.shape[0] % chunk == 0
 
     def take(t, i):
-        """Examples i·chunk … i·chunk + chunk − 1 of t, zero-padded to ``chunk`` rows."""
-        part = t[i * chunk : (i + 1) * chunk]
-        if filled:
-            return part
-        return tf.pad(part, [[0, chunk - tf.shape(part)[0]]] + [[0, 0]] * (t.shape.rank - 1))
+        return _take_chunk(t, i, chunk)
 
     def side_by_side(t):
         """(chunk, D, H, W, C) -> (D, H, W, chunk·C): example j in channels j·C … j·C + C − 1."""
