@@ -1,4 +1,4 @@
-"""The JAX recurrent ghost rule (``backend/jax/ghost_rnn.py``) against the per-layer fallback, in one
+"""The recurrent ghost kernel (``backend/common/ghost_rnn.py``) on JAX against the per-layer fallback, in one
 process: the clipping step alone (``ghost_clipped_sum``, jitted: per-example norms and the clipped
 sum) of a small text classifier ``Embedding(vocab, d) → LSTM|GRU|SimpleRNN(n) → Dense(2)``, traced
 once with every rule ("rule") and once without the recurrent rule (the recurrent layer then goes
@@ -19,7 +19,8 @@ import jax.numpy as jnp  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
-from keras_noisecurve.backend.jax import ghost_rnn, ghost_rules  # noqa: E402
+from keras_noisecurve.backend.common import ghost_rnn  # noqa: E402
+from keras_noisecurve.backend.jax import ghost_rules  # noqa: E402
 from keras_noisecurve.backend.jax.ghost import ghost_clipped_sum  # noqa: E402
 
 CELLS = {"lstm": keras.layers.LSTM, "gru": keras.layers.GRU, "simple": keras.layers.SimpleRNN}
@@ -60,7 +61,7 @@ def plain_loss(tv, ntv, x, y):
 
 steps = {"plain grad": jax.jit(jax.grad(plain_loss))}
 full = ghost_rules.RULES
-for name, rules in (("rule", full), ("fallback", tuple((k, r) for k, r in full if r is not ghost_rnn.recurrent_rule))):
+for name, rules in (("rule", full), ("fallback", tuple((k, r) for k, r in full if r is not ghost_rnn.recurrent))):
     step = clip_step()
     ghost_rules.RULES = rules
     try:

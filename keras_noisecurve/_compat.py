@@ -41,6 +41,7 @@ __all__ = [
     "pld_pmfs",
     "regularization_losses",
     "replica_value_specs",
+    "rnn",
     "swap_compute_moments",
     "symbolic_build",
     "without_compiled_loss",
@@ -192,6 +193,15 @@ def causal_padding(layer):
     """The ``keras.ops.pad`` widths that make a ``Conv1D(padding="causal")`` a "valid"
     convolution: ``[[0, 0], [(kernel_size − 1)·dilation_rate, 0], [0, 0]]`` for channels last."""
     return layer._compute_causal_padding()
+
+
+def rnn(step_function, inputs, initial_states, **kwargs):
+    """Keras's own loop of its recurrent layers on the backend in use (``keras.src.backend.rnn``:
+    ``(last_output, outputs, new_states)``, with its masking, ``go_backwards`` and ``unroll``), which
+    ``keras.layers.RNN.inner_loop`` runs; ``keras.ops`` has no public equivalent."""
+    from keras.src import backend
+
+    return backend.rnn(step_function, inputs, initial_states, **kwargs)
 
 
 def added_losses(model) -> list:

@@ -79,6 +79,26 @@ def test_causal_padding_is_kernel_minus_one_times_dilation_on_the_left():
     assert widths == [[0, 0], [(3 - 1) * 2, 0], [0, 0]]
 
 
+def test_rnn_is_keras_s_loop_of_the_recurrent_layers():
+    """A SimpleRNN's own output equals Keras's loop run with the cell's step, masked and backwards
+    (``(last_output, outputs, new_states)``; a masked step keeps the previous output)."""
+    keras.utils.set_random_seed(0)
+    layer = keras.layers.SimpleRNN(3, return_sequences=True, go_backwards=True)
+    x = np.random.default_rng(0).normal(size=(2, 4, 2)).astype("float32")
+    mask = np.array([[True, True, False, True], [False, True, True, True]])
+    want = layer(x, mask=mask)
+    cell = layer.cell
+
+    def step(x_t, states):
+        h = cell.activation(x_t @ cell.kernel + states[0] @ cell.recurrent_kernel + cell.bias)
+        return h, [h]
+
+    last, outputs, states = _compat.rnn(step, x, [np.zeros((2, 3), "float32")], go_backwards=True, mask=mask)
+    np.testing.assert_allclose(outputs, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(last, want[:, -1], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(states[0], want[:, -1], rtol=1e-5, atol=1e-6)
+
+
 def test_copy_keras_mask_carries_the_mask_keras_attached():
     import tensorflow as tf
 

@@ -12,7 +12,7 @@ import pytest
 import keras_noisecurve as knc
 from keras_noisecurve.audit.mechanism import check_mechanism, check_sampling
 from keras_noisecurve.audit.whitebox import build_mixing
-from keras_noisecurve.backend.tensorflow import ghost, ghost_generic, ghost_rnn
+from keras_noisecurve.backend.tensorflow import ghost, ghost_generic
 
 from . import broken
 
@@ -98,7 +98,7 @@ FAMILIES = {
     "LayerNormalization": "LayerNormalization",
     "GroupNormalization": "GroupNormalization",
     "LoRA": "LoRA",
-    "Recurrent": ghost_rnn.RecurrentRule,
+    "Recurrent": "Recurrent",
     "generic": ghost_generic.GenericRule,
 }
 

@@ -1,16 +1,18 @@
-"""The JAX recurrent rule (keras_noisecurve.backend.jax.ghost_rnn) inside the ghost engine, against
+"""The recurrent kernel (keras_noisecurve.backend.common.ghost_rnn) inside the JAX ghost engine, against
 the INDEPENDENT per-example loop of tests/jax/helpers.reference_clipped_sum (one ``jax.grad`` of the
 model's ``stateless_call`` per example, clipping in float64 numpy).
 
 Every test also records which layers went through the engine's per-layer fallback (by wrapping
 ``ghost._fallback``): a ruled recurrent layer must not; an unruled configuration (unroll, a
-subclassed cell, return_state) must, and stay exact.
+subclassed cell, dropout) must, and stay exact.
 
-Tolerance: float32 (the engine's norms are float32 by design). The rule recomputes the recurrence
-and sums outer products over ≤ 12 steps in another order than the loop's backward pass: norms rtol
+Tolerance: float32 (the engine's norms are float32 by design). The kernel's forward runs the recurrence
+and the kernel sums outer products over ≤ 12 steps in another order than the loop's backward pass: norms rtol
 1e-4, sums atol 1e-4 × the largest reference entry. A wrong gate order, a missing recurrent term,
 a mask applied to the wrong step or a reversed sequence changes them by far more than 1e-2.
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +20,8 @@ import keras
 import numpy as np
 import pytest
 
-from keras_noisecurve.backend.jax import ghost, ghost_rnn
+from keras_noisecurve.backend.common import ghost_rnn
+from keras_noisecurve.backend.jax import ghost
 from keras_noisecurve.backend.jax.ghost import ghost_clipped_sum
 from tests.jax.helpers import mse_per_example, reference_clipped_sum
 
@@ -39,10 +42,11 @@ def fallbacks(monkeypatch):
 
 @pytest.fixture
 def ruled(monkeypatch):
-    """The names of the layers the recurrent rule accepted (while tracing)."""
+    """The names of the layers the recurrent kernel accepted (while tracing)."""
     seen = []
-    original = ghost_rnn.recurrent_rule
+    original = ghost_rnn.recurrent
 
+    @functools.wraps(original)  # its reason and forward too: the engine runs the forward of this kernel
     def recording(layer, calls):
         result = original(layer, calls)
         if result is not None:
@@ -215,6 +219,8 @@ class _PeepCell(keras.layers.SimpleRNNCell):
 
 
 def test_unruled_recurrent_configurations_take_the_fallback_and_stay_exact(fallbacks, ruled):
+    """A subclassed cell takes the fallback; unroll=True and return_state=True (refused before the
+    kernel ran its own forward) are taken."""
     keras.utils.set_random_seed(5)
     inputs = keras.Input((4, 3))
     unrolled = keras.layers.LSTM(3, return_sequences=True, unroll=True, name="unrolled")(inputs)
@@ -224,30 +230,28 @@ def test_unruled_recurrent_configurations_take_the_fallback_and_stay_exact(fallb
     merged = keras.layers.Concatenate()([with_state, state, ruled_gru])
     model = keras.Model(inputs, keras.layers.Dense(2)(merged))
     _compare(model, *_data(model, seed=5))
-    assert sorted(fallbacks) == ["custom_cell", "unrolled", "with_state"]
-    assert ruled == ["ruled"]
+    assert fallbacks == ["custom_cell"]
+    assert ruled == ["unrolled", "with_state", "ruled"]
 
 
-def test_the_rule_declines_what_it_does_not_handle():
-    """Direct checks of the refusals (no engine): each returns None, so the engine falls back."""
+def test_the_kernel_declines_what_it_does_not_handle():
+    """Direct checks of the refusals (no engine): a reason for each, so the engine falls back; and
+    calls without what the kernel's forward saves (g at the output, not at m) give None."""
     keras.utils.set_random_seed(6)
     x = np.zeros((2, 3, 2), "float32")
-    for layer in (keras.layers.LSTM(2, dropout=0.5), keras.layers.GRU(2, recurrent_dropout=0.2),
-                  keras.layers.LSTM(2, unroll=True), keras.layers.SimpleRNN(2, return_state=True),
-                  keras.layers.GRU(2, stateful=True),
-                  keras.layers.RNN(_PeepCell(2))):
-        out = layer(x)
-        g = jnp.zeros_like(out[0] if isinstance(out, (list, tuple)) else out)
-        assert ghost_rnn.recurrent_rule(layer, [{"a": jnp.asarray(x), "g": g, "args": ((jnp.asarray(x),), {})}]) \
-            is None, layer.name
-    stacked = keras.layers.RNN(keras.layers.StackedRNNCells([keras.layers.LSTMCell(2), keras.layers.LSTMCell(2)]))
-    assert ghost_rnn.recurrent_rule(stacked, [{"a": jnp.asarray(x), "g": jnp.zeros((2, 2)), "args": ((x,), {})}]) is None
-    layer = keras.layers.LSTM(2)
-    layer(x)
-    call = {"a": jnp.asarray(x), "g": jnp.zeros((2, 2)), "args": ((jnp.asarray(x),), {"mask": jnp.ones((2, 3, 1))})}
-    assert ghost_rnn.recurrent_rule(layer, [call]) is None  # a mask that is not (P, L)
-    call["args"] = ((jnp.asarray(x),), {"initial_state": [jnp.zeros((1, 2)), jnp.zeros((1, 2))]})
-    assert ghost_rnn.recurrent_rule(layer, [call]) is None  # a broadcast initial state
+    for layer, reason in ((keras.layers.LSTM(2, dropout=0.5), "dropout"),
+                          (keras.layers.GRU(2, recurrent_dropout=0.2), "recurrent_dropout"),
+                          (keras.layers.GRU(2, stateful=True), "stateful"),
+                          (keras.layers.RNN(_PeepCell(2)), "_PeepCell"),
+                          (keras.layers.RNN(keras.layers.StackedRNNCells([keras.layers.GRUCell(2), keras.layers.GRUCell(2)])),
+                           "StackedRNNCells")):
+        layer(x)
+        assert reason in ghost_rnn.recurrent.reason(layer), layer.name
+    layer = keras.layers.LSTM(2, unroll=True, return_state=True)
+    out = layer(x)
+    assert ghost_rnn.recurrent.reason(layer) is None
+    call = {"a": jnp.asarray(x), "g": jnp.zeros_like(out[0]), "args": ((jnp.asarray(x),), {})}
+    assert ghost_rnn.recurrent(layer, [call]) is None
 
 
 def test_a_private_step_with_a_non_finite_example_equals_the_vectorized_engine(fallbacks, ruled):
@@ -275,3 +279,36 @@ def test_a_private_step_with_a_non_finite_example_equals_the_vectorized_engine(f
     for a, b in zip(updates["ghost"], updates["vectorized"]):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * scale)
     assert fallbacks == [] and len(ruled) == 2
+
+
+def test_a_function_rule_of_one_s_own_leaves_the_kernels_forward_in_place(fallbacks, ruled, monkeypatch):
+    """A plain function rule registered before the built-in kernels (asked with the gradient at the
+    layer's output) does not turn the recurrent kernel's forward off: the LSTM is still taken by the
+    kernel, and the function saw the layer's output gradient, not the one at the projections."""
+    from keras_noisecurve.backend.jax import ghost_rules
+
+    seen = []
+
+    def looks(layer, calls):
+        if isinstance(layer, keras.layers.LSTM):
+            seen.append((calls[0]["g"].shape, calls[0]["saved"]))
+        return None
+
+    monkeypatch.setattr(ghost_rules, "_REGISTERED", [])
+    ghost_rules.register_rule(looks)
+    model = _sequence_model([keras.layers.LSTM(4)], seed=8)
+    _compare(model, *_data(model, seed=8))
+    assert fallbacks == [] and len(ruled) == 1
+    assert seen and all(shape == (7, 4) and saved is None for shape, saved in seen)
+
+
+def test_layers_given_their_inputs_by_keyword_stay_exact(fallbacks, ruled):
+    """``layer(sequences=x)`` / ``layer(inputs=x)``: the engine records the call as it is (no forward,
+    no first positional argument for a kernel), so both layers take the fallback, exactly."""
+    keras.utils.set_random_seed(9)
+    inputs = keras.Input((5, 3))
+    h = keras.layers.LayerNormalization(name="norm")(inputs=inputs)
+    h = keras.layers.LSTM(4, name="lstm")(sequences=h)
+    model = keras.Model(inputs, keras.layers.Dense(2)(h))
+    _compare(model, *_data(model, seed=9))
+    assert sorted(fallbacks) == ["lstm", "norm"] and ruled == []

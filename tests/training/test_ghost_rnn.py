@@ -19,12 +19,12 @@ import keras
 from tests.training.helpers import noiseless
 from keras_noisecurve.backend.tensorflow import ghost
 from keras_noisecurve.backend.tensorflow.ghost import ghost_clipped_sum, supports
-from keras_noisecurve.backend.tensorflow.ghost_rules import find_rule
-from keras_noisecurve.backend.tensorflow.ghost_rnn import RecurrentRule
+from keras_noisecurve.backend.tensorflow.ghost_rules import RULES, find_rule
 from tests.training.helpers import float64_layers, loop_reference, mse, set_precision
 
 P, L, VOCAB, UNITS, DIM = 6, 7, 20, 5, 4
 RTOL = 1e-5
+RECURRENT = next(rule for rule in RULES if rule.kind == "Recurrent")  # the common kernel in this engine
 
 
 float64 = pytest.fixture(autouse=True)(float64_layers)
@@ -162,12 +162,12 @@ def test_recorded_forward_equals_the_layers_own_call(case):
         kwargs["initial_state"] = [tf.constant(rng.normal(size=(P, UNITS))) for _ in range(states)]
     want = layer(x, **kwargs)
     rule = find_rule(layer)
-    assert isinstance(rule, RecurrentRule) and rule.check(layer) is None
+    assert rule is RECURRENT and rule.check(layer) is None
     with ghost._recording([(layer, rule)]) as recorder:
         got = layer(x, **kwargs)
     (call,) = recorder.calls[id(layer)]
     assert call["out"].shape == (P, L, layer.cell.kernel.shape[1])
-    assert call["h"].shape == (P, L, UNITS)
+    assert call["saved"]["h"].shape == (P, L, UNITS)
     for g, w in zip(tf.nest.flatten(got), tf.nest.flatten(want)):
         np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-12, atol=1e-12)
     assert len(tf.nest.flatten(got)) == len(tf.nest.flatten(want))
@@ -203,7 +203,7 @@ def test_cell_weights_belong_to_the_recurrent_layer():
 )
 def test_configurations_the_rule_refuses_take_the_exact_per_layer_fallback(layer, match):
     model = keras.Sequential([keras.Input((L, DIM)), layer, keras.layers.Dense(2)])
-    rule = RecurrentRule()
+    rule = RECURRENT
     if match is not None:
         assert rule.matches(layer) and match in rule.check(layer)
     assert ghost.describe(model)[0] == (layer.name, type(layer).__name__, "generic")

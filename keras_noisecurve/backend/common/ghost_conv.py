@@ -137,8 +137,8 @@ def _separable_forward(layer, call, x, *args, **kwargs):
         z = ops.einsum("bc...,cf->bf...", u, pointwise)
     else:
         z = ops.conv(u, layer.pointwise_kernel, strides=1, padding="valid", data_format="channels_last")
-    z = _with_bias(layer, z)
-    return z, {"u": u}, layer.activation
+    activation = layer.activation or (lambda t: t)
+    return _with_bias(layer, z), lambda z: (activation(z), {"u": u})
 
 
 def _check(layer):

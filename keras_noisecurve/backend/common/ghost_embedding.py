@@ -9,8 +9,8 @@ Shapes: P examples, L positions, V the vocabulary, d the embedding width.
   ``‖A_i + B_i‖² = ‖A_i‖² + ‖B_i‖² + 2⟨A_i, B_i⟩`` with each term in Gram form
   (``norm_forms.token_sq_norms``, ``sequence_sq_norms``, :func:`tied_cross_term`): nothing of size
   V·d per example is formed. Untied: the reverse kernel (d, V) gets ``Σ_m h_m g'_mᵀ``. A
-  soft-capped reverse call needs the gradient before the cap: the kernel's ``forward`` records it
-  (an engine that runs it, TensorFlow's); without it (JAX) the layer goes to the fallback.
+  soft-capped reverse call needs the gradient before the cap: the kernel's ``forward`` records it;
+  where the forward did not run, the layer goes to the fallback.
 * PositionEmbedding called with an integer ``start_index`` and no ``positions``: rows
   ``start … start+L−1`` of the table broadcast over the batch, so example i's gradient is ``g_i``
   (summed over any axes before the L positions) in those rows.
@@ -61,13 +61,13 @@ def _argument(call, name, position, default):
 
 def _reversible_forward(layer, call, x, reverse=False):
     if not reverse or layer.logit_soft_cap is None:
-        return call(x, reverse=reverse), None, None
+        return call(x, reverse=reverse), lambda z: (z, None)
     kernel = ops.transpose(layer.embeddings) if layer.tie_weights else layer.reverse_embeddings
     h = x
     if layer.reverse_dtype is not None:
         h, kernel = ops.cast(h, layer.reverse_dtype), ops.cast(kernel, layer.reverse_dtype)
     cap = layer.logit_soft_cap
-    return ops.matmul(h, kernel), {"h": h}, lambda logits: ops.multiply(ops.tanh(ops.divide(logits, cap)), cap)
+    return ops.matmul(h, kernel), lambda logits: (ops.multiply(ops.tanh(ops.divide(logits, cap)), cap), {"h": h})
 
 
 @layer_kernel(matches=_is_reversible, names=("ReversibleEmbedding",), weights=_reversible_weights,

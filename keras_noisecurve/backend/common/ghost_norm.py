@@ -13,10 +13,10 @@ per parameter entry, with x̂ the normalised input.
   gamma gradient for channel c of group k is ``inv_k·(Σ_s g_sc x_sc − μ_k·Σ_s g_sc)`` (s: the
   positions): x̂ is never formed.
 
-An engine that records the forward (TensorFlow's) runs the ``forward`` of each kernel, which
-computes the layer's output from the same statistics (``x̂·γ + β``; for a group norm ``x·s + t``
-with ``s = γ·inv``, ``t = β − μ·s``, two passes over x as Keras's own layer) and saves them; the
-JAX engine records the input and the kernel computes them from it.
+The engines run the ``forward`` of each kernel in place of the layer's call: it computes the
+layer's output from the same statistics (``x̂·γ + β``; for a group norm ``x·s + t`` with
+``s = γ·inv``, ``t = β − μ·s``, two passes over x as Keras's own layer) and saves them; where it did
+not run (rows merged per user) the kernel computes them from the recorded input.
 """
 
 from __future__ import annotations
@@ -66,7 +66,8 @@ def _layer_norm_forward(layer, call, x, *args, **kwargs):
         out = out * ops.reshape(ops.cast(layer.gamma, x_hat.dtype), shape)
     if layer.beta is not None:
         out = out + ops.reshape(ops.cast(layer.beta, x_hat.dtype), shape)
-    return ops.cast(out, layer.compute_dtype), {"x_hat": x_hat}, None
+    saved = {"x_hat": x_hat}
+    return ops.cast(out, layer.compute_dtype), lambda z: (z, saved)
 
 
 @layer_kernel(keras.layers.LayerNormalization, weights=("gamma", "beta"), forward=_layer_norm_forward,
@@ -120,7 +121,8 @@ def _group_norm_forward(layer, call, x, *args, **kwargs):
     if layer.beta is not None:
         shift = shift + ops.reshape(ops.cast(layer.beta, inv.dtype), (groups, width))
     out = _move(ops.reshape(grouped * scale + shift, ops.shape(moved)), -1, axis)
-    return ops.cast(out, layer.compute_dtype), {"grouped": grouped, "mean": mean, "inv": inv}, None
+    saved = {"grouped": grouped, "mean": mean, "inv": inv}
+    return ops.cast(out, layer.compute_dtype), lambda z: (z, saved)
 
 
 def _group_norm(layer, calls):

@@ -49,7 +49,8 @@ def _single_input(c):
 
 def _scale_forward(layer, call, x, *args, **kwargs):
     weight = affine_scale.single_weight(layer)
-    return call(x, *args, **kwargs), {"slope": slope(layer, weight, lambda v: call(v, *args, **kwargs), x)}, None
+    saved = {"slope": slope(layer, weight, lambda v: call(v, *args, **kwargs), x)}
+    return call(x, *args, **kwargs), lambda z: (z, saved)
 
 
 def _scale(layer, calls):

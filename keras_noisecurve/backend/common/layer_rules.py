@@ -85,7 +85,7 @@ class LayerRule:
 
 
 def layer_kernel(*classes, weights, matches=None, names=(), pre_activation=None, forward=None, lora: bool = False,
-                 check=None):
+                 check=None, sublayers: bool = False):
     """Declare a backend-neutral ghost-norm kernel (written in ``keras.ops``) of the layers of
     ``classes`` that run the class's own ``call`` (or that ``matches``), not quantized, LoRA
     enabled if and only if ``lora``, with no trainable weight but ``weights``::
@@ -113,19 +113,23 @@ def layer_kernel(*classes, weights, matches=None, names=(), pre_activation=None,
       names: class names the documentation lists besides ``classes``.
       pre_activation: ``None``, or a function ``linear(layer, x)``: the layer's call is
         ``layer.activation(linear(layer, x))`` and ``"g"`` is the gradient at ``linear(layer, x)``.
-      forward: ``None``, or a function ``forward(layer, call, x, *args, **kwargs) -> (z, saved,
-        after)`` that an engine recording the layer's forward may run in place of ``call(x, ...)``
-        (TensorFlow's does): ``"g"`` is then the gradient at ``z``, ``"saved"`` the dict
-        ``saved`` (detached), and the layer's output ``after(z)`` (``z`` for ``after=None``). It
-        saves what the kernel would otherwise recompute from ``"a"`` (a norm's x̂). A kernel
-        must give the same result with ``"saved"`` ``None`` (the JAX engine records no forward).
+      forward: ``None``, or a function ``forward(layer, call, x, *args, **kwargs) -> (z, after)``
+        that the engines run in place of ``call(x, ...)`` (``call`` the layer's own): ``"g"`` is
+        then the gradient at ``z``, and ``after(z) -> (output, saved)`` gives the layer's output
+        and the dict ``"saved"`` (detached; ``None``: nothing) of what the kernel would otherwise
+        recompute from ``"a"`` (a norm's x̂, a recurrence's states). An engine runs the forward of
+        the first kernel that takes the layer, and only that kernel reads its calls. It may get
+        them with ``"saved"`` ``None`` (rows merged per user, an engine that does not run the
+        forward): it then recomputes what it needs, or returns ``None`` (the fallback).
       lora: whether the kernel takes LoRA-enabled layers (and only those).
       check: ``check(layer)``: a reason the kernel refuses the layer's configuration, or
         ``None``; it is asked when a model is planned and again before each call.
+      sublayers: the weights live in sublayers of the layer (an RNN's cell): every trainable
+        weight under the layer counts as its own, and its sublayers are not clipped apart.
 
     The declared kernel has the attributes ``classes``, ``matches(layer)``, ``layer_names``,
-    ``weights(layer)`` (the variables), ``pre_activation``, ``forward`` and ``reason(layer)`` (all
-    these checks).
+    ``weights(layer)`` (the variables), ``pre_activation``, ``forward``, ``sublayers`` and
+    ``reason(layer)`` (all these checks).
 
     Raises:
       TypeError: both or neither of ``classes`` and ``matches``, something else than classes in
@@ -167,11 +171,13 @@ def layer_kernel(*classes, weights, matches=None, names=(), pre_activation=None,
                 return f"quantized ({layer.quantization_mode})"
             if bool(getattr(layer, "lora_enabled", False)) != lora:
                 return "LoRA is not enabled" if lora else "LoRA is enabled"
+            refused = check(layer) if check is not None else None
+            if refused:
+                return refused
             expected = {id(v) for v in variables(layer)}
-            extra = [v.path for v in _compat.own_trainable_variables(layer) if v.trainable and id(v) not in expected]
-            if extra:
-                return f"unexpected own trainable variables {extra}"
-            return check(layer) if check is not None else None
+            present = layer.trainable_variables if sublayers else _compat.own_trainable_variables(layer)
+            extra = [v.path for v in present if v.trainable and id(v) not in expected]
+            return f"unexpected {'' if sublayers else 'own '}trainable variables {extra}" if extra else None
 
         @functools.wraps(function)
         def kernel(layer, calls):
@@ -182,7 +188,7 @@ def layer_kernel(*classes, weights, matches=None, names=(), pre_activation=None,
 
         kernel.classes, kernel.matches, kernel.weights, kernel.reason = classes, matching, variables, reason
         kernel.layer_names = (*(cls.__name__ for cls in classes), *names)
-        kernel.pre_activation, kernel.forward = pre_activation, forward
+        kernel.pre_activation, kernel.forward, kernel.sublayers = pre_activation, forward, bool(sublayers)
         return kernel
 
     return declare
@@ -240,7 +246,7 @@ BUILTIN = (
     _rule("ConvTranspose", common=("ghost_conv", "conv_transpose")),
     _rule("LayerNormalization", common=("ghost_norm", "layer_norm")),
     _rule("GroupNormalization", common=("ghost_norm", "group_norm")),
-    _rule("Recurrent", ("ghost_rnn", "RecurrentRule"), ("ghost_rnn", "recurrent_rule")),
+    _rule("Recurrent", common=("ghost_rnn", "recurrent")),
     _rule("TimeDistributed (folded)", ("ghost_timedist", "FoldedTimeDistributedRule")),
     _rule("TimeDistributed", ("ghost_generic", "TimeDistributedRule")),
     _rule("RMSNorm (by computation)", common=("ghost_scale", "computed_scale")),

@@ -7,14 +7,14 @@ the per-example gradients of the whole model, all inside the jitted train step.
    the call's arguments and adds a zero perturbation ``e_k`` (an argument of the
    differentiated function, shaped like that call's output, learnt by ``jax.eval_shape``
    of the same recorded call) to every floating output. For Dense and EinsumDense the
-   perturbation goes before the fused activation (the rule needs the linear output).
+   perturbation goes before the fused activation (the rule needs the linear output); a
+   kernel with a ``forward`` (norms, recurrent layers, ...) has it run in place of the call,
+   and its ``z`` is perturbed too (``layer_rules.layer_kernel``).
 2. One ``jax.value_and_grad`` of ``Σ_i w_i·loss_i`` with respect to the perturbations
-   gives ``g_k = ∂(Σ_i w_i·loss_i)/∂z_k`` for every recorded output ``z_k``; the weights
-   are constants of that function, so no weight gradient is formed. The perturbation is
-   added after the layer's own computation: ``g_k`` is the gradient flowing into the
-   output from outside the layer only.
+   gives ``g_k = ∂(Σ_i w_i·loss_i)/∂z_k`` for every recorded output ``z_k`` (from outside the
+   layer only); the weights are constants of that function, so no weight gradient is formed.
 3. Per layer, the per-example squared norms of ITS weights' gradient: a rule of
-   :mod:`keras_noisecurve.backend.jax.ghost_rules` (one module per layer family, in ``backend/common/`` but ``ghost_rnn``: ``ghost_dense``
+   :mod:`keras_noisecurve.backend.jax.ghost_rules` (one module per layer family, in ``backend/common/``: ``ghost_dense``
    Dense, EinsumDense, Embedding; ``ghost_norm`` LayerNormalization, GroupNormalization;
    ``ghost_conv`` Conv1D/2D/3D, depthwise, separable and transposed convolutions; ``ghost_lora``;
    ``ghost_scale`` RMS norms; ``ghost_embedding`` KerasHub's embeddings; ``ghost_rnn`` LSTM, GRU,
@@ -26,26 +26,24 @@ the per-example gradients of the whole model, all inside the jitted train step.
 4. The clipped sum per layer from the same quantities ("book-keeping"), e.g.
    ``Σ_{i,l} a_il (c_i g_il)ᵀ`` for a kernel, ``Σ_i c_i G_i`` for a fallback layer.
 
-Rows that are not examples (:mod:`keras_noisecurve.backend.jax.ghost_rows`): a recorded
-call whose floating outputs or first array argument do not have the batch size P as their
-leading dimension (a broadcast batch-1 input such as ViT's position ids (1, L), P·L token
-rows such as Mixtral's MoE router), a weighted layer called inside a JAX control-flow body
-of a custom layer (``keras.ops.fori_loop``, ``scan``), and a weight read outside its own
-layer's ``call`` (every variable read of the shape pass goes through a reporting stateless
-scope) cannot be attributed to examples by that layer's rule. The shape pass
-(``jax.eval_shape`` of the recorded forward pass) finds them and routes each to its
-innermost enclosing CALLER: a layer whose every call takes P rows in its first array
-argument and returns P or k·P rows (example-major) in each floating output, enclosing
-every call of the problem layer (and the read), and tracking its weights. That caller
-becomes ONE target clipped whole by the fallback (its ``vmap`` VJP covers every weight
-under it; a k·P-row output is split into P groups of k rows), the layers under it are no
-longer recorded, and the shape pass runs again until nothing is left (:func:`_plan`). The
-rest of the model keeps its rules. Only when no layer but the model itself encloses the
-problem does ``clipping="auto"`` use the exact vectorized engine (``jax.vmap`` of the whole
-model's gradient) and ``clipping="ghost"`` refuse with a ValueError naming the layer or
-weight, when the step is first traced (before any weight changes). Keras's recurrent
-layers are targets whole from the start (:func:`targets`): one target per RNN layer with its
-cell's weights, taken by the recurrent rule or else by the fallback.
+Rows that are not examples (:mod:`keras_noisecurve.backend.jax.ghost_rows`): a recorded call
+whose floating outputs or first array argument do not have the batch size P as their leading
+dimension (a broadcast batch-1 input such as ViT's position ids (1, L), P·L token rows such as
+Mixtral's MoE router), a weighted layer called inside a JAX control-flow body of a custom layer
+(``keras.ops.fori_loop``, ``scan``), and a weight read outside its own layer's ``call`` (every
+variable read of the shape pass goes through a reporting stateless scope) cannot be attributed to
+examples by that layer's rule. The shape pass (``jax.eval_shape`` of the recorded forward pass)
+finds them and routes each to its innermost enclosing CALLER: a layer whose every call takes P
+rows in its first array argument and returns P or k·P rows (example-major) in each floating
+output, enclosing every call of the problem layer (and the read), and tracking its weights. That
+caller becomes ONE target clipped whole by the fallback (its ``vmap`` VJP covers every weight under
+it; a k·P-row output is split into P groups of k rows), the layers under it are no longer recorded,
+and the shape pass runs again until nothing is left (:func:`_plan`). The rest of the model keeps
+its rules. Only when no layer but the model itself encloses the problem does ``clipping="auto"``
+use the exact vectorized engine (``jax.vmap`` of the whole model's gradient) and
+``clipping="ghost"`` refuse with a ValueError naming the layer or weight, when the step is first
+traced. Keras's recurrent layers are targets whole from the start (:func:`targets`), with their
+cell's weights.
 """
 
 from __future__ import annotations
@@ -64,7 +62,7 @@ from keras_noisecurve.backend.common.calls import training_kwargs, wrapped_calls
 from keras_noisecurve.backend.common.clip import clip_factors
 from keras_noisecurve.backend.jax import ghost_rows
 from keras_noisecurve.backend.jax.ghost_rules import (
-    find_rule, is_registered, kept, probe_affine_scale, register_rule, uses_pre_activation)
+    find_rule, forward_of, is_registered, kept, probe_affine_scale, register_rule, uses_pre_activation)
 from keras_noisecurve.backend.common.model_checks import input_batch
 
 __all__ = ["describe", "ghost_clipped_sum", "ghost_norms", "probe_affine_scale", "register_rule", "targets"]
@@ -86,9 +84,9 @@ def targets(model, groups=()):
 
     A recurrent layer (``keras.layers.RNN`` and its subclasses) is one target with every
     trainable weight under it: its cell runs inside ``jax.lax.scan``, whose body cannot be
-    recorded per call, so the whole layer is clipped at once, by the recurrent rule
-    (:mod:`~keras_noisecurve.backend.jax.ghost_rnn`, which recomputes the recurrence from the
-    layer's recorded input and output gradient) or else by the per-layer fallback. So is each
+    recorded per call, so the whole layer is clipped at once, by the recurrent kernel
+    (``backend/common/ghost_rnn``, whose forward records the input projections and the states)
+    or else by the per-layer fallback. So is each
     layer of ``groups`` (callers of layers whose rows are not examples,
     :mod:`~keras_noisecurve.backend.jax.ghost_rows`): the layers under it are not targets."""
     trainable_ids = {id(v) for v in model.trainable_variables}
@@ -120,9 +118,11 @@ class _Recorder:
 
     def __init__(self, layers, perturbations=None):
         self.layers = layers
+        self.forwards = [forward_of(layer) for layer in layers]  # a kernel's forward, run in place of call
         self.perturbations = perturbations  # None: learn the shapes (jax.eval_shape)
         self.calls = []  # per call: layer index, args treedef, static leaves, array positions
         self.arrays = []  # per call: the array leaves of (args, kwargs)
+        self.saved = []  # per call: what its kernel's forward saved, or None
         self.shapes = []  # per perturbation: jax.ShapeDtypeStruct
         self.bare = None  # layer index whose call runs bare (fallback re-run); others pass through
         self.active = []  # indices of the recorded layers whose call is running (innermost last)
@@ -144,31 +144,51 @@ class _Recorder:
         finally:
             self.active.pop()
 
+    def _perturbed(self, leaf):
+        """``leaf`` plus its perturbation, and the perturbation's index."""
+        k = len(self.shapes)
+        self.shapes.append(jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
+        return (leaf if self.perturbations is None else leaf + self.perturbations[k]), k
+
     def _call(self, index, original, args, kwargs):
         layer = self.layers[index]
+        forward = self.forwards[index] if args else None  # inputs given by keyword: the call as it is
+        pre = forward is None and uses_pre_activation(layer)
         if self.bare is not None or self.perturbations is False:
-            if self.bare == index and uses_pre_activation(layer):
+            if self.bare == index and pre:
                 return _without_activation(layer, original, args, kwargs)
             return original(*args, **kwargs)
-        activation = uses_pre_activation(layer) and layer.activation is not None
-        out = _without_activation(layer, original, args, kwargs) if activation else original(*args, **kwargs)
+        activation = pre and layer.activation is not None
+        z_slot, saved, z = None, None, None
+        if forward is not None:  # the kernel's z (its gradient is the kernel's "g") and what it saves
+            inner, got = getattr(original, "unprobed", original), {}  # under the shape pass's probe: it sees the call
+
+            def run():
+                z, after = forward(layer, inner, *args, **kwargs)
+                got["z"], got["slot"] = self._perturbed(z)
+                out, got["saved"] = after(got["z"])
+                return out
+
+            out = run() if inner is original else self.probe.around(layer, run, args, kwargs)
+            z, z_slot, saved = got["z"], got["slot"], got["saved"]
+        else:
+            out = _without_activation(layer, original, args, kwargs) if activation else original(*args, **kwargs)
         leaves, tree = jax.tree_util.tree_flatten(out)
-        slots = []
+        slots = []  # the outputs' perturbations (the fallback's seeds); an output that is z shares z's
         for j, leaf in enumerate(leaves):
-            if not _floating(leaf):
-                continue
-            k = len(self.shapes)
-            self.shapes.append(jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
-            if self.perturbations is not None:
-                leaves[j] = leaf + self.perturbations[k]
-            slots.append(k)
+            if leaf is z:
+                slots.append(z_slot)
+            elif _floating(leaf):
+                leaves[j], k = self._perturbed(leaf)
+                slots.append(k)
         out = jax.tree_util.tree_unflatten(tree, leaves)
         flat, arg_tree = jax.tree_util.tree_flatten((args, kwargs))
         positions = [j for j, leaf in enumerate(flat) if _is_array(leaf)]
         static = [None if _is_array(leaf) else leaf for leaf in flat]
-        self.calls.append({"layer": index, "tree": arg_tree, "static": static, "positions": positions,
-                           "slots": slots, "single": len(leaves) == 1 and len(slots) == 1})
+        self.calls.append({"layer": index, "tree": arg_tree, "static": static, "positions": positions, "slots": slots,
+                           "z": z_slot, "single": z_slot is not None or len(leaves) == 1 and len(slots) == 1})
         self.arrays.append([flat[j] for j in positions])
+        self.saved.append(None if saved is None else {key: jax.lax.stop_gradient(v) for key, v in saved.items()})
         if activation:
             out = layer.activation(out)
         return out
@@ -398,8 +418,9 @@ def ghost_norms(model, loss_fn, trainable, non_trainable, x, y, weights, *, trai
         total = jnp.sum(losses * weights.astype(losses.dtype))
         if perturbations is None:  # the shape pass keeps shapes only (no tracer outlives its trace)
             recorder.arrays = [[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays] for arrays in recorder.arrays]
+            recorder.saved = []
             return total, (losses, y_pred, new_ntv, None)
-        return total, (losses, y_pred, new_ntv, recorder.arrays)
+        return total, (losses, y_pred, new_ntv, (recorder.arrays, recorder.saved))
 
     plan = _plan(model, forward, size, strict)
     if plan is None:
@@ -409,12 +430,13 @@ def ghost_norms(model, loss_fn, trainable, non_trainable, x, y, weights, *, trai
     zeros = [jnp.zeros(s.shape, s.dtype) for s in shapes]
     recorder = _Recorder(layers, zeros)
     grad_fn = jax.grad(lambda e: forward(e, _reset(recorder, e)), has_aux=True)
-    grads, (losses, y_pred, new_ntv, recorded) = grad_fn(zeros)
+    grads, (losses, y_pred, new_ntv, (recorded, saved)) = grad_fn(zeros)
     recorder.perturbations = False  # any later call of a wrapped layer (none expected) passes through
 
     by_layer = {}
-    for call, arrays in zip(recorder.calls, recorded):
+    for call, arrays, kept_by_forward in zip(recorder.calls, recorded, saved):
         by_layer.setdefault(call["layer"], []).append((call, arrays))
+        call["saved"] = kept_by_forward
     sq = jnp.zeros((count,), _F32)
     parts = []  # (owned variables, sums_fn)
     values = list(zip(model.trainable_variables, trainable)) + list(zip(model.non_trainable_variables, non_trainable))
@@ -424,8 +446,10 @@ def ghost_norms(model, loss_fn, trainable, non_trainable, x, y, weights, *, trai
             continue  # not called: its weights' gradient is zero
         rule = None
         if id(layer) not in grouped and all(call["single"] for call, _ in calls):
-            ruled = [{"a": _first_argument(call, arrays), "g": grads[call["slots"][0]], "args": _rebuild(call, arrays)}
-                     for call, arrays in calls]
+            ruled = [{"a": _first_argument(call, arrays), "g": grads[call["slots"][0] if call["z"] is None else call["z"]],
+                      "args": _rebuild(call, arrays), "saved": call["saved"],
+                      **({} if call["z"] is None else {"g_out": grads[call["slots"][0]] if len(call["slots"]) == 1
+                                                       else None})} for call, arrays in calls]
             # a rule reads the step's weight values; its norms and its sums are two different
             # products of (a, g), so they run at full float32 precision (_EXACT)
             with keras.StatelessScope(state_mapping=values), _EXACT:
@@ -479,7 +503,7 @@ def _keys(owned, sums_fn, size):
 
 def _reset(recorder, perturbations):
     recorder.perturbations = perturbations
-    recorder.calls, recorder.arrays, recorder.shapes = [], [], []
+    recorder.calls, recorder.arrays, recorder.shapes, recorder.saved = [], [], [], []
     return recorder
 
 

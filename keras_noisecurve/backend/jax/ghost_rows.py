@@ -93,19 +93,22 @@ class Probe:
         Enter it before the engine's own recording, which then wraps these wrappers."""
         def wrap(layer, original):
             def wrapped(*args, **kwargs):
-                return self._call(layer, original, args, kwargs)
+                return self.around(layer, lambda: original(*args, **kwargs), args, kwargs)
 
+            wrapped.unprobed = original  # for a recording that runs its own code in place of the call
             return wrapped
 
         with wrapped_calls(self.layers, wrap=wrap):
             yield self
 
-    def _call(self, layer, original, args, kwargs):
+    def around(self, layer, run, args, kwargs):
+        """``run()`` as ``layer``'s call on ``(args, kwargs)``: on the stack while it runs, its rows
+        recorded when it returns."""
         first = next((a for a in jax.tree_util.tree_leaves((args, kwargs)) if _array(a) and len(a.shape)), None)
         enclosing = tuple(self.stack)
         self.stack.append(layer)
         try:
-            out = original(*args, **kwargs)
+            out = run()
         except Exception as err:
             if self.leak is None and is_leak(err):
                 self.leak = tuple(self.stack)

@@ -23,8 +23,10 @@ One module per layer family, written once in ``backend/common/``: ``ghost_dense`
 EinsumDense, Embedding), ``ghost_norm`` (LayerNormalization, GroupNormalization), ``ghost_conv``
 (convolutions; its windows and filter gradients from ``backend/common/defaults/ghost_conv``),
 ``ghost_lora`` (LoRA-enabled Dense and EinsumDense), ``ghost_embedding`` (KerasHub's embeddings),
-``ghost_scale`` (RMS-type norms, recognised by what they compute); and here, named as the
-TensorFlow engine's, ``ghost_rnn`` (recurrent layers).
+``ghost_scale`` (RMS-type norms, recognised by what they compute), ``ghost_rnn`` (recurrent
+layers). A kernel with a ``forward`` (:func:`forward_of`) has it run in place of the layer's call
+while the step is recorded: its ``"g"`` is the gradient at the forward's ``z``, its ``"saved"`` what
+the forward saved.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from keras_noisecurve.backend.common.layer_classes import runs_call_of
 from keras_noisecurve.backend.common.ghost_conv import PRE_ACTIVATION
 from keras_noisecurve.backend.common.norm_forms import kept, sequence_sq_norms, token_sq_norms
 
-__all__ = ["RULES", "find_rule", "is_registered", "kept", "probe_affine_scale", "register_rule", "rule_table", "sequence_sq_norms", "token_sq_norms",
+__all__ = ["RULES", "find_rule", "forward_of", "is_registered", "kept", "probe_affine_scale", "register_rule", "rule_table", "sequence_sq_norms", "token_sq_norms",
            "uses_pre_activation"]
 
 
@@ -118,13 +120,40 @@ def is_registered(kind: str) -> bool:
     return any(k == kind for k, _, _ in _REGISTERED)
 
 
+def _rules():
+    return (*((k, f) for k, f, _ in _REGISTERED), *RULES)
+
+
+def forward_of(layer):
+    """The ``forward`` of the first kernel (``layer_rules.layer_kernel``, registered ones first) that
+    takes ``layer``, or ``None`` (no kernel takes it, or it has no forward)."""
+    for _, rule in _rules():
+        reason = getattr(rule, "reason", None)  # a function rule of one's own has none: asked later
+        if reason is not None and reason(layer) is None:
+            return rule.forward
+    return None
+
+
+def _at_outputs(calls):
+    """The calls as a function rule of one's own reads them: ``"g"`` at the layer's one output, also
+    where a kernel's forward recorded them (``"g_out"``), nothing saved; ``None`` for several outputs."""
+    if any("g_out" in c and c["g_out"] is None for c in calls):
+        return None
+    return [{"a": c["a"], "g": c.get("g_out", c["g"]), "args": c.get("args"), "saved": None} for c in calls]
+
+
 def find_rule(layer, calls):
     """``(kind, (sq, sums))`` of the first rule, registered (:func:`register_rule`) then built in,
-    that handles ``layer``'s calls, else ``None``."""
-    for kind, rule in (*((k, f) for k, f, _ in _REGISTERED), *RULES):
-        result = rule(layer, calls)
+    that handles ``layer``'s calls, else ``None``. The kernel whose forward recorded the calls
+    (:func:`forward_of`) is the last one asked: no other kernel reads its ``z``."""
+    for kind, rule in _rules():
+        declared = hasattr(rule, "reason")
+        asked = calls if declared else _at_outputs(calls)
+        result = None if asked is None else rule(layer, asked)
         if result is not None:
             return kind, result
+        if declared and rule.forward is not None and rule.reason(layer) is None:
+            return None
     return None
 
 

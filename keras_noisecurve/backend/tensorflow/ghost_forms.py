@@ -5,7 +5,7 @@ Per-example squared norms of bilinear weight gradients (``sequence_sq_norms``: t
 sequence length), the
 book-keeping sums that assemble the clipped gradient from the same (input,
 output-gradient) pairs, and :class:`Rule`, the base class of this engine's own
-rules (``ghost_t5``, ``ghost_rnn``, ``ghost_timedist``, ``ghost_generic``; the contract is described in
+rules (``ghost_t5``, ``ghost_timedist``, ``ghost_generic``; the contract is described in
 :mod:`keras_noisecurve.backend.tensorflow.ghost_rules`). Shapes: ``P`` examples, ``L``
 positions. Only TensorFlow is imported here.
 """
@@ -172,12 +172,14 @@ class KernelRule(Rule):
     engine: ``matches`` and ``check`` are the kernel's; ``forward`` records the call's first
     argument ``a``, its ``(args, kwargs)`` and its output (with ``pre_activation``, the output of
     the kernel's ``linear(layer, inputs)``, then the activation is applied to it; with
-    ``forward``, its ``z`` and detached ``saved``, then its ``after``); ``analyse`` runs the kernel
-    on the recorded calls."""
+    ``forward``, its ``z`` and the detached ``saved`` of its ``after``); ``analyse`` runs the kernel
+    on the recorded calls. A kernel of weights that live in sublayers (``sublayers``: an RNN's cell)
+    covers them."""
 
     def __init__(self, kernel, kind=None):
         self.kernel = kernel
         self.classes = kernel.classes
+        self.covers_sublayers = kernel.sublayers
         self.kind = kind or kernel.__name__
 
     def matches(self, layer) -> bool:
@@ -192,10 +194,11 @@ class KernelRule(Rule):
     def forward(self, layer, original_call, record, inputs, *args, **kwargs):
         args_kwargs = ((inputs, *args), kwargs)
         if self.kernel.forward is not None:
-            out, saved, after = self.kernel.forward(layer, original_call, inputs, *args, **kwargs)
+            z, after = self.kernel.forward(layer, original_call, inputs, *args, **kwargs)
+            out, saved = after(z)
             saved = None if saved is None else {k: tf.stop_gradient(v) for k, v in saved.items()}
-            record(out=out, a=inputs, args=args_kwargs, saved=saved)
-            return out if after is None else after(out)
+            record(out=z, a=inputs, args=args_kwargs, saved=saved)
+            return out
         linear = self.kernel.pre_activation
         if linear:
             out = linear(layer, inputs)

@@ -225,7 +225,7 @@ class TimeDistributedRule(GenericRule):
 
 
 class RNNFallbackRule(GenericRule):
-    """Any ``keras.layers.RNN`` the ghost rule of ``ghost_rnn`` does not take (a custom or
+    """Any ``keras.layers.RNN`` the recurrent kernel (``backend/common/ghost_rnn``) does not take (a custom or
     stacked cell, dropout, ...): the cell runs inside a ``tf.while_loop``, so its weights
     are attributed to examples through the RNN layer's own call, re-run per example."""
 

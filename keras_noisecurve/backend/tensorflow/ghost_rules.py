@@ -22,10 +22,8 @@ is the sum over calls and positions of the same outer products.
 
 This module is the registry (:data:`RULES`, made from the table of both engines,
 ``keras_noisecurve.backend.common.layer_rules.BUILTIN``; :func:`find_rule`) and re-exports the
-rules' public names: the shared math and :class:`Rule` live in ``ghost_forms``, the
-rules in ``ghost_t5`` (T5's relative-attention bias) and ``ghost_rnn`` (LSTM, GRU,
-SimpleRNN; its rule sets ``covers_sublayers``: the weights of the layer's cell count
-as the layer's own).
+rules' public names: the shared math and :class:`Rule` live in ``ghost_forms``, this engine's
+own rules in ``ghost_t5`` (T5's relative-attention bias), ``ghost_timedist`` and ``ghost_generic``.
 """
 
 from __future__ import annotations
@@ -38,13 +36,12 @@ from keras_noisecurve.backend.common import affine_scale, layer_rules
 from keras_noisecurve.backend.tensorflow.ghost_forms import KernelRule, Rule, sequence_sq_norms
 from keras_noisecurve.backend.tensorflow.ghost_conv import CONV_CHUNK, conv_chunk, conv_sq_norms
 from keras_noisecurve.backend.tensorflow.ghost_generic import GenericRule, RNNFallbackRule, TimeDistributedRule
-from keras_noisecurve.backend.tensorflow.ghost_rnn import RecurrentRule
 from keras_noisecurve.backend.tensorflow.ghost_t5 import RelativeAttentionBiasRule
 from keras_noisecurve.backend.tensorflow.ghost_timedist import FoldedTimeDistributedRule
 
 __all__ = [
     "CONV_CHUNK", "RULES", "FoldedTimeDistributedRule", "GenericRule", "KernelRule",
-    "RNNFallbackRule", "RecurrentRule", "RelativeAttentionBiasRule", "Rule", "TimeDistributedRule",
+    "RNNFallbackRule", "RelativeAttentionBiasRule", "Rule", "TimeDistributedRule",
     "conv_chunk", "conv_sq_norms", "find_rule", "probe_affine_scale", "register_rule", "sequence_sq_norms",
 ]
 
