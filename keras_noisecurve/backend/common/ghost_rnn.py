@@ -31,15 +31,17 @@ How ``g`` and the ``a_k`` are recorded (``forward``, which the engines run in pl
 call): ``m = x W + b_in`` for all steps in one matmul is the recorded ``z`` (its gradient is g),
 and the recurrence runs over it in Keras's own backend loop (``keras.src.backend.rnn``, so masks,
 ``go_backwards``, unknown lengths and the masked steps' outputs are each backend's own), with the
-cell's equations of Keras 3 (``implementation`` 1 and 2 differ only in round-off). The loop's first
-state and its output carry ``[h_t, h_{t-1}, r_t]`` side by side, so the states entering each step
-and the reset gates come out of the one loop as ``saved`` (in the input's order, also with
-``go_backwards``); a masked step has ``g_t = 0``, so what its ``saved`` rows hold does not count.
+cell's equations of Keras 3 (``implementation`` 1 and 2 differ only in round-off). The states
+entering each step are the initial state and the outputs of the steps before, unless a mask keeps
+states apart from outputs: then the loop's first state and its output carry ``[h_t, h_{t-1}]``
+side by side. A GRU's reset gates ``r_t`` follow from ``m`` and those states in one product after
+the loop. Both are ``saved`` (in the input's order, also with ``go_backwards``); a masked step has
+``g_t = 0``, so what its ``saved`` rows hold does not count.
 
 Not taken (the engine's exact per-layer fallback clips the layer): ``stateful=True``, dropout or
 recurrent dropout > 0, any other cell (a subclass, ``StackedRNNCells``, a custom cell), a subclass
-of the layer classes (its ``call`` or loop may differ, and the forward replaces them), and a layer with trainable weights other than the cell's kernel, recurrent
-kernel and bias. Shapes: P examples, L steps, d inputs, n units.
+of the layer classes (its ``call`` or loop may differ, and the forward replaces them), and a layer
+with trainable weights other than the cell's kernel, recurrent kernel and bias. Shapes: P examples, L steps, d inputs, n units.
 """
 
 from __future__ import annotations
@@ -66,15 +68,14 @@ def _is_gru(cell):
     return type(cell) is keras.layers.GRUCell
 
 
-def _step(cell, u, b_rec):
+def _step(cell, u, b_rec, carry_h):
     """The cell's step for Keras's loop: ``(m_t (P, G·n), [wide, c]) -> (wide, [wide, c])``, ``wide``
-    (P, e·n) = ``[h_t, h_{t-1}(, r_t)]`` (e = 3 for a GRU, else 2), ``c`` an LSTM's carry."""
+    ``h_t`` (P, n), or ``[h_t, h_{t-1}]`` (P, 2n) where ``carry_h``; ``c`` an LSTM's carry."""
     n = cell.units
     act, rec = cell.activation, getattr(cell, "recurrent_activation", None)
 
     def step(m_t, states):
-        h = states[0][:, :n]
-        extras = [h]
+        h = states[0][:, :n] if carry_h else states[0]
         if type(cell) is keras.layers.LSTMCell:
             i, f, cc, o = ops.split(m_t + ops.matmul(h, u), 4, axis=-1)
             c = _act(rec, f) * states[1] + _act(rec, i) * _act(act, cc)
@@ -92,10 +93,9 @@ def _step(cell, u, b_rec):
                 cand = _act(act, m_c + ops.matmul(r * h, u[:, 2 * n:]))
             z = _act(rec, m_u + q_u)
             new = [z * h + (1 - z) * cand]
-            extras.append(r)
         else:
             new = [_act(act, m_t + ops.matmul(h, u))]
-        wide = ops.concatenate([new[0], *(ops.stop_gradient(e) for e in extras)], axis=-1)
+        wide = ops.concatenate([new[0], ops.stop_gradient(h)], axis=-1) if carry_h else new[0]
         return wide, [wide, *new[1:]]
 
     return step
@@ -131,7 +131,10 @@ def _forward(layer, call, x, *args, **kwargs):
     m = ops.matmul(x, ops.cast(cell.kernel, dtype))  # (P, L, G·n): every step's input projection
     if b_in is not None:
         m = m + b_in
-    count, width = _CELLS[type(cell)], (3 if _is_gru(cell) else 2) * n
+    # without a mask the state entering step t is the output of step t − 1 (or the initial state),
+    # so the loop carries it only where masked steps keep it apart from the outputs
+    carry_h = mask is not None
+    count, width = _CELLS[type(cell)], (1 + carry_h) * n
 
     def after(z):
         batch = ops.shape(z)[0]
@@ -140,18 +143,28 @@ def _forward(layer, call, x, *args, **kwargs):
         else:
             given = list(initial_state) if isinstance(initial_state, (list, tuple)) else [initial_state]
             states = [ops.cast(s, dtype) for s in given[:count]]
-        wide = ops.concatenate([states[0], ops.zeros((ops.shape(states[0])[0], width - n), dtype)], axis=-1)
-        step = _step(cell, ops.cast(cell.recurrent_kernel, dtype), b_rec)
+        wide = states[0] if width == n else ops.concatenate(
+            [states[0], ops.zeros((ops.shape(states[0])[0], width - n), dtype)], axis=-1)
+        u = ops.cast(cell.recurrent_kernel, dtype)
+        step = _step(cell, u, b_rec, carry_h)
         keep = mask[0] if isinstance(mask, (list, tuple)) else mask
         last, outputs, final = _compat.rnn(
             step, z, [wide, *states[1:]], go_backwards=layer.go_backwards, mask=keep, unroll=layer.unroll,
             input_length=z.shape[1], zero_output_for_mask=layer.zero_output_for_mask)
         result = outputs[..., :n] if layer.return_sequences else last[..., :n]
         result = ops.cast(result, layer.compute_dtype)
-        steps = ops.flip(outputs, axis=1) if layer.go_backwards else outputs  # in the order of x and m
-        saved = {"h": steps[..., n: 2 * n]}
-        if _is_gru(cell):
-            saved["r"] = steps[..., 2 * n:]
+        if carry_h:
+            entering = outputs[..., n: 2 * n]
+        else:  # h_0 (broadcast to the batch), then the outputs of steps 1 … L − 1
+            first = states[0] + ops.zeros_like(outputs[:, 0, :n])
+            entering = ops.concatenate([ops.expand_dims(first, 1), outputs[:, :-1, :n]], axis=1)
+        if layer.go_backwards:  # the loop's order is reversed: back to the order of x and m
+            entering = ops.flip(entering, axis=1)
+        saved = {"h": entering}
+        if _is_gru(cell):  # r_t = σ(m_r,t + h_{t-1} U_r (+ b_rec,r)) for all steps at once, after the loop
+            q_r = ops.matmul(entering, u[:, n: 2 * n])
+            q_r = q_r if b_rec is None else q_r + b_rec[n: 2 * n]
+            saved["r"] = _act(cell.recurrent_activation, z[..., n: 2 * n] + q_r)
         if layer.return_state:
             final = [final[0][:, :n], *final[1:]]
             return (result, *(ops.cast(s, layer.compute_dtype) for s in final)), saved
