@@ -447,9 +447,8 @@ def ghost_norms(model, loss_fn, trainable, non_trainable, x, y, weights, *, trai
         rule = None
         if id(layer) not in grouped and all(call["single"] for call, _ in calls):
             ruled = [{"a": _first_argument(call, arrays), "g": grads[call["slots"][0] if call["z"] is None else call["z"]],
-                      "args": _rebuild(call, arrays), "saved": call["saved"],
-                      **({} if call["z"] is None else {"g_out": grads[call["slots"][0]] if len(call["slots"]) == 1
-                                                       else None})} for call, arrays in calls]
+                      "g_out": grads[call["slots"][0]] if len(call["slots"]) == 1 else None,
+                      "args": _rebuild(call, arrays), "saved": call["saved"]} for call, arrays in calls]
             # a rule reads the step's weight values; its norms and its sums are two different
             # products of (a, g), so they run at full float32 precision (_EXACT)
             with keras.StatelessScope(state_mapping=values), _EXACT:
