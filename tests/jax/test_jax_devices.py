@@ -48,7 +48,7 @@ print(json.dumps(out))
 
 def _run(devices):
     env = dict(os.environ, KERAS_BACKEND="jax", PYTHONPATH=ROOT,
-               XLA_FLAGS="--xla_force_host_platform_device_count=2")
+               XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2")
     out = subprocess.run([sys.executable, "-c", SCRIPT, str(devices)], env=env, cwd=ROOT, capture_output=True,
                          text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -34,7 +34,7 @@ def _free_port():
 
 def _start(nproc, rank, port, directory=""):
     env = dict(os.environ, KERAS_BACKEND="jax", PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="3",
-               XLA_FLAGS="--xla_force_host_platform_device_count=1")
+               XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=1")
     return subprocess.Popen([sys.executable, SCRIPT, str(nproc), str(rank), str(port), str(directory)], env=env, cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

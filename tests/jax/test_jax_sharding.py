@@ -43,8 +43,8 @@ print(json.dumps(out))
 
 
 def _run(args, timeout=900):
-    env = dict(os.environ, KERAS_BACKEND="jax", PYTHONPATH=ROOT, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-               TF_CPP_MIN_LOG_LEVEL="3")
+    env = dict(os.environ, KERAS_BACKEND="jax", PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="3",
+               XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8")
     out = subprocess.run([sys.executable, *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -118,6 +118,7 @@ def _data(path):
     return np.load(path)
 
 
+@pytest.mark.slow
 def test_estimate_spectrum_agrees_on_tensorflow_and_jax(tmp_path):
     pytest.importorskip("jax")
     data = _data(tmp_path / "data.npz")

@@ -132,6 +132,7 @@ def test_every_exported_backbone_is_built_or_listed():
     assert all(len(reason) > 20 for reason in HEAVY.values())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", _params())
 def test_backbone_matches_a_per_example_float64_loop_and_trains(name):
     case = catalogue.make_case(name, dtype="float64")

@@ -102,6 +102,7 @@ def jax_weights(tmp_path_factory):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("jax") is None, reason="needs jax installed (pip install -e '.[jax]')")
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["dense", "next_token", "masked_tokens", "per_pixel"])
 def test_fixed_seed_bandmf_run_ends_with_the_same_weights_on_tensorflow_and_jax(jax_weights, case):
     namespace = {}

@@ -99,6 +99,7 @@ def _assert_same(result, reference):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("jax") is None, reason="needs jax installed (pip install -e '.[jax]')")
+@pytest.mark.slow
 def test_a_run_saved_halfway_on_one_backend_finishes_on_the_other_with_the_same_weights(tmp_path):
     script = tmp_path / "resume_run.py"
     script.write_text(SCRIPT)

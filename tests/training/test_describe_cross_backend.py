@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 BUILD = r'''
@@ -59,6 +61,7 @@ def _describe_here(capsys):
     return [tuple(row) for row in json.loads(capsys.readouterr().out.strip().splitlines()[-1])]
 
 
+@pytest.mark.slow
 def test_describe_names_every_layer_the_same_on_both_backends(capsys):
     tensorflow, jax = _describe_here(capsys), _describe_on_jax()
     # the same rows (TensorFlow lists the layers in its plan's order, JAX in the order it saw them)
