@@ -516,10 +516,10 @@ def main(argv=None):
     if args.onednn != "default" and os.environ.get("TF_ENABLE_ONEDNN_OPTS") != args.onednn:
         raise SystemExit(f"--onednn {args.onednn} must be set before TensorFlow starts: "
                          f"run with TF_ENABLE_ONEDNN_OPTS={args.onednn} or --onednn both")
-    from keras_noisecurve.backend.tensorflow import ghost_rules
+    from keras_noisecurve.backend.tensorflow import engine_rules
 
     print(f"TF_ENABLE_ONEDNN_OPTS={os.environ.get('TF_ENABLE_ONEDNN_OPTS', '(unset)')}: ghost conv rule takes "
-          f"{ghost_rules.conv_chunk(tf.float32)} example(s) per Conv2DBackpropFilter", flush=True)
+          f"{engine_rules.conv_chunk(tf.float32)} example(s) per Conv2DBackpropFilter", flush=True)
 
     if args.clipping is not None:
         for table in (CONFIGS, STRATEGY_CONFIGS):

@@ -32,7 +32,7 @@ import tensorflow as tf  # noqa: E402
 
 from keras_noisecurve.training import NoiseCurveOptimizer, make_private  # noqa: E402
 from keras_noisecurve.backend.tensorflow.ghost import plan  # noqa: E402
-from keras_noisecurve.backend.tensorflow.ghost_generic import GenericRule  # noqa: E402
+from keras_noisecurve.backend.tensorflow.engine_fallback import GenericRule  # noqa: E402
 from tests.training import zoo  # noqa: E402
 from tests.training import zoo_extra, zoo_norms  # noqa: E402
 from bench_zoo_conv import CONV_TARGETS, CONV_ZOO  # noqa: E402  (benchmark-only convolution models)

@@ -26,7 +26,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from keras_noisecurve.training.batchnorm import replace_batch_normalization  # noqa: E402
-from keras_noisecurve.backend.tensorflow.ghost_rules import find_rule  # noqa: E402
+from keras_noisecurve.backend.tensorflow.engine_rules import find_rule  # noqa: E402
 
 BUILDERS = {"efficientnetb0": keras.applications.EfficientNetB0, "mobilenetv2": keras.applications.MobileNetV2}
 

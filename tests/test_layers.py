@@ -63,11 +63,11 @@ def test_saved_model_with_groupnorm_loads_also_from_a_file_written_before_the_mo
 
 
 def test_groupnorm_ghost_rule_is_registered_from_the_apps_side():
-    from keras_noisecurve.backend.tensorflow import ghost, ghost_rules
+    from keras_noisecurve.backend.tensorflow import ghost, engine_rules
 
     model = _model()
-    rule = ghost_rules.find_rule(model.get_layer("gn"))
+    rule = engine_rules.find_rule(model.get_layer("gn"))
     assert rule.kind == "GroupNorm" and rule.kernel is knc_layers.GROUP_NORM_RULE.kernel("tensorflow")
     assert ("gn", "GroupNorm", "GroupNorm") in ghost.describe(model)
     # the core's own rules know nothing of the apps' layer
-    assert not any(rule.matches(model.get_layer("gn")) for rule in ghost_rules.RULES)
+    assert not any(rule.matches(model.get_layer("gn")) for rule in engine_rules.RULES)

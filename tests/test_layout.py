@@ -74,10 +74,10 @@ BACKEND_ONLY = {
     "tensorflow": {
         "clipped_sum": "ClippedSum, what the TensorFlow engines return (JAX's return arrays)",
         "compat": "the TensorFlow internals read (XLA context)",
-        "ghost_forms": "the Rule interface of the recording engine and KernelRule, its adapter of the kernels written "
+        "engine_forms": "the Rule interface of the recording engine and KernelRule, its adapter of the kernels written "
         "once (JAX calls them as they are; the forms both share are backend/common/norm_forms)",
-        "ghost_generic": "the per-layer fallback by re-running a layer per example (JAX's is a vmap, in ghost)",
-        "ghost_reads": "weights read outside their layer's call, found by tracing (recorded in ghost on JAX)",
+        "engine_fallback": "the per-layer fallback by re-running a layer per example (JAX's is a vmap, in ghost)",
+        "engine_reads": "weights read outside their layer's call, found by tracing (recorded in ghost on JAX)",
         "ghost_t5": "T5's relative-attention bias (the exact fallback clips it on JAX)",
         "ghost_timedist": "TimeDistributed folded onto its layer's rule (the exact fallback on JAX)",
         "kernels": "which formulations TensorFlow's CPU kernels execute",

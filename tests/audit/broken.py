@@ -113,9 +113,9 @@ def drop_layer_share(monkeypatch, rule):
     """One layer rule's per-example norm loses its layer's share (the rule's ``analyse``
     returns zeros for the squared norms and keeps its gradient function): that layer's
     gradients are then never clipped. ``rule``: a TensorFlow ``Rule`` class, or the kind (a
-    string) of a family whose kernel is written once (``ghost_forms.KernelRule``). Patched on the
+    string) of a family whose kernel is written once (``engine_forms.KernelRule``). Patched on the
     rule class, from outside."""
-    from keras_noisecurve.backend.tensorflow.ghost_forms import KernelRule
+    from keras_noisecurve.backend.tensorflow.engine_forms import KernelRule
 
     rule_class = KernelRule if isinstance(rule, str) else rule
     original = rule_class.analyse

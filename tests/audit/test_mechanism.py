@@ -12,7 +12,7 @@ import pytest
 import keras_noisecurve as knc
 from keras_noisecurve.audit.mechanism import check_mechanism, check_sampling
 from keras_noisecurve.audit.whitebox import build_mixing
-from keras_noisecurve.backend.tensorflow import ghost, ghost_generic
+from keras_noisecurve.backend.tensorflow import ghost, engine_fallback
 
 from . import broken
 
@@ -99,7 +99,7 @@ FAMILIES = {
     "GroupNormalization": "GroupNormalization",
     "LoRA": "LoRA",
     "Recurrent": "Recurrent",
-    "generic": ghost_generic.GenericRule,
+    "generic": engine_fallback.GenericRule,
 }
 
 

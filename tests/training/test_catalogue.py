@@ -271,7 +271,7 @@ def test_a_broadcast_row_in_a_model_of_fixed_length_is_clipped_through_its_calle
 def test_the_coverage_table_of_docs_models_is_generated_from_the_rules():
     # docs/models.md lists the rules the engine tries, rendered from the registry: a rule added
     # (or a class it names) without regenerating the table fails here
-    from keras_noisecurve.backend.tensorflow.ghost_rules import RULES, rule_table
+    from keras_noisecurve.backend.tensorflow.engine_rules import RULES, rule_table
     from tests.training import rules_table
 
     import keras_noisecurve.apps.layers  # noqa: F401  registers a rule at import: the table must not list it
@@ -304,7 +304,7 @@ class _Float64Ops:
 @pytest.mark.benchmark
 def test_gemma4_with_its_float32_casts_lifted_matches_the_loop_to_float64_round_off(monkeypatch):
     # Gemma4's decoder block reads its feed-forward kernels outside their layers' calls and is
-    # clipped whole through the block (backend/tensorflow/ghost_reads.py); its 1.4e-6 in the catalogue is
+    # clipped whole through the block (backend/tensorflow/engine_reads.py); its 1.4e-6 in the catalogue is
     # the float32 inside its keras-hub code: with the casts lifted, engine and loop agree to 1e-12
     import importlib
 

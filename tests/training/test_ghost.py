@@ -20,7 +20,7 @@ import keras
 from tests.training.helpers import noiseless
 from keras_noisecurve.backend.tensorflow.clipping import vectorized_clipped_sum
 from keras_noisecurve.backend.tensorflow.ghost import describe, ghost_clipped_sum, supports
-from keras_noisecurve.backend.tensorflow import ghost_conv, ghost_rules, kernels
+from keras_noisecurve.backend.tensorflow import ghost_conv, engine_rules, kernels
 from tests.training.helpers import float64_layers, loop_reference, mse, set_precision
 
 P = 6
@@ -405,9 +405,9 @@ def test_sequence_sq_norms_both_forms_agree_with_materialised():
     a = tf.constant(rng.normal(size=(3, 4, 5)))
     g = tf.constant(rng.normal(size=(3, 4, 2)))
     want = np.array([np.sum((a.numpy()[i].T @ g.numpy()[i]) ** 2) for i in range(3)])
-    np.testing.assert_allclose(ghost_rules.sequence_sq_norms(a, g).numpy(), want, rtol=1e-12)  # materialised
+    np.testing.assert_allclose(engine_rules.sequence_sq_norms(a, g).numpy(), want, rtol=1e-12)  # materialised
     np.testing.assert_allclose(
-        ghost_rules.sequence_sq_norms(a[:, :3], g[:, :3]).numpy(),
+        engine_rules.sequence_sq_norms(a[:, :3], g[:, :3]).numpy(),
         [np.sum((a.numpy()[i, :3].T @ g.numpy()[i, :3]) ** 2) for i in range(3)],
         rtol=1e-12,
     )  # Gram (9 < 10)
@@ -493,7 +493,7 @@ def test_time_distributed_is_clipped_through_the_wrapper_and_folding_layers_thro
     check_model(wrapped, rng.normal(size=(P, 4, 3)), rng.normal(size=(P, 4, 2)))
     folded = keras.Sequential([keras.Input((4, 3)), FoldTime()])
     # a Sequential has no input specs to probe before a step: its Dense on P·T rows is listed
-    # under the Dense rule, and found when the step is traced (ghost_rows.probe at the batch's
+    # under the Dense rule, and found when the step is traced (engine_rows.probe at the batch's
     # shapes), then clipped exactly through FoldTime, whose call takes one row per example
     assert supports(folded)[0] and describe(folded)[0][2] == "Dense"
     check_model(folded, rng.normal(size=(P, 4, 3)), rng.normal(size=(P, 4, 2)))
@@ -589,16 +589,16 @@ def test_grouped_kernel_probe_follows_the_onednn_switch():
     if switch not in ("0", "1"):
         pytest.skip("TF_ENABLE_ONEDNN_OPTS not forced: TensorFlow chooses by the CPU's instructions")
     assert GROUPED_RUNS == (switch == "1")
-    assert ghost_rules.conv_chunk(tf.float32) == (ghost_rules.CONV_CHUNK if switch == "1" else 1)
+    assert engine_rules.conv_chunk(tf.float32) == (engine_rules.CONV_CHUNK if switch == "1" else 1)
     # no CPU kernel runs it in float64, oneDNN or not
-    assert ghost_rules.conv_chunk(tf.float64) == 1
+    assert engine_rules.conv_chunk(tf.float64) == 1
 
 
 @pytest.mark.skipif(GROUPED_RUNS, reason="the grouped kernel runs here")
 def test_explicit_grouped_chunk_is_refused_where_the_kernel_does_not_run():
     a, g = tf.zeros([2, 5, 5, 2]), tf.zeros([2, 5, 5, 3])
     with pytest.raises(ValueError, match=r"chunk=4.*TF_ENABLE_ONEDNN_OPTS=1.*chunk=1"):
-        ghost_rules.conv_sq_norms([(a, g)], [3, 3], [1, 1], "SAME", chunk=4)
+        engine_rules.conv_sq_norms([(a, g)], [3, 3], [1, 1], "SAME", chunk=4)
 
 
 @pytest.mark.parametrize("chunk", [None, 1, pytest.param(3, marks=needs_grouped)])
@@ -624,10 +624,10 @@ def test_conv_sq_norms_grouped_chunks_equal_per_example_loop(chunk, strides, pad
                         for a, g in calls)
         want.append(np.sum(tape.gradient(total, kernel).numpy() ** 2))
     images = [(tf.constant(a, tf.float32), tf.constant(g, tf.float32)) for a, g in calls]
-    got = ghost_rules.conv_sq_norms(images, [3, 2], list(strides), padding, chunk=chunk)
+    got = engine_rules.conv_sq_norms(images, [3, 2], list(strides), padding, chunk=chunk)
     assert got.dtype == tf.float32 and got.shape == (n,)
     np.testing.assert_allclose(got.numpy(), want, rtol=RTOL)
-    got64 = ghost_rules.conv_sq_norms([(tf.constant(a), tf.constant(g)) for a, g in calls], [3, 2],
+    got64 = engine_rules.conv_sq_norms([(tf.constant(a), tf.constant(g)) for a, g in calls], [3, 2],
                                        list(strides), padding)
     np.testing.assert_allclose(got64.numpy(), want, rtol=1e-12)
 
@@ -698,11 +698,11 @@ def test_conv_sq_norms_with_unknown_batch_size():
     rng = np.random.default_rng(31)
     a, g = rng.normal(size=(5, 6, 6, 2)).astype("float32"), rng.normal(size=(5, 3, 3, 4)).astype("float32")
     fn = tf.function(
-        lambda a, g: ghost_rules.conv_sq_norms([(a, g)], [3, 3], [2, 2], "SAME"),
+        lambda a, g: engine_rules.conv_sq_norms([(a, g)], [3, 3], [2, 2], "SAME"),
         input_signature=[tf.TensorSpec([None, 6, 6, 2], tf.float32), tf.TensorSpec([None, 3, 3, 4], tf.float32)],
     )
     images64 = [(tf.constant(a, tf.float64), tf.constant(g, tf.float64))]
-    want = ghost_rules.conv_sq_norms(images64, [3, 3], [2, 2], "SAME")
+    want = engine_rules.conv_sq_norms(images64, [3, 3], [2, 2], "SAME")
     np.testing.assert_allclose(fn(a, g).numpy(), want.numpy(), rtol=RTOL)
 
 
@@ -714,7 +714,7 @@ def test_float32_conv_model_any_batch_size_and_odd_images(n, form, monkeypatch):
     # loop over single examples. The conv layers are wide enough in positions that
     # the rule takes conv_sq_norms, not the patches.
     monkeypatch.setattr(ghost_conv, "conv_chunk",
-                        lambda dtype, device=None: ghost_rules.CONV_CHUNK if form == "grouped" else 1)
+                        lambda dtype, device=None: engine_rules.CONV_CHUNK if form == "grouped" else 1)
     set_precision("float32")
     rng = np.random.default_rng(37 + n)
     model = keras.Sequential(

@@ -1,4 +1,4 @@
-"""A weight read outside its own layer's call (TensorFlow engine, ``ghost_reads``).
+"""A weight read outside its own layer's call (TensorFlow engine, ``engine_reads``).
 
 Such a read is clipped through the innermost layer enclosing the read and every call of
 the weight's layer whose calls take one row per example (the model itself at worst), or
@@ -186,9 +186,9 @@ def test_a_read_with_no_per_example_caller_is_refused_naming_the_weight_and_the_
 
 def test_a_read_the_probe_cannot_see_is_refused_when_the_step_is_traced(monkeypatch):
     # without the probe (here: switched off), the traced step's graph still shows the read
-    from keras_noisecurve.backend.tensorflow import ghost_rows
+    from keras_noisecurve.backend.tensorflow import engine_rows
 
-    monkeypatch.setattr(ghost_rows, "_input_specs", lambda model, like=None: None)
+    monkeypatch.setattr(engine_rows, "_input_specs", lambda model, like=None: None)
     model = _reader_model((3,), called=True)
     assert ("inner", "Dense", "Dense") in describe(model)  # planned under its own rule
     step = tf.function(lambda x, y: ghost_clipped_sum(model, mse, x, y, None, l2_norm_clip=1.0).grads)

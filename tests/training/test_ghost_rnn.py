@@ -19,7 +19,7 @@ import keras
 from tests.training.helpers import noiseless
 from keras_noisecurve.backend.tensorflow import ghost
 from keras_noisecurve.backend.tensorflow.ghost import ghost_clipped_sum, supports
-from keras_noisecurve.backend.tensorflow.ghost_rules import RULES, find_rule
+from keras_noisecurve.backend.tensorflow.engine_rules import RULES, find_rule
 from tests.training.helpers import float64_layers, loop_reference, mse, set_precision
 
 P, L, VOCAB, UNITS, DIM = 6, 7, 20, 5, 4

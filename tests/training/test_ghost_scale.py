@@ -16,7 +16,7 @@ import tensorflow as tf
 from keras_noisecurve._losses import per_example_loss_fn
 from keras_noisecurve.backend.tensorflow.clipping import get_engine
 from keras_noisecurve.backend.tensorflow.ghost import describe, plan
-from keras_noisecurve.backend.tensorflow.ghost_generic import GenericRule
+from keras_noisecurve.backend.tensorflow.engine_fallback import GenericRule
 from keras_noisecurve.backend.tensorflow.ghost import probe_affine_scale
 from tests.training import zoo, zoo_extra, zoo_norms
 from tests.training.helpers import float64_layers, loop_reference, set_precision

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import keras_noisecurve as knc
-from keras_noisecurve.backend.tensorflow import ghost, ghost_rules
+from keras_noisecurve.backend.tensorflow import ghost, engine_rules
 from keras_noisecurve.backend.common.ghost_dense import dense
 
 
@@ -29,28 +29,28 @@ def test_describe_is_the_tensorflow_engines_plan():
 
 
 def test_register_rule_adds_to_the_tensorflow_registry(monkeypatch):
-    monkeypatch.setattr(ghost_rules, "_REGISTERED", [])
+    monkeypatch.setattr(engine_rules, "_REGISTERED", [])
 
     class Mine(keras.layers.Layer):
         pass
 
-    class MineRule(ghost_rules.RelativeAttentionBiasRule):
+    class MineRule(engine_rules.RelativeAttentionBiasRule):
         kind = "Mine"
         classes = (Mine,)
 
     knc.training.register_rule(MineRule())
-    assert [row["kind"] for row in ghost_rules.rule_table()][0] == "Mine"
+    assert [row["kind"] for row in engine_rules.rule_table()][0] == "Mine"
     with pytest.raises(TypeError, match="Rule instance"):
         knc.training.register_rule(lambda layer, calls: None)  # a JAX rule is not a TensorFlow one
 
 
 def test_a_layer_rule_registers_its_tensorflow_kernel_under_its_kind(monkeypatch):
-    monkeypatch.setattr(ghost_rules, "_REGISTERED", [])
+    monkeypatch.setattr(engine_rules, "_REGISTERED", [])
 
     class Mine(keras.layers.Dense):
         pass
 
-    class MineRule(ghost_rules.KernelRule):
+    class MineRule(engine_rules.KernelRule):
         def __init__(self):
             super().__init__(dense, "Mine")
 
@@ -68,15 +68,15 @@ def test_a_layer_rule_registers_its_tensorflow_kernel_under_its_kind(monkeypatch
     assert knc.training.describe(model) == [("first", "Dense", "Dense"), ("mine", "Mine", "Mine")]
     # a rule without a TensorFlow kernel changes nothing here
     knc.training.register_rule(knc.training.LayerRule("Other", jax=lambda: made.append("jax")))
-    assert len(ghost_rules._REGISTERED) == 1 and made == []
-    with pytest.raises(TypeError, match="the tensorflow kernel of rule 'Bad' must be a ghost_rules.Rule instance"):
+    assert len(engine_rules._REGISTERED) == 1 and made == []
+    with pytest.raises(TypeError, match="the tensorflow kernel of rule 'Bad' must be a engine_rules.Rule instance"):
         knc.training.register_rule(knc.training.LayerRule("Bad", tensorflow=lambda: (lambda layer, calls: None)))
 
 
 def test_the_builtin_rules_are_the_tables_tensorflow_kernels_in_its_order():
     from keras_noisecurve.backend.common import layer_rules
 
-    kinds = [rule.kind for rule in ghost_rules.RULES]
+    kinds = [rule.kind for rule in engine_rules.RULES]
     assert kinds[:-1] == [spec.kind for spec in layer_rules.BUILTIN]
     assert kinds[-1] == "generic"  # the recurrent layers' re-run fallback, this engine's own
 
@@ -87,7 +87,7 @@ def test_a_kernel_written_once_registers_and_clips_as_the_per_example_loop(monke
     from tests.gate_kernel import gate_kernel, gate_model
     from tests.training.test_ghost import P, check_model
 
-    monkeypatch.setattr(ghost_rules, "_REGISTERED", [])
+    monkeypatch.setattr(engine_rules, "_REGISTERED", [])
     keras.utils.set_random_seed(1)
     model = gate_model()
     assert knc.training.describe(model)[1] == ("gate", "Gate", "generic")

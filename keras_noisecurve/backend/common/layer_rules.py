@@ -7,15 +7,15 @@ kernel without importing it): one kernel for every backend (``common``), written
 ``keras.ops`` and declared with :func:`layer_kernel`, or, where a family truly needs its
 framework, one kernel per backend:
 
-- ``tensorflow``: a ``keras_noisecurve.backend.tensorflow.ghost_forms.Rule`` instance (which
+- ``tensorflow``: a ``keras_noisecurve.backend.tensorflow.engine_forms.Rule`` instance (which
   layers: ``matches``/``check``; what it records: ``forward``; the norms and the clipped sum:
   ``analyse``);
 - ``jax``: a function ``rule(layer, calls) -> (sq, sums)`` or ``None`` (the contract of
-  ``keras_noisecurve.backend.jax.ghost_rules``).
+  ``keras_noisecurve.backend.jax.engine_rules``).
 
 A backend without a kernel clips the family's layers exactly with its per-layer fallback
 (``"generic"``). :data:`BUILTIN` lists the built-in rules in the order both engines try them;
-each backend's ``ghost_rules`` makes its registry from it, and ``register_rule`` puts a rule of
+each backend's ``engine_rules`` makes its registry from it, and ``register_rule`` puts a rule of
 one's own before them. The table is also the documentation's list of rules
 (:func:`table`), with a column per backend.
 """
@@ -248,7 +248,7 @@ BUILTIN = (
     _rule("GroupNormalization", common=("ghost_norm", "group_norm")),
     _rule("Recurrent", common=("ghost_rnn", "recurrent")),
     _rule("TimeDistributed (folded)", ("ghost_timedist", "FoldedTimeDistributedRule")),
-    _rule("TimeDistributed", ("ghost_generic", "TimeDistributedRule")),
+    _rule("TimeDistributed", ("engine_fallback", "TimeDistributedRule")),
     _rule("RMSNorm (by computation)", common=("ghost_scale", "computed_scale")),
 )
 

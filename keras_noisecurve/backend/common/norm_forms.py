@@ -1,5 +1,5 @@
 """The per-example squared norms of the Dense and Embedding weight gradients, in ``keras.ops``:
-the same math for both ghost-clipping engines (JAX's ``ghost_forms`` re-exports these;
+the same math for both ghost-clipping engines (JAX's ``engine_forms`` re-exports these;
 TensorFlow's ``sequence_sq_norms`` and ``token_sq_norms`` call them, choosing between the forms
 themselves for an unknown sequence length). No framework import.
 

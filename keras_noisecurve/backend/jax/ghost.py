@@ -14,7 +14,7 @@ the per-example gradients of the whole model, all inside the jitted train step.
    gives ``g_k = ∂(Σ_i w_i·loss_i)/∂z_k`` for every recorded output ``z_k`` (from outside the
    layer only); the weights are constants of that function, so no weight gradient is formed.
 3. Per layer, the per-example squared norms of ITS weights' gradient: a rule of
-   :mod:`keras_noisecurve.backend.jax.ghost_rules` (one module per layer family, in ``backend/common/``: ``ghost_dense``
+   :mod:`keras_noisecurve.backend.jax.engine_rules` (one module per layer family, in ``backend/common/``: ``ghost_dense``
    Dense, EinsumDense, Embedding; ``ghost_norm`` LayerNormalization, GroupNormalization;
    ``ghost_conv`` Conv1D/2D/3D, depthwise, separable and transposed convolutions; ``ghost_lora``;
    ``ghost_scale`` RMS norms; ``ghost_embedding`` KerasHub's embeddings; ``ghost_rnn`` LSTM, GRU,
@@ -26,7 +26,7 @@ the per-example gradients of the whole model, all inside the jitted train step.
 4. The clipped sum per layer from the same quantities ("book-keeping"), e.g.
    ``Σ_{i,l} a_il (c_i g_il)ᵀ`` for a kernel, ``Σ_i c_i G_i`` for a fallback layer.
 
-Rows that are not examples (:mod:`keras_noisecurve.backend.jax.ghost_rows`): a recorded call
+Rows that are not examples (:mod:`keras_noisecurve.backend.jax.engine_rows`): a recorded call
 whose floating outputs or first array argument do not have the batch size P as their leading
 dimension (a broadcast batch-1 input such as ViT's position ids (1, L), P·L token rows such as
 Mixtral's MoE router), a weighted layer called inside a JAX control-flow body of a custom layer
@@ -60,8 +60,8 @@ from keras_noisecurve._losses import float32_outputs
 from keras_noisecurve.backend.common import layer_rules, norm_observer, units
 from keras_noisecurve.backend.common.calls import training_kwargs, wrapped_calls
 from keras_noisecurve.backend.common.clip import clip_factors
-from keras_noisecurve.backend.jax import ghost_rows
-from keras_noisecurve.backend.jax.ghost_rules import (
+from keras_noisecurve.backend.jax import engine_rows
+from keras_noisecurve.backend.jax.engine_rules import (
     find_rule, forward_of, is_registered, kept, probe_affine_scale, register_rule, uses_pre_activation)
 from keras_noisecurve.backend.common.model_checks import input_batch
 
@@ -88,7 +88,7 @@ def targets(model, groups=()):
     (``backend/common/ghost_rnn``, whose forward records the input projections and the states)
     or else by the per-layer fallback. So is each
     layer of ``groups`` (callers of layers whose rows are not examples,
-    :mod:`~keras_noisecurve.backend.jax.ghost_rows`): the layers under it are not targets."""
+    :mod:`~keras_noisecurve.backend.jax.engine_rows`): the layers under it are not targets."""
     trainable_ids = {id(v) for v in model.trainable_variables}
     whole = {id(layer) for layer in groups}
     found, covered = [], set()
@@ -128,7 +128,7 @@ class _Recorder:
         self.active = []  # indices of the recorded layers whose call is running (innermost last)
         self.owner = {}  # id(trainable variable) -> index of the layer that owns it (the shape pass)
         self.outside = []  # (variable path, reading layers, owner index, enclosing chain) of outside reads
-        self.probe = None  # the shape pass's ghost_rows.Probe (its stack: the layer calls running now)
+        self.probe = None  # the shape pass's engine_rows.Probe (its stack: the layer calls running now)
 
     def read(self, variable):
         """Called for every variable read of the shape pass (:class:`_ReadScope`)."""
@@ -254,7 +254,7 @@ def _rows_problem(layer, call, arrays, shapes, size, grouped=False):
     outs = [shapes[k].shape[0] if len(shapes[k].shape) else None for k in call["slots"]]
     first = next((a for a in arrays if len(a.shape) >= 1), None)
     rows_in = size if first is None else first.shape[0]
-    if ghost_rows.rows_ok(rows_in, outs, size, grouped=grouped):
+    if engine_rows.rows_ok(rows_in, outs, size, grouped=grouped):
         return None
     return (f"layer {layer.name!r} ({type(layer).__name__}) is called on rows that are not the batch's "
             f"{size} examples (leading dimensions {outs + ([] if first is None else [rows_in])})")
@@ -268,7 +268,7 @@ _ADVICE = ("Use clipping='auto' (which then clips this model with the exact vect
 def _problems(recorder, probe, found, size, groups, leaked):
     """What the shape pass found that the recorded layers cannot attribute to examples: a list
     of ``(chains, variables, message)``, ``chains`` the enclosing call chains a caller must be
-    common to (:meth:`ghost_rows.Probe.caller`), ``variables`` the weights it must track."""
+    common to (:meth:`engine_rows.Probe.caller`), ``variables`` the weights it must track."""
     if leaked is not None:  # the pass stopped there: the rest is seen in the next pass
         return [([probe.leak] if probe.leak else [], [], (
             "clipping='ghost' on JAX: a layer with trainable weights is called inside a JAX control-flow body "
@@ -303,21 +303,21 @@ def _plan(model, forward, size, strict):
     """The targets of one step: ``(found, shapes, grouped)``, ``found`` as :func:`targets` gives
     them once every layer whose rows are not examples (or that is called in a control-flow body,
     or whose weight is read outside its call) is clipped through its caller
-    (:mod:`~keras_noisecurve.backend.jax.ghost_rows`), ``shapes`` the perturbations' shapes and
+    (:mod:`~keras_noisecurve.backend.jax.engine_rows`), ``shapes`` the perturbations' shapes and
     ``grouped`` the ids of those callers. Each shape pass (``jax.eval_shape``) that finds a
     problem adds its callers and runs again. ``None`` (``strict`` false) or ValueError
     (``strict``) when a problem has no caller but the model itself."""
     groups = []
     for _ in range(len(list(_compat.flatten_layers(model))) + 1):
         found = targets(model, groups)
-        recorder, probe = _Recorder([layer for layer, _ in found]), ghost_rows.Probe(model)
+        recorder, probe = _Recorder([layer for layer, _ in found]), engine_rows.Probe(model)
         recorder.targets, recorder.probe = found, probe
         leaked = None
         try:
             with probe.installed(), jax.checking_leaks():  # a recorded call in a control-flow body leaks
                 jax.eval_shape(lambda: forward(None, recorder))
         except Exception as err:  # noqa: BLE001 - jax.checking_leaks raises a plain Exception("Leaked trace ...")
-            if not ghost_rows.is_leak(err):
+            if not engine_rows.is_leak(err):
                 raise
             leaked = err
         problems = _problems(recorder, probe, found, size, {id(g) for g in groups}, leaked)

@@ -15,7 +15,7 @@ this engine never does:
 3. each layer's per-example squared gradient norm follows from ``(a, g)`` alone
    (``‖a_i‖²‖g_i‖²`` for a dense layer on vectors, Gram forms for sequences,
    grouped per-example kernel gradients or patches for convolutions, ... see
-   :mod:`keras_noisecurve.backend.tensorflow.ghost_rules`);
+   :mod:`keras_noisecurve.backend.tensorflow.engine_rules`);
    their sum over layers is ``‖w_i·∇loss_i‖²``, giving ``c_i = min(1, ζ/‖·‖)``;
 4. the clipped sum ``Σ_i c_i·w_i·∇loss_i`` is the gradient of ``Σ_i c_i·w_i·loss_i``
    with ``c`` held constant. Rather than a second backward pass through the whole
@@ -37,17 +37,17 @@ tracing: no Python state survives between steps.
 Coverage (:func:`plan`): every layer that owns trainable weights is clipped exactly —
 by its ghost-norm rule where one exists (Dense, EinsumDense, Embedding,
 Conv1D/Conv2D with groups = 1, LayerNormalization, GroupNormalization, ... see
-``ghost_rules.RULES``), and otherwise by the per-layer fallback of
-:mod:`keras_noisecurve.backend.tensorflow.ghost_generic` (a vector–Jacobian product of that
+``engine_rules.RULES``), and otherwise by the per-layer fallback of
+:mod:`keras_noisecurve.backend.tensorflow.engine_fallback` (a vector–Jacobian product of that
 one layer's call per example: custom layers, KerasHub embeddings, TimeDistributed,
 configurations a rule does not handle). Layers without weights of their own
 (activations, pooling, reshapes, dropout, containers, attention wrappers) need
 nothing, provided they do not mix examples. A layer that sees rows that are not
 examples (a broadcast row, token rows) is clipped through its innermost caller that
-takes one row per example (:mod:`keras_noisecurve.backend.tensorflow.ghost_rows`, found before
+takes one row per example (:mod:`keras_noisecurve.backend.tensorflow.engine_rows`, found before
 any step); so is a layer whose weight other code reads outside its call, through the
 innermost per-example caller enclosing that read and the layer's calls
-(:mod:`keras_noisecurve.backend.tensorflow.ghost_reads`, the same probe). Refused: BatchNormalization
+(:mod:`keras_noisecurve.backend.tensorflow.engine_reads`, the same probe). Refused: BatchNormalization
 in training mode (it mixes examples), a layer on other rows or a read with no such caller,
 and a read the probe did not see that falls outside the plan (checked when the step is traced).
 """
@@ -69,10 +69,10 @@ from keras_noisecurve.backend.common.calls import wrapped_calls
 from keras_noisecurve.backend.common.clip import clip_factors
 from keras_noisecurve.backend.common.norm_observer import observe_layer_norms  # noqa: F401 - dp_model reads it here
 from keras_noisecurve.backend.tensorflow.clipped_sum import ClippedSum, chunked_clipped_sum
-from keras_noisecurve.backend.tensorflow import ghost_rows
-from keras_noisecurve.backend.tensorflow.ghost_generic import CallerRule, GenericRule, RNNFallbackRule, owned_trainable
-from keras_noisecurve.backend.tensorflow.ghost_rules import RULES, find_rule, probe_affine_scale, register_rule
-from keras_noisecurve.backend.tensorflow.ghost_reads import callers as callers_of_reads, check_reads
+from keras_noisecurve.backend.tensorflow import engine_rows
+from keras_noisecurve.backend.tensorflow.engine_fallback import CallerRule, GenericRule, RNNFallbackRule, owned_trainable
+from keras_noisecurve.backend.tensorflow.engine_rules import RULES, find_rule, probe_affine_scale, register_rule
+from keras_noisecurve.backend.tensorflow.engine_reads import callers as callers_of_reads, check_reads
 
 _GENERIC = GenericRule()
 _CALLER = CallerRule()
@@ -101,13 +101,13 @@ def plan(model, like=None):
     """How each layer's weights are clipped: ``[(layer, rule, variables)]``.
 
     Walks the layer tree from ``model``. A layer that owns trainable weights gets its
-    ghost-norm rule (:func:`~keras_noisecurve.backend.tensorflow.ghost_rules.find_rule`) when it
+    ghost-norm rule (:func:`~keras_noisecurve.backend.tensorflow.engine_rules.find_rule`) when it
     has one in a supported configuration, else :class:`GenericRule`, the per-layer
     vector–Jacobian fallback; a rule with ``covers_sublayers`` also takes its
     sublayers' weights (they are not visited). ``variables`` are the layer's
     trainable variables among ``model.trainable_variables``. ``like``: a batch of inputs
     at whose lengths to look for rows that are not examples when the model's input specs
-    cannot be traced (:func:`~keras_noisecurve.backend.tensorflow.ghost_rows.probe`).
+    cannot be traced (:func:`~keras_noisecurve.backend.tensorflow.engine_rows.probe`).
 
     Raises:
       ValueError: a trainable BatchNormalization (it mixes the examples of a batch) or a
@@ -174,11 +174,11 @@ def check_partition(entries):
 
 def _through_callers(model, entries, trainable, like=None):
     """``entries`` with every layer that sees rows that are not examples (a broadcast row,
-    token rows: :mod:`keras_noisecurve.backend.tensorflow.ghost_rows`) or whose weight is read outside
-    its own call (:mod:`keras_noisecurve.backend.tensorflow.ghost_reads`) clipped through its
+    token rows: :mod:`keras_noisecurve.backend.tensorflow.engine_rows`) or whose weight is read outside
+    its own call (:mod:`keras_noisecurve.backend.tensorflow.engine_reads`) clipped through its
     innermost caller whose call takes one row per example: the outermost of nested callers,
     with all its sublayers' weights, replaces the entries inside it."""
-    found = list(ghost_rows.callers(model, [layer for layer, _, _ in entries], like).values())
+    found = list(engine_rows.callers(model, [layer for layer, _, _ in entries], like).values())
     found += list(callers_of_reads(model, entries, like).values())
     if not found:
         return entries
@@ -198,11 +198,11 @@ def supports(model):
     """Whether :func:`ghost_clipped_sum` can clip ``model``.
 
     Every layer that owns trainable weights is covered, by its ghost-norm rule or by
-    the per-layer fallback (:mod:`keras_noisecurve.backend.tensorflow.ghost_generic`); what
+    the per-layer fallback (:mod:`keras_noisecurve.backend.tensorflow.engine_fallback`); what
     remains unsupported is a layer that mixes the examples of a batch (a trainable
     BatchNormalization), a layer on rows that are not examples or a weight read outside
     its own layer's call with no per-example caller (found by the probe of
-    :mod:`~keras_noisecurve.backend.tensorflow.ghost_rows`; a model it cannot probe is checked when
+    :mod:`~keras_noisecurve.backend.tensorflow.engine_rows`; a model it cannot probe is checked when
     the step is traced), and an unbuilt model.
 
     Returns:
@@ -461,7 +461,7 @@ def _ghost_step(model, loss_fn, x, y, sample_weight, clip, training, entries, un
     clip = tf.cast(clip, norm_dtype) if isinstance(clip, (tf.Tensor, tf.Variable)) else tf.constant(clip, norm_dtype)
     # An example whose loss or gradient norm is not finite is dropped: c_i = 0 exactly, and
     # every rule's sum over the batch replaces the rows with c_i = 0 by zeros (tf.where in
-    # ghost_forms.keep_rows), so its inf/nan rows of (a, g) reach no other example's sum.
+    # engine_forms.keep_rows), so its inf/nan rows of (a, g) reach no other example's sum.
     factors, keep = clip_factors(norms, tf.cast(unit_loss, norm_dtype), clip)
     nonfinite = tf.logical_not(keep)
     if unit_rows > 1:  # a unit's norm and drop on each of its rows

@@ -36,7 +36,7 @@ import tensorflow as tf
 from keras_noisecurve.backend.common.geometry import explicit_padding, live_taps
 from keras_noisecurve.backend.common.norm_forms import ExampleGrads
 from keras_noisecurve.backend.tensorflow import kernels as _kernels
-from keras_noisecurve.backend.tensorflow.ghost_forms import dims, per_example_sq, weighted_sum
+from keras_noisecurve.backend.tensorflow.engine_forms import dims, per_example_sq, weighted_sum
 
 #: the seam module's names (those of ``backend.common.defaults.ghost_conv``); the kernels below them
 #: (``conv_example_grads``, ``example_grads_3d``, ``patches``, ``conv_chunk``) are this module's own

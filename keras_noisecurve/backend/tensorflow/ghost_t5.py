@@ -36,7 +36,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from keras_noisecurve.backend.tensorflow.ghost_forms import Rule, norm_dtype, per_example_sq, weighted_sum
+from keras_noisecurve.backend.tensorflow.engine_forms import Rule, norm_dtype, per_example_sq, weighted_sum
 from keras_noisecurve.backend.common.layer_classes import loaded_class, runs_call_of
 
 __all__ = ["RelativeAttentionBiasRule", "bucket_ids"]

@@ -11,7 +11,7 @@ exactly that: its forward is the inner rule's forward on the unreshaped input, i
 analysis the inner rule's analysis of the same records. Exact, no per-example re-run.
 
 Any other inner layer (convolutions, recurrent layers, LoRA, custom layers) keeps
-:class:`~keras_noisecurve.backend.tensorflow.ghost_generic.TimeDistributedRule`, the per-layer
+:class:`~keras_noisecurve.backend.tensorflow.engine_fallback.TimeDistributedRule`, the per-layer
 fallback through the wrapper's call.
 """
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 import keras
 
 from keras_noisecurve.backend.common import ghost_dense, ghost_norm, ghost_scale
-from keras_noisecurve.backend.tensorflow.ghost_forms import KernelRule, Rule
+from keras_noisecurve.backend.tensorflow.engine_forms import KernelRule, Rule
 
 __all__ = ["FoldedTimeDistributedRule", "foldable"]
 

@@ -12,13 +12,13 @@ Such a read is exact when clipped through the innermost CALLER enclosing both th
 and every call of the owning layer, whose every call takes one row per example (the
 model itself at worst, when its outputs are per example), that tracks the weight and
 inside whose calls every weight under it is read: the per-layer fallback
-(:class:`~keras_noisecurve.backend.tensorflow.ghost_generic.CallerRule`) re-runs that caller per
+(:class:`~keras_noisecurve.backend.tensorflow.engine_fallback.CallerRule`) re-runs that caller per
 example and differentiates ALL the weights under it, so the read's share of the gradient
 and the owner's own share are both in example i's ``G_i``, once. The caller replaces the
 layers under it in the plan (their own rules are dropped: nothing is counted twice), as
-for layers whose rows are not examples (:mod:`keras_noisecurve.backend.tensorflow.ghost_rows`, the
+for layers whose rows are not examples (:mod:`keras_noisecurve.backend.tensorflow.engine_rows`, the
 same probe). :func:`callers` finds these callers before any step, from the reads that the
-probe's traced forward pass saw (:func:`ghost_rows.reads`); a read with no such caller
+probe's traced forward pass saw (:func:`engine_rows.reads`); a read with no such caller
 is refused there, naming the weight and the code that reads it.
 
 While a step is traced, :func:`check_reads` checks the plan once more in the step's own
@@ -33,7 +33,7 @@ traces the model's forward pass once per model (without running it) to make the 
 
 from __future__ import annotations
 
-from keras_noisecurve.backend.tensorflow import ghost_rows
+from keras_noisecurve.backend.tensorflow import engine_rows
 
 __all__ = ["callers", "check_reads"]
 
@@ -47,12 +47,12 @@ def _inside(layer, chain) -> bool:
 
 def callers(model, entries, like=None) -> dict:
     """``{id(layer): caller}`` for each planned layer a weight of which is read outside
-    every call of that layer, from the probe of ``model`` (:func:`ghost_rows.probe`; empty
+    every call of that layer, from the probe of ``model`` (:func:`engine_rows.probe`; empty
     when it cannot be probed: the step's trace checks the reads then, :func:`check_reads`).
 
     ``caller`` is the innermost layer present in the enclosing chain of every such read and
     of every call of ``layer`` whose every call takes one row per example and returns P or
-    k·P rows (P only for ``model`` itself: :func:`ghost_rows.per_example`), whose trainable
+    k·P rows (P only for ``model`` itself: :func:`engine_rows.per_example`), whose trainable
     variables include ``layer``'s, and inside whose calls every read of each of its trainable
     variables happens (so its per-example re-run sees every use of every weight it clips).
 
@@ -64,10 +64,10 @@ def callers(model, entries, like=None) -> dict:
     Raises:
       ValueError: a read with no such caller, naming the weight, its layer and the reader.
     """
-    calls = ghost_rows.probe(model, like)
+    calls = engine_rows.probe(model, like)
     if not calls:
         return {}
-    found = ghost_rows.reads(model, like)
+    found = engine_rows.reads(model, like)
     out = {}
     for layer, _, variables in entries:
         outside = [(v, chain) for v in variables for chain in found.get(id(v), []) if not _inside(layer, chain)]
@@ -81,7 +81,7 @@ def callers(model, entries, like=None) -> dict:
             tracked = c.trainable_variables
             return (wanted <= {id(v) for v in tracked}
                     and all(_inside(c, chain) for v in tracked for chain in found.get(id(v), []))
-                    and all(ghost_rows.per_example(i, o, c is model) for i, o, _ in calls.get(id(c), [])))
+                    and all(engine_rows.per_example(i, o, c is model) for i, o, _ in calls.get(id(c), [])))
 
         good = [c for c in common if valid(c)]
         if not good:
@@ -118,7 +118,7 @@ def check_reads(entries, spans, graph, start: int, end: int) -> None:
     for layer, _, variables in entries:
         windows = [(a, b) for g, a, b in spans.get(id(layer), []) if g is graph]
         for variable in variables:
-            handle = ghost_rows.variable_handle(variable)
+            handle = engine_rows.variable_handle(variable)
             inside = internal.get(id(handle)) if handle is not None else None
             if inside is None:  # not captured here (e.g. a distributed variable): unchecked
                 continue

@@ -37,7 +37,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_noisecurve import _compat
-from keras_noisecurve.backend.tensorflow.ghost_forms import Rule, norm_dtype, per_example_sq, weighted_sum
+from keras_noisecurve.backend.tensorflow.engine_forms import Rule, norm_dtype, per_example_sq, weighted_sum
 
 __all__ = ["CallerRule", "GenericRule", "RNNFallbackRule", "TimeDistributedRule", "outside_outputs", "owned_trainable"]
 
@@ -196,7 +196,7 @@ class GenericRule(Rule):
 
 class CallerRule(GenericRule):
     """A layer that calls others on rows that are not examples (a broadcast row, P·L token
-    rows: :mod:`keras_noisecurve.backend.tensorflow.ghost_rows`) while its own call takes one row per
+    rows: :mod:`keras_noisecurve.backend.tensorflow.engine_rows`) while its own call takes one row per
     example: its weights and all its sublayers' are clipped through its own call, re-run
     per example. Never matched by class: the engine's plan assigns it."""
 

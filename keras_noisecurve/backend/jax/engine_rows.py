@@ -1,6 +1,6 @@
 """Layers whose rows are not examples, clipped on JAX through a caller
 (:mod:`keras_noisecurve.backend.jax.ghost`; the TensorFlow engine does the same in
-``keras_noisecurve/backend/tensorflow/ghost_rows.py``).
+``keras_noisecurve/backend/tensorflow/engine_rows.py``).
 
 Ghost clipping attributes a layer's gradient to examples by the leading axis of the
 arrays its call sees. Some weighted layers cannot be attributed that way:

@@ -22,8 +22,8 @@ is the sum over calls and positions of the same outer products.
 
 This module is the registry (:data:`RULES`, made from the table of both engines,
 ``keras_noisecurve.backend.common.layer_rules.BUILTIN``; :func:`find_rule`) and re-exports the
-rules' public names: the shared math and :class:`Rule` live in ``ghost_forms``, this engine's
-own rules in ``ghost_t5`` (T5's relative-attention bias), ``ghost_timedist`` and ``ghost_generic``.
+rules' public names: the shared math and :class:`Rule` live in ``engine_forms``, this engine's
+own rules in ``ghost_t5`` (T5's relative-attention bias), ``ghost_timedist`` and ``engine_fallback``.
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ import numpy as np
 import tensorflow as tf
 
 from keras_noisecurve.backend.common import affine_scale, layer_rules
-from keras_noisecurve.backend.tensorflow.ghost_forms import KernelRule, Rule, sequence_sq_norms
+from keras_noisecurve.backend.tensorflow.engine_forms import KernelRule, Rule, sequence_sq_norms
 from keras_noisecurve.backend.tensorflow.ghost_conv import CONV_CHUNK, conv_chunk, conv_sq_norms
-from keras_noisecurve.backend.tensorflow.ghost_generic import GenericRule, RNNFallbackRule, TimeDistributedRule
+from keras_noisecurve.backend.tensorflow.engine_fallback import GenericRule, RNNFallbackRule, TimeDistributedRule
 from keras_noisecurve.backend.tensorflow.ghost_t5 import RelativeAttentionBiasRule
 from keras_noisecurve.backend.tensorflow.ghost_timedist import FoldedTimeDistributedRule
 
@@ -111,11 +111,11 @@ def register_rule(rule) -> None:
         if spec.tensorflow is None and callable(getattr(rule, "reason", None)):  # one kernel for every backend
             rule = KernelRule(rule, spec.kind)
         if not isinstance(rule, Rule):
-            raise TypeError(f"the tensorflow kernel of rule {spec.kind!r} must be a ghost_rules.Rule instance, "
+            raise TypeError(f"the tensorflow kernel of rule {spec.kind!r} must be a engine_rules.Rule instance, "
                             f"got {type(rule).__name__}")
         rule.kind = spec.kind
     if not isinstance(rule, Rule):
-        raise TypeError(f"rule must be a LayerRule or a ghost_rules.Rule instance, got {type(rule).__name__}")
+        raise TypeError(f"rule must be a LayerRule or a engine_rules.Rule instance, got {type(rule).__name__}")
     if not rule.classes and not isinstance(rule, KernelRule):
         raise ValueError(f"rule {type(rule).__name__} names no layer classes (its `classes` is empty)")
     if any(type(r) is type(rule) and r.classes == rule.classes and r.kind == rule.kind for r in _REGISTERED):

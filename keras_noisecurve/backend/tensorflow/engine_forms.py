@@ -5,8 +5,8 @@ Per-example squared norms of bilinear weight gradients (``sequence_sq_norms``: t
 sequence length), the
 book-keeping sums that assemble the clipped gradient from the same (input,
 output-gradient) pairs, and :class:`Rule`, the base class of this engine's own
-rules (``ghost_t5``, ``ghost_timedist``, ``ghost_generic``; the contract is described in
-:mod:`keras_noisecurve.backend.tensorflow.ghost_rules`). Shapes: ``P`` examples, ``L``
+rules (``ghost_t5``, ``ghost_timedist``, ``engine_fallback``; the contract is described in
+:mod:`keras_noisecurve.backend.tensorflow.engine_rules`). Shapes: ``P`` examples, ``L``
 positions. Only TensorFlow is imported here.
 """
 

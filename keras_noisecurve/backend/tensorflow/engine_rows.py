@@ -14,7 +14,7 @@ Both are exact when clipped through the innermost CALLER whose own call takes on
 per example: a layer that owns the broadcast or reshaping code (ViT's
 ``ViTPatchingAndEmbedding``, DeBERTa's ``RelativeEmbedding``, Mixtral's sparse MoE
 block), re-run per example by the per-layer fallback
-(:class:`~keras_noisecurve.backend.tensorflow.ghost_generic.GenericRule`) with every weight of its
+(:class:`~keras_noisecurve.backend.tensorflow.engine_fallback.GenericRule`) with every weight of its
 sublayers: example i's rows go in, example i's outputs come out, broadcast and
 reshape included. An output of that caller with k·P rows (Mixtral's router logits) is
 split into P groups of k rows in example-major order (rows i·k … i·k + k − 1 are
@@ -31,7 +31,7 @@ have a fixed one: SigLIP's text embedding adds position embeddings of exactly
 batch (``like``); a layer with other rows and no caller that takes one row per example is
 then refused there. The same trace notes where every trainable weight is read (the layer
 calls enclosing each op that reads it, :func:`reads`), for the weights that other code
-reads outside their own layer's call (:mod:`keras_noisecurve.backend.tensorflow.ghost_reads`).
+reads outside their own layer's call (:mod:`keras_noisecurve.backend.tensorflow.engine_reads`).
 """
 
 from __future__ import annotations
