@@ -18,9 +18,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # XLA compiles the tests' programs without LLVM's optimisations (set before JAX or TensorFlow
 # starts; subprocesses inherit it). The tests' models are tiny, so compiling dominates: measured
 # on 2 cores, tests/jax/test_jax_depthwise.py + test_jax_catalogue.py 236 s -> 109 s, the whole
-# JAX suite 1,342 s -> 1,069 s (TensorFlow's tests use XLA only where they ask). The HLO passes (fusion, layout) still run, so a test sees the programs a
-# user's machine compiles, only not vectorised the same way; the benchmarks and the CI's demo
-# and JAX quick-start runs compile as users do. An optimisation level set by the caller wins.
+# JAX suite 1,342 s -> 1,069 s (TensorFlow's tests use XLA only where they ask). The HLO passes
+# (fusion, layout) still run, so a test sees the programs a user's machine compiles, only not
+# vectorised the same way; the benchmarks and the CI's demo and JAX quick-start runs compile as
+# users do. An optimisation level set by the caller wins.
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
