@@ -19,7 +19,7 @@ import keras_hub  # noqa: E402
 import numpy as np  # noqa: E402
 
 from keras_noisecurve import NoiseCurveOptimizer, make_private  # noqa: E402
-from keras_noisecurve.backend.jax import engine_rules  # noqa: E402
+from keras_noisecurve.backend.common import kernel_rules  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--batch", type=int, default=16)
@@ -51,18 +51,18 @@ loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 plain = model()
 plain.compile(optimizer=keras.optimizers.SGD(0.01), loss=loss)
 models = {"plain": plain}
-full = engine_rules.RULES
+full = kernel_rules.RULES
 BASE = ("Dense", "EinsumDense", "Embedding", "LayerNormalization", "GroupNormalization")
 base = tuple(rule for rule in full if rule[0] in BASE)
 for name, rules in (("with the hub rules", full), ("without (fallback)", base)):
     m = make_private(model(), clipping="ghost")
     m.compile(optimizer=NoiseCurveOptimizer(learning_rate=0.01, noise_multiplier=1.0, l2_norm_clip=1.0,
                                             expected_batch_size=B, seed=0), loss=loss)
-    engine_rules.RULES = rules
+    kernel_rules.RULES = rules
     try:
         m.train_on_batch(x, y)  # traced and compiled with these rules
     finally:
-        engine_rules.RULES = full
+        kernel_rules.RULES = full
     models[name] = m
 times = {k: [] for k in models}
 for _ in range(4):

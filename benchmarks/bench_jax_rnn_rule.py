@@ -20,7 +20,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 from keras_noisecurve.backend.common import ghost_rnn  # noqa: E402
-from keras_noisecurve.backend.jax import engine_rules  # noqa: E402
+from keras_noisecurve.backend.common import kernel_rules  # noqa: E402
 from keras_noisecurve.backend.jax.ghost import ghost_clipped_sum  # noqa: E402
 
 CELLS = {"lstm": keras.layers.LSTM, "gru": keras.layers.GRU, "simple": keras.layers.SimpleRNN}
@@ -60,14 +60,14 @@ def plain_loss(tv, ntv, x, y):
 
 
 steps = {"plain grad": jax.jit(jax.grad(plain_loss))}
-full = engine_rules.RULES
+full = kernel_rules.RULES
 for name, rules in (("rule", full), ("fallback", tuple((k, r) for k, r in full if r is not ghost_rnn.recurrent))):
     step = clip_step()
-    engine_rules.RULES = rules
+    kernel_rules.RULES = rules
     try:
         jax.block_until_ready(step(tv, ntv, x, y, w))  # traced and compiled with these rules
     finally:
-        engine_rules.RULES = full
+        kernel_rules.RULES = full
     steps[name] = step
 (s_rule, n_rule), (s_fb, n_fb) = steps["rule"](tv, ntv, x, y, w), steps["fallback"](tv, ntv, x, y, w)
 np.testing.assert_allclose(np.asarray(n_rule), np.asarray(n_fb), rtol=1e-4)

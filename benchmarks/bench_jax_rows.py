@@ -1,7 +1,7 @@
 """A tiny KerasHub ViT's private step on JAX: ``clipping="vectorized"`` (``jax.vmap`` of the
 whole model's gradient) against ``"auto"`` (per-layer ghost norms, the position Embedding
 on constant ids (1, L) clipped through its caller ``ViTPatchingAndEmbedding``,
-:mod:`keras_noisecurve.backend.jax.engine_rows`; before that caller routing, ``"auto"``
+:mod:`keras_noisecurve.backend.common.row_probe`; before that caller routing, ``"auto"``
 handed this model to the vectorized engine).
 
 The model is tests/training/catalogue.py's tiny ``ViTBackbone`` (16×16×3 images, patches

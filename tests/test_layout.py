@@ -77,6 +77,10 @@ BACKEND_ONLY = {
         "engine_forms": "the Rule interface of the recording engine and KernelRule, its adapter of the kernels written "
         "once (JAX calls them as they are; the forms both share are backend/common/norm_forms)",
         "engine_fallback": "the per-layer fallback by re-running a layer per example (JAX's is a vmap, in ghost)",
+        "engine_rows": "rows that are not examples, found by tracing before any step (JAX's engine, which plans in its "
+        "shape pass, uses the neutral backend/common/row_probe)",
+        "engine_rules": "the registry of the Rule interface (JAX's engine, whose kernels are functions, uses the neutral "
+        "backend/common/kernel_rules)",
         "engine_reads": "weights read outside their layer's call, found by tracing (recorded in ghost on JAX)",
         "ghost_t5": "T5's relative-attention bias (the exact fallback clips it on JAX)",
         "ghost_timedist": "TimeDistributed folded onto its layer's rule (the exact fallback on JAX)",

@@ -8,7 +8,7 @@ the same on every backend) with one kernel per backend, the code that computes i
 - TensorFlow: an instance of ``keras_noisecurve.backend.tensorflow.engine_forms.Rule``
   (``classes``, ``check``, ``forward``, ``analyse``);
 - JAX: a function ``rule(layer, calls) -> (sq, sums)`` or ``None``
-  (``keras_noisecurve.backend.jax.engine_rules`` states the contract).
+  (``keras_noisecurve.backend.common.kernel_rules`` states the contract).
 
 A layer no rule takes, or whose rule has no kernel on the backend in use, is clipped exactly by
 the per-layer fallback (``"generic"``) on both backends. The bundled ``GroupNorm`` registers one

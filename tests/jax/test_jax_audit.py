@@ -15,7 +15,7 @@ import pytest
 import keras_noisecurve as knc
 from keras_noisecurve.apps.cli import main
 from keras_noisecurve.audit.mechanism import check_mechanism
-from keras_noisecurve.backend.jax import engine_rules
+from keras_noisecurve.backend.common import kernel_rules
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
@@ -85,7 +85,7 @@ def test_a_rule_that_drops_its_layers_share_is_caught_and_named(monkeypatch):
         sq, sums = result
         return sq * 0.0, sums
 
-    monkeypatch.setattr(engine_rules, "RULES", tuple((kind, dropped if r is original else r) for kind, r in engine_rules.RULES))
+    monkeypatch.setattr(kernel_rules, "RULES", tuple((kind, dropped if r is original else r) for kind, r in kernel_rules.RULES))
     bad = check_mechanism(model=private, x=x, y=y, checks=("clipping",), batches=1, batch_size=8).checks["clipping"]
     assert not bad.passed and "clipping: FAIL" in bad.line, bad.line
     name, cls, rule = bad.worst_layer

@@ -53,9 +53,9 @@ def ruled(monkeypatch):
             seen.append(layer.name)
         return result
 
-    from keras_noisecurve.backend.jax import engine_rules
-    monkeypatch.setattr(engine_rules, "RULES", tuple((kind, recording if r is original else r)
-                                                    for kind, r in engine_rules.RULES))
+    from keras_noisecurve.backend.common import kernel_rules
+    monkeypatch.setattr(kernel_rules, "RULES", tuple((kind, recording if r is original else r)
+                                                    for kind, r in kernel_rules.RULES))
     return seen
 
 
@@ -285,7 +285,7 @@ def test_a_function_rule_of_one_s_own_leaves_the_kernels_forward_in_place(fallba
     """A plain function rule registered before the built-in kernels (asked with the gradient at the
     layer's output) does not turn the recurrent kernel's forward off: the LSTM is still taken by the
     kernel, and the function saw the layer's output gradient, not the one at the projections."""
-    from keras_noisecurve.backend.jax import engine_rules
+    from keras_noisecurve.backend.common import kernel_rules
 
     seen = []
 
@@ -294,8 +294,8 @@ def test_a_function_rule_of_one_s_own_leaves_the_kernels_forward_in_place(fallba
             seen.append((calls[0]["g"].shape, calls[0]["saved"]))
         return None
 
-    monkeypatch.setattr(engine_rules, "_REGISTERED", [])
-    engine_rules.register_rule(looks)
+    monkeypatch.setattr(kernel_rules, "_REGISTERED", [])
+    kernel_rules.register_rule(looks)
     model = _sequence_model([keras.layers.LSTM(4)], seed=8)
     _compare(model, *_data(model, seed=8))
     assert fallbacks == [] and len(ruled) == 1

@@ -1,5 +1,5 @@
 """Layers whose rows are not examples, clipped exactly by the JAX ghost engine through their
-caller (keras_noisecurve.backend.jax.engine_rows), against the INDEPENDENT per-example loop
+caller (keras_noisecurve.backend.common.row_probe), against the INDEPENDENT per-example loop
 of tests/jax/helpers.reference_clipped_sum (one ``jax.grad`` of the model's
 ``stateless_call`` per example, batch of 1, no vmap; clipping in float64 numpy).
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import keras_noisecurve as knc
-from keras_noisecurve.backend.jax import engine_rules
+from keras_noisecurve.backend.common import kernel_rules
 from keras_noisecurve.backend.jax.ghost import ghost_clipped_sum
 from keras_noisecurve.backend.common.norm_forms import cat, kept, scaled
 from tests.jax.helpers import mse_per_example, reference_clipped_sum
@@ -54,8 +54,8 @@ def _model():
 
 @pytest.fixture
 def registry(monkeypatch):
-    monkeypatch.setattr(engine_rules, "_REGISTERED", [])
-    return engine_rules._REGISTERED
+    monkeypatch.setattr(kernel_rules, "_REGISTERED", [])
+    return kernel_rules._REGISTERED
 
 
 def test_describe_names_each_layers_rule_and_the_fallback(registry):
@@ -65,8 +65,8 @@ def test_describe_names_each_layers_rule_and_the_fallback(registry):
         ("first", "Dense", "Dense"), ("gate", "Gate", "generic"), ("head", "Dense", "Dense")]
     knc.training.register_rule(gate_rule)
     assert knc.training.describe(model, np.zeros((3, 5, 4), np.float32))[1] == ("gate", "Gate", "gate_rule")
-    assert engine_rules.rule_table()[0]["kind"] == "gate_rule"
-    assert [row["kind"] for row in engine_rules.rule_table(registered=False)] == [kind for kind, _ in engine_rules.RULES]
+    assert kernel_rules.rule_table()[0]["kind"] == "gate_rule"
+    assert [row["kind"] for row in kernel_rules.rule_table(registered=False)] == [kind for kind, _ in kernel_rules.RULES]
 
 
 def test_describe_lists_the_layers_under_a_recurrent_layer():
@@ -128,7 +128,7 @@ def test_a_layer_rule_registers_its_jax_kernel_under_its_kind(registry):
     knc.training.register_rule(knc.training.LayerRule("Gate", tensorflow=lambda: made.append("tf"), jax=lambda: gate_rule))
     assert made == []  # the TensorFlow kernel is not made on JAX
     assert knc.training.describe(model)[1] == ("gate", "Gate", "Gate")
-    assert engine_rules.rule_table()[0]["kind"] == "Gate"
+    assert kernel_rules.rule_table()[0]["kind"] == "Gate"
     # the same kind again replaces it; a rule without a JAX kernel changes nothing here
     knc.training.register_rule(knc.training.LayerRule("Gate", jax=lambda: gate_rule))
     knc.training.register_rule(knc.training.LayerRule("Other", tensorflow=lambda: made.append("tf")))

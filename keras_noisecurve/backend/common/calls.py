@@ -3,7 +3,7 @@
 The ghost-clipping engines watch a model's forward pass by replacing, on each layer
 INSTANCE (never its class), the ``call`` method with a wrapper, and putting everything
 back afterwards: the JAX engine's recording (:mod:`keras_noisecurve.backend.jax.ghost`) and
-its rows probe (:mod:`keras_noisecurve.backend.jax.engine_rows`), the TensorFlow engine's
+its rows probe (:mod:`keras_noisecurve.backend.common.row_probe`), the TensorFlow engine's
 recording (``keras_noisecurve/backend/tensorflow/ghost.py``, in the shared mode: the replica
 threads of ``tf.distribute`` trace the same layers at once) and its rows probe
 (``keras_noisecurve/backend/tensorflow/engine_rows.py``). :func:`wrapped_calls` is the one way

@@ -11,11 +11,12 @@ framework, one kernel per backend:
   layers: ``matches``/``check``; what it records: ``forward``; the norms and the clipped sum:
   ``analyse``);
 - ``jax``: a function ``rule(layer, calls) -> (sq, sums)`` or ``None`` (the contract of
-  ``keras_noisecurve.backend.jax.engine_rules``).
+  ``keras_noisecurve.backend.common.kernel_rules``).
 
 A backend without a kernel clips the family's layers exactly with its per-layer fallback
 (``"generic"``). :data:`BUILTIN` lists the built-in rules in the order both engines try them;
-each backend's ``engine_rules`` makes its registry from it, and ``register_rule`` puts a rule of
+each engine makes its registry from it (TensorFlow's ``engine_rules``; JAX's, and any engine whose
+kernels are functions, ``kernel_rules``), and ``register_rule`` puts a rule of
 one's own before them. The table is also the documentation's list of rules
 (:func:`table`), with a column per backend.
 """

@@ -14,11 +14,9 @@ the per-example gradients of the whole model, all inside the jitted train step.
    gives ``g_k = ∂(Σ_i w_i·loss_i)/∂z_k`` for every recorded output ``z_k`` (from outside the
    layer only); the weights are constants of that function, so no weight gradient is formed.
 3. Per layer, the per-example squared norms of ITS weights' gradient: a rule of
-   :mod:`keras_noisecurve.backend.jax.engine_rules` (one module per layer family, in ``backend/common/``: ``ghost_dense``
-   Dense, EinsumDense, Embedding; ``ghost_norm`` LayerNormalization, GroupNormalization;
-   ``ghost_conv`` Conv1D/2D/3D, depthwise, separable and transposed convolutions; ``ghost_lora``;
-   ``ghost_scale`` RMS norms; ``ghost_embedding`` KerasHub's embeddings; ``ghost_rnn`` LSTM, GRU,
-   SimpleRNN, also each direction of a Bidirectional) from the recorded ``(a, g)`` (the rule runs under a
+   :mod:`keras_noisecurve.backend.common.kernel_rules` (a kernel of ``backend/common/ghost_*``: Dense,
+   EinsumDense, Embedding, norms, convolutions, LoRA, RMS norms, KerasHub's embeddings, LSTM, GRU,
+   SimpleRNN) from the recorded ``(a, g)`` (the rule runs under a
    stateless scope of the step's weight values), else the exact per-layer fallback:
    ``jax.vmap`` over examples of ``∂⟨layer(W; a_i), g_i⟩/∂W`` (the VJP of that one
    layer's call, every model weight mapped to its traced value, W its own weights).
@@ -26,24 +24,22 @@ the per-example gradients of the whole model, all inside the jitted train step.
 4. The clipped sum per layer from the same quantities ("book-keeping"), e.g.
    ``Σ_{i,l} a_il (c_i g_il)ᵀ`` for a kernel, ``Σ_i c_i G_i`` for a fallback layer.
 
-Rows that are not examples (:mod:`keras_noisecurve.backend.jax.engine_rows`): a recorded call
+Rows that are not examples (:mod:`keras_noisecurve.backend.common.row_probe`): a recorded call
 whose floating outputs or first array argument do not have the batch size P as their leading
-dimension (a broadcast batch-1 input such as ViT's position ids (1, L), P·L token rows such as
-Mixtral's MoE router), a weighted layer called inside a JAX control-flow body of a custom layer
-(``keras.ops.fori_loop``, ``scan``), and a weight read outside its own layer's ``call`` (every
-variable read of the shape pass goes through a reporting stateless scope) cannot be attributed to
-examples by that layer's rule. The shape pass (``jax.eval_shape`` of the recorded forward pass)
-finds them and routes each to its innermost enclosing CALLER: a layer whose every call takes P
-rows in its first array argument and returns P or k·P rows (example-major) in each floating
-output, enclosing every call of the problem layer (and the read), and tracking its weights. That
-caller becomes ONE target clipped whole by the fallback (its ``vmap`` VJP covers every weight under
-it; a k·P-row output is split into P groups of k rows), the layers under it are no longer recorded,
-and the shape pass runs again until nothing is left (:func:`_plan`). The rest of the model keeps
-its rules. Only when no layer but the model itself encloses the problem does ``clipping="auto"``
-use the exact vectorized engine (``jax.vmap`` of the whole model's gradient) and
-``clipping="ghost"`` refuse with a ValueError naming the layer or weight, when the step is first
-traced. Keras's recurrent layers are targets whole from the start (:func:`targets`), with their
-cell's weights.
+dimension (ViT's broadcast position ids (1, L), Mixtral's P·L router rows), a weighted layer
+called inside a JAX control-flow body of a custom layer (``keras.ops.fori_loop``, ``scan``), and a
+weight read outside its own layer's ``call`` (every variable read of the shape pass goes through a
+reporting stateless scope) cannot be attributed to examples by that layer's rule. The shape pass
+(``jax.eval_shape`` of the recorded forward pass) finds them and routes each to its innermost
+enclosing CALLER: a layer whose every call takes P rows in its first array argument and returns P
+or k·P rows (example-major) in each floating output, enclosing every call of the problem layer
+(and the read), and tracking its weights. That caller becomes ONE target clipped whole by the
+fallback (its ``vmap`` VJP covers every weight under it; a k·P-row output is split into P groups
+of k rows), the layers under it are no longer recorded, and the shape pass runs again until
+nothing is left (:func:`_plan`). Only when no layer but the model itself encloses the problem does
+``clipping="auto"`` use the exact vectorized engine (``jax.vmap`` of the whole model's gradient)
+and ``clipping="ghost"`` refuse with a ValueError naming the layer or weight, when the step is
+first traced. Keras's recurrent layers are targets whole from the start (:func:`targets`).
 """
 
 from __future__ import annotations
@@ -57,12 +53,11 @@ import keras
 
 from keras_noisecurve import _compat
 from keras_noisecurve._losses import float32_outputs
-from keras_noisecurve.backend.common import layer_rules, norm_observer, units
+from keras_noisecurve.backend.common import kernel_rules, layer_rules, norm_forms, norm_observer, row_probe, units
 from keras_noisecurve.backend.common.calls import training_kwargs, wrapped_calls
 from keras_noisecurve.backend.common.clip import clip_factors
-from keras_noisecurve.backend.jax import engine_rows
-from keras_noisecurve.backend.jax.engine_rules import (
-    find_rule, forward_of, is_registered, kept, probe_affine_scale, register_rule, uses_pre_activation)
+from keras_noisecurve.backend.common.kernel_rules import (
+    find_rule, forward_of, is_registered, register_rule, uses_pre_activation)
 from keras_noisecurve.backend.common.model_checks import input_batch
 
 __all__ = ["describe", "ghost_clipped_sum", "ghost_norms", "probe_affine_scale", "register_rule", "targets"]
@@ -77,6 +72,9 @@ _F32 = jnp.float32
 #: user's precision; the per-layer fallback computes norms and sums from the same arrays.
 _EXACT = jax.default_matmul_precision("highest")
 
+#: ``probe_affine_scale(layer) -> bool`` (``kernel_rules``): the layer's call runs at compile time, concrete in a trace
+probe_affine_scale = kernel_rules.affine_scale_probe(scope=jax.ensure_compile_time_eval)
+
 
 def targets(model, groups=()):
     """The layers of ``model`` that own trainable weights, with those weights:
@@ -88,7 +86,7 @@ def targets(model, groups=()):
     (``backend/common/ghost_rnn``, whose forward records the input projections and the states)
     or else by the per-layer fallback. So is each
     layer of ``groups`` (callers of layers whose rows are not examples,
-    :mod:`~keras_noisecurve.backend.jax.engine_rows`): the layers under it are not targets."""
+    :mod:`~keras_noisecurve.backend.common.row_probe`): the layers under it are not targets."""
     trainable_ids = {id(v) for v in model.trainable_variables}
     whole = {id(layer) for layer in groups}
     found, covered = [], set()
@@ -128,7 +126,7 @@ class _Recorder:
         self.active = []  # indices of the recorded layers whose call is running (innermost last)
         self.owner = {}  # id(trainable variable) -> index of the layer that owns it (the shape pass)
         self.outside = []  # (variable path, reading layers, owner index, enclosing chain) of outside reads
-        self.probe = None  # the shape pass's engine_rows.Probe (its stack: the layer calls running now)
+        self.probe = None  # the shape pass's row_probe.Probe (its stack: the layer calls running now)
 
     def read(self, variable):
         """Called for every variable read of the shape pass (:class:`_ReadScope`)."""
@@ -254,7 +252,7 @@ def _rows_problem(layer, call, arrays, shapes, size, grouped=False):
     outs = [shapes[k].shape[0] if len(shapes[k].shape) else None for k in call["slots"]]
     first = next((a for a in arrays if len(a.shape) >= 1), None)
     rows_in = size if first is None else first.shape[0]
-    if engine_rows.rows_ok(rows_in, outs, size, grouped=grouped):
+    if row_probe.rows_ok(rows_in, outs, size, grouped=grouped):
         return None
     return (f"layer {layer.name!r} ({type(layer).__name__}) is called on rows that are not the batch's "
             f"{size} examples (leading dimensions {outs + ([] if first is None else [rows_in])})")
@@ -268,7 +266,7 @@ _ADVICE = ("Use clipping='auto' (which then clips this model with the exact vect
 def _problems(recorder, probe, found, size, groups, leaked):
     """What the shape pass found that the recorded layers cannot attribute to examples: a list
     of ``(chains, variables, message)``, ``chains`` the enclosing call chains a caller must be
-    common to (:meth:`engine_rows.Probe.caller`), ``variables`` the weights it must track."""
+    common to (:meth:`row_probe.Probe.caller`), ``variables`` the weights it must track."""
     if leaked is not None:  # the pass stopped there: the rest is seen in the next pass
         return [([probe.leak] if probe.leak else [], [], (
             "clipping='ghost' on JAX: a layer with trainable weights is called inside a JAX control-flow body "
@@ -299,25 +297,28 @@ def _problems(recorder, probe, found, size, groups, leaked):
     return out
 
 
+def _is_leak(err) -> bool:  # JAX's report of a tracer leaked out of a control-flow body
+    return "Leaked trace" in str(err) or isinstance(err, jax.errors.UnexpectedTracerError)
+
 def _plan(model, forward, size, strict):
     """The targets of one step: ``(found, shapes, grouped)``, ``found`` as :func:`targets` gives
     them once every layer whose rows are not examples (or that is called in a control-flow body,
     or whose weight is read outside its call) is clipped through its caller
-    (:mod:`~keras_noisecurve.backend.jax.engine_rows`), ``shapes`` the perturbations' shapes and
+    (:mod:`~keras_noisecurve.backend.common.row_probe`), ``shapes`` the perturbations' shapes and
     ``grouped`` the ids of those callers. Each shape pass (``jax.eval_shape``) that finds a
     problem adds its callers and runs again. ``None`` (``strict`` false) or ValueError
     (``strict``) when a problem has no caller but the model itself."""
     groups = []
     for _ in range(len(list(_compat.flatten_layers(model))) + 1):
         found = targets(model, groups)
-        recorder, probe = _Recorder([layer for layer, _ in found]), engine_rows.Probe(model)
+        recorder, probe = _Recorder([layer for layer, _ in found]), row_probe.Probe(model, is_leak=_is_leak)
         recorder.targets, recorder.probe = found, probe
         leaked = None
         try:
             with probe.installed(), jax.checking_leaks():  # a recorded call in a control-flow body leaks
                 jax.eval_shape(lambda: forward(None, recorder))
         except Exception as err:  # noqa: BLE001 - jax.checking_leaks raises a plain Exception("Leaked trace ...")
-            if not engine_rows.is_leak(err):
+            if not _is_leak(err):
                 raise
             leaked = err
         problems = _problems(recorder, probe, found, size, {id(g) for g in groups}, leaked)
@@ -474,7 +475,7 @@ def ghost_norms(model, loss_fn, trainable, non_trainable, x, y, weights, *, trai
         if observer is not None:
             observer.append((layer, "caller" if id(layer) in grouped else layer_rules.GENERIC, list(owned), layer_sq))
         parts.append((owned, lambda c, keep=None, per=per, owned=owned: {
-            id(v): jnp.tensordot(c, kept(p, keep), axes=1) for v, p in zip(owned, per)}))
+            id(v): jnp.tensordot(c, norm_forms.kept(p, keep), axes=1) for v, p in zip(owned, per)}))
 
     def sums_fn(c, keep=None):
         c = c.astype(_F32)

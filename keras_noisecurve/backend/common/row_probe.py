@@ -1,5 +1,6 @@
-"""Layers whose rows are not examples, clipped on JAX through a caller
-(:mod:`keras_noisecurve.backend.jax.ghost`; the TensorFlow engine does the same in
+"""Layers whose rows are not examples, clipped through a caller by an engine that plans its targets
+from a shape pass of the traced step (JAX's, :mod:`keras_noisecurve.backend.jax.ghost`; written in
+Keras, no framework import; the TensorFlow engine does the same in
 ``keras_noisecurve/backend/tensorflow/engine_rows.py``).
 
 Ghost clipping attributes a layer's gradient to examples by the leading axis of the
@@ -10,8 +11,8 @@ arrays its call sees. Some weighted layers cannot be attributed that way:
   embeddings): the gradient at its output is already the sum over examples;
 * **rows that are tokens**: examples reshaped to P·L rows (Mixtral's MoE router ``Dense``
   and expert bank, any layer after a ``Reshape`` to rows);
-* a weighted layer called inside a JAX control-flow body (``keras.ops.fori_loop``,
-  ``scan``) of a custom layer, whose calls cannot be recorded one by one;
+* a weighted layer called inside a control-flow body (``keras.ops.fori_loop``, ``scan``) of a
+  custom layer, whose calls cannot be recorded one by one (JAX reports a leaked tracer);
 * a weight read outside its own layer's call (a tied head reading an embedding table).
 
 Each is exact when clipped through the innermost CALLER whose own call takes one row per
@@ -19,17 +20,18 @@ example: a layer enclosing every call of the problem layer (and, for a read, the
 itself) whose first array argument has P rows and whose floating outputs have P or k·P
 rows, and which tracks the problem layer's weights. The engine then records that caller
 instead of the layers under it and clips it as ONE target of the per-layer fallback
-(``jax.vmap`` over examples of the VJP of the caller's call with respect to every
+(on JAX ``jax.vmap`` over examples of the VJP of the caller's call with respect to every
 trainable weight under it): example i's rows go in, example i's outputs come out,
 broadcast, reshape and loop included. An output of the caller with k·P rows (Mixtral's
 router logits) is split into P groups of k rows, example-major (rows i·k … i·k + k − 1
 are example i's, as a reshape of (P, k, ...) lays them out).
 
-:class:`Probe` watches the engine's shape pass (``jax.eval_shape`` of the recorded
+:class:`Probe` watches the engine's shape pass (on JAX ``jax.eval_shape`` of the recorded
 forward pass, run anyway before every traced step): every layer of the model has its
 instance's ``call`` wrapped to note the rows of its first array argument and of its
 floating outputs and the chain of layer calls enclosing it, and the innermost layer call
-through which a leaked-tracer error passes (a recorded call inside a control-flow body).
+through which an error the backend's ``is_leak`` recognises passes (a recorded call inside a
+control-flow body).
 :meth:`Probe.caller` picks the caller from those notes. The model itself is never a
 caller: when only it encloses the problem, the problem stands (``clipping="auto"`` uses
 the vectorized engine, ``"ghost"`` refuses).
@@ -39,13 +41,12 @@ from __future__ import annotations
 
 import contextlib
 
-import jax
-import jax.numpy as jnp
+import keras
 
 from keras_noisecurve import _compat
 from keras_noisecurve.backend.common.calls import wrapped_calls
 
-__all__ = ["Probe", "is_leak", "rows_ok"]
+__all__ = ["Probe", "rows_ok"]
 
 
 def _rows(leaf):
@@ -53,12 +54,11 @@ def _rows(leaf):
 
 
 def _array(x):
-    return isinstance(x, (jax.Array, jax.core.Tracer)) or hasattr(x, "shape") and hasattr(x, "dtype")
+    return hasattr(x, "shape") and hasattr(x, "dtype")
 
 
-def is_leak(err) -> bool:
-    """Whether ``err`` is JAX's report of a tracer leaked out of a control-flow body."""
-    return "Leaked trace" in str(err) or isinstance(err, jax.errors.UnexpectedTracerError)
+def _floating(leaf) -> bool:
+    return keras.backend.is_float_dtype(keras.backend.standardize_dtype(leaf.dtype))
 
 
 def rows_ok(rows_in, rows_out, size, *, grouped) -> bool:
@@ -78,10 +78,12 @@ class Probe:
     ``calls``: per completed call, ``(layer, rows_in, rows_out, enclosing)`` with
     ``enclosing`` the tuple of layers whose calls enclose it, outermost first (the model
     itself is left out). ``leak``: the enclosing chain, innermost last, of the innermost
-    call through which a leaked-tracer error passed (``None``: none). ``stack``: the chain
+    call through which an error passed that ``is_leak(error) -> bool`` recognises as a
+    recorded value leaked out of a control-flow body (``None``: none). ``stack``: the chain
     of the calls running now (read by the engine when a weight is read)."""
 
-    def __init__(self, model):
+    def __init__(self, model, *, is_leak=lambda error: False):
+        self.is_leak = is_leak
         self.layers = list(_compat.flatten_layers(model, include_self=False, recursive=True))
         self.stack = []
         self.calls = []
@@ -104,19 +106,18 @@ class Probe:
     def around(self, layer, run, args, kwargs):
         """``run()`` as ``layer``'s call on ``(args, kwargs)``: on the stack while it runs, its rows
         recorded when it returns."""
-        first = next((a for a in jax.tree_util.tree_leaves((args, kwargs)) if _array(a) and len(a.shape)), None)
+        first = next((a for a in keras.tree.flatten((args, kwargs)) if _array(a) and len(a.shape)), None)
         enclosing = tuple(self.stack)
         self.stack.append(layer)
         try:
             out = run()
         except Exception as err:
-            if self.leak is None and is_leak(err):
+            if self.leak is None and self.is_leak(err):
                 self.leak = tuple(self.stack)
             raise
         finally:
             self.stack.pop()
-        outs = [_rows(leaf) for leaf in jax.tree_util.tree_leaves(out)
-                if _array(leaf) and jnp.issubdtype(leaf.dtype, jnp.floating)]
+        outs = [_rows(leaf) for leaf in keras.tree.flatten(out) if _array(leaf) and _floating(leaf)]
         self.calls.append((layer, None if first is None else first.shape[0], outs, enclosing))
         return out
 

@@ -1,7 +1,9 @@
-"""The ghost-norm rules of the JAX clipping engine (:mod:`keras_noisecurve.backend.jax.ghost`), in the
-order they are tried: per-example squared gradient norms and the clipped sum of one layer's weights
-from its recorded input ``a`` and the gradient ``g`` at its output, without forming per-example
-weight gradients (where that is cheaper).
+"""The rule registry of an engine whose kernels are functions (``layer_rules.layer_kernel``), written
+once in ``keras.ops``: the JAX engine's (:mod:`keras_noisecurve.backend.jax.ghost`), and a new backend's.
+It gives the kernels of ``layer_rules.BUILTIN`` for the backend in use, in the order they are tried,
+with the rules registered by :func:`register_rule` before them: per-example squared gradient norms and
+the clipped sum of one layer's weights from its recorded input ``a`` and the gradient ``g`` at its
+output, without forming per-example weight gradients (where that is cheaper).
 
 Notation: P examples; a call's input ``a`` (P, ..., d_in) and output gradient ``g``
 (P, ..., d_out), ``g = ∂(Σ_i w_i·loss_i)/∂z`` with ``z`` the layer's (pre-activation)
@@ -9,61 +11,58 @@ output; ``c`` (P,) the clipping factors ``min(1, ζ/‖w_i·∇loss_i‖)``. A l
 several times (a shared layer) has its calls' positions concatenated: its per-example
 gradient is the sum over all its calls.
 
-The rules are the JAX kernels of ``keras_noisecurve.backend.common.layer_rules.BUILTIN`` (one table for
-both engines: the order, and each family's ``kind``, what ``describe`` reports). Each is a function
-``rule(layer, calls) -> (sq, sums)`` or ``None`` (the engine then uses the exact per-layer fallback): ``sq`` (P,) float32 per-example squared norms of the
-gradient of the layer's own weights, ``sums(c, keep=None)`` a dict ``{id(variable): Σ_i c_i·G_i}``
-(with ``keep`` (P,) bool: the rows of examples not kept zeroed first, see :func:`kept`).
-``calls`` is a list of dicts with ``"a"`` (the first positional argument of ``call``) and
-``"g"`` (the gradient at the call's single output), and ``"args"``, the call's ``(args, kwargs)`` as
-recorded; a rule runs under a ``keras.StatelessScope`` mapping every model variable to its traced
-value (``variable.value`` is the step's value, read at rule time).
+Each rule is a function ``rule(layer, calls) -> (sq, sums)`` or ``None`` (the engine then uses the
+exact per-layer fallback): ``sq`` (P,) float32 per-example squared norms of the gradient of the
+layer's own weights, ``sums(c, keep=None)`` a dict ``{id(variable): Σ_i c_i·G_i}`` (with ``keep``
+(P,) bool: the rows of examples not kept zeroed first, ``norm_forms.kept``). ``calls`` is a list of
+dicts with ``"a"`` (the first positional argument of ``call``) and ``"g"`` (the gradient at the
+call's single output), and ``"args"``, the call's ``(args, kwargs)`` as recorded; a rule runs under a
+``keras.StatelessScope`` mapping every model variable to its traced value (``variable.value`` is the
+step's value, read at rule time).
 
 One module per layer family, written once in ``backend/common/``: ``ghost_dense`` (Dense,
 EinsumDense, Embedding), ``ghost_norm`` (LayerNormalization, GroupNormalization), ``ghost_conv``
-(convolutions; its windows and filter gradients from ``backend/common/defaults/ghost_conv``),
-``ghost_lora`` (LoRA-enabled Dense and EinsumDense), ``ghost_embedding`` (KerasHub's embeddings),
-``ghost_scale`` (RMS-type norms, recognised by what they compute), ``ghost_rnn`` (recurrent
-layers). A kernel with a ``forward`` (:func:`forward_of`) has it run in place of the layer's call
-while the step is recorded: its ``"g"`` is the gradient at the forward's ``z``, its ``"saved"`` what
-the forward saved.
+(convolutions; its windows and filter gradients from the backend's ``ghost_conv`` or
+``backend/common/defaults/ghost_conv``), ``ghost_lora`` (LoRA-enabled Dense and EinsumDense),
+``ghost_embedding`` (KerasHub's embeddings), ``ghost_scale`` (RMS-type norms, recognised by what they
+compute: :func:`affine_scale_probe`), ``ghost_rnn`` (recurrent layers). A kernel with a ``forward``
+(:func:`forward_of`) has it run in place of the layer's call while the step is recorded: its ``"g"``
+is the gradient at the forward's ``z``, its ``"saved"`` what the forward saved.
 """
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
 import keras
 import numpy as np
 
+from keras_noisecurve import backend
 from keras_noisecurve.backend.common import affine_scale, layer_rules
 from keras_noisecurve.backend.common.layer_classes import runs_call_of
 from keras_noisecurve.backend.common.ghost_conv import PRE_ACTIVATION
-from keras_noisecurve.backend.common.norm_forms import kept, sequence_sq_norms, token_sq_norms
 
-__all__ = ["RULES", "find_rule", "forward_of", "is_registered", "kept", "probe_affine_scale", "register_rule", "rule_table", "sequence_sq_norms", "token_sq_norms",
+__all__ = ["RULES", "affine_scale_probe", "find_rule", "forward_of", "is_registered", "register_rule", "rule_table",
            "uses_pre_activation"]
 
 
 def _outputs(layer, weight, value, x):
     """The layer's output (float64 numpy) on ``x`` in its compute dtype, ``weight`` read as ``value``."""
-    with keras.StatelessScope(state_mapping=[(weight, jnp.asarray(value, weight.dtype))]):
-        y = layer.call(jnp.asarray(x, layer.compute_dtype))
+    mapping = [(weight, keras.ops.convert_to_tensor(value, dtype=weight.dtype))]
+    with keras.StatelessScope(state_mapping=mapping):
+        y = layer.call(keras.ops.convert_to_tensor(x, dtype=layer.compute_dtype))
     if not hasattr(y, "shape"):
         raise TypeError("not one array output")
-    return np.asarray(y, np.float64)
+    return np.asarray(keras.ops.convert_to_numpy(y), np.float64)
 
 
-_PROBE = affine_scale.AffineScaleProbe(outputs=_outputs, scope=jax.ensure_compile_time_eval)
-
-
-def probe_affine_scale(layer) -> bool:
-    """Whether ``layer`` computes ``y = u(x) ⊙ (α + w)`` with its one weight ``w`` (d,) along the
-    last axis and ``u`` independent of ``w`` (cached per layer and weight): the layer's call runs at
-    compile time (``jax.ensure_compile_time_eval``, concrete arrays even inside a traced step), as
-    :class:`~keras_noisecurve.backend.common.affine_scale.AffineScaleProbe` says. Any exception of
-    the call counts as "no" (the per-layer fallback)."""
-    return _PROBE(layer)
+def affine_scale_probe(*, scope):
+    """The backend's ``probe_affine_scale(layer) -> bool``: whether ``layer`` computes
+    ``y = u(x) ⊙ (α + w)`` with its one weight ``w`` (d,) along the last axis and ``u`` independent of
+    ``w`` (cached per layer and weight), as
+    :class:`~keras_noisecurve.backend.common.affine_scale.AffineScaleProbe` says; the layer's ``call``
+    runs on concrete arrays under ``scope()``, a context manager factory that keeps it out of a traced
+    step (JAX: ``jax.ensure_compile_time_eval``; a backend that runs eagerly:
+    ``contextlib.nullcontext``). Any exception of the call counts as "no" (the per-layer fallback)."""
+    return affine_scale.AffineScaleProbe(outputs=_outputs, scope=scope)
 
 
 def uses_pre_activation(layer) -> bool:
@@ -77,16 +76,21 @@ def uses_pre_activation(layer) -> bool:
 _LINEAR = (keras.layers.Dense, keras.layers.EinsumDense)
 
 
-#: The built-in rules with a JAX kernel, ``(kind, function)`` in the order of
+def _builtin(name):
+    kernels = ((spec.kind, spec.kernel(name)) for spec in layer_rules.BUILTIN)
+    return tuple((kind, kernel) for kind, kernel in kernels if kernel is not None)
+
+
+#: The built-in rules with a kernel for the backend in use, ``(kind, function)`` in the order of
 #: ``layer_rules.BUILTIN``; the first that returns a result is used.
-RULES = tuple((spec.kind, spec.kernel("jax")) for spec in layer_rules.BUILTIN if (spec.jax or spec.common) is not None)
+RULES = _builtin(backend.name())
 
 
 _REGISTERED: list = []  # (kind, function, key)
 
 
 def register_rule(rule) -> None:
-    """Put ``rule`` before the built-in :data:`RULES`: a ``layer_rules.LayerRule`` (its JAX kernel;
+    """Put ``rule`` before the built-in :data:`RULES`: a ``layer_rules.LayerRule`` (its kernel for the backend in use;
     one without is skipped: the fallback clips its layers here), or a function
     ``rule(layer, calls) -> (sq, sums)`` or ``None`` (the contract above; its kind is its name).
     Registered rules are tried in the order they were registered; registering a rule of the same
@@ -97,11 +101,11 @@ def register_rule(rule) -> None:
       TypeError: ``rule`` is neither.
     """
     if isinstance(rule, layer_rules.LayerRule):
-        function = rule.kernel("jax")
+        function = rule.kernel(backend.name())
         if function is None:
             return
         if not callable(function):
-            raise TypeError(f"the jax kernel of rule {rule.kind!r} must be a function rule(layer, calls), "
+            raise TypeError(f"the {backend.name()} kernel of rule {rule.kind!r} must be a function rule(layer, calls), "
                             f"got {function!r}")
         kind, key = rule.kind, ("kind", rule.kind)
     elif callable(rule) and hasattr(rule, "__name__"):
@@ -160,7 +164,7 @@ def find_rule(layer, calls):
 def rule_table(*, registered: bool = True) -> list:
     """One row per rule the engine tries, in order (registered rules first; ``registered=False``:
     the built-in :data:`RULES` only): ``{"kind", "summary"}``, ``kind`` what
-    :func:`~keras_noisecurve.backend.jax.ghost.describe` reports for a layer the rule takes,
+    the backend's ``ghost.describe`` reports for a layer the rule takes,
     ``summary`` the first paragraph of its function's docstring."""
     rows = []
     for kind, rule in (*((k, f) for k, f, _ in (_REGISTERED if registered else ())), *RULES):
