@@ -418,11 +418,11 @@ def backend_module_requests() -> list[tuple[str, int, object]]:
 
 
 def cross_backend_imports() -> list[str]:
-    """Imports of one backend package's modules from another's."""
+    """Imports of one backend package's modules from another's, or from ``backend/common``."""
     found = modules()
     out = []
     for module in found:
-        for name in FRAMEWORKS:
+        for name in (*FRAMEWORKS, "common"):
             if not module.startswith(f"{PACKAGE}.backend.{name}."):
                 continue
             for other in FRAMEWORKS:

@@ -8,7 +8,7 @@ neutral code above asks :func:`module` for the modules of :data:`MODULES` and br
 backend name. A package's own ``MODULES`` lists the seam modules it has: all of them, but for
 those of :data:`OPTIONAL` it leaves to ``backend.common.defaults``, where a module of the same
 name does what a backend without the feature does (``devices``: nothing to quiet; ``ghost_conv``:
-``keras.ops`` convolutions) or refuses it,
+``keras.ops`` convolutions; ``pipeline``: the run's batches as a ``keras.utils.PyDataset``) or refuses it,
 saying why (``distributed``: ``tf.distribute``; ``tf_privacy``: TensorFlow Privacy). A package
 lists the public names it has not in ``REFUSED`` (asked through :func:`refuses`).
 
@@ -52,9 +52,10 @@ MODULES = (
 )
 
 #: the modules of :data:`MODULES` a package may leave out: ``backend.common.defaults`` has each,
-#: for a backend with nothing to do (``devices``), whose ``keras.ops`` serve (``ghost_conv``), or
-#: without the feature (the others refuse it)
-OPTIONAL = ("devices", "distributed", "ghost_conv", "tf_privacy")
+#: for a backend with nothing to do (``devices``), whose ``keras.ops`` serve (``ghost_conv``), whose
+#: Keras trainer takes a ``PyDataset`` in one process (``pipeline``), or without the feature (the
+#: others refuse it)
+OPTIONAL = ("devices", "distributed", "ghost_conv", "pipeline", "tf_privacy")
 
 
 def name() -> str:

@@ -9,7 +9,8 @@
 - The modules of the list export the same public names (``__all__``) on every backend, but for
   the per-backend extras of :data:`EXTRAS`, each with its reason.
 - What a backend has not is its package's ``REFUSED``, public names of the library.
-- One backend package imports another only where :data:`CROSS_IMPORTS` says why.
+- A backend package (or ``backend/common``) imports a backend package only where :data:`CROSS_IMPORTS`
+  says why.
 
 ``tests/test_layout.py`` checks the rest of the seam: no framework import outside its package, no
 backend-name branch and no import of a backend package in neutral code, no back-arrow.
@@ -76,14 +77,19 @@ EXTRAS = {
         "RunBatches": "the PyDataset of a run's batches, which JAX's dp_model recognises in fit",
         "shared_key": "process 0's key in every JAX process, for the optimizer's build",
     },
+    ("pipeline", "common/defaults"): {
+        "RunBatches": "the PyDataset of a run's batches (JAX's is this class; TensorFlow's batches are tf.data)",
+        "shared_key": "the run's key for an optimizer's build, where JAX shares process 0's (TensorFlow's "
+        "optimizer needs none)",
+    },
 }
 
 #: backend module -> the other backend's module it imports, and why
 CROSS_IMPORTS = {
-    f"{PACKAGE}.backend.jax.pipeline": (
+    f"{PACKAGE}.backend.common.defaults.pipeline": (
         f"{PACKAGE}.backend.tensorflow.pipeline",
         "tf.data inputs are TensorFlow's on any Keras backend (a program that made a tf.data.Dataset has "
-        "TensorFlow): JAX's pipeline hands them to TensorFlow's, imported when one is used",
+        "TensorFlow): the default pipeline (JAX's too) hands them to TensorFlow's, imported when one is used",
     ),
 }
 
@@ -151,7 +157,7 @@ def test_the_modules_of_the_list_export_the_same_names():
 
 def test_every_extra_has_a_reason():
     for (module, backend), names in EXTRAS.items():
-        assert module in layout_rules.seam_modules() and backend in BACKENDS, (module, backend)
+        assert module in layout_rules.seam_modules() and backend in (*BACKENDS, DEFAULTS), (module, backend)
         assert names and all(isinstance(why, str) and len(why) > 20 for why in names.values()), (module, backend)
 
 
@@ -167,7 +173,7 @@ def test_what_a_backend_refuses_is_a_public_name_of_the_library():
 
 
 #: a seam module a package may leave out -> the public names the package must then refuse
-REFUSED_WITHOUT = {"devices": set(), "distributed": {"fit_distributed"}, "ghost_conv": set(),
+REFUSED_WITHOUT = {"devices": set(), "distributed": {"fit_distributed"}, "ghost_conv": set(), "pipeline": set(),
                    "tf_privacy": {"BandedMatrixFactorizationQuery"}}
 
 

@@ -278,3 +278,22 @@ def test_a_banded_poisson_dataset_fit_starts_and_continues_at_the_optimizer_s_st
         assert int(np.asarray(optimizer.iterations.value)) == done
     with pytest.raises(RuntimeError, match="the plan of 16 steps is complete"):
         private.fit(dataset, epochs=1, steps_per_epoch=T, verbose=0)
+
+
+def test_a_backend_that_leaves_out_its_pipeline_trains_the_same_run_from_the_default(monkeypatch):
+    """``pipeline`` is optional: a backend without one (one process) is served
+    ``backend/common/defaults/pipeline.py``, whose batches make the same run as JAX's own pipeline
+    (its processes' agreement added to the default), bit for bit."""
+    from keras_noisecurve import backend
+    from keras_noisecurve.backend import jax as jax_package
+    from keras_noisecurve.backend.common.defaults import pipeline as default
+
+    monkeypatch.setattr(jax_package, "MODULES", tuple(m for m in jax_package.MODULES if m != "pipeline"))
+    assert backend.module("pipeline") is default
+    run = _run("banded")
+    private, steps = _model(run), _Steps()
+    private.fit(run.dataset(*_data()), verbose=0, callbacks=[steps])
+    assert steps.steps == list(range(1, T + 1))
+    _assert_same(_weights(private), _uninterrupted("banded"))
+    with pytest.raises(ValueError, match="input_context is a tf.distribute argument; the jax backend has none"):
+        default.plan_batches(None, input_context=object())

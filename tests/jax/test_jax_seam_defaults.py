@@ -1,5 +1,6 @@
 """What the JAX package leaves to ``backend/common/defaults``: ``devices`` lists JAX's devices
-and holds nothing back; ``distributed`` and ``tf_privacy`` refuse, naming the backend and what
+and holds nothing back; ``ghost_conv`` is Keras's convolutions; ``pipeline`` is JAX's own (the
+default's, with its processes' agreement); ``distributed`` and ``tf_privacy`` refuse, naming the backend and what
 to call instead; ``backend.module`` refuses a name that is no seam module."""
 
 import pytest
@@ -10,7 +11,8 @@ from keras_noisecurve import backend
 
 def test_the_modules_jax_leaves_out_come_from_the_defaults():
     for name in backend.OPTIONAL:
-        assert backend.module(name).__name__ == f"keras_noisecurve.backend.common.defaults.{name}"
+        owner = "jax" if name == "pipeline" else "common.defaults"
+        assert backend.module(name).__name__ == f"keras_noisecurve.backend.{owner}.{name}"
     assert backend.module("noise").__name__ == "keras_noisecurve.backend.jax.noise"
     devices = backend.module("devices")
     assert devices.probe() is None and devices.quiet_python_logs() is None

@@ -1,19 +1,7 @@
-"""The input pipeline of a private run on JAX: the plan's batches as a
-``keras.utils.PyDataset`` (:func:`plan_batches`).
-
-``run_batches(batches, position)`` wraps the numpy step batches of a run (an object with
-``len()`` and ``batches[i] -> (x, y, mask, step)``, ``keras_noisecurve.privacy.
-step_batches.StepBatches``) so Keras's JAX trainer can index them: item i is step
-``start + i`` of the plan, and Keras may restart the iteration from item 0 (it does,
-after reading one batch to build the model) without skipping a step. ``start`` is read
-from the optimizer when the batches are made and again before ``fit``'s first step, after
-the callbacks' ``on_train_begin`` (where ``BackupAndRestore`` restores the optimizer), and
-before each iteration of a custom loop (:meth:`RunBatches.restart`).
-
-Keras's ``PyDataset`` items are ``(inputs, targets, sample_weights)`` at most, so an item
-``batches[i]`` carries the step inside the inputs: ``({"inputs": x, STEP_KEY: step},
-y, mask)``; the private model's ``train_step`` takes it apart (``keras_noisecurve.backend.common.run_batch.split_step``).
-Iterating the dataset (a custom loop) yields ``(x, y, mask, step)`` as on TensorFlow.
+"""The input pipeline of a private run on JAX: the one-process pipeline of
+``keras_noisecurve.backend.common.defaults.pipeline`` (the plan's batches as a
+``keras.utils.PyDataset``, ``tf.data`` inputs handed to TensorFlow), with the agreement of
+several JAX processes.
 
 Under several JAX processes (``jax.distributed.initialize``) every process iterates the
 same plan and serves ITS rows of each step (``StepBatches(parts=, part=)`` with
@@ -23,111 +11,19 @@ key, on the same examples in the same order: before the first batch they compare
 ``process_allgather`` of the step, the key and the data's fingerprint) and every process
 refuses when one differs; a fresh run's key is process 0's (:func:`agreed_position`; the
 optimizer's ``build`` broadcasts its keys the same way, :func:`shared_key`).
-
-``tf.data`` inputs (a ``tf.data.Dataset`` of examples, ``banded_poisson_dataset``, an example
-source's tensors in a ``tf.data`` map function) are TensorFlow's on any Keras backend: a
-program that made a ``tf.data.Dataset`` has TensorFlow. :func:`gather`, :func:`tensor_spec`,
-:func:`materialize` and :func:`plan_steps_dataset` hand them to the TensorFlow backend's
-pipeline, imported when one is used (numpy sources never import TensorFlow here).
 """
 
 from __future__ import annotations
-
-import importlib
 
 import jax
 import keras
 import numpy as np
 from jax.experimental import multihost_utils
 
-from keras_noisecurve.backend.common.run_batch import STEP_KEY
+from keras_noisecurve.backend.common.defaults.pipeline import (
+    RunBatches, gather, materialize, plan_steps_dataset, serve, tensor_spec)
 
 __all__ = ["RunBatches", "gather", "materialize", "plan_batches", "plan_steps_dataset", "shared_key", "tensor_spec"]
-
-
-class RunBatches(keras.utils.PyDataset):
-    """The step batches of a run as a ``PyDataset`` (one batch per item, read in order):
-    item i is step ``start + i``.
-
-    ``start`` is the optimizer's step when the batches were made, read again (with the
-    sampling key) by :meth:`restart` when ``position`` is given: iterating (a custom loop)
-    restarts first, and a private model's ``fit`` restarts after every callback's
-    ``on_train_begin`` (:meth:`restart_callback`), where ``BackupAndRestore`` restores the
-    optimizer, after ``fit`` made the batches and built the model from the first. So the
-    batches start where the optimizer stands before the first step, as the ``tf.data``
-    pipeline, which reads the position when it is iterated.
-
-    Args:
-      batches: a ``StepBatches`` from the optimizer's position now.
-      position: ``None`` or a function returning the optimizer's position ``(step, key)``
-        then, the same in every JAX process (:func:`agreed_position`, a collective: every
-        process restarts together).
-    """
-
-    def __init__(self, batches, position=None):
-        super().__init__(workers=1, use_multiprocessing=False)
-        self._batches = batches
-        self._position = position
-        self._held = False
-
-    @property
-    def start(self) -> int:
-        """The step of item 0."""
-        return self._batches.start
-
-    def restart(self) -> None:
-        """Read the optimizer's position again: item 0 is its step from now on."""
-        self._held = False
-        if self._position is not None:
-            self._batches = self._batches.at(self._position())
-
-    def restart_callback(self) -> keras.callbacks.Callback:
-        """The callback that restarts these batches in ``fit``'s ``on_train_begin``: pass it
-        after every other callback (``on_train_begin`` runs them in order, the user's restores
-        first). Until then :attr:`num_batches` is the plan's step count."""
-        self._held = True
-        return _RestartAtTrainBegin(self)
-
-    def __len__(self) -> int:
-        return len(self._batches)
-
-    @property
-    def num_batches(self) -> int:
-        """What Keras counts: ``len()``, but the plan's whole step count T while a ``fit`` has
-        yet to restart the batches. Keras's epoch iterator counts the batches before the
-        callbacks' ``on_train_begin`` and ends an epoch early (restarting at item 0) after that
-        many: a count that never falls short of what remains after any restore (a restore to
-        an earlier step lengthens the batches). Until the restart, Keras reads items only to
-        build the model, and an item past ``len()`` is the last batch. After it the count is
-        ``len()`` again: Keras's pass over the items, made after ``on_train_begin``, ends
-        after the plan's last step (an accelerator's look-ahead reads no item past it)."""
-        return self._batches.run.steps if self._held else len(self)
-
-    def __getitem__(self, index):
-        batches = self._batches
-        if self._held:  # before the restart Keras reads batches only to build the model: the first, and on an
-            # accelerator one ahead, within the count T of num_batches; any index gets a batch there is
-            index = min(int(index), len(batches) - 1)
-        x, y, mask, step = batches[index]
-        return {"inputs": x, STEP_KEY: step}, y, mask
-
-    def __iter__(self):
-        """``(x, y, mask, step)`` of each remaining step, in order, from the optimizer's step
-        when the iteration begins."""
-        self.restart()
-        batches = self._batches
-        return (batches[i] for i in range(len(batches)))
-
-
-class _RestartAtTrainBegin(keras.callbacks.Callback):
-    """``batches.restart()`` in ``on_train_begin`` (:meth:`RunBatches.restart_callback`)."""
-
-    def __init__(self, batches):
-        super().__init__()
-        self._batches = batches
-
-    def on_train_begin(self, logs=None):
-        self._batches.restart()
 
 
 def batch_shards() -> int:
@@ -218,12 +114,6 @@ def _check_agreement(every, process) -> None:
             "each process would sample other examples. Every process must restore the same checkpoint.")
 
 
-def run_batches(batches, position=None) -> RunBatches:
-    """``batches`` (``StepBatches``) as a :class:`RunBatches` ``PyDataset``, which reads
-    ``position()`` (the optimizer's agreed position) again when it restarts."""
-    return RunBatches(batches, position)
-
-
 def plan_batches(plan, input_context=None) -> RunBatches:
     """``RunData.batches(...)`` on JAX: a :class:`RunBatches` of the run's ``BatchPlan``
     (``keras_noisecurve.privacy.step_batches``), this process's rows of each step, starting at
@@ -231,39 +121,5 @@ def plan_batches(plan, input_context=None) -> RunBatches:
     batches restart). ``input_context`` (a ``tf.distribute`` argument) is refused."""
     if input_context is not None:
         raise ValueError("input_context is a tf.distribute argument; the JAX backend has none.")
-
-    def agreed():  # read now and again before fit's first step (a restore), or a loop's iteration
-        # the same in every JAX process, on the same examples in the same order, else refused in all;
-        # compared before this process's own check_plan, whose refusal alone would leave the others waiting
-        step_key = agreed_position((*plan.position(check=False), plan.built()), plan.source.fingerprint())
-        plan.position()
-        return step_key
-
-    parts, part, multiple = input_parts()
-    return run_batches(plan.step_batches(agreed(), parts=parts, part=part, multiple=multiple), agreed)
-
-
-# ------------------------------------------------------------ tf.data inputs: TensorFlow's
-def _tf_data():
-    """The TensorFlow backend's pipeline (imports TensorFlow): ``tf.data`` is TensorFlow's."""
-    return importlib.import_module("keras_noisecurve.backend.tensorflow.pipeline")
-
-
-def gather(source, indices) -> tuple:
-    """An example source's rows as tensors in a ``tf.data`` map function: TensorFlow's ``gather``."""
-    return _tf_data().gather(source, indices)
-
-
-def tensor_spec(spec):
-    """The ``tf.TensorSpec`` of one leaf of an example: TensorFlow's ``tensor_spec``."""
-    return _tf_data().tensor_spec(spec)
-
-
-def materialize(dataset, *, max_bytes: int):
-    """A ``tf.data.Dataset`` of examples read into numpy: TensorFlow's ``materialize``."""
-    return _tf_data().materialize(dataset, max_bytes=max_bytes)
-
-
-def plan_steps_dataset(plan, optimizer=None, *, with_step=False):
-    """The ``tf.data.Dataset`` of ``banded_poisson_dataset``'s low-level plan: TensorFlow's."""
-    return _tf_data().plan_steps_dataset(plan, optimizer, with_step=with_step)
+    # the same in every JAX process, on the same examples in the same order, else refused in all
+    return serve(plan, agree=agreed_position, parts=input_parts())
