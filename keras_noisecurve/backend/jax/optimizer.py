@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from keras_noisecurve.backend.common import messages
+from keras_noisecurve.backend.common import messages, update
 from keras_noisecurve.backend.jax import noise as jax_noise
 from keras_noisecurve.backend.jax import pipeline as jax_pipeline
 from keras_noisecurve.backend.jax import sharding as jax_sharding
@@ -191,12 +191,5 @@ class OptimizerBackend:
 
     def _dp_apply_update(self, gradient, variable, learning_rate, noise_term):
         """``ĝ = (gradient + noise_term)/B``, then ``variable ← variable − η·ĝ`` or
-        ``inner.update_step(ĝ, variable, η_t)``."""
-        dtype = variable.dtype
-        total = jnp.asarray(gradient, dtype) + noise_term
-        batch = jnp.asarray(self.expected_batch_size, dtype)
-        inner = self.inner
-        if inner is None:  # the TensorFlow path's order of operations: (η/B)·(S + noise)
-            self.assign_sub(variable, (jnp.asarray(learning_rate, dtype) / batch) * total)
-        else:
-            inner.update_step(total / batch, variable, learning_rate)
+        ``inner.update_step(ĝ, variable, η_t)`` (``update.apply_update``, every backend's)."""
+        update.apply_update(self, gradient, variable, learning_rate, noise_term)

@@ -6,7 +6,8 @@ creation, the per-step noise work and the per-variable update in TensorFlow ops.
 under JAX), picked once when ``keras_noisecurve.training.optimizer`` is imported
 (``backend.module("optimizer")``). Its hooks: ``_dp_check_inner_strategy``,
 ``_dp_key_variable``, ``_dp_state_variable``, ``_dp_check_inner_steps``,
-``_dp_read_position`` and ``update_step``; what they need of the optimizer (the noise
+``_dp_read_position`` and ``update_step`` (whose update, ĝ = (S + ζσz̃)/B, is ``backend.common.update``, every
+backend's); what they need of the optimizer (the noise
 stream, the variable index, the inner optimizer) they reach through ``self``.
 """
 
@@ -16,6 +17,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_noisecurve import _compat
+from keras_noisecurve.backend.common import update
 from keras_noisecurve.backend.tensorflow.noise import normal_from_seed, step_seed, variable_seed
 
 __all__ = ["STEP_DTYPE", "OptimizerBackend", "executing_eagerly"]
@@ -120,13 +122,7 @@ class OptimizerBackend:
                 else:
                     self.assign(state, write.value)
                 noise_term = tf.cast(std, dtype) * z_tilde
-        inner = self.inner
-        if inner is None:
-            rate = tf.cast(learning_rate, dtype) / tf.cast(self.expected_batch_size, dtype)
-            self.assign_sub(variable, rate * (tf.cast(gradient, dtype) + noise_term))
-        else:
-            privatized = (tf.cast(gradient, dtype) + noise_term) / tf.cast(self.expected_batch_size, dtype)
-            inner.update_step(privatized, variable, learning_rate)
+        update.apply_update(self, gradient, variable, learning_rate, noise_term)
 
 
     def _dp_count_normal(self, stream):
