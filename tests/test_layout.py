@@ -79,6 +79,8 @@ BACKEND_ONLY = {
         "engine_fallback": "the per-layer fallback by re-running a layer per example (JAX's is a vmap, in ghost)",
         "engine_rows": "rows that are not examples, found by tracing before any step (JAX's engine, which plans in its "
         "shape pass, uses the neutral backend/common/row_probe)",
+        "features": "the step's training features in TensorFlow ops, with tf.Variable counters (JAX's are the neutral "
+        "backend/common/step_features)",
         "engine_rules": "the registry of the Rule interface (JAX's engine, whose kernels are functions, uses the neutral "
         "backend/common/kernel_rules)",
         "engine_reads": "weights read outside their layer's call, found by tracing (recorded in ghost on JAX)",

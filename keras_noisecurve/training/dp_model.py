@@ -12,7 +12,7 @@ One training step (docs/design.md#update-rule):
 ``class_weight`` multiplies each example's weight before clipping, a layer's
 ``add_loss`` penalty on the weights only is added like a regulariser and one that
 depends on the data is refused (:mod:`keras_noisecurve.backend.tensorflow.features` on
-TensorFlow, :mod:`keras_noisecurve.backend.jax.features` on JAX). ``test_step`` reports the same loss as training (the compiled per-example
+TensorFlow, :mod:`keras_noisecurve.backend.common.step_features` on JAX). ``test_step`` reports the same loss as training (the compiled per-example
 loss, weighted mean over the batch); ``predict_step`` is Keras's own.
 """
 

@@ -81,7 +81,7 @@ def test_two_processes_equal_one_process_and_refuse_a_process_out_of_step(tmp_pa
         assert "stand at different steps of its plan ([0, 1]" in result["host_refused"]["error"]
         # a process feeding the rows of another step: every step refused, fit raises
         assert "its batch holds rows of step" in result["step_refused"]["error"]
-        assert "under several JAX processes: a process fed the rows of another step" in result["step_refused"]["error"]
+        assert "under several processes, as JAX runs them: a process fed the rows of another step" in result["step_refused"]["error"]
         # a process holding the examples in another order (an unseeded shuffle): refused in every
         # process before the first step, naming each process's fingerprint of its examples
         refused = result["data_refused"]

@@ -1,6 +1,6 @@
 """``fit(class_weight=...)`` of a private model: the table, validated (numpy only; the
 backends turn it into per-example weights: ``backend.tensorflow.features.class_weights`` on
-TensorFlow, ``backend.jax.features.class_weights`` on JAX)."""
+TensorFlow, ``backend.common.step_features.class_weights`` on JAX)."""
 
 from __future__ import annotations
 

@@ -14,8 +14,9 @@ One step, all under ``jax.jit`` (Keras's JAX trainer compiles ``train_step``)::
     (w, optimizer state) ← optimizer.stateless_apply_clipped_sum(S)
 
 with w_i the batch's mask (padding 0) times any sample weight times the class weight of
-``fit(class_weight=...)``, applied before clipping (``features`` has the non-finite count,
-the class weights and the add_loss check, as the TensorFlow step does them).
+``fit(class_weight=...)``, applied before clipping (``backend.common.step_features`` has the
+non-finite count and the class weights, :func:`weight_penalty` below the add_loss check, as the
+TensorFlow step does them).
 That is the ``clipping="vectorized"`` engine (:func:`~keras_noisecurve.backend.jax.clipping.clipped_sum`): the per-example
 gradients are exact for every layer (``vmap`` of the whole model's gradient);
 ``microbatch_size=m`` evaluates them m examples at a time (``jax.lax.map`` over chunks;
@@ -36,6 +37,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.extend.core as jax_core
 import jax.numpy as jnp
 import keras
 import numpy as np
@@ -43,10 +45,10 @@ import numpy as np
 from keras_noisecurve import _compat
 from keras_noisecurve._losses import float32_outputs, split_sample_weight, weigh_positions
 from keras_noisecurve.backend.common import messages
+from keras_noisecurve.backend.common import step_features as features
 from keras_noisecurve.backend.common.clip import unit_weights
 from keras_noisecurve.backend.common.units import per_row
 from keras_noisecurve.backend.common.run_batch import split_step as _split_step
-from keras_noisecurve.backend.jax import features
 from keras_noisecurve.backend.jax.clipping import clipped_sum
 from keras_noisecurve.backend.jax.ghost import ghost_clipped_sum
 from keras_noisecurve.backend.jax.pipeline import RunBatches
@@ -203,7 +205,7 @@ class TrainStepBackend:
         active = keras.distribution.distribution()
         if not (isinstance(x, RunBatches) and getattr(active, "auto_shard_dataset", False)):
             return super().fit(x, y, **kwargs)
-        # a run's batches are this process's block of each step already (pipeline.run_batches):
+        # a run's batches are this process's block of each step already (pipeline.serve):
         # Keras's multi-process check asks for a tf.data dataset it can shard itself
         active.auto_shard_dataset = False
         try:
@@ -289,7 +291,7 @@ class TrainStepBackend:
         weights, loss_fn, y_loss, positions = self._dp_weights(x, y, sample_weight)
         if class_weight is not None:  # fit(class_weight=...): w_i·cw[y_i], before clipping
             weights = weights * features.class_weights(class_weight, y)
-        penalty = features.weight_penalty(self, trainable, non_trainable, x)  # add_loss: weights only, else refused
+        penalty = weight_penalty(self, trainable, non_trainable, x)  # add_loss: weights only, else refused
         unit_rows = self._dp_unit_rows(optimizer)  # user-level: k rows per user, clipped as one
         sums, norms, losses, y_pred, non_trainable = self._dp_clipped_sum()(
             self, loss_fn, trainable, non_trainable, x, y_loss, weights,
@@ -412,3 +414,61 @@ def _times_rows(positions, rows):
     if positions is None:
         return rows
     return positions * jnp.reshape(rows, (-1,) + (1,) * (positions.ndim - 1)).astype(positions.dtype)
+
+
+# ---------------------------------------------------------------------- add_loss
+def _is_zero_literal(var) -> bool:
+    return isinstance(var, jax_core.Literal) and bool(np.all(np.asarray(var.val) == 0))
+
+
+def _depends_on(jaxpr, sources) -> list:
+    """For each output of ``jaxpr``: whether it is computed from a variable in ``sources``
+    (forward walk; an equation depends on its inputs as a whole, except a product with a
+    literal 0 factor, which depends on nothing)."""
+    dependent = set(sources)
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "mul" and any(_is_zero_literal(v) for v in eqn.invars):
+            continue
+        if any(not isinstance(v, jax_core.Literal) and v in dependent for v in eqn.invars):
+            dependent.update(eqn.outvars)
+    return [not isinstance(v, jax_core.Literal) and v in dependent for v in jaxpr.outvars]
+
+
+def weight_penalty(model, trainable, non_trainable, x):
+    """The layers' ``add_loss`` penalty as a function ``penalty(trainable) -> float32
+    scalar``, or ``None`` when the model adds none.
+
+    ``trainable``/``non_trainable``: the values of ``model``'s variables; ``x``: the
+    batch. The forward pass is traced once (``jax.make_jaxpr`` of a ``StatelessScope``
+    collecting the losses); each penalty must not depend on ``x``.
+
+    Raises:
+      ValueError: a penalty computed from the batch (an activity penalty, an MoE
+        load-balancing loss): not a sum of per-example terms, so clipping cannot bound it.
+    """
+    variables, others = model.trainable_variables, model.non_trainable_variables
+
+    def penalties(values, inputs):
+        mapping = list(zip(variables, values)) + list(zip(others, non_trainable))
+        with keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
+            model(inputs, training=True)
+        return [jnp.asarray(loss, jnp.float32) for loss in scope.losses]
+
+    closed = jax.make_jaxpr(penalties)(list(trainable), x)
+    if not closed.jaxpr.outvars:
+        return None
+    data = closed.jaxpr.invars[len(jax.tree_util.tree_leaves(list(trainable))):]
+    for i, dependent in enumerate(_depends_on(closed.jaxpr, data)):
+        if dependent:
+            raise ValueError(
+                f"a layer adds a loss that depends on the batch with self.add_loss(...) (penalty {i} of the "
+                "model's forward pass): it is not a sum of per-example terms, so per-example clipping cannot "
+                "bound one example's influence on it (no DP guarantee), and private training does not drop it "
+                "silently. Remove it (e.g. router_aux_loss_coef=0 for a Mixtral/MoE router), or put a "
+                "per-example version of it into the loss. A penalty on the weights only is supported."
+            )
+
+    def penalty(values):
+        return sum(penalties(values, x), jnp.asarray(0.0, jnp.float32))
+
+    return penalty

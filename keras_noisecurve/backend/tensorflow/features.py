@@ -1,5 +1,5 @@
 """Keras training features a private model keeps on TensorFlow: ``class_weight``, ``add_loss``, and
-the count and report of the examples it drops (the JAX step's are ``backend/jax/features.py``).
+the count and report of the examples it drops (the JAX step's are ``backend/common/step_features.py``, in Keras).
 
 * ``fit(..., class_weight={class: weight})`` multiplies each example's loss weight
   ``w_i`` by the weight of its class, BEFORE clipping (Keras folds ``class_weight`` into

@@ -1,35 +1,31 @@
-"""What the JAX private step keeps of Keras's training features, as the TensorFlow step
-does (``keras_noisecurve.backend.tensorflow.features``):
+"""What a private step keeps of Keras's training features, written in Keras for a backend whose
+step is one traced function with Keras's metric state (JAX's; TensorFlow's step has its own,
+``keras_noisecurve.backend.tensorflow.features``):
 
 * **Non-finite examples.** An example whose loss or per-example gradient norm is not
   finite is dropped by the clipping engine (clip factor 0: it contributes exactly 0,
   within the clip bound ζ, so the privacy analysis is unchanged). :func:`count_dropped`
-  counts the real ones (sample weight > 0) inside the jitted step, the
-  :class:`NonFiniteExamples` metric carries the counts through Keras's JAX state (no
+  counts the real ones (sample weight > 0) inside the traced step, the
+  :class:`NonFiniteExamples` metric carries the counts through Keras's metric state (no
   host synchronisation per step) and logs this epoch's count as ``nonfinite_examples``;
   :class:`ReportNonFinite` warns once per ``fit`` naming the steps. A step whose every
   real example was dropped applies its noise only (the clipped sum is zeroed in the step)
   and ``fit`` raises at the end of that epoch (``train_on_batch`` right after the step):
-  under ``jit`` the host sees the step's state only when Keras copies it back. A step
-  whose batch belongs to another step of the plan (a ``PrivateRun`` batch whose step
-  index is not the optimizer's, e.g. one JAX process feeding another step's rows) is
-  refused the same way, with its own message.
+  the host sees the step's state only when Keras copies it back. A step whose batch
+  belongs to another step of the plan (a ``PrivateRun`` batch whose step index is not the
+  optimizer's, e.g. one JAX process feeding another step's rows) is refused the same way,
+  with its own message.
 * **``fit(class_weight=...)``**: :func:`class_weights` gives each example the weight of
   its class, multiplied into ``w_i`` before clipping.
-* **``add_loss``**: :func:`weight_penalty` returns the penalty of the layers'
-  ``self.add_loss(...)`` as a function of the trainable values when it depends on the
-  weights only (checked on the jaxpr: no path from the batch to the penalty), added like
-  a weight regulariser (``B·∇penalty`` joins the clipped sum); one computed from the
-  batch is refused with a ``ValueError`` (never dropped silently).
+
+(A layer's ``add_loss`` penalty needs the framework to tell a penalty on the weights from one on the
+batch: the backend's ``dp_model`` has that check.)
 """
 
 from __future__ import annotations
 
 import warnings
 
-import jax
-import jax.extend.core as jax_core
-import jax.numpy as jnp
 import keras
 import numpy as np
 
@@ -38,7 +34,7 @@ from keras_noisecurve.backend.common import messages
 __all__ = [
     "METRIC", "NonFiniteExamples", "ReportNonFinite", "all_dropped_message", "class_weights", "count_dropped",
     "ALL_DROPPED", "OUT_OF_STEP", "dropped_message", "nonfinite_mask", "out_of_step_message", "raise_if_refused",
-    "refusal_message", "refused_steps", "weight_penalty",
+    "refusal_message", "refused_steps",
 ]
 
 #: the name of the count in ``fit``'s logs (as on TensorFlow)
@@ -57,20 +53,21 @@ ALL_DROPPED, OUT_OF_STEP = 1, 2
 def nonfinite_mask(losses, norms):
     """(P,) bool: example i's loss or gradient norm is not finite (``losses``, ``norms``:
     (P,) float)."""
-    return jnp.logical_not(jnp.isfinite(losses) & jnp.isfinite(norms))
+    ops = keras.ops
+    return ops.logical_not(ops.logical_and(ops.isfinite(losses), ops.isfinite(norms)))
 
 
 def count_dropped(nonfinite, weights):
     """``(dropped, real)`` int32 scalars: the real examples (``weights`` (P,) > 0) that
     ``nonfinite`` (P,) bool marks, and the real examples. Padding rows (weight 0) are not
     counted: a non-finite padding row is dropped too, but it was never in the batch."""
-    real = weights > 0
-    return jnp.sum(nonfinite & real, dtype=jnp.int32), jnp.sum(real, dtype=jnp.int32)
+    ops = keras.ops
+    real = ops.greater(weights, 0)
+    return ops.sum(ops.cast(ops.logical_and(nonfinite, real), "int32")), ops.sum(ops.cast(real, "int32"))
 
 
-@jax.jit
-def _zero_epoch(counts):
-    return counts.at[_EPOCH].set(0)
+#: what ``reset_state`` keeps of the counts: all but this epoch's count
+_KEEP_FIT = np.array([0] + [1] * (_SIZE - 1), np.int32)
 
 
 class NonFiniteExamples(keras.metrics.Metric):
@@ -90,34 +87,32 @@ class NonFiniteExamples(keras.metrics.Metric):
         (:data:`ALL_DROPPED`: it had real examples and all were dropped;
         :data:`OUT_OF_STEP`: its batch belongs to another step); ``batch_step``: the
         smallest step index of the batch (``iteration`` when ``None``)."""
-        old = self.counts.value
-        dropped = jnp.asarray(dropped, jnp.int32)
-        iteration = jnp.asarray(iteration, jnp.int32)
-        why = jnp.asarray(why, jnp.int32)
-        batch_step = iteration if batch_step is None else jnp.asarray(batch_step, jnp.int32)
-        refused = why != 0
-        had = dropped > 0
-        first = jnp.where(had & (old[_FIT_STEPS] == 0), iteration, old[_FIRST])
-        self.counts.assign(jnp.stack([
+        ops, old = keras.ops, self.counts.value
+        dropped, iteration, why = (ops.cast(v, "int32") for v in (dropped, iteration, why))
+        batch_step = iteration if batch_step is None else ops.cast(batch_step, "int32")
+        refused = ops.not_equal(why, 0)
+        had = ops.greater(dropped, 0)
+        first = ops.where(ops.logical_and(had, ops.equal(old[_FIT_STEPS], 0)), iteration, old[_FIRST])
+        self.counts.assign(ops.stack([
             old[_EPOCH] + dropped,
             old[_FIT_COUNT] + dropped,
-            old[_FIT_STEPS] + had.astype(jnp.int32),
+            old[_FIT_STEPS] + ops.cast(had, "int32"),
             first,
-            jnp.where(had, iteration, old[_LAST]),
-            old[_REFUSED] + refused.astype(jnp.int32),
-            jnp.where(refused, iteration, old[_REFUSED_STEP]),
-            jnp.where(refused, why, old[_REFUSED_WHY]),
-            jnp.where(refused, batch_step, old[_REFUSED_BATCH]),
+            ops.where(had, iteration, old[_LAST]),
+            old[_REFUSED] + ops.cast(refused, "int32"),
+            ops.where(refused, iteration, old[_REFUSED_STEP]),
+            ops.where(refused, why, old[_REFUSED_WHY]),
+            ops.where(refused, batch_step, old[_REFUSED_BATCH]),
         ]))
 
     def result(self):
         return self.counts.value[_EPOCH]
 
-    def reset_state(self):  # every train_on_batch call: one jitted dispatch, not an eager scatter
-        self.counts.assign(_zero_epoch(jnp.asarray(self.counts.value)))
+    def reset_state(self):  # every train_on_batch call: one product, not an eager scatter
+        self.counts.assign(keras.ops.multiply(self.counts.value, _KEEP_FIT))
 
     def reset_fit(self):
-        self.counts.assign(jnp.zeros((_SIZE,), jnp.int32))
+        self.counts.assign(keras.ops.zeros((_SIZE,), "int32"))
 
     def values(self) -> np.ndarray:
         """The counts on the host (int (9,))."""
@@ -140,10 +135,10 @@ def out_of_step_message(step, batch_step, refused) -> str:
     return (
         f"private training refused step {step} ({refused} refused step(s) so far): its batch holds rows of step "
         f"{batch_step} of the plan, not of the optimizer's step {step}. The dataset and the optimizer are out of "
-        "step (under several JAX processes: a process fed the rows of another step; every process must start "
-        "fit(run.dataset(...)) from the same optimizer state). The refused batch had no influence on the weights "
-        "(the step applied its noise only, which leaks nothing); stop here and restart every process from one "
-        "checkpoint."
+        "step (under several processes, as JAX runs them: a process fed the rows of another step; every "
+        "process must start fit(run.dataset(...)) from the same optimizer state). The refused batch had no "
+        "influence on the weights (the step applied its noise only, which leaks nothing); stop here and restart "
+        "every process from one checkpoint."
     )
 
 
@@ -175,7 +170,7 @@ def raise_if_refused(values, seen) -> int:
 
 
 class ReportNonFinite(keras.callbacks.Callback):
-    """Clears the counts when ``fit`` begins; at the end of each epoch (when Keras's JAX
+    """Clears the counts when ``fit`` begins; at the end of each epoch (when Keras's
     trainer has copied the state back) raises if a step was refused; when ``fit`` ends,
     warns once (``RuntimeWarning``) if any example was dropped, naming the steps."""
 
@@ -207,69 +202,12 @@ def class_weights(table, y):
     """
     if isinstance(y, (list, tuple, dict)):
         raise ValueError("class_weight needs a model with one output (Keras's rule too); use sample weights instead.")
-    y = jnp.asarray(y)
-    if y.ndim == 2 and y.shape[1] > 1:
-        labels = jnp.argmax(y, axis=-1).astype(jnp.int32)
+    ops = keras.ops
+    y = ops.convert_to_tensor(y)
+    if len(y.shape) == 2 and y.shape[1] > 1:
+        labels = ops.cast(ops.argmax(y, axis=-1), "int32")
     else:
-        labels = jnp.reshape(jnp.round(y.astype(jnp.float32)).astype(jnp.int32), (-1,))
-    inside = (labels >= 0) & (labels < len(table))
-    picked = jnp.asarray(table, jnp.float32)[jnp.where(inside, labels, 0)]
-    return jnp.where(inside, picked, jnp.ones_like(picked))
-
-
-# ---------------------------------------------------------------------- add_loss
-def _is_zero_literal(var) -> bool:
-    return isinstance(var, jax_core.Literal) and bool(np.all(np.asarray(var.val) == 0))
-
-
-def _depends_on(jaxpr, sources) -> list:
-    """For each output of ``jaxpr``: whether it is computed from a variable in ``sources``
-    (forward walk; an equation depends on its inputs as a whole, except a product with a
-    literal 0 factor, which depends on nothing)."""
-    dependent = set(sources)
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "mul" and any(_is_zero_literal(v) for v in eqn.invars):
-            continue
-        if any(not isinstance(v, jax_core.Literal) and v in dependent for v in eqn.invars):
-            dependent.update(eqn.outvars)
-    return [not isinstance(v, jax_core.Literal) and v in dependent for v in jaxpr.outvars]
-
-
-def weight_penalty(model, trainable, non_trainable, x):
-    """The layers' ``add_loss`` penalty as a function ``penalty(trainable) -> float32
-    scalar``, or ``None`` when the model adds none.
-
-    ``trainable``/``non_trainable``: the values of ``model``'s variables; ``x``: the
-    batch. The forward pass is traced once (``jax.make_jaxpr`` of a ``StatelessScope``
-    collecting the losses); each penalty must not depend on ``x``.
-
-    Raises:
-      ValueError: a penalty computed from the batch (an activity penalty, an MoE
-        load-balancing loss): not a sum of per-example terms, so clipping cannot bound it.
-    """
-    variables, others = model.trainable_variables, model.non_trainable_variables
-
-    def penalties(values, inputs):
-        mapping = list(zip(variables, values)) + list(zip(others, non_trainable))
-        with keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
-            model(inputs, training=True)
-        return [jnp.asarray(loss, jnp.float32) for loss in scope.losses]
-
-    closed = jax.make_jaxpr(penalties)(list(trainable), x)
-    if not closed.jaxpr.outvars:
-        return None
-    data = closed.jaxpr.invars[len(jax.tree_util.tree_leaves(list(trainable))):]
-    for i, dependent in enumerate(_depends_on(closed.jaxpr, data)):
-        if dependent:
-            raise ValueError(
-                f"a layer adds a loss that depends on the batch with self.add_loss(...) (penalty {i} of the "
-                "model's forward pass): it is not a sum of per-example terms, so per-example clipping cannot "
-                "bound one example's influence on it (no DP guarantee), and private training does not drop it "
-                "silently. Remove it (e.g. router_aux_loss_coef=0 for a Mixtral/MoE router), or put a "
-                "per-example version of it into the loss. A penalty on the weights only is supported."
-            )
-
-    def penalty(values):
-        return sum(penalties(values, x), jnp.asarray(0.0, jnp.float32))
-
-    return penalty
+        labels = ops.reshape(ops.cast(ops.round(ops.cast(y, "float32")), "int32"), (-1,))
+    inside = ops.logical_and(ops.greater_equal(labels, 0), ops.less(labels, len(table)))
+    picked = ops.take(ops.convert_to_tensor(np.asarray(table, np.float32)), ops.where(inside, labels, 0))
+    return ops.where(inside, picked, ops.ones_like(picked))
