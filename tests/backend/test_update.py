@@ -46,3 +46,25 @@ def test_an_inner_optimizer_gets_the_noisy_mean_gradient_and_its_learning_rate()
     np.testing.assert_allclose(gradient, (s + noise) / 8, rtol=1e-6)
     assert seen is variable and rate == 0.25
     np.testing.assert_array_equal(keras.ops.convert_to_numpy(variable.value), np.zeros(4))  # the inner one steps
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_on_tensorflow_the_update_is_bit_for_bit_the_tensorflow_expression_it_replaced(dtype):
+    if keras.backend.backend() != "tensorflow":
+        pytest.skip("compares with TensorFlow ops")
+    import tensorflow as tf
+
+    rng = np.random.default_rng(2)
+    w0, s, noise = (rng.normal(size=(5, 3)).astype("float32") for _ in range(3))
+    variable = keras.Variable(w0, dtype=dtype)
+    noise_term = tf.cast(noise, dtype)
+    before = tf.identity(variable.value)
+    apply_update(_Optimizer(batch=48), s, variable, 0.3, noise_term)
+    rate = tf.cast(0.3, dtype) / tf.cast(48, dtype)  # the per-backend code this replaced
+    want = before - rate * (tf.cast(s, dtype) + noise_term)
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(variable.value).astype("float32"),
+                                  want.numpy().astype("float32"))
+    inner = _Inner()
+    apply_update(_Optimizer(batch=48, inner=inner), s, variable, 0.3, noise_term)
+    np.testing.assert_array_equal(inner.seen[0].astype("float32"),
+                                  ((tf.cast(s, dtype) + noise_term) / tf.cast(48, dtype)).numpy().astype("float32"))

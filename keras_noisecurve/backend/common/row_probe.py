@@ -58,7 +58,10 @@ def _array(x):
 
 
 def _floating(leaf) -> bool:
-    return keras.backend.is_float_dtype(keras.backend.standardize_dtype(leaf.dtype))
+    try:
+        return keras.backend.is_float_dtype(keras.backend.standardize_dtype(leaf.dtype))
+    except ValueError:  # a dtype Keras does not list (float8 kinds, a JAX key): read its name
+        return str(getattr(leaf.dtype, "name", leaf.dtype)).startswith(("float", "bfloat"))
 
 
 def rows_ok(rows_in, rows_out, size, *, grouped) -> bool:
@@ -80,10 +83,12 @@ class Probe:
     itself is left out). ``leak``: the enclosing chain, innermost last, of the innermost
     call through which an error passed that ``is_leak(error) -> bool`` recognises as a
     recorded value leaked out of a control-flow body (``None``: none). ``stack``: the chain
-    of the calls running now (read by the engine when a weight is read)."""
+    of the calls running now (read by the engine when a weight is read). ``flatten(tree) ->
+    list`` gives the leaves of a call's arguments and outputs (the engine's own, so that the
+    probe sees the arrays the engine records; Keras's ``keras.tree.flatten`` by default)."""
 
-    def __init__(self, model, *, is_leak=lambda error: False):
-        self.is_leak = is_leak
+    def __init__(self, model, *, is_leak=lambda error: False, flatten=keras.tree.flatten):
+        self.is_leak, self.flatten = is_leak, flatten
         self.layers = list(_compat.flatten_layers(model, include_self=False, recursive=True))
         self.stack = []
         self.calls = []
@@ -106,7 +111,7 @@ class Probe:
     def around(self, layer, run, args, kwargs):
         """``run()`` as ``layer``'s call on ``(args, kwargs)``: on the stack while it runs, its rows
         recorded when it returns."""
-        first = next((a for a in keras.tree.flatten((args, kwargs)) if _array(a) and len(a.shape)), None)
+        first = next((a for a in self.flatten((args, kwargs)) if _array(a) and len(a.shape)), None)
         enclosing = tuple(self.stack)
         self.stack.append(layer)
         try:
@@ -117,7 +122,7 @@ class Probe:
             raise
         finally:
             self.stack.pop()
-        outs = [_rows(leaf) for leaf in keras.tree.flatten(out) if _array(leaf) and _floating(leaf)]
+        outs = [_rows(leaf) for leaf in self.flatten(out) if _array(leaf) and _floating(leaf)]
         self.calls.append((layer, None if first is None else first.shape[0], outs, enclosing))
         return out
 

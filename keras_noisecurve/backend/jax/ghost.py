@@ -301,17 +301,17 @@ def _is_leak(err) -> bool:  # JAX's report of a tracer leaked out of a control-f
     return "Leaked trace" in str(err) or isinstance(err, jax.errors.UnexpectedTracerError)
 
 def _plan(model, forward, size, strict):
-    """The targets of one step: ``(found, shapes, grouped)``, ``found`` as :func:`targets` gives
-    them once every layer whose rows are not examples (or that is called in a control-flow body,
-    or whose weight is read outside its call) is clipped through its caller
-    (:mod:`~keras_noisecurve.backend.common.row_probe`), ``shapes`` the perturbations' shapes and
-    ``grouped`` the ids of those callers. Each shape pass (``jax.eval_shape``) that finds a
-    problem adds its callers and runs again. ``None`` (``strict`` false) or ValueError
+    """The targets of one step: ``(found, shapes, grouped)``, ``found`` as :func:`targets` gives them
+    once every layer whose rows are not examples (or called in a control-flow body, or whose weight
+    is read outside its call) is clipped through its caller (``common/row_probe.py``), ``shapes``
+    the perturbations' shapes, ``grouped`` the callers' ids. Each shape pass (``jax.eval_shape``)
+    that finds a problem adds its callers and runs again. ``None`` (``strict`` false) or ValueError
     (``strict``) when a problem has no caller but the model itself."""
     groups = []
     for _ in range(len(list(_compat.flatten_layers(model))) + 1):
         found = targets(model, groups)
-        recorder, probe = _Recorder([layer for layer, _ in found]), row_probe.Probe(model, is_leak=_is_leak)
+        recorder = _Recorder([layer for layer, _ in found])
+        probe = row_probe.Probe(model, is_leak=_is_leak, flatten=jax.tree_util.tree_leaves)
         recorder.targets, recorder.probe = found, probe
         leaked = None
         try:
