@@ -5,6 +5,7 @@ the JAX engine that uses them never is: the decisions are read against what the 
 import contextlib
 
 import keras
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -45,7 +46,22 @@ def test_the_affine_scale_probe_runs_the_layer_where_keras_runs_it(layer, affine
     layer.build((None, 3, 4))
     probe = kernel_rules.affine_scale_probe(scope=contextlib.nullcontext)
     assert probe(layer) is affine
-    assert probe(layer) is affine  # cached
+
+
+def test_the_probe_runs_a_layer_once_and_again_when_its_weight_changes():
+    calls = []
+
+    class _Counted(keras.layers.RMSNormalization):
+        def call(self, x):
+            calls.append(1)
+            return super().call(x)
+
+    layer = _Counted()
+    layer.build((None, 3, 4))
+    probe = kernel_rules.affine_scale_probe(scope=contextlib.nullcontext)
+    assert probe(layer) and calls
+    ran = len(calls)
+    assert probe(layer) and len(calls) == ran  # cached per layer and weight
 
 
 def test_the_probe_finds_the_caller_of_a_layer_whose_rows_are_tokens():
@@ -73,6 +89,24 @@ def test_the_probe_counts_floating_outputs_only_and_keeps_a_leak_it_is_told_of()
     assert [(rows_in, rows_out) for layer, rows_in, rows_out, _ in probe.calls if layer is embedding] == [(4, [4])]
     assert row_probe._floating(keras.ops.zeros((2,), "bfloat16"))
     assert not row_probe._floating(keras.ops.zeros((2,), "int32"))
+    assert row_probe._floating(np.zeros(2, ml_dtypes.float8_e4m3fnuz))  # not a Keras dtype: read by its name
+
+    class _Unlisted:  # an array of a dtype Keras does not know, not a float (a JAX key array's "key<fry>")
+        shape, dtype = (2,), "key<fry>"
+
+    assert not row_probe._floating(_Unlisted()) and not row_probe._floating(3.0)
+
+    class _Labels(keras.layers.Layer):  # an integer output is not counted
+        def call(self, x):
+            return keras.ops.argmax(x, axis=-1)
+
+    inputs = keras.Input((3,))
+    labels = _Labels(name="labels")
+    model = keras.Model(inputs, labels(inputs))
+    probe = row_probe.Probe(model)
+    with probe.installed():
+        model(np.zeros((4, 3), "float32"))
+    assert [(rows_in, rows_out) for layer, rows_in, rows_out, _ in probe.calls] == [(4, [])]
 
     class _Leaks(keras.layers.Layer):
         failing = False

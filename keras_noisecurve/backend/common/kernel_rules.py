@@ -82,9 +82,10 @@ def _builtin(name):
 
 
 #: The built-in rules with a kernel for the backend in use, ``(kind, function)`` in the order of
-#: ``layer_rules.BUILTIN``; the first that returns a result is used. Made when this module is first
-#: imported, by an engine whose kernels are functions (JAX's; TensorFlow's engine has its own
-#: registry, ``backend/tensorflow/engine_rules.py``, whose kernels are ``Rule`` instances).
+#: ``layer_rules.BUILTIN``; the first that returns a result is used. Made for the backend in use when
+#: this module is first imported; an engine whose kernels are functions uses it (JAX's; TensorFlow's
+#: engine has its own registry, ``backend/tensorflow/engine_rules.py``, whose kernels are ``Rule``
+#: instances).
 RULES = _builtin(backend.name())
 
 

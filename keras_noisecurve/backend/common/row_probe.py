@@ -58,6 +58,10 @@ def _array(x):
 
 
 def _floating(leaf) -> bool:
+    """Whether ``leaf`` is an array of a floating dtype (one Keras does not list, such as the float8
+    kinds, by its name)."""
+    if not _array(leaf):
+        return False
     try:
         return keras.backend.is_float_dtype(keras.backend.standardize_dtype(leaf.dtype))
     except ValueError:  # a dtype Keras does not list (float8 kinds, a JAX key): read its name
@@ -84,11 +88,12 @@ class Probe:
     call through which an error passed that ``is_leak(error) -> bool`` recognises as a
     recorded value leaked out of a control-flow body (``None``: none). ``stack``: the chain
     of the calls running now (read by the engine when a weight is read). ``flatten(tree) ->
-    list`` gives the leaves of a call's arguments and outputs (the engine's own, so that the
-    probe sees the arrays the engine records; Keras's ``keras.tree.flatten`` by default)."""
+    list`` gives the leaves of a call's arguments and outputs and ``floating(leaf) -> bool`` tells
+    a floating array (the engine's own, so that the probe counts the outputs the engine records;
+    Keras's ``keras.tree.flatten`` and dtypes by default)."""
 
-    def __init__(self, model, *, is_leak=lambda error: False, flatten=keras.tree.flatten):
-        self.is_leak, self.flatten = is_leak, flatten
+    def __init__(self, model, *, is_leak=lambda error: False, flatten=keras.tree.flatten, floating=_floating):
+        self.is_leak, self.flatten, self.floating = is_leak, flatten, floating
         self.layers = list(_compat.flatten_layers(model, include_self=False, recursive=True))
         self.stack = []
         self.calls = []
@@ -122,7 +127,7 @@ class Probe:
             raise
         finally:
             self.stack.pop()
-        outs = [_rows(leaf) for leaf in self.flatten(out) if _array(leaf) and _floating(leaf)]
+        outs = [_rows(leaf) for leaf in self.flatten(out) if self.floating(leaf)]
         self.calls.append((layer, None if first is None else first.shape[0], outs, enclosing))
         return out
 

@@ -63,7 +63,8 @@ def count_dropped(nonfinite, weights):
     counted: a non-finite padding row is dropped too, but it was never in the batch."""
     ops = keras.ops
     real = ops.greater(weights, 0)
-    return ops.sum(ops.cast(ops.logical_and(nonfinite, real), "int32")), ops.sum(ops.cast(real, "int32"))
+    dropped, real = ops.sum(ops.cast(ops.logical_and(nonfinite, real), "int32")), ops.sum(ops.cast(real, "int32"))
+    return ops.cast(dropped, "int32"), ops.cast(real, "int32")  # JAX sums integers to int64 under x64
 
 
 #: what ``reset_state`` keeps of the counts: all but this epoch's count

@@ -389,7 +389,7 @@ class TrainStepBackend:
 
     def _dp_add_regularization(self, trainable, non_trainable, sums, expected_batch_size, penalty=None):
         """``S + B·∇(reg + penalty)`` for the weight regularisers and an ``add_loss`` penalty
-        on the weights only (``penalty(trainable)``, :func:`features.weight_penalty`):
+        on the weights only (``penalty(trainable)``, :func:`weight_penalty`):
         data-independent, unclipped."""
         regularized = [v for v in self.trainable_variables if getattr(v, "regularizer", None) is not None]
         if not regularized and penalty is None:

@@ -311,7 +311,7 @@ def _plan(model, forward, size, strict):
     for _ in range(len(list(_compat.flatten_layers(model))) + 1):
         found = targets(model, groups)
         recorder = _Recorder([layer for layer, _ in found])
-        probe = row_probe.Probe(model, is_leak=_is_leak, flatten=jax.tree_util.tree_leaves)
+        probe = row_probe.Probe(model, is_leak=_is_leak, flatten=jax.tree_util.tree_leaves, floating=_floating)
         recorder.targets, recorder.probe = found, probe
         leaked = None
         try:
