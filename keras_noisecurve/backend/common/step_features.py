@@ -81,6 +81,7 @@ class NonFiniteExamples(keras.metrics.Metric):
     def __init__(self, name=METRIC, **kwargs):
         super().__init__(name=name, dtype="int32", **kwargs)
         self.counts = self.add_variable(shape=(_SIZE,), initializer="zeros", dtype="int32", name="counts")
+        self._keep_fit = keras.ops.convert_to_tensor(_KEEP_FIT)  # made once: reset_state runs every train_on_batch
 
     def update_state(self, dropped, iteration, why, batch_step=None):
         """Add one step: ``dropped`` int32 examples at optimizer step ``iteration``;
@@ -110,7 +111,7 @@ class NonFiniteExamples(keras.metrics.Metric):
         return self.counts.value[_EPOCH]
 
     def reset_state(self):  # every train_on_batch call: one product, not an eager scatter
-        self.counts.assign(keras.ops.multiply(self.counts.value, _KEEP_FIT))
+        self.counts.assign(keras.ops.multiply(self.counts.value, self._keep_fit))
 
     def reset_fit(self):
         self.counts.assign(keras.ops.zeros((_SIZE,), "int32"))
