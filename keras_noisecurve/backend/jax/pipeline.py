@@ -20,6 +20,7 @@ import keras
 import numpy as np
 from jax.experimental import multihost_utils
 
+from keras_noisecurve.backend.common.defaults import pipeline as one_process
 from keras_noisecurve.backend.common.defaults.pipeline import (
     RunBatches, gather, materialize, plan_steps_dataset, serve, tensor_spec)
 
@@ -77,7 +78,7 @@ def agreed_position(position, data=None):
     process holds its own fresh key and process 0's is taken."""
     step, key, built = position
     if jax.process_count() == 1:
-        return int(step), np.asarray(key, np.int64)
+        return one_process.one_process_position(position)
     mine = np.concatenate([[np.uint32(step), np.uint32(built), np.uint32(0 if data is None else data)],
                            np.asarray(key, np.int64).view(np.uint32)])
     every = np.asarray(multihost_utils.process_allgather(mine.astype(np.uint32)), np.uint32).reshape(-1, 7)

@@ -2,7 +2,7 @@
 ``keras.utils.PyDataset`` and which runs one process: the plan's batches as a ``PyDataset``
 (:func:`plan_batches`). JAX's pipeline is this one, with its processes' agreement added.
 
-``run_batches(batches, position)`` wraps the numpy step batches of a run (an object with
+:class:`RunBatches` wraps the numpy step batches of a run (an object with
 ``len()`` and ``batches[i] -> (x, y, mask, step)``, ``keras_noisecurve.privacy.
 step_batches.StepBatches``) so Keras's trainer can index them: item i is step
 ``start + i`` of the plan, and Keras may restart the iteration from item 0 (it does,
@@ -133,12 +133,6 @@ def one_process_position(position, data=None):
     return int(step), np.asarray(key, np.int64)
 
 
-def run_batches(batches, position=None) -> RunBatches:
-    """``batches`` (``StepBatches``) as a :class:`RunBatches` ``PyDataset``, which reads
-    ``position()`` (the optimizer's position) again when it restarts."""
-    return RunBatches(batches, position)
-
-
 def serve(plan, *, agree=one_process_position, parts=(1, 0, 1)) -> RunBatches:
     """A :class:`RunBatches` of the run's ``BatchPlan`` (``keras_noisecurve.privacy.step_batches``),
     starting at the position ``agree((step, key, built), fingerprint) -> (step, key)`` gives (read
@@ -153,7 +147,7 @@ def serve(plan, *, agree=one_process_position, parts=(1, 0, 1)) -> RunBatches:
         return step_key
 
     count, part, multiple = parts
-    return run_batches(plan.step_batches(agreed(), parts=count, part=part, multiple=multiple), agreed)
+    return RunBatches(plan.step_batches(agreed(), parts=count, part=part, multiple=multiple), agreed)
 
 
 def plan_batches(plan, input_context=None) -> RunBatches:
